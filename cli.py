@@ -1,0 +1,159 @@
+#!/usr/bin/env python
+"""raytrain-lm: pretrain GPT-style language models with Ray Train.
+
+The CLI parses, calls the library and prints; no logic lives only here.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from raytrain_lm.errors import UserError
+
+app = typer.Typer(
+    help="Pretrain GPT-style language models on N workers with Ray Train.\n\n"
+         "Quick start: `python cli.py train` prepares the built-in corpus and trains the tiny "
+         "preset on 2 CPU workers.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+)
+
+
+def _echo(msg: str, quiet: bool = False) -> None:
+    if not quiet:
+        typer.echo(msg)
+
+
+@app.command(epilog="Examples:\n\n  python cli.py prepare\n\n"
+                    "  python cli.py prepare --corpus stdlib --out data/stdlib\n\n"
+                    "  python cli.py prepare --input my_texts/ --out data/mine")
+def prepare(
+    corpus: str = typer.Option("pydoc", help="Built-in corpus: pydoc (Python's docs topics, "
+                               "~0.47 MB) or stdlib (the standard library's sources, ~30 MB)."),
+    input: Optional[List[Path]] = typer.Option(None, "--input", "-i", help="Your own corpus "
+                                               "instead: a .txt/.md/.jsonl/.parquet file or a folder "
+                                               "of them. Repeat for several."),
+    out: Optional[Path] = typer.Option(None, help="Dataset folder [default: data/<corpus>]."),
+    text_column: str = typer.Option("text", help="Field of .jsonl rows / column of Parquet files."),
+    val_every: int = typer.Option(20, help="Every Nth block of 2048 tokens goes to validation."),
+    force: bool = typer.Option(False, help="Overwrite an existing dataset folder."),
+    quiet: bool = typer.Option(False, "--quiet", "-q"),
+    as_json: bool = typer.Option(False, "--json", help="Print the manifest as JSON."),
+) -> None:
+    """Tokenize a corpus into train/validation token shards (byte-level tokenizer)."""
+    from raytrain_lm.data import BUILTIN_CORPORA, prepare_dataset
+
+    if input:
+        if len(input) > 1:
+            raise UserError("give one --input path (a folder may hold many files)")
+        source = str(input[0])
+        default_out = Path("data") / input[0].stem
+    else:
+        if corpus not in BUILTIN_CORPORA:
+            raise UserError(f"unknown corpus {corpus!r}; choose one of: {', '.join(BUILTIN_CORPORA)}, "
+                            f"or pass --input PATH")
+        source = corpus
+        default_out = Path("data") / corpus
+    out = out or default_out
+    tty = sys.stdout.isatty() and not quiet and not as_json
+    last = [0.0]
+
+    def progress(tokens: int) -> None:
+        if tty and time.time() - last[0] > 0.5:
+            last[0] = time.time()
+            typer.echo(f"\r  tokenized {tokens / 1e6:.1f}M tokens", nl=False)
+
+    manifest = prepare_dataset(source, out, text_field=text_column, val_every=val_every,
+                               force=force, progress=progress)
+    if tty:
+        typer.echo("\r", nl=False)
+    if as_json:
+        typer.echo(json.dumps(manifest, indent=2))
+        return
+    _echo(f"prepared {out}: {manifest['train']['tokens']:,} train + {manifest['val']['tokens']:,} "
+          f"validation tokens ({manifest['tokenizer']['type']} tokenizer, vocab "
+          f"{manifest['vocab_size']})", quiet)
+
+
+@app.command(epilog="Examples:\n\n  python cli.py train\n\n"
+                    "  python cli.py train --workers 2 --max-steps 300 --preset tiny\n\n"
+                    "  python cli.py train --workers 8 --use-gpu --preset gpt2 --data data/stdlib\n\n"
+                    "  python cli.py train --config best.yaml --set model.dropout=0.1\n\n"
+                    "  python cli.py train --name my-run --resume")
+def train(
+    workers: Optional[int] = typer.Option(None, help="Ray Train workers (one process each) [default: 2]."),
+    use_gpu: Optional[bool] = typer.Option(None, "--use-gpu/--no-use-gpu", help="One GPU per worker, NCCL."),
+    preset: Optional[str] = typer.Option(None, help="Model preset: tiny, small, gpt2, gpt2-medium [default: tiny]."),
+    data: Optional[str] = typer.Option(None, help="Prepared dataset folder [default: data/pydoc, prepared if missing]."),
+    max_steps: Optional[int] = typer.Option(None, help="Optimizer steps [default: 300]."),
+    batch_size: Optional[int] = typer.Option(None, help="Sequences per worker per micro-step."),
+    seq_len: Optional[int] = typer.Option(None, help="Tokens per sequence (<= model.block_size)."),
+    lr: Optional[float] = typer.Option(None, help="Peak learning rate (after warmup)."),
+    grad_accum: Optional[int] = typer.Option(None, help="Micro-steps per optimizer step."),
+    log_every: Optional[int] = typer.Option(None, help="Steps between metric reports [default: 10]."),
+    eval_every: Optional[int] = typer.Option(None, help="Steps between validations [default: 100]."),
+    checkpoint_every: Optional[int] = typer.Option(None, help="Steps between checkpoints; 0: only at the end."),
+    keep_checkpoints: Optional[int] = typer.Option(None, help="Checkpoints to keep [default: 2]."),
+    max_failures: Optional[int] = typer.Option(None, help="Worker-group restarts allowed [default: 0]."),
+    seed: Optional[int] = typer.Option(None, help="Random seed [default: 1337]."),
+    compile: Optional[bool] = typer.Option(None, "--compile/--no-compile", help="torch.compile the model."),
+    name: Optional[str] = typer.Option(None, help="Run name [default: <preset>-<date>-<time>]."),
+    storage: Optional[str] = typer.Option(None, help="Where runs live: a folder or s3://... [default: runs]."),
+    address: Optional[str] = typer.Option(None, help="Ray cluster to use [default: RAY_ADDRESS, else start a local one]."),
+    config: Optional[Path] = typer.Option(None, help="YAML/TOML/JSON file of settings."),
+    set_: Optional[List[str]] = typer.Option(None, "--set", help="Override any setting: key=value, e.g. model.n_layer=6."),
+    resume: bool = typer.Option(False, help="Continue the run --name from its latest checkpoint."),
+    init_from: Optional[Path] = typer.Option(None, help="Start from this checkpoint's weights (fresh optimizer)."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Show Ray's logs and full tracebacks."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress lines, only the result."),
+    as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON (nothing else on stdout)."),
+) -> None:
+    """Train a GPT model with Ray Train (DDP over gloo on CPU, NCCL on GPU)."""
+    from raytrain_lm.config import build_config
+    from raytrain_lm.launch import run_training
+    from raytrain_lm.report import progress_line, results_table
+
+    flags = dict(workers=workers, use_gpu=use_gpu, preset=preset, data=data, max_steps=max_steps,
+                 batch_size=batch_size, seq_len=seq_len, lr=lr, grad_accum=grad_accum,
+                 log_every=log_every, eval_every=eval_every, checkpoint_every=checkpoint_every,
+                 keep_checkpoints=keep_checkpoints, max_failures=max_failures, seed=seed,
+                 compile=compile, name=name, storage=storage, address=address)
+    cfg = build_config(preset=preset, config_file=str(config) if config else None, flags=flags,
+                       sets=set_)
+    quiet = quiet or as_json
+    say = (lambda m: typer.echo(m, err=True)) if as_json else (lambda m: _echo(m, quiet))
+    summary = run_training(
+        cfg, resume=resume, init_from=str(init_from) if init_from else None, verbose=verbose,
+        say=say, on_metrics=None if quiet else lambda row: typer.echo(progress_line(row, cfg.max_steps)),
+    )
+    if as_json:
+        typer.echo(json.dumps({k: v for k, v in summary.items() if k != "config"}, indent=2))
+        return
+    typer.echo(results_table(summary))
+    typer.echo(f"results: {summary['run_dir']}/summary.json, metrics.jsonl")
+
+
+def main() -> None:
+    verbose = "--verbose" in sys.argv or "-v" in sys.argv
+    try:
+        app()
+    except UserError as e:
+        if verbose:
+            raise
+        typer.echo(f"error: {e}", err=True)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        typer.echo("interrupted", err=True)
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,278 @@
+"""Typed configs, presets, config files and `--set key=value` overrides.
+
+Precedence (later wins): dataclass defaults < preset < config file < CLI flags < --set.
+Every layer goes through `apply_overrides`, which rejects unknown keys and wrong types, so a typo
+never silently trains the wrong model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from raytrain_lm.errors import UserError
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: Optional[int] = None  # None: taken from the dataset's manifest
+    block_size: int = 256  # maximum context length
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    dropout: float = 0.0
+    bias: bool = True
+
+
+@dataclass
+class TrainConfig:
+    preset: str = "tiny"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    # data and run location
+    data: str = "data/pydoc"
+    name: Optional[str] = None
+    storage: str = "runs"
+    address: Optional[str] = None
+    # scaling
+    workers: int = 2
+    use_gpu: bool = False
+    cpus_per_worker: float = 1.0
+    # optimisation
+    max_steps: int = 300
+    batch_size: int = 16  # per worker, per micro-step
+    seq_len: int = 128
+    grad_accum: int = 1
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    warmup_steps: int = 30
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    precision: str = "auto"  # auto: bf16 autocast on GPU, fp32 on CPU
+    compile: bool = False
+    seed: int = 1337
+    # cadence
+    log_every: int = 10
+    eval_every: int = 100
+    eval_batches: int = 8
+    checkpoint_every: int = 100  # 0: only at the end
+    keep_checkpoints: int = 2
+    max_failures: int = 0
+    # metrics
+    peak_tflops: Optional[float] = None  # override the GPU peak used for MFU
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "TrainConfig":
+        cfg = cls()
+        apply_overrides(cfg, d, source="config")
+        return cfg
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.workers * self.batch_size * self.grad_accum * self.seq_len
+
+
+# Presets set the model shape and the training defaults that suit it.
+PRESETS: dict[str, dict[str, Any]] = {
+    # ~0.8M parameters: a CPU run of a few minutes on 2 cores.
+    "tiny": dict(model=dict(block_size=256, n_layer=4, n_head=4, n_embd=128),
+                 batch_size=16, seq_len=128, lr=3e-3, warmup_steps=30),
+    # ~10.7M parameters.
+    "small": dict(model=dict(block_size=512, n_layer=6, n_head=6, n_embd=384),
+                  batch_size=16, seq_len=256, lr=1e-3, warmup_steps=100),
+    # GPT-2 (124M) and GPT-2 medium (350M) shapes, with GPT-2's padded vocabulary.
+    "gpt2": dict(model=dict(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768,
+                            bias=False),
+                 batch_size=16, seq_len=1024, lr=6e-4, warmup_steps=700, weight_decay=0.1),
+    "gpt2-medium": dict(model=dict(vocab_size=50304, block_size=1024, n_layer=24, n_head=16,
+                                   n_embd=1024, bias=False),
+                        batch_size=8, seq_len=1024, lr=3e-4, warmup_steps=700),
+}
+
+
+def preset_config(name: str) -> TrainConfig:
+    if name not in PRESETS:
+        raise UserError(f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)}")
+    cfg = TrainConfig(preset=name)
+    apply_overrides(cfg, PRESETS[name], source=f"preset {name}")
+    return cfg
+
+
+def _field_types(obj) -> dict[str, Any]:
+    hints = typing.get_type_hints(type(obj))
+    return {f.name: hints[f.name] for f in dataclasses.fields(obj)}
+
+
+def _coerce(value: Any, tp: Any, key: str, source: str) -> Any:
+    """Convert `value` to type `tp` (a plain type or Optional[...]); raise UserError if it can't be."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+            return None
+        return _coerce(value, args[0], key, source)
+    bad = UserError(f"{source}: {key} must be {tp.__name__}, got {value!r}")
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
+            return value.lower() in ("true", "1", "yes", "on")
+        raise bad
+    if tp is int:
+        if isinstance(value, bool):
+            raise bad
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                return int(value.replace("_", ""))
+            except ValueError:
+                try:
+                    f = float(value)
+                except ValueError:
+                    raise bad from None
+                if f.is_integer():
+                    return int(f)
+        raise bad
+    if tp is float:
+        if isinstance(value, bool):
+            raise bad
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                raise bad from None
+        raise bad
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise bad
+    raise bad
+
+
+def apply_overrides(cfg: Any, overrides: dict[str, Any], source: str, prefix: str = "") -> None:
+    """Set fields of a (nested) dataclass from a dict, rejecting unknown keys and wrong types."""
+    ftypes = _field_types(cfg)
+    for key, value in overrides.items():
+        full = f"{prefix}{key}"
+        if key not in ftypes:
+            known = ", ".join(prefix + k for k in ftypes)
+            raise UserError(f"{source}: unknown key {full!r} (known: {known})")
+        current = getattr(cfg, key)
+        if dataclasses.is_dataclass(current):
+            if not isinstance(value, dict):
+                raise UserError(f"{source}: {full} must be a mapping of its fields")
+            apply_overrides(current, value, source, prefix=f"{full}.")
+        else:
+            setattr(cfg, key, _coerce(value, ftypes[key], full, source))
+
+
+def parse_set_args(items: list[str]) -> dict[str, Any]:
+    """['model.n_layer=6', 'lr=1e-3'] -> {'model': {'n_layer': '6'}, 'lr': '1e-3'} (coerced later)."""
+    out: dict[str, Any] = {}
+    for item in items:
+        if "=" not in item:
+            raise UserError(f"--set expects key=value, got {item!r}")
+        key, value = item.split("=", 1)
+        parts = key.strip().split(".")
+        node = out
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise UserError(f"--set: {key!r} conflicts with another --set")
+        node[parts[-1]] = value.strip()
+    return out
+
+
+def load_config_file(path: str | Path) -> dict[str, Any]:
+    """Read a YAML, TOML or JSON config file into a dict (validated when applied)."""
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"config file not found: {p}")
+    try:
+        text = p.read_text()
+        if p.suffix in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(text) or {}
+        elif p.suffix == ".toml":
+            import tomllib
+
+            data = tomllib.loads(text)
+        elif p.suffix == ".json":
+            data = json.loads(text)
+        else:
+            raise UserError(f"config file {p}: use .yaml, .yml, .toml or .json")
+    except UserError:
+        raise
+    except Exception as e:  # parse errors of any of the three formats
+        raise UserError(f"config file {p} could not be parsed: {str(e).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise UserError(f"config file {p} must hold a mapping of settings")
+    return data
+
+
+def build_config(
+    preset: Optional[str] = None,
+    config_file: Optional[str] = None,
+    flags: Optional[dict[str, Any]] = None,
+    sets: Optional[list[str]] = None,
+) -> TrainConfig:
+    """Layer preset < file < flags < --set into one validated TrainConfig."""
+    file_data = load_config_file(config_file) if config_file else {}
+    flags = {k: v for k, v in (flags or {}).items() if v is not None}
+    set_data = parse_set_args(sets or [])
+    name = preset or flags.get("preset") or set_data.get("preset") or file_data.get("preset") or "tiny"
+    cfg = preset_config(name)
+    apply_overrides(cfg, file_data, source=f"config file {config_file}")
+    apply_overrides(cfg, flags, source="flags")
+    apply_overrides(cfg, set_data, source="--set")
+    cfg.preset = name
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: TrainConfig) -> None:
+    """Checks that need no cluster and no dataset."""
+    m = cfg.model
+    positive = dict(workers=cfg.workers, max_steps=cfg.max_steps, batch_size=cfg.batch_size,
+                    seq_len=cfg.seq_len, grad_accum=cfg.grad_accum, log_every=cfg.log_every,
+                    eval_every=cfg.eval_every, eval_batches=cfg.eval_batches,
+                    keep_checkpoints=cfg.keep_checkpoints, **{"model.n_layer": m.n_layer,
+                    "model.n_head": m.n_head, "model.n_embd": m.n_embd,
+                    "model.block_size": m.block_size})
+    for k, v in positive.items():
+        if v < 1:
+            raise UserError(f"--{k.replace('_', '-')} must be at least 1, got {v}")
+    if cfg.lr <= 0:
+        raise UserError(f"--lr must be positive, got {cfg.lr}")
+    if cfg.cpus_per_worker <= 0:
+        raise UserError(f"cpus_per_worker must be positive, got {cfg.cpus_per_worker}")
+    if cfg.warmup_steps < 0 or cfg.checkpoint_every < 0 or cfg.max_failures < -1:
+        raise UserError("warmup_steps and checkpoint_every must be >= 0, max_failures >= -1")
+    if not 0.0 <= cfg.min_lr_ratio <= 1.0:
+        raise UserError(f"min_lr_ratio must be in [0, 1], got {cfg.min_lr_ratio}")
+    if not 0.0 <= m.dropout < 1.0:
+        raise UserError(f"model.dropout must be in [0, 1), got {m.dropout}")
+    if m.n_embd % m.n_head:
+        raise UserError(f"model.n_embd ({m.n_embd}) must be divisible by model.n_head ({m.n_head})")
+    if cfg.seq_len > m.block_size:
+        raise UserError(f"--seq-len {cfg.seq_len} is larger than the model's context "
+                        f"(model.block_size={m.block_size}); lower it or --set model.block_size=...")
+    if cfg.precision not in ("auto", "fp32", "bf16", "fp16"):
+        raise UserError(f"precision must be auto, fp32, bf16 or fp16, got {cfg.precision!r}")
+    if cfg.model.vocab_size is not None and cfg.model.vocab_size < 1:
+        raise UserError("model.vocab_size must be at least 1")

@@ -1,0 +1,74 @@
+"""Text the user reads: progress lines while training, the results table at the end."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+
+def _fmt_seconds(s: Optional[float]) -> str:
+    if s is None:
+        return "-"
+    s = int(round(s))
+    if s >= 3600:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
+
+
+def _fmt_rate(x: Optional[float]) -> str:
+    if x is None:
+        return "-"
+    return f"{x / 1e6:.2f}M" if x >= 1e6 else f"{x / 1e3:.1f}k" if x >= 1e3 else f"{x:.0f}"
+
+
+def progress_line(row: dict[str, Any], max_steps: int) -> str:
+    step = row["step"]
+    eta = (max_steps - step) * row["step_time"]
+    parts = [
+        f"step {step:>{len(str(max_steps))}}/{max_steps}",
+        f"loss {row['loss']:.4f}",
+        f"val {row['val_loss']:.4f}" if row.get("val_loss") is not None else None,
+        f"lr {row['lr']:.2e}",
+        f"{_fmt_rate(row['tokens_per_second'])} tok/s",
+        f"mfu {row['mfu'] * 100:.1f}%" if row.get("mfu") is not None else None,
+        f"data-wait {row['data_wait_frac'] * 100:.1f}%",
+        f"mem {row['peak_mem_gb']:.2f} GB",
+        f"ETA {_fmt_seconds(eta)}",
+        "ckpt" if row.get("checkpoint") else None,
+    ]
+    return " | ".join(p for p in parts if p)
+
+
+def _fmt_value(key: str, v: Any) -> str:
+    if v is None:
+        return "-"
+    if key in ("mfu", "data_wait_frac"):
+        return f"{v * 100:.2f}%"
+    if key in ("wall_seconds", "time_to_first_step"):
+        return f"{v:.1f} s"
+    if key == "tokens_per_second":
+        return f"{v:,.0f}"
+    if key == "peak_mem_gb":
+        return f"{v:.2f} GB"
+    if isinstance(v, float):
+        return f"{v:.4f}"
+    if isinstance(v, int) and not isinstance(v, bool):
+        return f"{v:,}"
+    return str(v)
+
+
+TABLE_KEYS = [
+    ("name", "run"), ("status", "status"), ("preset", "preset"), ("num_parameters", "parameters"),
+    ("workers", "workers"), ("use_gpu", "gpu"), ("steps", "steps"), ("tokens", "tokens"),
+    ("final_train_loss", "train loss"), ("final_val_loss", "val loss"),
+    ("val_perplexity", "val perplexity"), ("tokens_per_second", "tokens/s (median)"),
+    ("mfu", "MFU"), ("data_wait_frac", "data wait"), ("peak_mem_gb", "peak memory / worker"),
+    ("time_to_first_step", "time to first step"), ("wall_seconds", "wall time"),
+    ("restarts", "restarts"), ("resumed_from_step", "resumed from step"),
+    ("checkpoint", "checkpoint"),
+]
+
+
+def results_table(summary: dict[str, Any]) -> str:
+    rows = [(label, _fmt_value(key, summary.get(key))) for key, label in TABLE_KEYS]
+    width = max(len(label) for label, _ in rows)
+    return "\n".join(f"  {label:<{width}}  {value}" for label, value in rows)
