@@ -109,6 +109,16 @@ def _files_under(path: Path) -> list[Path]:
     return files
 
 
+def check_source(source: str) -> list[Path]:
+    """The files of a corpus path (empty for a built-in corpus); raises UserError if unusable."""
+    if source in BUILTIN_CORPORA:
+        return []
+    path = Path(source)
+    if not path.exists():
+        raise UserError(f"corpus not found: {source} (a path, or one of: {', '.join(BUILTIN_CORPORA)})")
+    return _files_under(path)
+
+
 def iter_documents(source: str, text_field: str = "text") -> Iterator[str]:
     """Documents of a built-in corpus ('pydoc', 'stdlib') or of a file/folder path."""
     if source == "pydoc":
@@ -117,10 +127,7 @@ def iter_documents(source: str, text_field: str = "text") -> Iterator[str]:
     if source == "stdlib":
         yield from _stdlib_documents()
         return
-    path = Path(source)
-    if not path.exists():
-        raise UserError(f"corpus not found: {source} (a path, or one of: {', '.join(BUILTIN_CORPORA)})")
-    for f in _files_under(path):
+    for f in check_source(source):
         if f.suffix in TEXT_SUFFIXES:
             yield from _read_text_file(f)
         elif f.suffix == ".jsonl":
@@ -197,8 +204,7 @@ def prepare_dataset(
     """
     if val_every < 2:
         raise UserError(f"--val-every must be at least 2, got {val_every}")
-    if source not in BUILTIN_CORPORA:
-        _files_under(Path(source)) if Path(source).exists() else next(iter_documents(source), None)
+    check_source(source)
     out = Path(out_dir)
     if out.exists() and not force:
         raise UserError(f"{out} already exists; pass --force to overwrite it")

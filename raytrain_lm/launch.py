@@ -160,6 +160,30 @@ def summarise(cfg: TrainConfig, rows: list[dict], status: str, wall: float,
     }
 
 
+def build_trainer(cfg: TrainConfig, run: RunFolder, callbacks: Optional[list] = None,
+                  init_from: Optional[str] = None):
+    """The TorchTrainer for `cfg`, writing into `run`'s folder. Used by `train` and by each Tune trial."""
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from raytrain_lm.loop import train_loop_per_worker
+
+    resources = {"CPU": cfg.cpus_per_worker, **({"GPU": 1} if cfg.use_gpu else {})}
+    return TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config={"train": cfg.to_dict(), "run_name": cfg.name, "init_from": init_from},
+        scaling_config=ScalingConfig(num_workers=cfg.workers, use_gpu=cfg.use_gpu,
+                                     resources_per_worker=resources),
+        run_config=RunConfig(
+            name=cfg.name,
+            storage_path=run.storage_uri,
+            failure_config=FailureConfig(max_failures=cfg.max_failures),
+            checkpoint_config=CheckpointConfig(num_to_keep=cfg.keep_checkpoints),
+            callbacks=callbacks or [],
+        ),
+    )
+
+
 def run_training(
     cfg: TrainConfig,
     *,
@@ -185,31 +209,13 @@ def run_training(
         raise UserError(f"a run named {cfg.name!r} already exists in {cfg.storage}; "
                         f"pass --resume to continue it or choose another --name")
 
-    import ray
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
-    from ray.util.queue import Queue
-
-    from raytrain_lm.loop import train_loop_per_worker
-
     connect_ray(cfg.address, cfg.workers * cfg.cpus_per_worker, verbose)
     check_resources(cfg)
 
+    from ray.util.queue import Queue
+
     metrics_q = Queue(actor_options={"num_cpus": 0})
-    resources = {"CPU": cfg.cpus_per_worker, **({"GPU": 1} if cfg.use_gpu else {})}
-    trainer = TorchTrainer(
-        train_loop_per_worker,
-        train_loop_config={"train": cfg.to_dict(), "run_name": cfg.name, "init_from": init_from},
-        scaling_config=ScalingConfig(num_workers=cfg.workers, use_gpu=cfg.use_gpu,
-                                     resources_per_worker=resources),
-        run_config=RunConfig(
-            name=cfg.name,
-            storage_path=run.storage_uri,
-            failure_config=FailureConfig(max_failures=cfg.max_failures),
-            checkpoint_config=CheckpointConfig(num_to_keep=cfg.keep_checkpoints),
-            callbacks=[_progress_callback(metrics_q)],
-        ),
-    )
+    trainer = build_trainer(cfg, run, callbacks=[_progress_callback(metrics_q)], init_from=init_from)
 
     log = MetricsLog(run)
     outcome: dict[str, Any] = {}

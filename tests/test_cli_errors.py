@@ -1,0 +1,75 @@
+"""Every bad input: one line on stderr, exit code 2, no traceback, nothing written."""
+
+import json
+
+import pytest
+
+from conftest import run_cli
+
+
+def assert_clean_error(result, expected: str):
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert expected in lines[0]
+    assert "Traceback" not in result.stderr + result.stdout
+
+
+@pytest.mark.parametrize("args,expected", [
+    (["--workers", "0"], "--workers must be at least 1"),
+    (["--workers", "-3"], "--workers must be at least 1"),
+    (["--preset", "huge"], "unknown preset 'huge'"),
+    (["--set", "model.n_layers=3"], "unknown key 'model.n_layers'"),
+    (["--set", "lr=fast"], "lr must be float"),
+    (["--seq-len", "4096"], "larger than the model's context"),
+    (["--data", "no/such/dir"], "dataset not found"),
+])
+def test_train_rejects_bad_flags(tmp_path, args, expected):
+    result = run_cli("train", "--storage", str(tmp_path / "runs"), *args)
+    assert_clean_error(result, expected)
+    assert not (tmp_path / "runs").exists()
+
+
+def test_data_that_is_not_a_dataset(tmp_path):
+    (tmp_path / "notes.txt").write_text("hello")
+    result = run_cli("train", "--data", str(tmp_path), "--storage", str(tmp_path / "runs"))
+    assert_clean_error(result, "is not a prepared dataset")
+
+
+def test_vocab_that_does_not_fit(tmp_path, pydoc_data):
+    result = run_cli("train", "--data", str(pydoc_data), "--set", "model.vocab_size=100",
+                     "--storage", str(tmp_path / "runs"))
+    assert_clean_error(result, "vocabulary of 256 tokens but the model's vocab_size is 100")
+    assert not (tmp_path / "runs").exists()
+
+
+def test_unreadable_corpus(tmp_path):
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"\xff\xfe\xfa")
+    result = run_cli("prepare", "--input", str(bad), "--out", str(tmp_path / "out"))
+    assert_clean_error(result, "cannot read corpus file")
+    assert not (tmp_path / "out").exists()
+    result = run_cli("prepare", "--input", str(tmp_path / "missing.txt"), "--out", str(tmp_path / "o"))
+    assert_clean_error(result, "corpus not found")
+
+
+def test_unreachable_address_fails_fast(tmp_path, pydoc_data):
+    result = run_cli("train", "--data", str(pydoc_data), "--address", "127.0.0.1:1",
+                     "--storage", str(tmp_path / "runs"), timeout=60)
+    assert_clean_error(result, "no Ray cluster answers at 127.0.0.1:1")
+    assert not (tmp_path / "runs").exists()
+
+
+def test_use_gpu_without_gpus(tmp_path, pydoc_data, ray_address):
+    result = run_cli("train", "--data", str(pydoc_data), "--use-gpu", "--address", ray_address,
+                     "--storage", str(tmp_path / "runs"), timeout=120)
+    assert_clean_error(result, "needs 2 GPUs but the cluster has 0")
+    assert not (tmp_path / "runs").exists()
+
+
+def test_prepare_json_output_parses(tmp_path):
+    f = tmp_path / "t.txt"
+    f.write_text("a few words of text. " * 2000)
+    result = run_cli("prepare", "--input", str(f), "--out", str(tmp_path / "d"), "--json")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["vocab_size"] == 256

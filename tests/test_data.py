@@ -1,0 +1,154 @@
+import json
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from raytrain_lm.data import (BatchStream, ResumableDistributedSampler, TokenWindows,
+                              collate_windows, load_manifest, prepare_dataset)
+from raytrain_lm.errors import UserError
+from raytrain_lm.tokenizer import ByteTokenizer
+
+TEXT = "The quick brown fox jumps over the lazy dog. Ünïcödé ✓\n" * 400  # ~23 KB
+
+
+def tokens_of(data_dir, split):
+    m = load_manifest(data_dir)
+    arrays = []
+    for shard in m[split]["shards"]:
+        with pa.memory_map(str(data_dir / shard["file"])) as src:
+            arrays.append(pa.ipc.open_file(src).read_all().column("tokens").to_numpy())
+    return np.concatenate(arrays)
+
+
+def check_dataset(out, expected_text):
+    m = load_manifest(out, verify=True)
+    assert m["tokenizer"] == {"type": "byte", "vocab_size": 256} and m["vocab_size"] == 256
+    train, val = tokens_of(out, "train"), tokens_of(out, "val")
+    assert m["train"]["tokens"] == len(train) and m["val"]["tokens"] == len(val) and len(val) > 0
+    # Every token lands in exactly one split: the counts add up to the corpus.
+    assert len(train) + len(val) == len(expected_text.encode())
+    return m
+
+
+def test_prepare_txt_and_md_folder(tmp_path):
+    src = tmp_path / "corpus"
+    src.mkdir()
+    (src / "a.txt").write_text(TEXT)
+    (src / "b.md").write_text("# Title\n" + TEXT)
+    (src / "ignored.bin").write_bytes(b"\x00\x01")
+    check_dataset(prepare_dataset(str(src), tmp_path / "out") and tmp_path / "out",
+                  TEXT + "\n\n" + "# Title\n" + TEXT)
+
+
+def test_prepare_jsonl(tmp_path):
+    f = tmp_path / "docs.jsonl"
+    docs = [TEXT[: 5000 + i] for i in range(5)]
+    f.write_text("".join(json.dumps({"text": d, "id": i}) + "\n" for i, d in enumerate(docs)))
+    check_dataset(prepare_dataset(str(f), tmp_path / "out") and tmp_path / "out", "\n\n".join(docs))
+
+
+def test_prepare_parquet_with_custom_column(tmp_path):
+    f = tmp_path / "docs.parquet"
+    docs = [TEXT[: 6000 + i] for i in range(4)]
+    pq.write_table(pa.table({"body": docs}), f)
+    with pytest.raises(UserError, match="no column 'text'"):
+        prepare_dataset(str(f), tmp_path / "bad")
+    assert not (tmp_path / "bad").exists()
+    prepare_dataset(str(f), tmp_path / "out", text_field="body")
+    check_dataset(tmp_path / "out", "\n\n".join(docs))
+
+
+def test_prepare_builtin_corpora(tmp_path):
+    from pydoc_data.topics import topics
+
+    m = prepare_dataset("pydoc", tmp_path / "pydoc")
+    assert m["source"] == "pydoc"
+    assert m["train"]["tokens"] + m["val"]["tokens"] >= sum(len(t.encode()) for t in topics.values())
+    m = prepare_dataset("stdlib", tmp_path / "stdlib", shard_tokens=1 << 23)
+    assert m["train"]["tokens"] > 10_000_000 and len(m["train"]["shards"]) > 1
+
+
+def test_failed_prepare_leaves_nothing(tmp_path):
+    f = tmp_path / "docs.jsonl"
+    f.write_text(json.dumps({"text": TEXT}) + "\n" + "{not json\n")
+    with pytest.raises(UserError, match="docs.jsonl:2"):
+        prepare_dataset(str(f), tmp_path / "out")
+    assert list(tmp_path.iterdir()) == [f]  # no dataset, no temporary folder
+
+
+def test_unreadable_and_existing(tmp_path):
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"\xff\xfe not utf-8 \xc3")
+    with pytest.raises(UserError, match="cannot read corpus file"):
+        prepare_dataset(str(bad), tmp_path / "out")
+    good = tmp_path / "good.txt"
+    good.write_text(TEXT)
+    prepare_dataset(str(good), tmp_path / "out")
+    with pytest.raises(UserError, match="already exists"):
+        prepare_dataset(str(good), tmp_path / "out")
+    prepare_dataset(str(good), tmp_path / "out", force=True)
+
+
+def test_windows_are_memory_mapped_slices(tmp_path):
+    f = tmp_path / "t.txt"
+    f.write_text(TEXT)
+    prepare_dataset(str(f), tmp_path / "d")
+    ds = TokenWindows(tmp_path / "d", "train", seq_len=64)
+    train = tokens_of(tmp_path / "d", "train")
+    assert len(ds) == (len(train) - 1) // 64
+    assert torch.equal(ds[3], torch.from_numpy(train[3 * 64: 4 * 64 + 1].astype(np.int64)))
+    x, y = collate_windows(ds.__getitems__([0, 1]))
+    assert x.shape == y.shape == (2, 64) and torch.equal(x[:, 1:], y[:, :-1])
+    assert ByteTokenizer().decode(ds[0]) == TEXT.encode()[:65].decode()
+
+
+def test_ranks_get_disjoint_windows_covering_the_epoch(pydoc_data):
+    ds = TokenWindows(pydoc_data, "train", seq_len=128)
+    world = 2
+    per_rank = []
+    for rank in range(world):
+        s = ResumableDistributedSampler(ds, num_replicas=world, rank=rank, seed=7)
+        s.set_epoch(3)
+        per_rank.append(list(s))
+    a, b = set(per_rank[0]), set(per_rank[1])
+    assert len(a) == len(per_rank[0]) and not a & b
+    assert len(a | b) == len(ds) - len(ds) % world  # all but the dropped remainder
+    s = ResumableDistributedSampler(ds, num_replicas=world, rank=0, seed=7)
+    s.set_epoch(4)
+    assert list(s) != per_rank[0]  # a new order each epoch
+
+
+def test_batch_stream_resumes_at_the_same_batch(pydoc_data):
+    def stream():
+        ds = TokenWindows(pydoc_data, "train", seq_len=128)
+        sampler = ResumableDistributedSampler(ds, num_replicas=2, rank=1, seed=3)
+        loader = DataLoader(ds, batch_size=16, sampler=sampler, drop_last=True,
+                            collate_fn=collate_windows)
+        return BatchStream(loader, sampler, 16)
+
+    full = stream()
+    n = full.batches_per_epoch + 5  # cross an epoch boundary
+    reference = [full.next()[0] for _ in range(n + 3)]
+    first = stream()
+    for _ in range(n):
+        first.next()
+    state = first.state_dict()
+    assert state["epoch"] == 1
+    resumed = stream()
+    resumed.load_state_dict(state)
+    for i in range(3):
+        assert torch.equal(resumed.next()[0], reference[n + i])
+
+
+def test_not_a_dataset(tmp_path):
+    with pytest.raises(UserError, match="not found"):
+        load_manifest(tmp_path / "missing")
+    with pytest.raises(UserError, match="not a prepared dataset"):
+        load_manifest(tmp_path)
+    (tmp_path / "manifest.json").write_text("{}")
+    with pytest.raises(UserError, match="not a valid dataset"):
+        load_manifest(tmp_path)
