@@ -105,6 +105,10 @@ def train(
     max_failures: Optional[int] = typer.Option(None, help="Worker-group restarts allowed [default: 0]."),
     seed: Optional[int] = typer.Option(None, help="Random seed [default: 1337]."),
     compile: Optional[bool] = typer.Option(None, "--compile/--no-compile", help="torch.compile the model."),
+    strategy: Optional[str] = typer.Option(None, help="ddp (a full replica per worker) or fsdp (FSDP2: shard parameters, gradients, optimizer state) [default: ddp]."),
+    activation_checkpointing: Optional[str] = typer.Option(None, help="Recompute activations in backward: none, full or selective [default: none]."),
+    precision: Optional[str] = typer.Option(None, help="fp32, bf16 or fp16 (with a gradient scaler) [default: bf16 on GPU, fp32 on CPU]."),
+    force: bool = typer.Option(False, help="Launch even if the memory plan says it will not fit."),
     name: Optional[str] = typer.Option(None, help="Run name [default: <preset>-<date>-<time>]."),
     storage: Optional[str] = typer.Option(None, help="Where runs live: a folder or s3://... [default: runs]."),
     address: Optional[str] = typer.Option(None, help="Ray cluster to use [default: RAY_ADDRESS, else start a local one]."),
@@ -117,28 +121,86 @@ def train(
     as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON (nothing else on stdout)."),
 ) -> None:
     """Train a GPT model with Ray Train (DDP over gloo on CPU, NCCL on GPU)."""
-    from raytrain_lm.config import build_config
-    from raytrain_lm.launch import run_training
+    from raytrain_lm.config import TrainConfig, build_config
+    from raytrain_lm.launch import run_training, saved_config
     from raytrain_lm.report import progress_line, results_table
 
     flags = dict(workers=workers, use_gpu=use_gpu, preset=preset, data=data, max_steps=max_steps,
                  batch_size=batch_size, seq_len=seq_len, lr=lr, grad_accum=grad_accum,
                  log_every=log_every, eval_every=eval_every, checkpoint_every=checkpoint_every,
                  keep_checkpoints=keep_checkpoints, max_failures=max_failures, seed=seed,
-                 compile=compile, name=name, storage=storage, address=address)
+                 compile=compile, name=name, storage=storage, address=address, strategy=strategy,
+                 activation_checkpointing=activation_checkpointing, precision=precision)
+    base = None
+    if resume:
+        if not name:
+            raise UserError("--resume needs --name of the run to continue")
+        base = saved_config(storage or TrainConfig.storage, name)
     cfg = build_config(preset=preset, config_file=str(config) if config else None, flags=flags,
-                       sets=set_)
+                       sets=set_, base=base)
     quiet = quiet or as_json
     say = (lambda m: typer.echo(m, err=True)) if as_json else (lambda m: _echo(m, quiet))
     summary = run_training(
         cfg, resume=resume, init_from=str(init_from) if init_from else None, verbose=verbose,
-        say=say, on_metrics=None if quiet else lambda row: typer.echo(progress_line(row, cfg.max_steps)),
+        force=force, say=say, on_metrics=None if quiet else lambda row: typer.echo(progress_line(row, cfg.max_steps)),
     )
     if as_json:
         typer.echo(json.dumps({k: v for k, v in summary.items() if k != "config"}, indent=2))
         return
     typer.echo(results_table(summary))
     typer.echo(f"results: {summary['run_dir']}/summary.json, metrics.jsonl")
+
+
+@app.command(epilog="Examples:\n\n  python cli.py plan --preset gpt2 --workers 8\n\n"
+                    "  python cli.py plan --preset gpt-70b --workers 64 --gpu-memory-gb 80\n\n"
+                    "  python cli.py plan --preset small --set model.n_layer=24 --batch-size 32")
+def plan(
+    preset: str = typer.Option("gpt2", help="Model preset (any field overridable with --set)."),
+    workers: int = typer.Option(8, help="Data-parallel workers."),
+    gpu_memory_gb: float = typer.Option(80.0, help="Memory per GPU, GB."),
+    batch_size: Optional[int] = typer.Option(None, help="Micro-batch per worker [default: preset's]."),
+    seq_len: Optional[int] = typer.Option(None, help="Tokens per sequence [default: preset's]."),
+    grad_accum: int = typer.Option(1, help="Micro-steps per optimizer step."),
+    cpu: bool = typer.Option(False, help="Plan for CPU workers (fp32 activations)."),
+    set_: Optional[List[str]] = typer.Option(None, "--set", help="Override a setting, e.g. model.n_layer=48."),
+    as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+) -> None:
+    """Per-worker memory for each strategy and activation checkpointing, and what fits."""
+    from dataclasses import asdict
+
+    from raytrain_lm.config import build_config
+    from raytrain_lm.plan import GB, all_plans, format_plans, param_counts, recommend
+
+    flags = {"batch_size": batch_size, "seq_len": seq_len, "workers": workers}
+    cfg = build_config(preset=preset, flags=flags, sets=set_)
+    if cfg.model.vocab_size is None:
+        cfg.model.vocab_size = 256  # the byte-level tokenizer's
+    if gpu_memory_gb <= 0:
+        raise UserError("--gpu-memory-gb must be positive")
+    n = param_counts(cfg.model)["total"]
+    plans = all_plans(cfg.model, workers, cfg.batch_size, cfg.seq_len, gpu=not cpu)
+    best = recommend(cfg.model, workers, cfg.batch_size, grad_accum, cfg.seq_len, gpu_memory_gb,
+                     gpu=not cpu)
+    if as_json:
+        typer.echo(json.dumps({"parameters": n, "plans": [asdict(p) | {"total": p.total} for p in plans],
+                               "recommendation": None if best is None else
+                               {**asdict(best[0]), "grad_accum": best[1]}}, indent=2))
+        return
+    typer.echo(f"{cfg.preset}: {n / 1e9:.3f}B parameters; fp32 parameters alone {4 * n / GB:.1f} GB, "
+               f"with gradients and AdamW states {16 * n / GB:.1f} GB")
+    typer.echo(f"per worker, GB, {workers} workers, micro-batch {cfg.batch_size} x {cfg.seq_len} "
+               f"tokens, {'fp32' if cpu else 'bf16'} activations, {gpu_memory_gb:g} GB per "
+               f"{'worker' if cpu else 'GPU'} (90% usable):")
+    typer.echo(format_plans(plans, gpu_memory_gb))
+    if best is None:
+        typer.echo("recommendation: does not fit at any micro-batch; add workers or shrink the model")
+    else:
+        p, accum = best
+        typer.echo(f"recommendation: --strategy {p.strategy} --activation-checkpointing "
+                   f"{p.activation_checkpointing} --batch-size {p.micro_batch} --grad-accum {accum} "
+                   f"(~{p.total / GB:.1f} GB per worker)")
+    typer.echo("assumptions: see raytrain_lm/plan.py (fp32 master weights and AdamW states, "
+               "bf16 activations on GPU, fused attention)")
 
 
 def main() -> None:

@@ -1,20 +1,26 @@
 """Full training state in a Ray Checkpoint folder, written so a partial write never loads.
 
-A checkpoint folder holds:
-    state.pt          model (unwrapped, no `module.`/`_orig_mod.` prefixes), optimizer, step,
-                      tokens, data position, config, tokenizer (written by rank 0)
-    rng-rank{R}.pt    every RNG state of rank R (each rank writes its own; Ray merges the folders)
-    meta.json         written last by rank 0: step and the sha256 of state.pt
+Each rank writes into its own local folder and Ray merges them in the run's storage. Layout:
+    state.pt          rank 0: step, tokens, data position, scaler, config, tokenizer, metrics;
+                      with DDP also the model (unwrapped: no `module.`/`_orig_mod.` prefixes)
+                      and the optimizer
+    dcp/              FSDP only: model and optimizer shards, torch.distributed.checkpoint format
+                      (every rank writes its shard; loadable at any world size, or in one process)
+    rng-rank{R}.pt    every RNG state of rank R
+    rank{R}.json      rank R's commit record: sha256 of every file it wrote
+    meta.json         rank 0's commit record, written last: step, world size, format, config
 
-`meta.json` is the commit record: a folder without it, or whose state.pt does not match its
-checksum, is rejected, and the loader falls back to an older checkpoint.
+A checkpoint is valid only if meta.json and every rank's record are present and every file
+matches its checksum; the loader skips an invalid one for the one before it.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import random
+import shutil
+import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -22,16 +28,11 @@ import numpy as np
 import torch
 
 from raytrain_lm.errors import UserError
+from raytrain_lm.storage import sha256_file
 
-STATE, META = "state.pt", "meta.json"
+STATE, META, DCP_DIR = "state.pt", "meta.json", "dcp"
+BEST_DIR = "best_checkpoint"  # beside the checkpoint_* folders: a copy of the best by val loss
 
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def rng_state() -> dict[str, Any]:
@@ -50,62 +51,141 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def write_checkpoint(folder: Path, rank: int, state: Optional[dict[str, Any]]) -> None:
-    """Rank 0 passes the full state; every rank writes its RNG file."""
+# ---------------------------------------------------------------- saving
+
+
+def save_checkpoint(folder: Path, rank: int, model: torch.nn.Module, optimizer, sharded: bool,
+                    state: Optional[dict[str, Any]]) -> None:
+    """Called on every rank (a collective when `sharded`). Rank 0 passes the training `state`."""
     folder.mkdir(parents=True, exist_ok=True)
     torch.save(rng_state(), folder / f"rng-rank{rank}.pt")
-    if state is not None:
+    if sharded:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        msd, osd = get_state_dict(model, optimizer)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(folder / DCP_DIR))
+    if rank == 0:
+        assert state is not None
+        state = {**state, "format": "dcp" if sharded else "full"}
+        if not sharded:
+            state.update(model=model.state_dict(), optimizer=optimizer.state_dict())
         torch.save(state, folder / STATE)
-        meta = {"step": state["step"], "sha256": _sha256(folder / STATE),
+    written = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != META)
+    record = {str(p.relative_to(folder)): sha256_file(p) for p in written}
+    (folder / f"rank{rank}.json").write_text(json.dumps(record, indent=1))
+    if rank == 0:
+        meta = {"step": state["step"], "world_size": state["world_size"], "format": state["format"],
                 "config": state["config"], "tokenizer": state["tokenizer"]}
         (folder / META).write_text(json.dumps(meta, indent=2))
 
 
+# ---------------------------------------------------------------- checking and loading
+
+
 def read_meta(folder: Path) -> dict[str, Any]:
-    """The checkpoint's meta.json, after checking state.pt against its checksum."""
-    meta_path, state_path = folder / META, folder / STATE
-    if not meta_path.is_file() or not state_path.is_file():
-        raise UserError(f"{folder} is not a complete checkpoint (missing {META} or {STATE})")
+    """meta.json, after checking that every rank's files are there and match their checksums."""
+    meta_path = folder / META
+    if not meta_path.is_file():
+        raise UserError(f"{folder} is not a complete checkpoint (no {META})")
     try:
         meta = json.loads(meta_path.read_text())
-    except json.JSONDecodeError:
+        world = int(meta["world_size"])
+    except (json.JSONDecodeError, KeyError, ValueError):
         raise UserError(f"{folder}/{META} is corrupted") from None
-    if _sha256(state_path) != meta.get("sha256"):
-        raise UserError(f"{folder}/{STATE} is corrupted (checksum mismatch)")
+    for r in range(world):
+        record_path = folder / f"rank{r}.json"
+        if not record_path.is_file():
+            raise UserError(f"{folder} is incomplete (nothing committed by rank {r})")
+        try:
+            record = json.loads(record_path.read_text())
+        except json.JSONDecodeError:
+            raise UserError(f"{record_path} is corrupted") from None
+        for rel, digest in record.items():
+            path = folder / rel
+            if not path.is_file() or sha256_file(path) != digest:
+                raise UserError(f"{folder}/{rel} is corrupted (checksum mismatch)")
     return meta
 
 
+def _full_state_from_dcp(folder: Path) -> dict[str, Any]:
+    """Gather a sharded checkpoint into plain tensors in this one process."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as tmp:
+        dcp_to_torch_save(str(folder / DCP_DIR), f"{tmp}/full.pt")
+        return torch.load(f"{tmp}/full.pt", map_location="cpu", weights_only=False)
+
+
 def load_checkpoint(folder: Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
-    read_meta(folder)
-    return torch.load(folder / STATE, map_location=map_location, weights_only=False)
+    """The whole training state, with `model` as a plain state dict whatever the strategy that
+    saved it (so generate/export/--init-from work on FSDP checkpoints in one process)."""
+    meta = read_meta(folder)
+    state = torch.load(folder / STATE, map_location=map_location, weights_only=False)
+    if meta.get("format") == "dcp":
+        state["model"] = _full_state_from_dcp(folder)["model"]
+    return state
 
 
-def load_rng(folder: Path, rank: int) -> Optional[dict[str, Any]]:
-    path = folder / f"rng-rank{rank}.pt"
-    return torch.load(path, weights_only=False) if path.is_file() else None
+def load_sharded(folder: Path, model: torch.nn.Module, optimizer) -> None:
+    """Load a dcp/ checkpoint into an FSDP model and its optimizer (any world size)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    msd, osd = get_state_dict(model, optimizer)
+    sd = {"model": msd, "optim": osd}
+    dcp.load(sd, checkpoint_id=str(folder / DCP_DIR))
+    set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
 
 
-def load_latest_valid(ray_checkpoint, rank: int) -> tuple[dict[str, Any], Optional[dict]]:
-    """Load `ray_checkpoint`, or if it is incomplete or corrupted, the newest older valid
-    checkpoint beside it in the run's storage. Returns (state, this rank's RNG state or None)."""
+@dataclass
+class ResumePoint:
+    state: dict[str, Any]  # state.pt (model/optimizer only for the "full" format)
+    rng: Optional[dict[str, Any]]  # this rank's RNG states, if the saving run had this rank
+    folder: Path  # a local copy, valid until cleanup()
+    _tmp: Optional[str] = None
+
+    def cleanup(self) -> None:
+        if self._tmp:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+
+
+def find_resume_state(fs, run_path: str, rank: int) -> Optional[ResumePoint]:
+    """The newest valid checkpoint in the run's folder, or None if it has none.
+
+    We scan the folder rather than trust only `ray.train.get_checkpoint()`: Ray's controller
+    registers a reported checkpoint when it next polls the workers (every ~2 s), so a worker that
+    dies right after a checkpoint was uploaded would otherwise cost a whole extra interval.
+    Invalid checkpoints (torn writes, missing ranks) are skipped for the one before them.
+    """
     import pyarrow.fs as pafs
-    from ray.train import Checkpoint
 
-    fs, path = ray_checkpoint.filesystem, ray_checkpoint.path.rstrip("/")
-    parent, name = path.rsplit("/", 1)
-    infos = fs.get_file_info(pafs.FileSelector(parent))
-    names = sorted((i.base_name for i in infos
-                    if i.type == pafs.FileType.Directory and i.base_name.startswith("checkpoint_")
-                    and i.base_name <= name), reverse=True)
+    infos = fs.get_file_info(pafs.FileSelector(run_path, allow_not_found=True))
+    names = sorted((i.base_name for i in infos if i.type == pafs.FileType.Directory
+                    and i.base_name.startswith("checkpoint_")), reverse=True)
     problems = []
-    for candidate in names:
-        with Checkpoint(f"{parent}/{candidate}", fs).as_directory() as d:
-            try:
-                state = load_checkpoint(Path(d))
-            except UserError as e:
-                problems.append(str(e))
-                if rank == 0:
-                    print(f"[checkpoint] skipping {candidate}: {e}", flush=True)
-                continue
-            return state, load_rng(Path(d), rank)
-    raise UserError(f"no valid checkpoint in {parent}: " + "; ".join(problems))
+    for name in names:
+        tmp = None
+        if isinstance(fs, pafs.LocalFileSystem):
+            folder = Path(run_path) / name
+        else:  # object store: download a local copy first
+            tmp = tempfile.mkdtemp(prefix="raytrain-lm-restore-")
+            pafs.copy_files(f"{run_path}/{name}", tmp, source_filesystem=fs,
+                            destination_filesystem=pafs.LocalFileSystem())
+            folder = Path(tmp)
+        try:
+            read_meta(folder)
+            state = torch.load(folder / STATE, map_location="cpu", weights_only=False)
+        except UserError as e:
+            problems.append(str(e))
+            if rank == 0:
+                print(f"[checkpoint] skipping {name}: {e}", flush=True)
+            if tmp:
+                shutil.rmtree(tmp, ignore_errors=True)
+            continue
+        rng_path = folder / f"rng-rank{rank}.pt"
+        rng = torch.load(rng_path, weights_only=False) if rng_path.is_file() else None
+        return ResumePoint(state, rng, folder, tmp)
+    if problems:
+        raise UserError(f"no valid checkpoint in {run_path}: " + "; ".join(problems))
+    return None

@@ -56,6 +56,8 @@ class TrainConfig:
     grad_clip: float = 1.0
     precision: str = "auto"  # auto: bf16 autocast on GPU, fp32 on CPU
     compile: bool = False
+    strategy: str = "ddp"  # ddp: full replica per worker; fsdp: FSDP2 shards params/grads/optim
+    activation_checkpointing: str = "none"  # none | full | selective
     seed: int = 1337
     # cadence
     log_every: int = 10
@@ -66,6 +68,7 @@ class TrainConfig:
     max_failures: int = 0
     # metrics
     peak_tflops: Optional[float] = None  # override the GPU peak used for MFU
+    gpu_memory_gb: Optional[float] = None  # per GPU, for the pre-launch memory check
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -96,6 +99,11 @@ PRESETS: dict[str, dict[str, Any]] = {
     "gpt2-medium": dict(model=dict(vocab_size=50304, block_size=1024, n_layer=24, n_head=16,
                                    n_embd=1024, bias=False),
                         batch_size=8, seq_len=1024, lr=3e-4, warmup_steps=700),
+    # 69.7B parameters in this GPT's shape: for `plan` (what it takes to train one), not for a laptop.
+    "gpt-70b": dict(model=dict(vocab_size=50304, block_size=4096, n_layer=86, n_head=64,
+                               n_embd=8192, bias=False),
+                    batch_size=1, seq_len=4096, lr=1.5e-4, warmup_steps=2000, strategy="fsdp",
+                    activation_checkpointing="full"),
 }
 
 
@@ -230,16 +238,30 @@ def build_config(
     config_file: Optional[str] = None,
     flags: Optional[dict[str, Any]] = None,
     sets: Optional[list[str]] = None,
+    base: Optional[dict[str, Any]] = None,
 ) -> TrainConfig:
-    """Layer preset < file < flags < --set into one validated TrainConfig."""
+    """Layer preset < file < flags < --set into one validated TrainConfig.
+
+    With `base` (a resumed run's saved config) the layers apply on top of it instead of a
+    preset, and the model itself may not change."""
     file_data = load_config_file(config_file) if config_file else {}
     flags = {k: v for k, v in (flags or {}).items() if v is not None}
     set_data = parse_set_args(sets or [])
-    name = preset or flags.get("preset") or set_data.get("preset") or file_data.get("preset") or "tiny"
-    cfg = preset_config(name)
+    if base is not None:
+        cfg = TrainConfig.from_dict(base)
+        name = cfg.preset
+    else:
+        name = (preset or flags.get("preset") or set_data.get("preset") or file_data.get("preset")
+                or "tiny")
+        cfg = preset_config(name)
     apply_overrides(cfg, file_data, source=f"config file {config_file}")
     apply_overrides(cfg, flags, source="flags")
     apply_overrides(cfg, set_data, source="--set")
+    if base is not None:
+        was = TrainConfig.from_dict(base)
+        if cfg.model != was.model or cfg.preset != name or cfg.strategy != was.strategy:
+            raise UserError("a resumed run keeps its model and strategy: drop those settings, or "
+                            "start a new run with --init-from")
     cfg.preset = name
     validate(cfg)
     return cfg
@@ -274,5 +296,10 @@ def validate(cfg: TrainConfig) -> None:
                         f"(model.block_size={m.block_size}); lower it or --set model.block_size=...")
     if cfg.precision not in ("auto", "fp32", "bf16", "fp16"):
         raise UserError(f"precision must be auto, fp32, bf16 or fp16, got {cfg.precision!r}")
+    if cfg.strategy not in ("ddp", "fsdp"):
+        raise UserError(f"--strategy must be ddp or fsdp, got {cfg.strategy!r}")
+    if cfg.activation_checkpointing not in ("none", "full", "selective"):
+        raise UserError("--activation-checkpointing must be none, full or selective, got "
+                        f"{cfg.activation_checkpointing!r}")
     if cfg.model.vocab_size is not None and cfg.model.vocab_size < 1:
         raise UserError("model.vocab_size must be at least 1")

@@ -11,7 +11,6 @@ Training memory-maps the shards (zero-copy numpy views), so a corpus larger than
 from __future__ import annotations
 
 import datetime as _dt
-import hashlib
 import json
 import os
 import shutil
@@ -26,6 +25,7 @@ import torch
 from torch.utils.data import Dataset, DistributedSampler
 
 from raytrain_lm.errors import UserError
+from raytrain_lm.storage import sha256_file
 from raytrain_lm.tokenizer import ByteTokenizer, tokenizer_from_spec
 
 MANIFEST = "manifest.json"
@@ -141,13 +141,6 @@ def iter_documents(source: str, text_field: str = "text") -> Iterator[str]:
 # ---------------------------------------------------------------- writing shards
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
-
 
 class _ShardWriter:
     """Buffers tokens of one split and writes fixed-size Arrow IPC shards."""
@@ -180,7 +173,7 @@ class _ShardWriter:
         table = pa.table({"tokens": pa.array(tokens.astype(self.dtype, copy=False))})
         with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
             writer.write_table(table, max_chunksize=len(tokens))  # one batch: zero-copy mmap reads
-        self.shards.append({"file": name, "tokens": int(len(tokens)), "sha256": _sha256(path)})
+        self.shards.append({"file": name, "tokens": int(len(tokens)), "sha256": sha256_file(path)})
         self.tokens += int(len(tokens))
 
 
@@ -289,7 +282,7 @@ def load_manifest(data_dir: str | Path, verify: bool = False) -> dict:
                 path = d / shard["file"]
                 if not path.is_file():
                     raise ValueError(f"missing shard {shard['file']}")
-                if verify and _sha256(path) != shard["sha256"]:
+                if verify and sha256_file(path) != shard["sha256"]:
                     raise ValueError(f"checksum mismatch in {shard['file']}")
     except UserError:
         raise

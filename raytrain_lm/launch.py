@@ -18,12 +18,14 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from raytrain_lm import checkpoint as ckpt_io
 from raytrain_lm.config import TrainConfig
 from raytrain_lm.data import load_manifest, prepare_dataset
 from raytrain_lm.errors import UserError
 from raytrain_lm.storage import MetricsLog, RunFolder
 
 DEFAULT_DATA = "data/pydoc"
+FAULT_ENV = "RAYTRAIN_LM_FAIL_AT"  # fault drill: "RANK:STEP" makes that rank's process exit there
 
 
 # ---------------------------------------------------------------- checks before any Ray
@@ -103,24 +105,45 @@ def check_resources(cfg: TrainConfig) -> None:
                         f"{total.get('CPU', 0):g}; lower --workers or cpus_per_worker")
 
 
+def worker_memory_gb(cfg: TrainConfig) -> Optional[float]:
+    """Memory one worker may use: its GPU's (from --set gpu_memory_gb or Ray's accelerator
+    label), or on CPU the cluster's memory resource split among the workers. None: unknown."""
+    import ray
+
+    from raytrain_lm.plan import GPU_MEMORY_GB
+
+    if cfg.use_gpu:
+        if cfg.gpu_memory_gb:
+            return cfg.gpu_memory_gb
+        labels = [k.split(":", 1)[1] for k in ray.cluster_resources() if k.startswith("accelerator_type:")]
+        sizes = [GPU_MEMORY_GB[label] for label in labels if label in GPU_MEMORY_GB]
+        return min(sizes) if sizes else None
+    return ray.cluster_resources().get("memory", 0) / 1e9 / cfg.workers or None
+
+
+def check_memory(cfg: TrainConfig, memory_gb: Optional[float]) -> None:
+    """Refuse a configuration whose planned per-worker memory exceeds what a worker has."""
+    from raytrain_lm.plan import GB, USABLE_FRACTION, estimate, recommend
+
+    if memory_gb is None:
+        return
+    plan = estimate(cfg.model, cfg.workers, cfg.strategy, cfg.activation_checkpointing,
+                    cfg.batch_size, cfg.seq_len, gpu=cfg.use_gpu)
+    if plan.total <= memory_gb * GB * USABLE_FRACTION:
+        return
+    better = recommend(cfg.model, cfg.workers, cfg.batch_size, cfg.grad_accum, cfg.seq_len,
+                       memory_gb, gpu=cfg.use_gpu)
+    hint = ("nothing fits on this many workers: add workers or use a smaller model" if better is None
+            else f"try --strategy {better[0].strategy} --activation-checkpointing "
+                 f"{better[0].activation_checkpointing} --batch-size {better[0].micro_batch} "
+                 f"--grad-accum {better[1]}")
+    raise UserError(f"this run needs ~{plan.total / GB:.1f} GB per worker (model state "
+                    f"{plan.model_state / GB:.1f}, activations {plan.activations / GB:.1f}, logits "
+                    f"{plan.logits / GB:.1f}) but a worker has {memory_gb:.0f} GB; {hint}; "
+                    f"see `python cli.py plan`, or pass --force")
+
+
 # ---------------------------------------------------------------- following a run
-
-
-def _progress_callback(q):
-    """A Ray Train UserCallback (runs in the controller actor) that forwards rank 0's metrics."""
-    from ray.train import UserCallback
-
-    class ForwardMetrics(UserCallback):
-        def __init__(self, queue):
-            self.queue = queue
-
-        def after_report(self, run_context, metrics, checkpoint):
-            row = dict(metrics[0])
-            if checkpoint is not None:
-                row["checkpoint"] = checkpoint.path
-            self.queue.put(row)
-
-    return ForwardMetrics(q)
 
 
 def summarise(cfg: TrainConfig, rows: list[dict], status: str, wall: float,
@@ -161,7 +184,7 @@ def summarise(cfg: TrainConfig, rows: list[dict], status: str, wall: float,
 
 
 def build_trainer(cfg: TrainConfig, run: RunFolder, callbacks: Optional[list] = None,
-                  init_from: Optional[str] = None):
+                  init_from: Optional[str] = None, fail_at: Optional[str] = None):
     """The TorchTrainer for `cfg`, writing into `run`'s folder. Used by `train` and by each Tune trial."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
@@ -171,7 +194,8 @@ def build_trainer(cfg: TrainConfig, run: RunFolder, callbacks: Optional[list] = 
     resources = {"CPU": cfg.cpus_per_worker, **({"GPU": 1} if cfg.use_gpu else {})}
     return TorchTrainer(
         train_loop_per_worker,
-        train_loop_config={"train": cfg.to_dict(), "run_name": cfg.name, "init_from": init_from},
+        train_loop_config={"train": cfg.to_dict(), "run_name": cfg.name, "init_from": init_from,
+                           "fail_at": fail_at},
         scaling_config=ScalingConfig(num_workers=cfg.workers, use_gpu=cfg.use_gpu,
                                      resources_per_worker=resources),
         run_config=RunConfig(
@@ -184,16 +208,50 @@ def build_trainer(cfg: TrainConfig, run: RunFolder, callbacks: Optional[list] = 
     )
 
 
+def resolve_checkpoint(path: str) -> Path:
+    """A checkpoint folder, or a run folder (its best, else its latest checkpoint)."""
+    p = Path(path)
+    if not p.exists():
+        raise UserError(f"checkpoint not found: {path}")
+    if (p / ckpt_io.META).exists() or (p / ckpt_io.STATE).exists():
+        return p
+    if (p / ckpt_io.BEST_DIR).is_dir():
+        return p / ckpt_io.BEST_DIR
+    found = sorted(c for c in p.glob("checkpoint_*") if c.is_dir())
+    if not found:
+        raise UserError(f"{path} holds no checkpoint (expected a checkpoint_* or run folder)")
+    return found[-1]
+
+
+def check_init_from(path: str, cfg: TrainConfig, manifest: dict) -> str:
+    """Validate --init-from against the model and dataset before any worker starts."""
+    folder = resolve_checkpoint(path)
+    meta = ckpt_io.read_meta(folder)  # raises on a missing or corrupted state file
+    theirs = TrainConfig.from_dict(meta["config"]).model
+    if theirs != cfg.model:
+        diff = ", ".join(f"{k}: {getattr(theirs, k)} vs {getattr(cfg.model, k)}"
+                         for k in vars(theirs) if getattr(theirs, k) != getattr(cfg.model, k))
+        raise UserError(f"checkpoint {folder} is for another model shape ({diff})")
+    if meta["tokenizer"] != manifest["tokenizer"]:
+        raise UserError(f"checkpoint {folder} used tokenizer {meta['tokenizer']} but dataset "
+                        f"{cfg.data} uses {manifest['tokenizer']}")
+    return str(folder.resolve())
+
+
 def run_training(
     cfg: TrainConfig,
     *,
     resume: bool = False,
     init_from: Optional[str] = None,
     verbose: bool = False,
+    force: bool = False,
     say: Callable[[str], None] = print,
     on_metrics: Optional[Callable[[dict], None]] = None,
 ) -> dict:
-    """Train `cfg` on a Ray cluster; returns the summary (also written to summary.json)."""
+    """Train `cfg` on a Ray cluster; returns the summary (also written to summary.json).
+
+    With `resume`, the run `cfg.name` continues from its latest valid checkpoint (the caller
+    loads the run's saved config: see `saved_config`)."""
     t_launch = time.time()
     manifest = ensure_dataset(cfg, say)
     fit_model_to_data(cfg, manifest)
@@ -208,16 +266,39 @@ def run_training(
     if not resume and run.exists():
         raise UserError(f"a run named {cfg.name!r} already exists in {cfg.storage}; "
                         f"pass --resume to continue it or choose another --name")
+    if init_from:
+        init_from = check_init_from(init_from, cfg, manifest)
+    previous = run.read_json("summary.json") if resume and run.exists("summary.json") else {}
 
     connect_ray(cfg.address, cfg.workers * cfg.cpus_per_worker, verbose)
     check_resources(cfg)
+    if not force:
+        check_memory(cfg, worker_memory_gb(cfg))
 
     from ray.util.queue import Queue
 
-    metrics_q = Queue(actor_options={"num_cpus": 0})
-    trainer = build_trainer(cfg, run, callbacks=[_progress_callback(metrics_q)], init_from=init_from)
+    from raytrain_lm.callbacks import ForwardMetrics, KeepBest
 
+    metrics_q = Queue(actor_options={"num_cpus": 0})
+    callbacks = [ForwardMetrics(metrics_q), KeepBest(previous.get("best_val_loss"))]
+    trainer = build_trainer(cfg, run, callbacks=callbacks, init_from=init_from,
+                            fail_at=os.environ.get(FAULT_ENV))
+    if not resume:
+        run.write_json("config.json", cfg.to_dict())
     log = MetricsLog(run)
+    restarts = previous.get("restarts", 0) + (1 if resume else 0)
+    failures_seen = 0
+
+    def write_summary(status: str, checkpoint: Optional[str] = None, error: Optional[str] = None):
+        summary = summarise(cfg, log.rows, status, time.time() - t_launch, checkpoint, t_launch,
+                            error=error)
+        summary["restarts"] = restarts
+        summary["best_checkpoint"] = run.display_path(ckpt_io.BEST_DIR) if run.exists(ckpt_io.BEST_DIR) else None
+        run.write_json("summary.json", summary)
+        return summary
+
+    # Written now and kept current: after a crash of this driver it still tells what happened.
+    write_summary("running")
     outcome: dict[str, Any] = {}
 
     def fit() -> None:
@@ -235,26 +316,45 @@ def run_training(
             continue
         except Exception:  # the queue actor is gone: nothing more will come
             break
+        if row.get("event") == "worker_failure":
+            restarts, failures_seen = restarts + 1, failures_seen + 1
+            say(f"worker failure: {row['error']}; restarting from the latest checkpoint")
+            write_summary("running")
+            continue
+        if row.get("resumed_metrics"):  # the checkpoint's own row, which Ray may have lost
+            log.add(row.pop("resumed_metrics"))
         log.add(row)
+        if row.get("checkpoint"):
+            write_summary("running")
         if on_metrics:
             on_metrics(row)
     thread.join()
 
-    wall = time.time() - t_launch
     error = outcome.get("error")
     result = outcome.get("result")
+    if error is not None and failures_seen:
+        restarts -= 1  # the last failure ended the run: it was not followed by a restart
     checkpoint = result.checkpoint.path if result is not None and result.checkpoint else None
     if checkpoint is None:
         checkpoint = next((r["checkpoint"] for r in reversed(log.rows) if r.get("checkpoint")), None)
-    summary = summarise(cfg, log.rows, "failed" if error else "completed", wall, checkpoint,
-                        t_launch, error=_describe(error) if error else None)
-    run.write_json("summary.json", summary)
+    summary = write_summary("failed" if error else "completed", checkpoint,
+                            _describe(error) if error else None)
     summary["run_dir"] = run.display_path()
     if error is not None:
         user_error = _user_error_inside(error)
         raise user_error or UserError(f"training failed: {_describe(error)} "
                                       f"(summary in {run.display_path('summary.json')})")
     return summary
+
+
+def saved_config(storage: str, name: str) -> dict:
+    """The config a run was started with, for --resume."""
+    run = RunFolder(storage, name)
+    if not run.exists():
+        raise UserError(f"cannot resume: no run named {name!r} in {storage}")
+    if not run.exists("config.json"):
+        raise UserError(f"cannot resume {name!r}: it has no config.json (not a raytrain-lm run?)")
+    return run.read_json("config.json")
 
 
 def _user_error_inside(error: BaseException) -> Optional[UserError]:
@@ -272,8 +372,8 @@ def _user_error_inside(error: BaseException) -> Optional[UserError]:
 def _describe(error: BaseException) -> str:
     failures = getattr(error, "worker_failures", None)
     if failures:
-        rank, exc = sorted(failures.items())[0]
-        lines = [line for line in str(exc).strip().splitlines() if line.strip()]
-        return f"rank {rank}: {lines[-1] if lines else type(exc).__name__}"
+        from raytrain_lm.callbacks import describe_failures
+
+        return describe_failures(failures)
     lines = [line for line in str(error).strip().splitlines() if line.strip()]
     return lines[-1] if lines else type(error).__name__

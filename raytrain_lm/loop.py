@@ -27,9 +27,8 @@ from raytrain_lm.data import (BatchStream, ResumableDistributedSampler, TokenWin
 from raytrain_lm.metrics import StepTimer, gpu_peak_tflops, mfu, peak_memory_gb
 from raytrain_lm.model import GPT, flops_per_token
 from raytrain_lm.optim import build_optimizer, lr_at
-from raytrain_lm.parallel import all_reduce, no_sync, wrap_model
-
-FAULT_ENV = "RAYTRAIN_LM_FAIL_AT"  # "RANK:STEP": that rank's process exits at that step, once per run
+from raytrain_lm.parallel import (all_reduce, is_sharded, local_param_fraction, model_state_bytes,
+                                  no_sync, to_local_float, wrap_model)
 
 
 def autocast_dtype(cfg: TrainConfig, device: torch.device) -> Optional[torch.dtype]:
@@ -43,8 +42,11 @@ def build_loader(cfg: TrainConfig, split: str, rank: int, world: int, shuffle: b
     dataset = TokenWindows(cfg.data, split, cfg.seq_len)
     sampler = ResumableDistributedSampler(dataset, num_replicas=world, rank=rank, seed=cfg.seed,
                                           shuffle=shuffle)
+    # Its own generator: creating a loader iterator must not draw from the global RNG, or a
+    # resumed run's dropout masks would differ from an uninterrupted run's.
     loader = DataLoader(dataset, batch_size=cfg.batch_size, sampler=sampler, drop_last=True,
-                        collate_fn=collate_windows, pin_memory=cfg.use_gpu)
+                        collate_fn=collate_windows, pin_memory=cfg.use_gpu,
+                        generator=torch.Generator().manual_seed(cfg.seed))
     # The sampler is already a DistributedSampler, so Ray only adds the move to the device.
     return ray.train.torch.prepare_data_loader(loader), sampler
 
@@ -64,11 +66,10 @@ def evaluate(model, loader, cfg: TrainConfig, ctx, device) -> float:
     return (total[0] / total[1]).item()
 
 
-def _maybe_inject_fault(step: int, rank: int, run_name: str) -> None:
-    """Fault drill: with RAYTRAIN_LM_FAIL_AT=R:K, rank R's process dies at step K, once per run.
-
-    "Once" is remembered in the cluster's key-value store, so the restarted group gets past K."""
-    spec = os.environ.get(FAULT_ENV)
+def _maybe_inject_fault(spec: Optional[str], step: int, rank: int, run_name: str) -> None:
+    """Fault drill: with RAYTRAIN_LM_FAIL_AT=R:K in the driver's environment, rank R's process dies at
+    step K, once per run. "Once" is remembered in the cluster's key-value store, so the restarted
+    worker group gets past step K."""
     if not spec:
         return
     r, k = (int(v) for v in spec.split(":"))
@@ -93,47 +94,52 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     manifest = load_manifest(cfg.data)
 
     # --- restore: the latest valid checkpoint of this run, else weights to start from, else fresh
-    restored = None
-    ray_ckpt = ray.train.get_checkpoint()
-    if ray_ckpt is not None:
-        restored = ckpt_io.load_latest_valid(ray_ckpt, rank)
+    storage = tctx.get_storage()
+    resume = ckpt_io.find_resume_state(storage.storage_filesystem, storage.experiment_fs_path, rank)
     torch.manual_seed(cfg.seed)  # identical init on every rank (DDP also broadcasts rank 0's)
 
+    baseline_mem = peak_memory_gb(device)  # before the model exists: what the run adds is above it
     model = GPT(cfg.model)
-    if restored is None and loop_config.get("init_from"):
-        init = ckpt_io.load_checkpoint(Path(loop_config["init_from"]))
-        model.load_state_dict(init["model"])
-    raw_model = model  # unwrapped: its state_dict has clean keys
+    if resume is not None and resume.state["format"] == "full":
+        model.load_state_dict(resume.state["model"])
+    elif resume is None and loop_config.get("init_from"):  # weights only: fresh optimizer
+        model.load_state_dict(ckpt_io.load_checkpoint(Path(loop_config["init_from"]))["model"])
+    raw_model = model  # unwrapped: its state_dict has clean keys (FSDP shards it in place)
     n_params = raw_model.num_params()
     fpt = flops_per_token(cfg.model, raw_model.num_params(exclude_position=True), cfg.seq_len)
-    model = wrap_model(model, cfg)
+    model = wrap_model(model, cfg, device)
     optimizer = build_optimizer(raw_model, cfg, device)
+    amp_dtype = autocast_dtype(cfg, device)
+    ctx = torch.autocast(device.type, dtype=amp_dtype) if amp_dtype else nullcontext()
+    scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
 
     train_loader, train_sampler = build_loader(cfg, "train", rank, world, shuffle=True)
     val_loader, _ = build_loader(cfg, "val", rank, world, shuffle=False)
     stream = BatchStream(train_loader, train_sampler, cfg.batch_size)
 
-    step, tokens_seen, restarts = 0, 0, 0
-    if restored is not None:
-        state, rng = restored
-        raw_model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
+    step, tokens_seen, resumed_from, resumed_row = 0, 0, None, None
+    if resume is not None:
+        state = resume.state
+        if state["format"] == "dcp":
+            ckpt_io.load_sharded(resume.folder, raw_model, optimizer)
+        else:
+            optimizer.load_state_dict(state["optimizer"])
+        scaler.load_state_dict(state["scaler"])
         step, tokens_seen = state["step"], state["tokens"]
         stream.load_state_dict(state["data"])
-        restarts = state.get("restarts", 0) + 1
-        if rng is not None:
-            ckpt_io.set_rng_state(rng)
+        if resume.rng is not None:
+            ckpt_io.set_rng_state(resume.rng)
+        resumed_from = step
+        # The checkpoint's own metrics row: Ray may have lost that report if a worker died before
+        # the controller collected it, so the driver gets it again with the first report.
+        resumed_row = state.get("metrics")
+        resume.cleanup()
     else:
         torch.manual_seed(cfg.seed + rank)  # per-rank dropout streams
-    resumed_from = step if restored is not None else None
 
-    amp_dtype = autocast_dtype(cfg, device)
-    ctx = torch.autocast(device.type, dtype=amp_dtype) if amp_dtype else nullcontext()
-    scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
     peak = gpu_peak_tflops(device, cfg.peak_tflops)
     timer = StepTimer(device)
-    loss_sum = torch.zeros((), device=device)
-    loss_count = 0
+    step_losses: list[torch.Tensor] = []  # this rank's loss of each step since the last report
     train_start, train_start_unix = time.perf_counter(), time.time()
     model.train()
 
@@ -148,8 +154,11 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             with no_sync(model, sync=micro == cfg.grad_accum - 1), ctx:
                 _, loss = model(x, y)
                 scaler.scale(loss / cfg.grad_accum).backward()
-            loss_sum += loss.detach()
-            loss_count += 1
+            micro_loss = loss.detach() / cfg.grad_accum
+            if micro == 0:
+                step_losses.append(micro_loss)
+            else:
+                step_losses[-1] = step_losses[-1] + micro_loss
         scaler.unscale_(optimizer)
         grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.grad_clip)
         scaler.step(optimizer)
@@ -160,54 +169,61 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         timer.steps += 1
         timer.tokens += cfg.batch_size * cfg.seq_len * cfg.grad_accum * world
 
-        _maybe_inject_fault(step, rank, run_name)
+        _maybe_inject_fault(loop_config.get("fail_at"), step, rank, run_name)
 
         last = step == cfg.max_steps
-        do_eval = step % cfg.eval_every == 0 or last
-        do_ckpt = last or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0)
+        do_ckpt = last or bool(cfg.checkpoint_every and step % cfg.checkpoint_every == 0)
+        do_eval = step % cfg.eval_every == 0 or do_ckpt  # every checkpoint knows its val loss
         if not (step % cfg.log_every == 0 or do_eval or do_ckpt):
             continue
 
         # --- metrics: one small all-reduce makes them global on every rank
         elapsed = timer.elapsed()
-        stats = all_reduce(torch.tensor([loss_sum.item(), loss_count, timer.data_wait],
-                                        dtype=torch.float64, device=device))
-        mem = all_reduce(torch.tensor([peak_memory_gb(device)], device=device), op="max")
+        losses = all_reduce(torch.stack(step_losses).double()) / world
+        stats = all_reduce(torch.tensor([timer.data_wait], dtype=torch.float64, device=device))
+        mem = all_reduce(torch.tensor([peak_memory_gb(device),
+                                       model_state_bytes(raw_model, optimizer) / 2**30],
+                                      dtype=torch.float64, device=device), op="max")
         tps = timer.tokens / elapsed
         metrics = {
             "step": step,
             "tokens": tokens_seen,
             "epoch": stream.epoch,
-            "loss": stats[0].item() / stats[1].item(),
+            "loss": losses.mean().item(),
+            "step_losses": losses.tolist(),  # per-step global losses, for exact-resume checks
             "lr": lr,
-            "grad_norm": float(grad_norm),
+            "grad_norm": to_local_float(grad_norm),
             "tokens_per_second": tps,
             "step_time": elapsed / timer.steps,
-            "data_wait_frac": stats[2].item() / world / elapsed,
+            "data_wait_frac": stats[0].item() / world / elapsed,
             "mfu": mfu(tps, fpt, world, peak),
-            "peak_mem_gb": mem.item(),
+            "peak_mem_gb": mem[0].item(),
+            "model_state_gb": mem[1].item(),  # params + grads + optimizer states, max over ranks
+            "mem_above_baseline_gb": mem[0].item() - baseline_mem,
+            "param_fraction": local_param_fraction(raw_model),  # of all parameters, on rank 0
             "elapsed": time.perf_counter() - train_start,
             "train_start_unix": train_start_unix,
             "num_parameters": n_params,
-            "restarts": restarts,
             "resumed_from_step": resumed_from,
         }
         if do_eval:
             val = evaluate(model, val_loader, cfg, ctx, device)
             metrics.update(val_loss=val, val_ppl=math.exp(min(val, 50.0)))
+        if resumed_row is not None:
+            metrics["resumed_metrics"], resumed_row = resumed_row, None
         if do_ckpt:
             state = None
             if rank == 0:
-                state = {"model": raw_model.state_dict(), "optimizer": optimizer.state_dict(),
-                         "step": step, "tokens": tokens_seen, "data": stream.state_dict(),
-                         "restarts": restarts, "config": cfg.to_dict(),
-                         "tokenizer": manifest["tokenizer"]}
+                state = {"scaler": scaler.state_dict(), "step": step, "tokens": tokens_seen,
+                         "data": stream.state_dict(), "world_size": world,
+                         "metrics": {k: v for k, v in metrics.items() if k != "resumed_metrics"},
+                         "config": cfg.to_dict(), "tokenizer": manifest["tokenizer"]}
             with tempfile.TemporaryDirectory(prefix="raytrain-lm-ckpt-") as tmp:
-                ckpt_io.write_checkpoint(Path(tmp), rank, state)
+                ckpt_io.save_checkpoint(Path(tmp), rank, raw_model, optimizer,
+                                        sharded=is_sharded(raw_model), state=state)
                 ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp),
                                  checkpoint_dir_name=f"checkpoint_{step:08d}")
         else:
             ray.train.report(metrics)
-        loss_sum.zero_()
-        loss_count = 0
+        step_losses = []
         timer.reset()  # eval and checkpoint time stay out of the next interval's throughput

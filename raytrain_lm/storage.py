@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+from pathlib import Path
 from typing import Any, Optional
 
 import pyarrow.fs as pafs
 
 from raytrain_lm.errors import UserError
+
+
+def sha256_file(path: str | Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def resolve_storage(storage: str) -> tuple[pafs.FileSystem, str, str]:

@@ -1,0 +1,77 @@
+"""Ray Train callbacks. They run in Ray Train's controller actor, once per report of all ranks."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+from ray.train import UserCallback
+
+from raytrain_lm.checkpoint import BEST_DIR
+
+
+class ForwardMetrics(UserCallback):
+    """Sends rank 0's metrics (global: the loop all-reduces them) to the driver through a Ray
+    queue, plus an event when workers fail. Ray's `Result` would keep only checkpointed reports."""
+
+    def __init__(self, queue):
+        self.queue = queue
+
+    def after_report(self, run_context, metrics, checkpoint):
+        row = dict(metrics[0])
+        if checkpoint is not None:
+            row["checkpoint"] = checkpoint.path
+        self.queue.put(row)
+
+    def after_exception(self, run_context, worker_exceptions):
+        self.queue.put({"event": "worker_failure", "error": describe_failures(worker_exceptions)})
+
+
+def describe_failures(failures: dict) -> str:
+    """One line for a worker group failure. A dead process is the cause; the other ranks'
+    collective errors ("connection reset by peer") are only its symptoms."""
+    import ray.exceptions
+
+    dead = sorted(r for r, e in failures.items() if isinstance(e, ray.exceptions.ActorDiedError))
+    if dead:
+        return f"worker process of rank {', '.join(map(str, dead))} died"
+    rank, exc = sorted(failures.items())[0]
+    lines = [line for line in str(exc).strip().splitlines() if line.strip()]
+    return f"rank {rank}: {lines[-1] if lines else type(exc).__name__}"
+
+
+class KeepBest(UserCallback):
+    """Ray keeps the last `num_to_keep` checkpoints; this keeps, in addition, a copy of the one with
+    the lowest validation loss in `<run>/best_checkpoint/`, replaced atomically when beaten."""
+
+    def __init__(self, best_val_loss: Optional[float] = None):
+        self.best = best_val_loss if best_val_loss is not None else math.inf
+
+    def after_report(self, run_context, metrics, checkpoint):
+        val = metrics[0].get("val_loss")
+        if checkpoint is None or val is None or not val < self.best:
+            return
+        try:
+            self._copy(checkpoint)
+            self.best = val
+        except Exception as e:  # losing the extra copy must not end the training run
+            print(f"[raytrain-lm] could not update {BEST_DIR}: {e}", flush=True)
+
+    @staticmethod
+    def _copy(checkpoint) -> None:
+        import pyarrow.fs as pafs
+
+        fs, src = checkpoint.filesystem, checkpoint.path.rstrip("/")
+        run_dir = src.rsplit("/", 1)[0]
+        tmp, dst, old = f"{run_dir}/.{BEST_DIR}.tmp", f"{run_dir}/{BEST_DIR}", f"{run_dir}/.{BEST_DIR}.old"
+        for path in (tmp, old):
+            if fs.get_file_info(path).type != pafs.FileType.NotFound:
+                fs.delete_dir(path)
+        fs.create_dir(tmp, recursive=True)
+        pafs.copy_files(src, tmp, source_filesystem=fs, destination_filesystem=fs)
+        # Swap in the complete copy; the previous best is removed only after.
+        if fs.get_file_info(dst).type != pafs.FileType.NotFound:
+            fs.move(dst, old)
+        fs.move(tmp, dst)
+        if fs.get_file_info(old).type != pafs.FileType.NotFound:
+            fs.delete_dir(old)

@@ -1,0 +1,148 @@
+"""Checkpoints, exact resume and surviving failures, on the session's real Ray cluster with two
+gloo workers. Dropout is on, so the per-step losses only match if every RNG state is restored."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ROOT, run_cli
+from raytrain_lm.config import build_config
+from raytrain_lm.errors import UserError
+from raytrain_lm.launch import run_training
+
+STEPS = 30
+SETTINGS = ["model.n_layer=2", "model.n_embd=64", "model.n_head=2", "model.dropout=0.1",
+            "batch_size=8", "seq_len=64", "warmup_steps=5", "keep_checkpoints=2"]
+
+
+def config(data, storage, name, **flags):
+    flags = {**dict(workers=2, max_steps=STEPS, log_every=5, eval_every=15, checkpoint_every=10,
+                    data=str(data), storage=str(storage), name=name, seed=11), **flags}
+    return build_config(flags=flags, sets=SETTINGS)
+
+
+def step_losses(run_dir: Path) -> dict[int, float]:
+    """step -> global training loss of that step, from metrics.jsonl."""
+    out = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        first = row["step"] - len(row["step_losses"]) + 1
+        out.update(zip(range(first, row["step"] + 1), row["step_losses"]))
+    return out
+
+
+@pytest.fixture(scope="module")
+def storage(tmp_path_factory):
+    return tmp_path_factory.mktemp("resume-runs")
+
+
+@pytest.fixture(scope="module")
+def reference(ray_address, pydoc_data, storage):
+    summary = run_training(config(pydoc_data, storage, "reference"), say=lambda m: None)
+    assert summary["status"] == "completed" and summary["restarts"] == 0
+    return step_losses(storage / "reference")
+
+
+def test_killed_worker_recovers_and_matches_uninterrupted(reference, pydoc_data, storage, monkeypatch):
+    monkeypatch.setenv("RAYTRAIN_LM_FAIL_AT", "1:15")  # rank 1's process exits at step 15
+    messages = []
+    summary = run_training(config(pydoc_data, storage, "killed", max_failures=1), say=messages.append)
+    assert summary["status"] == "completed" and summary["steps"] == STEPS
+    assert summary["restarts"] == 1 and summary["resumed_from_step"] == 10
+    assert any(m.startswith("worker failure") for m in messages), messages
+    assert step_losses(storage / "killed") == reference  # bit-identical, every step
+
+
+def test_stopped_driver_resumes_and_matches(reference, pydoc_data, storage, ray_address):
+    args = ["train", "--address", ray_address, "--storage", str(storage), "--name", "driver",
+            "--workers", "2", "--max-steps", str(STEPS), "--log-every", "5", "--eval-every", "15",
+            "--checkpoint-every", "10", "--seed", "11", "--data", str(pydoc_data)]
+    for s in SETTINGS:
+        args += ["--set", s]
+    proc = subprocess.Popen([sys.executable, str(ROOT / "cli.py"), *args], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    metrics = storage / "driver" / "metrics.jsonl"
+    deadline = time.time() + 180
+    while time.time() < deadline and proc.poll() is None:
+        if metrics.exists() and any(json.loads(l)["step"] >= 20 for l in metrics.read_text().splitlines()):
+            break
+        time.sleep(0.2)
+    assert proc.poll() is None, "the run ended before it could be stopped"
+    proc.send_signal(signal.SIGKILL)  # the driver dies without any cleanup
+    proc.wait()
+    assert json.loads((storage / "driver" / "summary.json").read_text())["status"] == "running"
+
+    result = run_cli("train", "--address", ray_address, "--storage", str(storage),
+                     "--name", "driver", "--resume", "--json")
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(result.stdout)
+    assert summary["status"] == "completed" and summary["steps"] == STEPS
+    assert summary["resumed_from_step"] in (10, 20) and summary["restarts"] == 1
+    assert step_losses(storage / "driver") == reference
+
+
+def test_truncated_checkpoint_is_skipped(reference, pydoc_data, storage):
+    import shutil
+
+    shutil.copytree(storage / "reference", storage / "truncated")
+    state = storage / "truncated" / f"checkpoint_{STEPS:08d}" / "state.pt"
+    state.write_bytes(state.read_bytes()[: state.stat().st_size // 2])  # a torn write
+    cfg = build_config(base=json.loads((storage / "truncated" / "config.json").read_text()),
+                       flags={"max_steps": STEPS + 10})
+    cfg.name = "truncated"
+    summary = run_training(cfg, resume=True, say=lambda m: None)
+    assert summary["resumed_from_step"] == STEPS - 10  # fell back to the previous checkpoint
+    assert summary["steps"] == STEPS + 10
+    losses = step_losses(storage / "truncated")
+    # Steps up to the fallback point are the reference's; later steps follow a longer schedule.
+    assert all(losses[s] == reference[s] for s in range(1, STEPS - 9))
+
+
+def test_init_from_loads_weights_and_restarts_schedule(reference, pydoc_data, storage):
+    rows = []
+    cfg = config(pydoc_data, storage, "finetune", max_steps=5)
+    cfg.log_every = 1
+    summary = run_training(cfg, init_from=str(storage / "reference"), say=lambda m: None,
+                           on_metrics=rows.append)
+    assert rows[0]["lr"] == pytest.approx(cfg.lr / (cfg.warmup_steps + 1))  # warmup from step 0
+    assert rows[0]["resumed_from_step"] is None and summary["steps"] == 5
+    # A fresh model starts near ln(256) = 5.5; the loaded one where the reference ended.
+    assert rows[0]["loss"] < reference[STEPS] + 0.3
+
+
+def test_checkpoint_contents_and_best_copy(reference, storage):
+    run = storage / "reference"
+    kept = sorted(p.name for p in run.glob("checkpoint_*"))
+    assert kept == [f"checkpoint_{STEPS - 10:08d}", f"checkpoint_{STEPS:08d}"]  # last 2 kept
+    state = torch.load(run / kept[-1] / "state.pt", weights_only=False)
+    assert {"model", "optimizer", "scaler", "step", "tokens", "data", "config", "tokenizer"} <= state.keys()
+    assert not any(k.startswith(("module.", "_orig_mod.")) for k in state["model"])
+    best = json.loads((run / "best_checkpoint" / "meta.json").read_text())
+    summary = json.loads((run / "summary.json").read_text())
+    assert best["step"] in (10, 20, 30) and summary["best_checkpoint"].endswith("best_checkpoint")
+
+
+def test_bad_resume_and_init_inputs(reference, pydoc_data, storage, tmp_path):
+    r = run_cli("train", "--storage", str(storage), "--name", "nope", "--resume")
+    assert r.returncode == 2 and "no run named 'nope'" in r.stderr
+    r = run_cli("train", "--storage", str(storage), "--name", "reference")
+    assert r.returncode == 2 and "already exists" in r.stderr
+    r = run_cli("train", "--data", str(pydoc_data), "--storage", str(tmp_path / "r"),
+                "--init-from", str(storage / "reference"))  # tiny preset: 4 layers, not 2
+    assert r.returncode == 2 and "another model shape" in r.stderr
+    broken = tmp_path / "broken"
+    import shutil
+
+    shutil.copytree(storage / "reference" / f"checkpoint_{STEPS:08d}", broken)
+    (broken / "state.pt").write_bytes(b"garbage")
+    r = run_cli("train", "--data", str(pydoc_data), "--storage", str(tmp_path / "r"),
+                "--init-from", str(broken))
+    assert r.returncode == 2 and "corrupted" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "r").exists()
