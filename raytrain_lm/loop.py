@@ -91,6 +91,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     tctx = ray.train.get_context()
     rank, world = tctx.get_world_rank(), tctx.get_world_size()
     device = ray.train.torch.get_device()
+    if device.type == "cuda":
+        torch.set_float32_matmul_precision("high")  # TF32 for any matmul left in fp32
     manifest = load_manifest(cfg.data)
 
     # --- restore: the latest valid checkpoint of this run, else weights to start from, else fresh
@@ -144,6 +146,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     model.train()
 
     while step < cfg.max_steps:
+        # Gradients are freed here rather than after the step, so a report sees them as held.
+        optimizer.zero_grad(set_to_none=True)
         lr = lr_at(step, cfg)
         for group in optimizer.param_groups:
             group["lr"] = lr
@@ -163,7 +167,6 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.grad_clip)
         scaler.step(optimizer)
         scaler.update()
-        optimizer.zero_grad(set_to_none=True)
         step += 1
         tokens_seen += cfg.batch_size * cfg.seq_len * cfg.grad_accum * world
         timer.steps += 1
@@ -182,7 +185,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         losses = all_reduce(torch.stack(step_losses).double()) / world
         stats = all_reduce(torch.tensor([timer.data_wait], dtype=torch.float64, device=device))
         mem = all_reduce(torch.tensor([peak_memory_gb(device),
-                                       model_state_bytes(raw_model, optimizer) / 2**30],
+                                       model_state_bytes(raw_model, optimizer) / 1e9],
                                       dtype=torch.float64, device=device), op="max")
         tps = timer.tokens / elapsed
         metrics = {
@@ -206,6 +209,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             "num_parameters": n_params,
             "resumed_from_step": resumed_from,
         }
+        t_excluded = time.perf_counter()
         if do_eval:
             val = evaluate(model, val_loader, cfg, ctx, device)
             metrics.update(val_loss=val, val_ppl=math.exp(min(val, 50.0)))
@@ -226,4 +230,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         else:
             ray.train.report(metrics)
         step_losses = []
-        timer.reset()  # eval and checkpoint time stay out of the next interval's throughput
+        if do_eval or do_ckpt:  # eval and checkpoint time stay out of the throughput
+            timer.reset(excluded=time.perf_counter() - t_excluded)
+        else:
+            timer.reset()

@@ -47,11 +47,12 @@ def mfu(tokens_per_second: float, flops_per_token: float, num_devices: int,
 
 
 def peak_memory_gb(device: torch.device) -> float:
-    """Peak allocated GPU memory on CUDA; peak resident set size of this process on CPU."""
+    """Peak allocated GPU memory on CUDA; peak resident set size of this process on CPU. GB = 1e9
+    bytes throughout, as in `plan`."""
     if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
+        return torch.cuda.max_memory_allocated(device) / 1e9
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
-    return rss / (2**30 if sys.platform == "darwin" else 2**20)
+    return rss * (1 if sys.platform == "darwin" else 1024) / 1e9
 
 
 class StepTimer:
@@ -61,9 +62,13 @@ class StepTimer:
         self.device = device
         self.reset()
 
-    def reset(self) -> None:
+    def reset(self, excluded: float = 0.0) -> None:
+        """Start a new interval at the last log point: the cost of logging and reporting (a
+        barrier) counts against the next interval; `excluded` seconds (eval, checkpoint) do not."""
         self._sync()
-        self.start = time.perf_counter()
+        now = time.perf_counter()
+        self.start = getattr(self, "mark", now) + excluded
+        self.mark = now
         self.data_wait = 0.0
         self.tokens = 0
         self.steps = 0
@@ -73,5 +78,7 @@ class StepTimer:
             torch.cuda.synchronize(self.device)
 
     def elapsed(self) -> float:
+        """Seconds since the interval started; marks now as the end of the interval."""
         self._sync()
-        return time.perf_counter() - self.start
+        self.mark = time.perf_counter()
+        return self.mark - self.start

@@ -119,7 +119,7 @@ def test_init_from_loads_weights_and_restarts_schedule(reference, pydoc_data, st
 
 def test_checkpoint_contents_and_best_copy(reference, storage):
     run = storage / "reference"
-    kept = sorted(p.name for p in run.glob("checkpoint_*"))
+    kept = sorted(p.name for p in run.glob("checkpoint_*") if p.is_dir())
     assert kept == [f"checkpoint_{STEPS - 10:08d}", f"checkpoint_{STEPS:08d}"]  # last 2 kept
     state = torch.load(run / kept[-1] / "state.pt", weights_only=False)
     assert {"model", "optimizer", "scaler", "step", "tokens", "data", "config", "tokenizer"} <= state.keys()

@@ -27,8 +27,8 @@ def finished_run(ray_address, pydoc_data, tmp_path_factory):
 def test_validation_loss_falls(finished_run):
     summary, rows, _ = finished_run
     vals = [r["val_loss"] for r in rows if "val_loss" in r]
-    assert len(vals) == 3  # steps 20, 40, 60
-    assert vals[0] > vals[1] > vals[2]
+    assert [r["step"] for r in rows if "val_loss" in r] == [20, 30, 40, 60]  # eval + checkpoints
+    assert all(a > b for a, b in zip(vals, vals[1:]))
     # Well below a byte-level unigram model of this corpus (~3.27 nats/byte) after 60 steps.
     assert summary["final_val_loss"] < 3.0
     assert summary["val_perplexity"] == pytest.approx(math.exp(summary["final_val_loss"]))
