@@ -22,6 +22,7 @@ from raytrain_lm.config import TrainConfig
 from raytrain_lm.data import load_manifest, prepare_dataset
 from raytrain_lm.errors import UserError
 from raytrain_lm.storage import MetricsLog, RunFolder
+from raytrain_lm.tb import TensorBoardLog
 
 DEFAULT_DATA = "data/pydoc"
 
@@ -218,6 +219,7 @@ def run_training(
     trainer = build_trainer(cfg, run, callbacks=[_progress_callback(metrics_q)], init_from=init_from)
 
     log = MetricsLog(run)
+    tb = TensorBoardLog(run, say)  # event files beside metrics.jsonl: `tensorboard --logdir runs`
     outcome: dict[str, Any] = {}
 
     def fit() -> None:
@@ -236,9 +238,11 @@ def run_training(
         except Exception:  # the queue actor is gone: nothing more will come
             break
         log.add(row)
+        tb.add(row)
         if on_metrics:
             on_metrics(row)
     thread.join()
+    tb.close()
 
     wall = time.time() - t_launch
     error = outcome.get("error")
