@@ -159,6 +159,7 @@ def runs_(
 ) -> None:
     """List the runs in --storage: status, steps, final val loss, tokens/s, date."""
     from raytrain_lm.console import paint
+    from raytrain_lm.report import runs_table
     from raytrain_lm.runs import list_runs
 
     found = list_runs(storage)
@@ -172,30 +173,7 @@ def runs_(
     if not found:
         typer.echo(f"no runs in {storage} (start one with `python cli.py train`)")
         return
-    colors = {"completed": "green", "failed": "red", "unfinished": "yellow"}
-    header = ("run", "status", "steps", "val loss", "tokens/s", "ckpts", "date")
-    table = [(r["name"], r.get("status", "-"),
-              f"{r.get('steps', 0)}/{r['max_steps']}" if r.get("max_steps") else str(r.get("steps", 0)),
-              f"{r['final_val_loss']:.4f}" if r.get("final_val_loss") is not None else "-",
-              f"{r['tokens_per_second']:,.0f}" if r.get("tokens_per_second") else "-",
-              str(r.get("checkpoints", 0)), _local_time(r.get("finished"))) for r in found]
-    widths = [max(len(row[i]) for row in [header, *table]) for i in range(len(header))]
-    typer.echo("  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip())
-    for row in table:
-        cells = [c.ljust(w) for c, w in zip(row, widths)]
-        cells[1] = paint(cells[1], colors.get(row[1], "bold"))
-        typer.echo("  ".join(cells).rstrip())
-
-
-def _local_time(iso: Optional[str]) -> str:
-    import datetime as dt
-
-    if not iso:
-        return "-"
-    try:
-        return dt.datetime.fromisoformat(iso).astimezone().strftime("%Y-%m-%d %H:%M")
-    except ValueError:
-        return iso
+    typer.echo(runs_table(found, paint=paint))
 
 
 @app.command(epilog="Examples:\n\n  python cli.py report tiny-20261130-075850\n\n"

@@ -27,8 +27,9 @@ def plot_runs(runs: Sequence[tuple[str, list[dict]]], dpi: int = 110) -> bytes:
         s, v = _series(rows, "loss")
         ax_loss.plot(s, v, color=c, lw=1.6, label=f"{tag}train")
         s, v = _series(rows, "val_loss")
-        if s:
-            ax_loss.plot(s, v, color=c, lw=1.2, ls="--", marker="o", ms=4, label=f"{tag}val")
+        if s:  # one run: val in its own colour; several: each run's colour, dashed
+            ax_loss.plot(s, v, color=c if several else colors[1], lw=1.2, ls="--", marker="o", ms=4,
+                         label=f"{tag}val")
         s, v = _series(rows, "tokens_per_second")
         ax_tps.plot(s, v, color=c, lw=1.6, label=name)
         s, v = _series(rows, "lr")

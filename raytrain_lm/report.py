@@ -90,6 +90,37 @@ def compare_table(summaries: list[dict[str, Any]]) -> str:
                      for label, vals in rows)
 
 
+def _local_time(iso: Optional[str]) -> str:
+    import datetime as dt
+
+    if not iso:
+        return "-"
+    try:
+        return dt.datetime.fromisoformat(iso).astimezone().strftime("%Y-%m-%d %H:%M")
+    except ValueError:
+        return iso
+
+
+STATUS_COLORS = {"completed": "green", "failed": "red", "unfinished": "yellow"}
+
+
+def runs_table(runs: list[dict[str, Any]], paint=lambda text, color: text) -> str:
+    """`runs`: one line per run. `paint(text, color)` colours the status (or leaves it plain)."""
+    header = ("run", "status", "steps", "val loss", "tokens/s", "ckpts", "date")
+    table = [(r["name"], r.get("status", "-"),
+              f"{r.get('steps', 0)}/{r['max_steps']}" if r.get("max_steps") else str(r.get("steps", 0)),
+              f"{r['final_val_loss']:.4f}" if r.get("final_val_loss") is not None else "-",
+              f"{r['tokens_per_second']:,.0f}" if r.get("tokens_per_second") else "-",
+              str(r.get("checkpoints", 0)), _local_time(r.get("finished"))) for r in runs]
+    widths = [max(len(row[i]) for row in [header, *table]) for i in range(len(header))]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip()]
+    for row in table:
+        cells = [c.ljust(w) for c, w in zip(row, widths)]
+        cells[1] = paint(cells[1], STATUS_COLORS.get(row[1], "bold"))
+        lines.append("  ".join(cells).rstrip())
+    return "\n".join(lines)
+
+
 def build_report(refs: list[str], storage: str, out: Optional[str] = None) -> dict[str, Any]:
     """Summaries of the runs `refs` and a PNG of their curves, written into the first run's folder
     (report.png, or compare.png for several runs) unless `out` is given. Returns

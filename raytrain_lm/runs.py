@@ -8,7 +8,6 @@ folder. Runs on s3:// or gs:// work too: a checkpoint is copied into a temporary
 from __future__ import annotations
 
 import datetime as _dt
-import os
 import statistics
 import tempfile
 from dataclasses import dataclass
