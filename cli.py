@@ -20,6 +20,11 @@ app = typer.Typer(
     help="Pretrain GPT-style language models on N workers with Ray Train.\n\n"
          "Quick start: `python cli.py train` prepares the built-in corpus and trains the tiny "
          "preset on 2 CPU workers.",
+    epilog="A session:\n\n  python cli.py train --max-steps 300 --name first\n\n"
+           "  python cli.py runs\n\n  python cli.py report first\n\n"
+           "  python cli.py generate first --prompt 'The list type'\n\n"
+           "  python cli.py export first --out export/first\n\n"
+           "Every command: python cli.py COMMAND --help.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -45,7 +50,7 @@ def prepare(
     text_column: str = typer.Option("text", help="Field of .jsonl rows / column of Parquet files."),
     val_every: int = typer.Option(20, help="Every Nth block of 2048 tokens goes to validation."),
     force: bool = typer.Option(False, help="Overwrite an existing dataset folder."),
-    quiet: bool = typer.Option(False, "--quiet", "-q"),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Print nothing on success."),
     as_json: bool = typer.Option(False, "--json", help="Print the manifest as JSON."),
 ) -> None:
     """Tokenize a corpus into train/validation token shards (byte-level tokenizer)."""
@@ -203,18 +208,180 @@ def plan(
                "bf16 activations on GPU, fused attention)")
 
 
+STORAGE_HELP = "Where runs live: a folder or s3://..."
+
+
+@app.command("runs", epilog="Examples:\n\n  python cli.py runs\n\n"
+                            "  python cli.py runs --storage s3://bucket/runs --json\n\n"
+                            "  python cli.py runs -q   # names only, one per line")
+def runs_(
+    storage: str = typer.Option("runs", help=STORAGE_HELP),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Only the run names."),
+    as_json: bool = typer.Option(False, "--json", help="Print the runs as a JSON list."),
+) -> None:
+    """List the runs in --storage: status, steps, final val loss, tokens/s, date."""
+    from raytrain_lm.console import paint
+    from raytrain_lm.report import runs_table
+    from raytrain_lm.runs import list_runs
+
+    found = list_runs(storage)
+    if as_json:
+        typer.echo(json.dumps([{k: v for k, v in r.items() if k != "config"} for r in found], indent=2))
+        return
+    if quiet:
+        for r in found:
+            typer.echo(r["name"])
+        return
+    if not found:
+        typer.echo(f"no runs in {storage} (start one with `python cli.py train`)")
+        return
+    typer.echo(runs_table(found, paint=paint))
+
+
+@app.command(epilog="Examples:\n\n  python cli.py report tiny-20261130-075850\n\n"
+                    "  python cli.py report runs/tiny-20261130-075850 --json\n\n"
+                    "  python cli.py report base --compare wide deep --out compare.png")
+def report(
+    run: str = typer.Argument(..., help="Run name (in --storage) or run folder."),
+    compare: Optional[List[str]] = typer.Option(None, "--compare", help="More runs to overlay "
+                                                "(repeat, or list them after one --compare)."),
+    out: Optional[Path] = typer.Option(None, help="Write the PNG here [default: report.png in the "
+                                       "run's folder; compare.png with --compare]."),
+    storage: str = typer.Option("runs", help=STORAGE_HELP),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Only the PNG's path."),
+    as_json: bool = typer.Option(False, "--json", help="Print the summaries and the PNG's path as JSON."),
+) -> None:
+    """A run's results table and a PNG of its curves (train/val loss, tokens/s, learning rate)."""
+    from raytrain_lm.report import build_report, compare_table, results_table
+
+    refs = [run, *(compare or [])]
+    rep = build_report(refs, storage, out=str(out) if out else None)
+    if as_json:
+        typer.echo(json.dumps(rep, indent=2, default=str))
+        return
+    if not quiet:
+        runs = rep["runs"]
+        typer.echo(results_table(runs[0]) if len(runs) == 1 else compare_table(runs))
+    typer.echo(rep["plot"] if quiet else f"plot: {rep['plot']}")
+
+
+@app.command(epilog="Examples:\n\n  python cli.py generate tiny-20261130-075850 --prompt 'The list type'\n\n"
+                    "  python cli.py generate my-run --best --temperature 0 --max-new-tokens 100\n\n"
+                    "  python cli.py generate runs/my-run/checkpoint_00000300 --prompt 'def ' --seed 7\n\n"
+                    "  python cli.py generate my-run --prompt 'import' --json")
+def generate(
+    model: str = typer.Argument(..., metavar="RUN|CHECKPOINT", help="Run name (in --storage), run "
+                                "folder, or checkpoint folder."),
+    prompt: str = typer.Option("", "--prompt", "-p", help="Text to continue [default: start of a line]."),
+    max_new_tokens: int = typer.Option(200, "--max-new-tokens", "-n", help="Tokens to sample (bytes, for the byte tokenizer)."),
+    temperature: float = typer.Option(0.8, help="Softmax temperature; 0 always takes the likeliest token."),
+    top_k: int = typer.Option(40, help="Sample among the k likeliest tokens; 0: among all."),
+    seed: int = typer.Option(0, help="Random seed: the same seed gives the same text on the same device."),
+    best: bool = typer.Option(False, "--best", help="The checkpoint with the lowest validation loss "
+                              "instead of the latest."),
+    device: str = typer.Option("auto", help="auto (a GPU if there is one), cpu, cuda, cuda:N."),
+    storage: str = typer.Option("runs", help=STORAGE_HELP),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Only the generated text (no prompt, no stats)."),
+    as_json: bool = typer.Option(False, "--json", help="Print text, token ids and stats as JSON at the end."),
+) -> None:
+    """Sample text from a run's latest (or best) checkpoint, streaming it as it comes (KV cache)."""
+    from raytrain_lm.console import paint
+    from raytrain_lm.generate import check_sampling, generate_text, pick_device
+    from raytrain_lm.runs import choose_checkpoint
+
+    check_sampling(max_new_tokens, temperature, top_k or None)
+    pick_device(device)  # a bad --device fails before any loading
+    chosen = choose_checkpoint(model, storage, best=best)
+    info = lambda m: None if (quiet or as_json) else typer.echo(paint(m, "dim", sys.stderr), err=True)  # noqa: E731
+    val = f", val loss {chosen.val_loss:.4f}" if chosen.val_loss is not None else ""
+    info(f"checkpoint {chosen.source} (step {chosen.step}{val})")
+    stream = not as_json
+    if stream and not quiet:
+        typer.echo(paint(prompt, "bold"), nl=False)
+
+    def on_text(text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    res = generate_text(chosen.path, prompt, max_new_tokens=max_new_tokens, temperature=temperature,
+                        top_k=top_k or None, seed=seed, device=device,
+                        on_text=on_text if stream else None)
+    res.update(checkpoint=chosen.source, step=chosen.step)
+    if as_json:
+        typer.echo(json.dumps(res, indent=2))
+        return
+    typer.echo("")
+    info(f"{res['tokens']} tokens in {res['seconds']:.2f} s ({res['tokens_per_second']:,.0f} tokens/s, "
+         f"{res['device']}, seed {seed})")
+
+
+@app.command(epilog="Examples:\n\n  python cli.py export tiny-20261130-075850 --out export/tiny\n\n"
+                    "  python cli.py export my-run --best --out export/best --force\n\n"
+                    "  python cli.py export runs/my-run/checkpoint_00000200 --out export/step200 --json")
+def export(
+    model: str = typer.Argument(..., metavar="RUN|CHECKPOINT", help="Run name (in --storage), run "
+                                "folder, or checkpoint folder."),
+    out: Path = typer.Option(..., help="Folder to write model.safetensors and config.json into."),
+    best: bool = typer.Option(False, "--best", help="The checkpoint with the lowest validation loss "
+                              "instead of the latest."),
+    force: bool = typer.Option(False, help="Replace --out if it exists."),
+    storage: str = typer.Option("runs", help=STORAGE_HELP),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Print nothing on success."),
+    as_json: bool = typer.Option(False, "--json", help="Print config.json's content and the files as JSON."),
+) -> None:
+    """Write a checkpoint's weights as safetensors plus a config JSON (loadable with plain PyTorch)."""
+    from raytrain_lm.export import CONFIG, WEIGHTS, export_checkpoint
+    from raytrain_lm.runs import choose_checkpoint
+
+    chosen = choose_checkpoint(model, storage, best=best)
+    config = export_checkpoint(chosen.path, out, source=chosen.source, force=force)
+    files = {"weights": str(out / WEIGHTS), "config": str(out / CONFIG)}
+    if as_json:
+        typer.echo(json.dumps({**files, **{k: v for k, v in config.items() if k != "train_config"}}, indent=2))
+        return
+    _echo(f"exported step {config['step']} of {chosen.source} ({config['num_parameters']:,} parameters, "
+          f"{config['dtype']}) to {files['weights']} and {files['config']}", quiet)
+
+
 def main() -> None:
+    """The one place that turns errors into what the user sees: a UserError or bad usage is one
+    line and exit code 2; anything unexpected is one line and exit code 1, with the traceback
+    only under --verbose."""
+    from raytrain_lm.console import paint, quiet_ray_logging
+
     verbose = "--verbose" in sys.argv or "-v" in sys.argv
+    if not verbose:
+        quiet_ray_logging()
+    err = lambda m: typer.echo(paint("error:", "red", sys.stderr) + " " + m, err=True)  # noqa: E731
     try:
-        app()
+        code = app(standalone_mode=False)
+    except typer.TyperException as e:  # bad usage, from Typer's (vendored) click
+        if type(e).__name__ == "NoArgsIsHelpError":
+            e.show()  # `cli.py` or `cli.py COMMAND` alone: the help itself
+            sys.exit(2)
+        ctx = getattr(e, "ctx", None)
+        hint = f" (see `{ctx.command_path} --help`)" if ctx else ""
+        err(e.format_message().replace("\n", " ") + hint)
+        sys.exit(getattr(e, "exit_code", 2))
     except UserError as e:
         if verbose:
             raise
-        typer.echo(f"error: {e}", err=True)
+        err(str(e))
         sys.exit(2)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, typer.Abort):
         typer.echo("interrupted", err=True)
         sys.exit(130)
+    except BrokenPipeError:  # `... | head`: the reader left; not an error
+        sys.stderr.close()
+        sys.exit(0)
+    except Exception as e:
+        if verbose:
+            raise
+        first = next((line for line in str(e).splitlines() if line.strip()), "")
+        err(f"unexpected {type(e).__name__}{': ' + first if first else ''} "
+            f"(rerun with --verbose for the traceback)")
+        sys.exit(1)
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from raytrain_lm.config import TrainConfig
 from raytrain_lm.data import load_manifest, prepare_dataset
 from raytrain_lm.errors import UserError
 from raytrain_lm.storage import MetricsLog, RunFolder
+from raytrain_lm.tb import TensorBoardLog
 
 DEFAULT_DATA = "data/pydoc"
 FAULT_ENV = "RAYTRAIN_LM_FAIL_AT"  # fault drill: "RANK:STEP" makes that rank's process exit there
@@ -299,6 +300,7 @@ def run_training(
 
     # Written now and kept current: after a crash of this driver it still tells what happened.
     write_summary("running")
+    tb = TensorBoardLog(run, say)  # event files beside metrics.jsonl: `tensorboard --logdir runs`
     outcome: dict[str, Any] = {}
 
     def fit() -> None:
@@ -322,13 +324,17 @@ def run_training(
             write_summary("running")
             continue
         if row.get("resumed_metrics"):  # the checkpoint's own row, which Ray may have lost
-            log.add(row.pop("resumed_metrics"))
+            resumed = row.pop("resumed_metrics")
+            log.add(resumed)
+            tb.add(resumed)
         log.add(row)
         if row.get("checkpoint"):
             write_summary("running")
+        tb.add(row)
         if on_metrics:
             on_metrics(row)
     thread.join()
+    tb.close()
 
     error = outcome.get("error")
     result = outcome.get("result")

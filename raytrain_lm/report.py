@@ -1,8 +1,12 @@
-"""Text the user reads: progress lines while training, the results table at the end."""
+"""Text the user reads: progress lines while training, the results table at the end, and the
+`report` command (tables and a PNG of the curves of one or several runs)."""
 
 from __future__ import annotations
 
+import os
 from typing import Any, Optional
+
+from raytrain_lm.errors import UserError
 
 
 def _fmt_seconds(s: Optional[float]) -> str:
@@ -72,3 +76,78 @@ def results_table(summary: dict[str, Any]) -> str:
     rows = [(label, _fmt_value(key, summary.get(key))) for key, label in TABLE_KEYS]
     width = max(len(label) for label, _ in rows)
     return "\n".join(f"  {label:<{width}}  {value}" for label, value in rows)
+
+
+def compare_table(summaries: list[dict[str, Any]]) -> str:
+    """The results table with one column per run (`report RUN --compare RUN2 ...`)."""
+    keys = [(k, label) for k, label in TABLE_KEYS if k not in ("name", "checkpoint")]
+    header = [("run", [str(s.get("name", "-")) for s in summaries])]
+    rows = header + [(label, [_fmt_value(k, s.get(k)) for s in summaries]) for k, label in keys]
+    rows = [r for r in rows if any(v != "-" for v in r[1])]
+    lw = max(len(label) for label, _ in rows)
+    widths = [max(len(vals[i]) for _, vals in rows) for i in range(len(summaries))]
+    return "\n".join(f"  {label:<{lw}}  " + "  ".join(f"{v:<{w}}" for v, w in zip(vals, widths)).rstrip()
+                     for label, vals in rows)
+
+
+def _local_time(iso: Optional[str]) -> str:
+    import datetime as dt
+
+    if not iso:
+        return "-"
+    try:
+        return dt.datetime.fromisoformat(iso).astimezone().strftime("%Y-%m-%d %H:%M")
+    except ValueError:
+        return iso
+
+
+STATUS_COLORS = {"completed": "green", "failed": "red", "unfinished": "yellow"}
+
+
+def runs_table(runs: list[dict[str, Any]], paint=lambda text, color: text) -> str:
+    """`runs`: one line per run. `paint(text, color)` colours the status (or leaves it plain)."""
+    header = ("run", "status", "steps", "val loss", "tokens/s", "ckpts", "date")
+    table = [(r["name"], r.get("status", "-"),
+              f"{r.get('steps', 0)}/{r['max_steps']}" if r.get("max_steps") else str(r.get("steps", 0)),
+              f"{r['final_val_loss']:.4f}" if r.get("final_val_loss") is not None else "-",
+              f"{r['tokens_per_second']:,.0f}" if r.get("tokens_per_second") else "-",
+              str(r.get("checkpoints", 0)), _local_time(r.get("finished"))) for r in runs]
+    widths = [max(len(row[i]) for row in [header, *table]) for i in range(len(header))]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip()]
+    for row in table:
+        cells = [c.ljust(w) for c, w in zip(row, widths)]
+        cells[1] = paint(cells[1], STATUS_COLORS.get(row[1], "bold"))
+        lines.append("  ".join(cells).rstrip())
+    return "\n".join(lines)
+
+
+def build_report(refs: list[str], storage: str, out: Optional[str] = None) -> dict[str, Any]:
+    """Summaries of the runs `refs` and a PNG of their curves, written into the first run's folder
+    (report.png, or compare.png for several runs) unless `out` is given. Returns
+    {"runs": [summary, ...], "plot": where the PNG went}."""
+    from raytrain_lm.plots import plot_runs
+    from raytrain_lm.runs import open_run, summary_of
+    from raytrain_lm.storage import MetricsLog
+
+    runs = [open_run(r, storage) for r in refs]
+    curves = [(run.name, run.read_jsonl(MetricsLog.FILE)) for run in runs]
+    empty = [name for name, rows in curves if not rows]
+    if empty:
+        raise UserError(f"run {empty[0]!r} has no metrics yet (it never logged a step)")
+    png = plot_runs(curves)
+    if out:
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        with open(out, "wb") as f:
+            f.write(png)
+        where = out
+    else:
+        rel = "report.png" if len(runs) == 1 else "compare.png"
+        with runs[0].fs.open_output_stream(f"{runs[0].path}/{rel}") as f:
+            f.write(png)
+        where = runs[0].display_path(rel)
+    summaries = []
+    for run in runs:
+        s = summary_of(run)
+        s.pop("config", None)
+        summaries.append({**s, "run_dir": run.display_path()})
+    return {"runs": summaries, "plot": where}

@@ -1,0 +1,148 @@
+"""Sampling text from a checkpoint, token by token with a KV cache, streaming text as it comes."""
+
+from __future__ import annotations
+
+import codecs
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from raytrain_lm.checkpoint import load_checkpoint
+from raytrain_lm.config import TrainConfig
+from raytrain_lm.errors import UserError
+from raytrain_lm.model import GPT
+from raytrain_lm.tokenizer import tokenizer_from_spec
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"--device {name}: no CUDA GPU is visible here; use --device cpu")
+    try:
+        return torch.device(name)
+    except RuntimeError:
+        raise UserError(f"unknown --device {name!r}; use auto, cpu or cuda[:N]") from None
+
+
+def load_model(folder: Path, device: torch.device):
+    """(model in eval mode on `device`, tokenizer, the checkpoint's TrainConfig)."""
+    state = load_checkpoint(folder, map_location="cpu")
+    cfg = TrainConfig.from_dict(state["config"])
+    model = GPT(cfg.model)
+    model.load_state_dict(state["model"])
+    return model.to(device).eval(), tokenizer_from_spec(state["tokenizer"]), cfg
+
+
+def check_sampling(max_new_tokens: int, temperature: float, top_k: Optional[int]) -> None:
+    if max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
+    if temperature < 0:
+        raise UserError(f"--temperature must be >= 0 (0: always the likeliest token), got {temperature}")
+    if top_k is not None and top_k < 1:
+        raise UserError(f"--top-k must be at least 1, got {top_k}")
+
+
+@torch.no_grad()
+def sample(
+    model: GPT,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    temperature: float = 0.8,
+    top_k: Optional[int] = 40,
+    seed: int = 0,
+    on_token: Optional[Callable[[int], None]] = None,
+) -> list[int]:
+    """Exactly `max_new_tokens` new token ids after `prompt_ids`.
+
+    One forward pass of the whole prompt fills the KV cache; every new token then costs one
+    single-position pass. When the context reaches the model's block size, the cache is rebuilt
+    from the last three quarters of it (a sliding window, paid for once every block/4 tokens).
+    Temperature 0 is greedy. The same seed gives the same tokens on the same device.
+    """
+    check_sampling(max_new_tokens, temperature, top_k)
+    if not prompt_ids:
+        raise ValueError("prompt_ids must hold at least one token")
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed)
+    block = model.cfg.block_size
+    keep = max(1, block * 3 // 4)
+    ids = list(prompt_ids)
+
+    def refill():
+        cache = model.new_cache()
+        ctx = torch.tensor([ids[-keep:]], dtype=torch.long, device=device)
+        logits, _ = model(ctx, cache=cache)
+        return cache, logits
+
+    cache, logits = refill()
+    out: list[int] = []
+    for i in range(max_new_tokens):
+        logits_last = logits[0, -1].float()
+        if temperature == 0:
+            nxt = int(torch.argmax(logits_last))
+        else:
+            logits_last = logits_last / temperature
+            if top_k is not None and top_k < logits_last.numel():
+                kth = torch.topk(logits_last, top_k).values[-1]
+                logits_last = logits_last.masked_fill(logits_last < kth, float("-inf"))
+            probs = torch.softmax(logits_last, dim=-1)
+            nxt = int(torch.multinomial(probs, 1, generator=gen))
+        ids.append(nxt)
+        out.append(nxt)
+        if on_token:
+            on_token(nxt)
+        if i == max_new_tokens - 1:
+            break
+        if cache.length >= block:
+            cache, logits = refill()
+        else:
+            logits, _ = model(torch.tensor([[nxt]], dtype=torch.long, device=device), cache=cache)
+    return out
+
+
+def generate_text(
+    folder: Path,
+    prompt: str,
+    max_new_tokens: int = 200,
+    temperature: float = 0.8,
+    top_k: Optional[int] = 40,
+    seed: int = 0,
+    device: str = "auto",
+    on_text: Optional[Callable[[str], None]] = None,
+) -> dict:
+    """Sample from the checkpoint in `folder`; `on_text` receives decoded text as it is produced.
+    Returns the text, its token ids and the speed."""
+    check_sampling(max_new_tokens, temperature, top_k)
+    dev = pick_device(device)
+    model, tok, _ = load_model(folder, dev)
+    # A byte-level model has no start token: an empty prompt starts after a newline.
+    prompt_ids = [int(i) for i in tok.encode(prompt)] or [int(i) for i in tok.encode("\n")]
+    if max(prompt_ids) >= model.cfg.vocab_size:
+        raise UserError("the prompt holds tokens outside this model's vocabulary")
+    # Tokens are bytes (the only tokenizer so far), and the bytes of one character can arrive in
+    # different steps: decode incrementally so the stream never shows half a character.
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    pieces: list[str] = []
+
+    def emit(token: int) -> None:
+        text = decoder.decode(bytes([token]))
+        if text:
+            pieces.append(text)
+            if on_text:
+                on_text(text)
+
+    t0 = time.perf_counter()
+    ids = sample(model, prompt_ids, max_new_tokens, temperature, top_k, seed,
+                 on_token=emit)
+    seconds = time.perf_counter() - t0
+    tail = decoder.decode(b"", final=True)
+    if tail:
+        pieces.append(tail)
+        if on_text:
+            on_text(tail)
+    return {"prompt": prompt, "text": "".join(pieces), "token_ids": ids, "tokens": len(ids),
+            "seconds": seconds, "tokens_per_second": len(ids) / seconds if seconds > 0 else None,
+            "device": str(dev), "seed": seed, "temperature": temperature, "top_k": top_k}

@@ -1,0 +1,52 @@
+"""The report's figure: train/val loss, tokens/s and learning rate against step, one colour per run."""
+
+from __future__ import annotations
+
+import io
+from typing import Sequence
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only: no display needed, safe in headless jobs and tests
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
+    pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
+    return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def plot_runs(runs: Sequence[tuple[str, list[dict]]], dpi: int = 110) -> bytes:
+    """PNG bytes of the curves of `runs`: (name, metrics rows) pairs."""
+    fig, (ax_loss, ax_tps, ax_lr) = plt.subplots(1, 3, figsize=(15, 4.4), dpi=dpi)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    several = len(runs) > 1
+    for i, (name, rows) in enumerate(runs):
+        c = colors[i % len(colors)]
+        tag = f"{name} " if several else ""
+        s, v = _series(rows, "loss")
+        ax_loss.plot(s, v, color=c, lw=1.6, label=f"{tag}train")
+        s, v = _series(rows, "val_loss")
+        if s:  # one run: val in its own colour; several: each run's colour, dashed
+            ax_loss.plot(s, v, color=c if several else colors[1], lw=1.2, ls="--", marker="o", ms=4,
+                         label=f"{tag}val")
+        s, v = _series(rows, "tokens_per_second")
+        ax_tps.plot(s, v, color=c, lw=1.6, label=name)
+        s, v = _series(rows, "lr")
+        ax_lr.plot(s, v, color=c, lw=1.6, label=name)
+    ax_loss.set(title="loss (nats/token)", xlabel="step")
+    ax_tps.set(title="throughput (tokens/s, all workers)", xlabel="step", ylim=(0, None))
+    ax_lr.set(title="learning rate", xlabel="step")
+    ax_lr.ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
+    ax_loss.legend(fontsize=8)
+    if several:
+        ax_tps.legend(fontsize=8)
+    for ax in (ax_loss, ax_tps, ax_lr):
+        ax.grid(alpha=0.3)
+    if not several and runs:
+        fig.suptitle(runs[0][0], fontsize=10)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    return buf.getvalue()

@@ -1,0 +1,86 @@
+"""TensorBoard event files for every run, so `tensorboard --logdir runs` shows every run's curves.
+
+The driver feeds each metrics row (rank 0's, already global) to `TensorBoardLog.add`. Event files
+go straight into the run's folder, so TensorBoard names each run after its folder. A row for a step
+already written means the run restarted from a checkpoint: a new event file starts with a purge
+marker at that step, and TensorBoard drops the abandoned points after it, like metrics.jsonl does.
+Writing event files is a convenience: if it fails, training goes on and the user is told once.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from typing import Callable, Optional
+
+from raytrain_lm.storage import RunFolder
+
+# metrics key -> TensorBoard tag; the prefix groups the charts.
+TAGS = {
+    "loss": "loss/train",
+    "val_loss": "loss/val",
+    "val_ppl": "loss/val_perplexity",
+    "lr": "optim/lr",
+    "grad_norm": "optim/grad_norm",
+    "tokens_per_second": "perf/tokens_per_second",
+    "mfu": "perf/mfu",
+    "step_time": "perf/step_time_s",
+    "data_wait_frac": "perf/data_wait_frac",
+    "peak_mem_gb": "perf/peak_mem_gb",
+    "tokens": "progress/tokens",
+    "epoch": "progress/epoch",
+}
+
+
+class TensorBoardLog:
+    def __init__(self, run: RunFolder, say: Callable[[str], None] = print):
+        self.run, self.say = run, say
+        # Object stores cannot take appends: write locally, copy into the run's folder at close.
+        self.dir = run.path if run.local else tempfile.mkdtemp(prefix="raytrain-lm-tb-")
+        self.writer = None
+        self.last_step: Optional[int] = None
+        self.failed = False
+
+    def add(self, row: dict) -> None:
+        if self.failed:
+            return
+        try:
+            step = int(row["step"])
+            if self.writer is None or (self.last_step is not None and step <= self.last_step):
+                self._open(purge_step=step)
+            wall = (row["train_start_unix"] + row["elapsed"]
+                    if row.get("train_start_unix") is not None and row.get("elapsed") is not None else None)
+            for key, tag in TAGS.items():
+                value = row.get(key)
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self.writer.add_scalar(tag, value, step, walltime=wall)
+            self.writer.flush()  # rows come every few seconds at most: keep the files current
+            self.last_step = step
+        except Exception as e:  # never let a chart break a training run
+            self.failed = True
+            self.say(f"warning: TensorBoard event files stopped ({type(e).__name__}: {e})")
+
+    def _open(self, purge_step: int) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        if self.writer is not None:
+            self.writer.close()
+        os.makedirs(self.dir, exist_ok=True)
+        # purge_step: TensorBoard discards earlier-written points at steps >= purge_step, so a
+        # resumed or restarted run shows the curve the model actually followed.
+        self.writer = SummaryWriter(log_dir=self.dir, purge_step=purge_step)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+        if not self.run.local and not self.failed:
+            import pyarrow.fs as pafs
+
+            try:
+                pafs.copy_files(self.dir, self.run.path, source_filesystem=pafs.LocalFileSystem(),
+                                destination_filesystem=self.run.fs)
+            except Exception as e:
+                self.say(f"warning: could not copy TensorBoard event files to {self.run.display_path()}: {e}")
+            shutil.rmtree(self.dir, ignore_errors=True)

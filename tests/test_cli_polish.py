@@ -1,0 +1,99 @@
+"""The CLI's manners: help with examples, one-line errors, tracebacks only on request, Ray's
+notices kept off the terminal. No Ray cluster is started here."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, run_cli
+
+COMMANDS = ["prepare", "train", "runs", "report", "generate", "export"]
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_command_has_help_with_examples(command):
+    res = run_cli(command, "--help")
+    assert res.returncode == 0, res.stderr
+    assert "Examples:" in res.stdout and f"python cli.py {command}" in res.stdout
+    assert "\033[" not in res.stdout
+
+
+def test_top_level_help_lists_every_command():
+    res = run_cli("--help")
+    assert res.returncode == 0
+    for command in COMMANDS:
+        assert f"  {command} " in res.stdout
+
+
+@pytest.mark.parametrize("args,expected", [
+    (["train", "--bogus"], "No such option: --bogus"),
+    (["train", "--workers", "two"], "Invalid value for '--workers'"),
+    (["generate"], "Missing argument 'RUN|CHECKPOINT'"),
+    (["nonsense"], "No such command 'nonsense'"),
+])
+def test_bad_usage_is_one_line_with_exit_code_2(args, expected):
+    res = run_cli(*args)
+    assert res.returncode == 2
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], res.stderr
+    assert "--help" in lines[0]
+
+
+# A command that fails the way a bug would, registered on the real app and run through the real
+# cli.main(): what the user sees of an unexpected exception.
+BOOM = """
+import sys, typer
+sys.path.insert(0, {root!r})
+import cli
+
+@cli.app.command()
+def boom(verbose: bool = typer.Option(False, "--verbose")):
+    raise RuntimeError("kaboom\\nsecond line")
+
+sys.argv = ["cli.py", "boom", *sys.argv[1:]]
+cli.main()
+"""
+
+
+def _boom(*args):
+    return subprocess.run([sys.executable, "-c", BOOM.format(root=str(ROOT)), *args],
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_unexpected_error_is_one_line_without_verbose():
+    res = _boom()
+    assert res.returncode == 1
+    assert res.stderr.strip() == ("error: unexpected RuntimeError: kaboom "
+                                  "(rerun with --verbose for the traceback)")
+
+
+def test_unexpected_error_shows_the_traceback_with_verbose():
+    res = _boom("--verbose")
+    assert res.returncode == 1
+    assert "Traceback (most recent call last)" in res.stderr and "RuntimeError: kaboom" in res.stderr
+
+
+RAY_NOTICES = """
+import sys
+sys.path.insert(0, {root!r})
+from raytrain_lm.console import quiet_ray_logging
+if {quiet}:
+    quiet_ray_logging()
+from ray._private.authentication import authentication_token_setup as a
+a._warn_token_auth_enabled()
+a._warn_token_auth_disabled()
+"""
+
+
+def test_rays_token_auth_notice_is_dropped_but_not_the_security_warning():
+    def run(quiet):
+        return subprocess.run([sys.executable, "-c", RAY_NOTICES.format(root=str(ROOT), quiet=quiet)],
+                              capture_output=True, text=True, timeout=60).stderr
+
+    loud, quiet = run(False), run(True)
+    assert "Token authentication is enabled" in loud  # Ray does print it
+    assert "Token authentication is enabled" not in quiet
+    assert "Token authentication is disabled" in quiet  # a real warning still gets through
