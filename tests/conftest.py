@@ -40,3 +40,68 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: float = 300, env: dict
         [sys.executable, str(ROOT / "cli.py"), *args], cwd=cwd or ROOT, capture_output=True,
         text=True, timeout=timeout, env={**os.environ, **(env or {})},
     )
+
+
+# ---------------------------------------------------------------- small runs shared by modules
+
+SMALL_STEPS = 30
+SMALL_SETTINGS = ["model.n_layer=2", "model.n_embd=64", "model.n_head=2", "model.dropout=0.1",
+                  "batch_size=8", "seq_len=64", "warmup_steps=5", "keep_checkpoints=2"]
+
+
+def small_config(data, storage, name, **flags):
+    """A 2-worker run of a 2-layer model; dropout on, so exact-resume checks cover every RNG."""
+    from raytrain_lm.config import build_config
+
+    flags = {**dict(workers=2, max_steps=SMALL_STEPS, log_every=5, eval_every=15,
+                    checkpoint_every=10, data=str(data), storage=str(storage), name=name, seed=11),
+             **flags}
+    return build_config(flags=flags, sets=SMALL_SETTINGS)
+
+
+def step_losses(run_dir: Path) -> dict[int, float]:
+    """step -> global training loss of that step, from metrics.jsonl."""
+    import json
+
+    out = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        first = row["step"] - len(row["step_losses"]) + 1
+        out.update(zip(range(first, row["step"] + 1), row["step_losses"]))
+    return out
+
+
+@pytest.fixture(scope="session")
+def small_storage(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("small-runs")
+
+
+@pytest.fixture(scope="session")
+def reference_run(ray_address, pydoc_data, small_storage):
+    """An uninterrupted DDP run: (per-step losses, metrics rows). Its folder: small_storage/reference."""
+    from raytrain_lm.launch import run_training
+
+    rows = []
+    summary = run_training(small_config(pydoc_data, small_storage, "reference"),
+                           say=lambda m: None, on_metrics=rows.append)
+    assert summary["status"] == "completed" and summary["restarts"] == 0
+    return step_losses(small_storage / "reference"), rows
+
+
+TINY_STEPS = 120
+
+
+@pytest.fixture(scope="session")
+def tiny_run(ray_address, pydoc_data, tmp_path_factory):
+    """One real 2-worker run of the tiny preset, shared by the modules that look at a finished
+    run: (storage, run folder). Validation and checkpoints at steps 60 and 120."""
+    from raytrain_lm.config import build_config
+    from raytrain_lm.launch import run_training
+
+    storage = tmp_path_factory.mktemp("runs")
+    cfg = build_config(flags=dict(workers=2, max_steps=TINY_STEPS, log_every=10, eval_every=60,
+                                  checkpoint_every=60, data=str(pydoc_data), storage=str(storage),
+                                  name="looked-at"))
+    summary = run_training(cfg, say=lambda m: None)
+    assert summary["status"] == "completed"
+    return storage, storage / "looked-at"

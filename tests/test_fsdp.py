@@ -6,35 +6,32 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import SMALL_SETTINGS, SMALL_STEPS, small_config, step_losses
 from raytrain_lm.checkpoint import load_checkpoint
 from raytrain_lm.config import build_config
 from raytrain_lm.launch import run_training
 from raytrain_lm.model import GPT
-from test_resume import step_losses
 
-STEPS = 20
-SETTINGS = ["model.n_layer=2", "model.n_embd=64", "model.n_head=2", "batch_size=8", "seq_len=64",
-            "warmup_steps=5"]
-
-
-@pytest.fixture(scope="module")
-def storage(tmp_path_factory):
-    return tmp_path_factory.mktemp("fsdp-runs")
+STEPS = SMALL_STEPS
 
 
 def train(data, storage, name, **flags):
-    flags = {**dict(workers=2, max_steps=STEPS, log_every=5, eval_every=10, checkpoint_every=10,
-                    data=str(data), storage=str(storage), name=name, seed=5), **flags}
     rows = []
-    summary = run_training(build_config(flags=flags, sets=SETTINGS), say=lambda m: None,
+    summary = run_training(small_config(data, storage, name, **flags), say=lambda m: None,
                            on_metrics=rows.append)
     assert summary["status"] == "completed"
     return step_losses(storage / name), rows
 
 
 @pytest.fixture(scope="module")
-def ddp(ray_address, pydoc_data, storage):
-    return train(pydoc_data, storage, "ddp")
+def storage(small_storage):
+    return small_storage
+
+
+@pytest.fixture(scope="module")
+def ddp(reference_run):
+    """The shared uninterrupted DDP run (same data, seed and model as every run here)."""
+    return reference_run
 
 
 @pytest.fixture(scope="module")
@@ -58,11 +55,12 @@ def test_fsdp_checkpoint_loads_in_one_process(fsdp, storage):
     assert (folder / "dcp" / ".metadata").is_file()
     assert {"rank0.json", "rank1.json"} <= {p.name for p in folder.iterdir()}
     state = load_checkpoint(folder)
-    cfg = build_config(sets=SETTINGS).model
+    cfg = build_config(sets=SMALL_SETTINGS).model
     cfg.vocab_size = 256
     model = GPT(cfg)
     model.load_state_dict(state["model"])  # strict: every tensor present, full shapes
     assert state["model"]["wte.weight"].shape == (256, 64)
+    assert state["step"] == STEPS and state["format"] == "dcp"
 
 
 def test_fsdp_resume_after_killed_worker_with_selective_recompute(fsdp, pydoc_data, storage,

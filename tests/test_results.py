@@ -16,21 +16,14 @@ import pytest
 import torch
 
 from conftest import ROOT, run_cli
-from raytrain_lm.config import build_config
-from raytrain_lm.launch import run_training
 
 STEPS = 120
 
 
 @pytest.fixture(scope="module")
-def trained(ray_address, pydoc_data, tmp_path_factory):
-    storage = tmp_path_factory.mktemp("runs")
-    cfg = build_config(flags=dict(workers=2, max_steps=STEPS, log_every=10, eval_every=60,
-                                  checkpoint_every=60, data=str(pydoc_data), storage=str(storage),
-                                  name="looked-at"))
-    summary = run_training(cfg, say=lambda m: None)
-    assert summary["status"] == "completed"
-    return storage, storage / "looked-at"
+def trained(tiny_run):
+    """The session's shared 120-step tiny run: (storage, run folder)."""
+    return tiny_run
 
 
 def metrics(run_dir):

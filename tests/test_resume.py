@@ -12,42 +12,24 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, run_cli
+from conftest import (ROOT, SMALL_SETTINGS, SMALL_STEPS, run_cli, small_config,
+                      step_losses)
 from raytrain_lm.config import build_config
-from raytrain_lm.errors import UserError
 from raytrain_lm.launch import run_training
 
-STEPS = 30
-SETTINGS = ["model.n_layer=2", "model.n_embd=64", "model.n_head=2", "model.dropout=0.1",
-            "batch_size=8", "seq_len=64", "warmup_steps=5", "keep_checkpoints=2"]
-
-
-def config(data, storage, name, **flags):
-    flags = {**dict(workers=2, max_steps=STEPS, log_every=5, eval_every=15, checkpoint_every=10,
-                    data=str(data), storage=str(storage), name=name, seed=11), **flags}
-    return build_config(flags=flags, sets=SETTINGS)
-
-
-def step_losses(run_dir: Path) -> dict[int, float]:
-    """step -> global training loss of that step, from metrics.jsonl."""
-    out = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        row = json.loads(line)
-        first = row["step"] - len(row["step_losses"]) + 1
-        out.update(zip(range(first, row["step"] + 1), row["step_losses"]))
-    return out
+STEPS = SMALL_STEPS
+SETTINGS = SMALL_SETTINGS
+config = small_config
 
 
 @pytest.fixture(scope="module")
-def storage(tmp_path_factory):
-    return tmp_path_factory.mktemp("resume-runs")
+def storage(small_storage):
+    return small_storage
 
 
 @pytest.fixture(scope="module")
-def reference(ray_address, pydoc_data, storage):
-    summary = run_training(config(pydoc_data, storage, "reference"), say=lambda m: None)
-    assert summary["status"] == "completed" and summary["restarts"] == 0
-    return step_losses(storage / "reference")
+def reference(reference_run):
+    return reference_run[0]
 
 
 def test_killed_worker_recovers_and_matches_uninterrupted(reference, pydoc_data, storage, monkeypatch):
