@@ -92,6 +92,7 @@ def prepare(
                     "  python cli.py train --workers 2 --max-steps 300 --preset tiny\n\n"
                     "  python cli.py train --workers 8 --use-gpu --preset gpt2 --data data/stdlib\n\n"
                     "  python cli.py train --config best.yaml --set model.dropout=0.1\n\n"
+                    "  python cli.py train --config best.yaml --workers 8 --scale-lr sqrt\n\n"
                     "  python cli.py train --name my-run --resume")
 def train(
     workers: Optional[int] = typer.Option(None, help="Ray Train workers (one process each) [default: 2]."),
@@ -121,6 +122,8 @@ def train(
     set_: Optional[List[str]] = typer.Option(None, "--set", help="Override any setting: key=value, e.g. model.n_layer=6."),
     resume: bool = typer.Option(False, help="Continue the run --name from its latest checkpoint."),
     init_from: Optional[Path] = typer.Option(None, help="Start from this checkpoint's weights (fresh optimizer)."),
+    scale_lr: str = typer.Option("none", help="Scale lr to this run's global batch from the one it was "
+                                 "chosen at (ref_batch_tokens): none, linear or sqrt (recommended for AdamW)."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Show Ray's logs and full tracebacks."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress lines, only the result."),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON (nothing else on stdout)."),
@@ -145,6 +148,11 @@ def train(
                        sets=set_, base=base)
     quiet = quiet or as_json
     say = (lambda m: typer.echo(m, err=True)) if as_json else (lambda m: _echo(m, quiet))
+    from raytrain_lm.lr_scaling import apply_lr_scaling
+
+    scaled = apply_lr_scaling(cfg, scale_lr)
+    if scaled:
+        say(scaled)
     summary = run_training(
         cfg, resume=resume, init_from=str(init_from) if init_from else None, verbose=verbose,
         force=force, say=say, on_metrics=None if quiet else lambda row: typer.echo(progress_line(row, cfg.max_steps)),
@@ -341,6 +349,157 @@ def export(
         return
     _echo(f"exported step {config['step']} of {chosen.source} ({config['num_parameters']:,} parameters, "
           f"{config['dtype']}) to {files['weights']} and {files['config']}", quiet)
+
+
+@app.command(epilog="Examples:\n\n"
+                    "  python cli.py tune --lr 1e-4:1e-2 --trials 8 --max-steps 300\n\n"
+                    "  python cli.py tune --search grid --lr 1e-3,3e-3,1e-2 --dropout 0,0.1\n\n"
+                    "  python cli.py tune --space-file space.yaml --workers 4 --concurrent 2 "
+                    "--grace-steps 50\n\n"
+                    "  python cli.py tune --name my-sweep --resume\n\n"
+                    "Search space specs: LOW:HIGH is a range (log-uniform for lr, uniform for "
+                    "other floats, inclusive for integers), log:LOW:HIGH a log-uniform range, "
+                    "A,B,C a list of values. --space takes any setting, e.g. "
+                    "--space model.n_head=2,4 --space beta2=0.95,0.99.")
+def tune(
+    lr: Optional[str] = typer.Option(None, help="Peak learning rate, e.g. 1e-4:1e-2 (log-uniform) or 1e-3,3e-3."),
+    warmup: Optional[str] = typer.Option(None, help="Warmup steps, e.g. 0:100 or 0,30,100."),
+    weight_decay: Optional[str] = typer.Option(None, help="AdamW weight decay, e.g. 0:0.2 or 0,0.1."),
+    batch_size: Optional[str] = typer.Option(None, help="Sequences per worker per micro-step, e.g. 8,16,32."),
+    grad_accum: Optional[str] = typer.Option(None, help="Micro-steps per optimizer step, e.g. 1,2,4."),
+    dropout: Optional[str] = typer.Option(None, help="Model dropout, e.g. 0:0.2 or 0,0.1."),
+    n_layer: Optional[str] = typer.Option(None, help="Model depth, e.g. 2:6 or 4,6."),
+    n_embd: Optional[str] = typer.Option(None, help="Model width (a multiple of model.n_head), e.g. 128,192,256."),
+    space: Optional[List[str]] = typer.Option(None, "--space", help="Any setting: key=SPEC, e.g. model.n_head=2,4."),
+    space_file: Optional[Path] = typer.Option(None, help="YAML/JSON file of key: SPEC (or {loguniform: [a, b]}, ...)."),
+    search: str = typer.Option("random", help="Searcher: random (samples --trials points) or grid (every point)."),
+    trials: Optional[int] = typer.Option(None, help="Trials for random search [default: 8]."),
+    concurrent: int = typer.Option(1, help="Trials at once (more than the cluster holds: the rest queue)."),
+    max_steps: Optional[int] = typer.Option(None, help="Steps of a trial that is not stopped (ASHA's max_t)."),
+    grace_steps: Optional[int] = typer.Option(None, help="Steps before ASHA may stop a trial [default: max-steps/10]."),
+    reduction_factor: int = typer.Option(2, help="ASHA keeps the best 1/N of trials at each rung."),
+    eval_every: Optional[int] = typer.Option(None, help="Validation cadence [default: --grace-steps]; must divide --grace-steps."),
+    seed: Optional[int] = typer.Option(None, help="Seed of the random searcher."),
+    workers: Optional[int] = typer.Option(None, help="Ray Train workers per trial [default: 2]."),
+    use_gpu: Optional[bool] = typer.Option(None, "--use-gpu/--no-use-gpu", help="One GPU per worker."),
+    preset: Optional[str] = typer.Option(None, help="Model preset the sweep starts from [default: tiny]."),
+    data: Optional[str] = typer.Option(None, help="Prepared dataset folder [default: data/pydoc]."),
+    config: Optional[Path] = typer.Option(None, help="YAML/TOML/JSON file of fixed settings for every trial."),
+    set_: Optional[List[str]] = typer.Option(None, "--set", help="Fixed setting for every trial: key=value."),
+    name: Optional[str] = typer.Option(None, help="Sweep name [default: tune-<preset>-<date>-<time>]."),
+    storage: Optional[str] = typer.Option(None, help="Where sweeps live [default: runs]."),
+    address: Optional[str] = typer.Option(None, help="Ray cluster [default: RAY_ADDRESS, else a local one]."),
+    resume: bool = typer.Option(False, help="Continue the sweep --name after its driver died."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Show Ray's logs and full tracebacks."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No live table, only the results."),
+    as_json: bool = typer.Option(False, "--json", help="Print the results as JSON."),
+) -> None:
+    """Tune hyperparameters: a Ray Tune sweep of full distributed trainings, ASHA early stopping."""
+    from raytrain_lm.config import build_config
+    from raytrain_lm.search_space import parse_space
+    from raytrain_lm.tune import SweepSettings, check_settings, run_sweep
+
+    specs = {"lr": lr, "warmup_steps": warmup, "weight_decay": weight_decay, "batch_size": batch_size,
+             "grad_accum": grad_accum, "model.dropout": dropout, "model.n_layer": n_layer,
+             "model.n_embd": n_embd}
+    flags = dict(workers=workers, use_gpu=use_gpu, preset=preset, data=data, max_steps=max_steps,
+                 eval_every=eval_every, name=name, storage=storage, address=address)
+    quiet = quiet or as_json
+    say = (lambda m: typer.echo(m, err=True)) if as_json else (lambda m: _echo(m, quiet))
+    if resume:
+        given = [k for k, v in {**specs, "space": space, "space-file": space_file, "config": config,
+                                "set": set_}.items() if v] + [k for k, v in flags.items()
+                                                              if v is not None and k not in ("name", "storage", "address")]
+        if given:
+            raise UserError(f"--resume continues the sweep as it was started; drop {', '.join(given)}")
+        cfg = build_config(flags=dict(name=name, storage=storage, address=address))
+        sweep_space = settings = None
+    else:
+        cfg = build_config(preset=preset, config_file=str(config) if config else None, flags=flags,
+                           sets=set_)
+        sweep_space = parse_space(specs, space or [], str(space_file) if space_file else None, cfg)
+        settings = SweepSettings(search=search, trials=trials, concurrent=concurrent,
+                                 grace_steps=grace_steps, reduction_factor=reduction_factor, seed=seed)
+        check_settings(cfg, sweep_space, settings, eval_every_given=eval_every is not None or any(
+            s.strip().startswith("eval_every=") for s in set_ or []))
+    tty = sys.stdout.isatty()
+    drawn = [0]
+
+    def live(table: str) -> None:
+        if tty and drawn[0]:  # redraw in place
+            typer.echo(f"\x1b[{drawn[0]}F\x1b[J", nl=False)
+        typer.echo(table if tty else table + "\n")
+        drawn[0] = table.count("\n") + 1
+
+    summary = run_sweep(cfg, sweep_space, settings, resume=resume, verbose=verbose, say=say,
+                        live=None if quiet else live, live_interval=2.0 if tty else 30.0)
+    if as_json:
+        typer.echo(json.dumps({k: v for k, v in summary.items() if k != "table"}, indent=2, default=str))
+        return
+    typer.echo(f"\nsweep {summary['name']}: {len(summary['trials'])} trials, "
+               f"{sum(t['status'] == 'stopped' for t in summary['trials'])} stopped early by ASHA, "
+               f"{summary['wall_seconds']:.0f} s")
+    typer.echo(summary["table"])
+    if summary["best"]:
+        typer.echo(f"best config: {summary['best_config']}   "
+                   f"(python cli.py train --config {summary['best_config']})")
+    if summary["plot"]:
+        typer.echo(f"validation curves: {summary['plot']}")
+    typer.echo(f"results: {summary['dir']}/results.json")
+
+
+@app.command("lr-find", epilog="Examples:\n\n  python cli.py lr-find\n\n"
+                               "  python cli.py lr-find --workers 4 --preset small --steps 200\n\n"
+                               "  python cli.py lr-find --lr-min 1e-6 --lr-max 1e-1 --set batch_size=32")
+def lr_find(
+    lr_min: float = typer.Option(1e-5, help="Learning rate of the first step."),
+    lr_max: float = typer.Option(1.0, help="Learning rate of the last step."),
+    steps: int = typer.Option(100, help="Steps of the test (one loss each)."),
+    workers: Optional[int] = typer.Option(None, help="Ray Train workers [default: 2]."),
+    use_gpu: Optional[bool] = typer.Option(None, "--use-gpu/--no-use-gpu", help="One GPU per worker."),
+    preset: Optional[str] = typer.Option(None, help="Model preset [default: tiny]."),
+    data: Optional[str] = typer.Option(None, help="Prepared dataset folder [default: data/pydoc]."),
+    config: Optional[Path] = typer.Option(None, help="YAML/TOML/JSON file of settings."),
+    set_: Optional[List[str]] = typer.Option(None, "--set", help="Override any setting: key=value."),
+    name: Optional[str] = typer.Option(None, help="Run name [default: lrfind-<preset>-<date>-<time>]."),
+    storage: Optional[str] = typer.Option(None, help="Where runs live [default: runs]."),
+    address: Optional[str] = typer.Option(None, help="Ray cluster [default: RAY_ADDRESS, else a local one]."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Show Ray's logs and full tracebacks."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress lines, only the result."),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+) -> None:
+    """LR range test: one short training with the learning rate rising exponentially; suggests an lr."""
+    from raytrain_lm.config import build_config
+    from raytrain_lm.lr_find import check_range, run_lr_find
+
+    check_range(lr_min, lr_max, steps)
+    flags = dict(workers=workers, use_gpu=use_gpu, preset=preset, data=data, name=name,
+                 storage=storage, address=address)
+    cfg = build_config(preset=preset, config_file=str(config) if config else None, flags=flags,
+                       sets=set_)
+    quiet = quiet or as_json
+    say = (lambda m: typer.echo(m, err=True)) if as_json else (lambda m: _echo(m, quiet))
+
+    def progress(row: dict) -> None:
+        if row["step"] % 10 == 0 or row["step"] == steps:
+            typer.echo(f"step {row['step']:>{len(str(steps))}}/{steps} | lr {row['lr']:.2e} | "
+                       f"loss {row['loss']:.4f}")
+
+    found = run_lr_find(cfg, lr_min, lr_max, steps, verbose=verbose, say=say,
+                        on_metrics=None if quiet else progress)
+    if as_json:
+        typer.echo(json.dumps({k: v for k, v in found.items() if k not in ("lrs", "losses")}, indent=2))
+        return
+    typer.echo(f"  suggested lr          {found['suggested_lr']:.2e}   ({found['rule']})")
+    typer.echo(f"  lr at minimum loss    {found['min_loss_lr']:.2e}   (smoothed loss "
+               f"{found['min_smoothed_loss']:.4f}; the edge of stability)")
+    if found["diverged_at_lr"]:
+        typer.echo(f"  diverged from         {found['diverged_at_lr']:.2e}")
+    if found["still_falling_at_end"]:
+        typer.echo("  note: the loss was still falling at --lr-max; raise it and run again")
+    typer.echo(f"plot: {found['plot']}")
+    low, high = found["suggested_lr"] / 3, max(found["min_loss_lr"], found["suggested_lr"] * 3)
+    typer.echo(f"next: python cli.py tune --lr {low:.1e}:{high:.1e}")
 
 
 def main() -> None:

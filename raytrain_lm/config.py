@@ -48,7 +48,9 @@ class TrainConfig:
     seq_len: int = 128
     grad_accum: int = 1
     lr: float = 3e-3
-    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio (exp_range starts there)
+    schedule: str = "cosine"  # cosine: warmup + cosine decay; exp_range: lr-find's exponential ramp
+    ref_batch_tokens: Optional[int] = None  # tokens/step `lr` was chosen at (--scale-lr); None: preset's
     warmup_steps: int = 30
     weight_decay: float = 0.1
     beta1: float = 0.9
@@ -301,5 +303,11 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.activation_checkpointing not in ("none", "full", "selective"):
         raise UserError("--activation-checkpointing must be none, full or selective, got "
                         f"{cfg.activation_checkpointing!r}")
+    if cfg.schedule not in ("cosine", "exp_range"):
+        raise UserError(f"schedule must be cosine or exp_range, got {cfg.schedule!r}")
+    if cfg.schedule == "exp_range" and cfg.min_lr_ratio <= 0:
+        raise UserError("the exp_range schedule starts at lr * min_lr_ratio, which must be > 0")
+    if cfg.ref_batch_tokens is not None and cfg.ref_batch_tokens < 1:
+        raise UserError(f"ref_batch_tokens must be at least 1, got {cfg.ref_batch_tokens}")
     if cfg.model.vocab_size is not None and cfg.model.vocab_size < 1:
         raise UserError("model.vocab_size must be at least 1")

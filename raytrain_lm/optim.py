@@ -22,8 +22,11 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.devi
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
     """Learning rate for optimizer step `step` (0-based): linear warmup, then cosine decay to
-    lr * min_lr_ratio at max_steps."""
+    lr * min_lr_ratio at max_steps. schedule="exp_range" (the LR range test of `lr-find`): from
+    lr * min_lr_ratio up to lr, exponentially, over max_steps."""
     max_lr, min_lr = cfg.lr, cfg.lr * cfg.min_lr_ratio
+    if cfg.schedule == "exp_range":
+        return min_lr * (max_lr / min_lr) ** (min(step, cfg.max_steps - 1) / max(1, cfg.max_steps - 1))
     if step < cfg.warmup_steps:
         return max_lr * (step + 1) / (cfg.warmup_steps + 1)
     if step >= cfg.max_steps:

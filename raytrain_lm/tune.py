@@ -1,0 +1,326 @@
+"""`tune`: a Ray Tune sweep in which every trial is a full distributed training.
+
+Each trial is a Tune *function* trainable that builds the same `TorchTrainer` as `train` (through
+`launch.build_trainer`) and fits it: Ray 2.60's pattern (passing a trainer to `Tuner` is
+deprecated). A `TuneReportCallback` in the trainer's callbacks forwards rank 0's reports to Tune,
+so ASHA sees `step` and `val_loss` as training goes; when ASHA stops a trial, Tune ends the trial
+actor, and the trainer's controller and workers, which it owns, end with it.
+
+A sweep's folder `<storage>/<name>/` holds Tune's experiment state (what `--resume` restores), one
+folder per trial (Tune's result.json, the trial's config, its Train run with checkpoints under
+`train/`), and ours: sweep.json, results.json, best.yaml, val_curves.png.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime as _dt
+import math
+import os
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Optional
+
+from raytrain_lm.config import TrainConfig, apply_overrides, validate
+from raytrain_lm.errors import UserError
+from raytrain_lm.search_space import SearchSpace, nest
+from raytrain_lm.storage import RunFolder
+
+SWEEP_FILE = "sweep.json"
+RESULTS_FILE = "results.json"
+BEST_FILE = "best.yaml"
+PLOT_FILE = "val_curves.png"
+TRIAL_CONFIG_FILE = "train_config.json"
+# What the trial function itself asks for. Its workers get their own placement group from Ray Train,
+# so the trial needs next to nothing; Tune refuses a request of exactly zero.
+TRIAL_CPUS = 0.01
+METRIC = "val_loss"
+DIVERGED = 1e4  # stands in for a NaN/inf loss: ASHA's cutoffs ignore NaN, so a NaN trial would never stop
+# Ray Train 2.60's controller collects reports every RAY_TRAIN_HEALTH_CHECK_INTERVAL_S (2 s) and a
+# worker holds one report at most: small trials that report more often than that would wait.
+REPORT_POLL_S = "0.5"
+
+
+@dataclass
+class SweepSettings:
+    search: str = "random"  # random | grid
+    trials: Optional[int] = None  # random: samples (default 8); grid: every point once
+    concurrent: int = 1
+    grace_steps: Optional[int] = None  # default: max_steps // 10
+    reduction_factor: int = 2
+    seed: Optional[int] = None  # random searcher's seed
+
+
+def check_settings(cfg: TrainConfig, space: SearchSpace, s: SweepSettings,
+                   eval_every_given: bool) -> None:
+    """Fill defaults and refuse bad combinations, in place. Needs no cluster."""
+    if s.search not in ("random", "grid"):
+        raise UserError(f"--search must be random or grid, got {s.search!r}")
+    space.check_searcher(s.search)
+    if s.search == "grid":
+        if s.trials is not None and s.trials != space.grid_size():
+            raise UserError(f"grid search runs every point of the grid once ({space.grid_size()}); "
+                            f"drop --trials or use --search random")
+        s.trials = space.grid_size()
+    elif s.trials is None:
+        s.trials = 8
+    if s.trials < 1:
+        raise UserError(f"--trials must be at least 1, got {s.trials}")
+    if s.concurrent < 1:
+        raise UserError(f"--concurrent must be at least 1, got {s.concurrent}")
+    if s.reduction_factor < 2:
+        raise UserError(f"--reduction-factor must be at least 2, got {s.reduction_factor}")
+    if s.grace_steps is None:
+        unit = cfg.eval_every if eval_every_given else 1
+        s.grace_steps = max(unit, round(cfg.max_steps / 10 / unit) * unit)
+    if s.grace_steps < 1:
+        raise UserError(f"--grace-steps must be at least 1, got {s.grace_steps}")
+    if s.grace_steps > cfg.max_steps:
+        raise UserError(f"--grace-steps ({s.grace_steps}) is larger than --max-steps "
+                        f"({cfg.max_steps}): no trial could ever be stopped early")
+    if not eval_every_given:
+        cfg.eval_every = s.grace_steps
+    elif s.grace_steps % cfg.eval_every:
+        raise UserError(f"--grace-steps ({s.grace_steps}) must be a multiple of --eval-every "
+                        f"({cfg.eval_every}), so ASHA compares validation losses of the same step")
+
+
+# ---------------------------------------------------------------- what each trial runs
+
+
+def _forward_to_tune_callback(controllers, trial_id: str):
+    """TuneReportCallback (runs in the trainer's controller actor), plus two things:
+
+    - non-finite losses are reported as DIVERGED: ASHA compares with NaN-ignoring percentiles, so a
+      NaN loss would never be cut;
+    - before the first report, the controller's handle goes to the driver (`controllers`, a Ray
+      queue), so that when ASHA stops this trial the driver can abort the run cleanly."""
+    import ray
+    from ray.tune.integration.ray_train import TuneReportCallback
+
+    class ForwardToTune(TuneReportCallback):
+        announced = False
+
+        def after_report(self, run_context, metrics, checkpoint):
+            if not self.announced:
+                self.announced = True
+                controllers.put((trial_id, ray.get_runtime_context().current_actor))
+            fixed = []
+            for m in metrics:
+                m = dict(m)
+                for key in ("loss", "val_loss"):
+                    if m.get(key) is not None and not math.isfinite(m[key]):
+                        m[key] = DIVERGED
+                        m["diverged"] = True
+                fixed.append(m)
+            super().after_report(run_context, fixed, checkpoint)
+
+    return ForwardToTune()
+
+
+# Driver side of the above. Module-level, not held by the Tune callback, because Tune pickles its
+# callbacks into the sweep's state and actor handles do not belong there.
+_CONTROLLERS: dict[str, Any] = {"queue": None, "handles": {}}
+
+
+def abort_train_run(trial_id: str) -> None:
+    """End a stopped trial's Train run through its controller, before Tune ends the trial actor.
+
+    Killing the trial actor kills the controller and workers it owns, but in Ray 2.60 the workers'
+    placement group outlives them (it is tied to the job; Ray's PlacementGroupCleaner removes it only
+    through the state API, i.e. with a dashboard running). Its CPUs then stay reserved and the next
+    trial waits forever. `abort()` shuts the worker group down and removes the group."""
+    import ray
+
+    queue, handles = _CONTROLLERS["queue"], _CONTROLLERS["handles"]
+    if queue is None:
+        return
+    while not queue.empty():
+        tid, handle = queue.get_nowait()
+        handles[tid] = handle
+    handle = handles.pop(trial_id, None)
+    if handle is None:
+        return
+    try:
+        ray.get(handle.abort.remote(), timeout=60)
+    except Exception:  # already finished and gone (the usual case for completed trials), or exited
+        pass
+
+
+def _stop_callback():
+    from ray import tune
+
+    class AbortStoppedTrainRuns(tune.Callback):
+        # Tune calls on_trial_complete before it ends the trial's actor.
+        def on_trial_complete(self, iteration, trials, trial, **info):
+            abort_train_run(trial.trial_id)
+
+    return AbortStoppedTrainRuns()
+
+
+def trial_config(base: dict, params: dict) -> TrainConfig:
+    """The TrainConfig of one trial: the sweep's base config with the sampled point applied."""
+    cfg = TrainConfig.from_dict(copy.deepcopy(base))
+    apply_overrides(cfg, nest(params), source="trial")
+    validate(cfg)
+    cfg.ref_batch_tokens = cfg.tokens_per_step  # the batch this trial's lr was tried at
+    return cfg
+
+
+def run_trial(params: dict, base: dict, sweep_uri: str, controllers) -> None:
+    """The Tune function trainable: one full distributed training."""
+    from ray import tune
+
+    from raytrain_lm.launch import build_trainer
+
+    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", REPORT_POLL_S)  # read by the controller
+    cfg = trial_config(base, params)
+    trial_dir = os.path.basename(tune.get_context().get_trial_dir().rstrip("/"))
+    cfg.storage, cfg.name = f"{sweep_uri}/{trial_dir}", "train"
+    RunFolder(sweep_uri, trial_dir).write_json(TRIAL_CONFIG_FILE, cfg.to_dict())
+    # Same RunConfig(storage, name) as before a driver died: Ray Train resumes from its checkpoints.
+    forward = _forward_to_tune_callback(controllers, tune.get_context().get_trial_id())
+    build_trainer(cfg, RunFolder(cfg.storage, cfg.name), callbacks=[forward]).fit()
+
+
+# ---------------------------------------------------------------- driver
+
+
+def trial_capacity(cfg: TrainConfig) -> tuple[int, str]:
+    """How many trials the cluster holds at once, and why."""
+    import ray
+
+    total = ray.cluster_resources()
+    per = cfg.workers * cfg.cpus_per_worker + TRIAL_CPUS
+    n = int(total.get("CPU", 0) // per)
+    why = f"{total.get('CPU', 0):g} CPUs, {per:g} per trial"
+    if cfg.use_gpu:
+        n = min(n, int(total.get("GPU", 0) // cfg.workers))
+        why += f", {total.get('GPU', 0):g} GPUs, {cfg.workers} per trial"
+    return n, why
+
+
+def _trainable(cfg: TrainConfig, sweep_uri: str):
+    from ray import tune
+    from ray.util.queue import Queue
+
+    _CONTROLLERS["queue"], _CONTROLLERS["handles"] = Queue(actor_options={"num_cpus": 0}), {}
+    fn = tune.with_parameters(run_trial, base=cfg.to_dict(), sweep_uri=sweep_uri,
+                              controllers=_CONTROLLERS["queue"])
+    return tune.with_resources(fn, {"cpu": TRIAL_CPUS})
+
+
+def _trial_name(trial) -> str:
+    return f"trial_{trial.trial_id}"
+
+
+def default_sweep_name(cfg: TrainConfig) -> str:
+    return f"tune-{cfg.preset}-{_dt.datetime.now().strftime('%Y%m%d-%H%M%S')}"
+
+
+def run_sweep(
+    cfg: TrainConfig,
+    space: Optional[SearchSpace],
+    settings: Optional[SweepSettings],
+    *,
+    resume: bool = False,
+    verbose: bool = False,
+    say: Callable[[str], None] = print,
+    live: Optional[Callable[[str], None]] = None,
+    live_interval: float = 10.0,
+) -> dict:
+    """Run (or, with resume, continue) the sweep `cfg.name` in `cfg.storage`; returns the summary.
+
+    For a resume, only cfg.name, cfg.storage and cfg.address are used: the rest comes from the
+    sweep's own sweep.json."""
+    from raytrain_lm.launch import check_resources, connect_ray, ensure_dataset, fit_model_to_data
+
+    if resume:
+        if not cfg.name:
+            raise UserError("--resume needs --name of the sweep to continue")
+        folder = RunFolder(cfg.storage, cfg.name)
+        if not folder.exists(SWEEP_FILE):
+            raise UserError(f"cannot resume: no sweep named {cfg.name!r} in {cfg.storage}")
+        saved = folder.read_json(SWEEP_FILE)
+        address = cfg.address
+        cfg = TrainConfig.from_dict(saved["base"])
+        cfg.address = address
+        space = SearchSpace.from_json(saved["space"])
+        settings = SweepSettings(**saved["settings"])
+    else:
+        manifest = ensure_dataset(cfg, say)
+        fit_model_to_data(cfg, manifest)
+        cfg.data = os.path.abspath(cfg.data)  # trials do not share the driver's working directory
+        cfg.name = cfg.name or default_sweep_name(cfg)
+        folder = RunFolder(cfg.storage, cfg.name)
+        if folder.exists():
+            raise UserError(f"a sweep or run named {cfg.name!r} already exists in {cfg.storage}; "
+                            f"pass --resume to continue it or choose another --name")
+    assert space is not None and settings is not None
+
+    connect_ray(cfg.address, cfg.workers * cfg.cpus_per_worker + TRIAL_CPUS, verbose)
+    check_resources(cfg)
+    capacity, why = trial_capacity(cfg)
+    if capacity < 1:
+        raise UserError(f"one trial of {cfg.workers} workers does not fit the cluster ({why})")
+    concurrent = settings.concurrent
+    if concurrent > capacity:
+        say(f"warning: --concurrent {concurrent} but the cluster holds {capacity} trial"
+            f"{'s' if capacity > 1 else ''} of {cfg.workers} workers at a time ({why}); "
+            f"running {capacity} at once, the others wait in the queue")
+        concurrent = capacity
+
+    from ray import tune
+    from ray.tune.schedulers import ASHAScheduler
+    from ray.tune.search.basic_variant import BasicVariantGenerator
+
+    # Validation runs every eval_every steps; other reports (loss, lr, throughput) carry no
+    # val_loss. ASHA skips those, but Tune's strict check would fail the trial on them.
+    os.environ["TUNE_DISABLE_STRICT_METRIC_CHECKING"] = "1"
+    # Tune's own console output (a banner and paths, even at verbose=0) stays off: the live table
+    # is ours, and --json must leave nothing else on stdout.
+    os.environ["RAY_AIR_NEW_OUTPUT"] = "0"
+    from raytrain_lm.sweep_report import LiveTable, collect_trials, watch, write_outputs
+
+    watch(live, live_interval)
+    trainable = _trainable(cfg, folder.storage_uri + "/" + cfg.name)
+    if resume:
+        from ray.tune import Tuner
+
+        if not Tuner.can_restore(folder.display_path()):
+            raise UserError(f"cannot resume: {folder.display_path()} holds no Tune experiment state")
+        say(f"resuming sweep {cfg.name}: finished trials are kept, unfinished ones continue "
+            f"from their latest checkpoint")
+        # The saved RunConfig comes back with it, LiveTable included (its output goes to SINK).
+        tuner = Tuner.restore(folder.display_path(), trainable=trainable, resume_unfinished=True,
+                              resume_errored=True)
+    else:
+        folder.write_json(SWEEP_FILE, {"base": cfg.to_dict(), "space": space.to_json(),
+                                        "settings": asdict(settings)})
+        tuner = tune.Tuner(
+            trainable,
+            param_space=space.param_space(settings.search),
+            tune_config=tune.TuneConfig(
+                metric=METRIC, mode="min",
+                # stop_last_trials=False: a trial that reaches max_steps ends on its own, cleanly.
+                scheduler=ASHAScheduler(time_attr="step", max_t=cfg.max_steps,
+                                        grace_period=settings.grace_steps,
+                                        reduction_factor=settings.reduction_factor,
+                                        stop_last_trials=False),
+                search_alg=BasicVariantGenerator(random_state=settings.seed,
+                                                 max_concurrent=concurrent),
+                num_samples=settings.trials if settings.search == "random" else 1,
+                trial_name_creator=_trial_name, trial_dirname_creator=_trial_name, reuse_actors=False,
+            ),
+            run_config=tune.RunConfig(name=cfg.name, storage_path=folder.storage_uri, verbose=0,
+                                      callbacks=[_stop_callback(), LiveTable(cfg.max_steps, space.keys, settings.trials)],
+                                      failure_config=tune.FailureConfig(max_failures=0)),
+        )
+    t0 = time.time()
+    try:
+        grid = tuner.fit()
+    finally:
+        watch(None, live_interval)
+        _CONTROLLERS["queue"], _CONTROLLERS["handles"] = None, {}
+    trials = collect_trials(grid, cfg.max_steps, space.keys)
+    return write_outputs(folder, cfg, space, settings, trials, wall=time.time() - t0)
