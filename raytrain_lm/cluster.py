@@ -147,7 +147,7 @@ def local_up(port: int = DEFAULT_PORT, dashboard_port: int = DEFAULT_DASHBOARD_P
     temp_dir = local_temp_dir(port)
     env[MARKER_ENV] = str(temp_dir)
     cmd = _ray_cli() + [
-        "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1",
+        "start", "--head", f"--port={port}",
         "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}",
         f"--temp-dir={temp_dir}", "--disable-usage-stats",
     ] + ([f"--num-cpus={num_cpus}"] if num_cpus else [])
@@ -155,18 +155,26 @@ def local_up(port: int = DEFAULT_PORT, dashboard_port: int = DEFAULT_DASHBOARD_P
     if proc.returncode != 0:
         lines = [line for line in (proc.stderr + proc.stdout).splitlines() if line.strip()]
         raise UserError(f"`ray start` failed: {lines[-1] if lines else proc.returncode}")
-    info = {"address": f"127.0.0.1:{port}", "dashboard": f"http://127.0.0.1:{dashboard_port}",
+    from ray._private.services import get_node_ip_address
+
+    info = {"address": f"{get_node_ip_address()}:{port}", "dashboard": f"http://127.0.0.1:{dashboard_port}",
             "temp_dir": str(temp_dir), "auth": auth}
     (temp_dir / "raytrain-lm-cluster.json").write_text(json.dumps(info, indent=2))
     return info
+
+
+def _psutil():
+    import ray  # noqa: F401  (puts the psutil Ray bundles on sys.path)
+    import psutil
+
+    return psutil
 
 
 def cluster_processes(temp_dir: Path) -> list:
     """The processes of the local cluster whose temp dir is `temp_dir`: those started with it
     (their command line names it, or they inherited MARKER_ENV) and all their descendants
     (Ray workers rename themselves `ray::...`; a job's driver is a child of its supervisor)."""
-    import ray  # noqa: F401  (puts Ray's bundled psutil on sys.path)
-    import psutil
+    psutil = _psutil()
 
     me = {os.getpid(), *(p.pid for p in psutil.Process().parents())}
     roots = []
@@ -190,10 +198,10 @@ def cluster_processes(temp_dir: Path) -> list:
     return list(found.values())
 
 
-def local_down(port: int = DEFAULT_PORT, grace: float = 10.0, say: Say = print) -> int:
+def local_down(port: int = DEFAULT_PORT, grace: float = 5.0, say: Say = print) -> int:
     """Stop the local cluster on `port` (its jobs first, then its processes); returns how many
     processes were stopped. Other Ray instances on this machine are left alone."""
-    import psutil
+    psutil = _psutil()
 
     temp_dir = local_temp_dir(port)
     state = temp_dir / "raytrain-lm-cluster.json"
@@ -419,13 +427,33 @@ def submit(train_args: list[str], address: Optional[str] = None, follow: bool = 
                    **({"env_vars": env_vars} if env_vars else {})}
     # No entrypoint resources: the driver runs on the head node and takes no CPU or GPU there,
     # so training workers get every GPU of the cluster.
-    job_id = _call(address, lambda: client.submit_job(
+    job_id = _submit_with_retry(address, lambda: client.submit_job(
         entrypoint=entrypoint, runtime_env=runtime_env, metadata={"app": "raytrain-lm"}))
     say(f"submitted job {job_id} to {address}: {entrypoint}")
     if not follow:
         say(f"follow it with `python cli.py jobs logs {job_id} --follow`")
         return {"job_id": job_id, "status": "PENDING", "message": None, "results": None}
     return follow_job(job_id, address, client=client, say=say, out=out)
+
+
+def _submit_with_retry(address: str, submit_fn, wait: float = 60.0) -> str:
+    """Submit, retrying while the head's job agent is still starting (a fresh cluster answers
+    "No available agent to submit job, please try again later" for some seconds)."""
+    import logging
+
+    ray_log = logging.getLogger("ray")  # the upload's INFO/WARNING lines are noise here
+    level, ray_log.level = ray_log.level, logging.ERROR
+    deadline = time.monotonic() + wait
+    try:
+        while True:
+            try:
+                return _call(address, submit_fn)
+            except UserError as e:
+                if "try again later" not in str(e) or time.monotonic() > deadline:
+                    raise
+                time.sleep(2)
+    finally:
+        ray_log.setLevel(level)
 
 
 def follow_job(job_id: str, address: Optional[str] = None, client=None, say: Say = print,
