@@ -34,14 +34,16 @@ def _echo(msg: str, quiet: bool = False) -> None:
 
 @app.command(epilog="Examples:\n\n  python cli.py prepare\n\n"
                     "  python cli.py prepare --corpus stdlib --out data/stdlib\n\n"
-                    "  python cli.py prepare --input my_texts/ --out data/mine")
+                    "  python cli.py prepare --input my_texts/ --out data/mine\n\n"
+                    "  python cli.py prepare --out s3://my-bucket/data/pydoc")
 def prepare(
     corpus: str = typer.Option("pydoc", help="Built-in corpus: pydoc (Python's docs topics, "
                                "~0.47 MB) or stdlib (the standard library's sources, ~30 MB)."),
     input: Optional[List[Path]] = typer.Option(None, "--input", "-i", help="Your own corpus "
                                                "instead: a .txt/.md/.jsonl/.parquet file or a folder "
                                                "of them. Repeat for several."),
-    out: Optional[Path] = typer.Option(None, help="Dataset folder [default: data/<corpus>]."),
+    out: Optional[str] = typer.Option(None, help="Dataset folder, or s3://... / gs://... to upload "
+                                     "it to shared storage [default: data/<corpus>]."),
     text_column: str = typer.Option("text", help="Field of .jsonl rows / column of Parquet files."),
     val_every: int = typer.Option(20, help="Every Nth block of 2048 tokens goes to validation."),
     force: bool = typer.Option(False, help="Overwrite an existing dataset folder."),
@@ -62,7 +64,7 @@ def prepare(
                             f"or pass --input PATH")
         source = corpus
         default_out = Path("data") / corpus
-    out = out or default_out
+    out = out or str(default_out)
     tty = sys.stdout.isatty() and not quiet and not as_json
     last = [0.0]
 
@@ -92,7 +94,7 @@ def train(
     workers: Optional[int] = typer.Option(None, help="Ray Train workers (one process each) [default: 2]."),
     use_gpu: Optional[bool] = typer.Option(None, "--use-gpu/--no-use-gpu", help="One GPU per worker, NCCL."),
     preset: Optional[str] = typer.Option(None, help="Model preset: tiny, small, gpt2, gpt2-medium [default: tiny]."),
-    data: Optional[str] = typer.Option(None, help="Prepared dataset folder [default: data/pydoc, prepared if missing]."),
+    data: Optional[str] = typer.Option(None, help="Prepared dataset: a folder or s3://... / gs://... [default: data/pydoc, prepared if missing]."),
     max_steps: Optional[int] = typer.Option(None, help="Optimizer steps [default: 300]."),
     batch_size: Optional[int] = typer.Option(None, help="Sequences per worker per micro-step."),
     seq_len: Optional[int] = typer.Option(None, help="Tokens per sequence (<= model.block_size)."),

@@ -17,6 +17,7 @@ is `token`. `use_token_auth_if_available` sets that mode for this process when a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shlex
@@ -65,10 +66,7 @@ def use_token_auth_if_available() -> bool:
         return mode.lower() == "token"
     if not token_available():
         return False
-    from ray._raylet import Config
-
-    os.environ["RAY_AUTH_MODE"] = "token"
-    Config.initialize("")  # refresh the cached config so this process sees the mode
+    _set_auth_mode("token")
     return True
 
 
@@ -94,6 +92,63 @@ def connect_error(address: str, error: BaseException) -> UserError:
         return UserError(f"the Ray cluster at {address} {NO_TOKEN}")
     lines = [line for line in str(error).strip().splitlines() if line.strip()]
     return UserError(f"cannot connect to Ray at {address}: {lines[0] if lines else type(error).__name__}")
+
+
+@contextlib.contextmanager
+def _stderr_silenced():
+    """Hide what Ray's C++ core writes straight to fd 2 (retry warnings) during a probe."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def _probe_gcs(address: str) -> None:
+    from ray._raylet import GcsClient
+
+    with _stderr_silenced():
+        GcsClient(address=address)
+
+
+def _set_auth_mode(mode: str) -> None:
+    from ray._raylet import Config
+
+    os.environ["RAY_AUTH_MODE"] = mode
+    Config.initialize("")  # refresh the cached config so this process sees the mode
+
+
+def match_cluster_auth(address: str) -> None:
+    """Make this process use the authentication mode of the cluster at `address`, before
+    `ray.init(address=...)`.
+
+    The modes must match both ways: a driver without the token is refused (after ray.init has
+    retried for 20 s, printing a warning a second), and a driver in token mode refuses the
+    cluster's own calls back to it when the cluster has no authentication, so the cluster takes
+    it for dead and cancels its actors. One fast probe of the GCS without a token tells which."""
+    if address == "auto" or "://" in address:
+        use_token_auth_if_available()
+        return
+    _set_auth_mode("disabled")
+    try:
+        _probe_gcs(address)
+        return  # no authentication on this cluster
+    except Exception as e:
+        if not _is_auth_error(e):
+            return  # unreachable or else: ray.init reports it in its own words
+    if not token_available():
+        raise UserError(f"the Ray cluster at {address} {NO_TOKEN}")
+    _set_auth_mode("token")
+    try:
+        _probe_gcs(address)
+    except Exception as e:
+        if _is_auth_error(e):
+            raise UserError(f"the Ray cluster at {address} refused the token found here; set "
+                            f"RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH to the cluster's token") from None
 
 
 def check_listening(host: str, port: int, what: str, timeout: float = 3.0) -> None:

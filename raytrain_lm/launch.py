@@ -76,10 +76,10 @@ def connect_ray(address: Optional[str], min_cpus: float, verbose: bool = False) 
     address = address or os.environ.get("RAY_ADDRESS")
     quiet = dict(log_to_driver=verbose, logging_level=logging.INFO if verbose else logging.WARNING)
     if address:
-        from raytrain_lm.cluster import connect_error, use_token_auth_if_available
+        from raytrain_lm.cluster import connect_error, match_cluster_auth
 
         _check_reachable(address)
-        use_token_auth_if_available()  # Ray 2.60 clusters check a token; send ours if we have one
+        match_cluster_auth(address)  # Ray 2.60: a token when the cluster wants one, else none
         try:
             ray.init(address=address, **quiet)
         except Exception as e:  # ConnectionError, RuntimeError, AuthenticationError, ...

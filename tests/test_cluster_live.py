@@ -14,6 +14,7 @@ session cluster is shut down, and each stops what it started.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -27,7 +28,8 @@ from conftest import ROOT, run_cli
 from s3_server import moto_s3, s3_keys, s3_read
 from test_cli_errors import assert_clean_error
 
-from raytrain_lm.cluster import MARKER_ENV, cluster_processes, local_down, local_temp_dir
+from raytrain_lm.cluster import (MARKER_ENV, cluster_processes, local_down, local_temp_dir,
+                                 match_cluster_auth)
 from raytrain_lm.shared_data import cache_dir_for
 
 pytestmark = pytest.mark.own_cluster
@@ -36,6 +38,24 @@ LOCAL_PORT, MULTI_PORT, AUTOSCALE_PORT = 6391, 6393, 6394  # not Ray's default 6
 DASHBOARD = "http://127.0.0.1:8265"
 SHORT = ["--workers", "2", "--max-steps", "20", "--log-every", "10", "--eval-every", "20",
          "--checkpoint-every", "20"]
+
+
+@contextlib.contextmanager
+def connected(address: str):
+    """This test process as a driver of the cluster at `address` (in the cluster's auth mode)."""
+    import ray
+
+    saved = os.environ.get("RAY_AUTH_MODE")
+    match_cluster_auth(address)
+    ray.init(address=address, log_to_driver=False)
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+        if saved is None:
+            os.environ.pop("RAY_AUTH_MODE", None)
+        else:
+            os.environ["RAY_AUTH_MODE"] = saved
 
 
 def env_without_token(tmp_path) -> dict:
@@ -90,7 +110,7 @@ def test_submitted_training_succeeds_with_logs_and_results(submitted):
     summary = json.loads((storage / "job-run" / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["steps"] == 20 and summary["workers"] == 2
     assert (storage / "job-run" / "checkpoint_00000020" / "state.pt").is_file()
-    assert [json.loads(x)["step"] for x in (storage / "job-run" / "metrics.jsonl").read_text().split()] == [10, 20]
+    assert [json.loads(x)["step"] for x in (storage / "job-run" / "metrics.jsonl").read_text().splitlines()] == [10, 20]
 
 
 def test_jobs_lists_and_prints_logs(submitted):
@@ -155,7 +175,7 @@ def multinode(tmp_path_factory):
     with moto_s3(BUCKET) as env, pytest.MonkeyPatch.context() as mp:
         mp.setenv("RAYTRAIN_LM_CACHE", str(cache))  # before the nodes start: they inherit it
         cluster = Cluster(initialize_head=True, head_node_args=dict(
-            num_cpus=0, port=MULTI_PORT, include_dashboard=False))
+            num_cpus=0, gcs_server_port=MULTI_PORT, include_dashboard=False))
         try:
             workers = [cluster.add_node(num_cpus=1) for _ in range(2)]
             cluster.wait_for_nodes()
@@ -190,7 +210,7 @@ def test_checkpoints_metrics_summary_land_in_s3(s3_run):
     summary = json.loads(s3_read(BUCKET, "runs/s3-run/summary.json"))
     assert summary["status"] == "completed" and summary["steps"] == 20
     assert summary["checkpoint"] == f"{BUCKET}/runs/s3-run/checkpoint_00000020"
-    metrics = [json.loads(x) for x in s3_read(BUCKET, "runs/s3-run/metrics.jsonl").split()]
+    metrics = [json.loads(x) for x in s3_read(BUCKET, "runs/s3-run/metrics.jsonl").splitlines()]
     assert [m["step"] for m in metrics] == [10, 20]
 
 
@@ -206,14 +226,9 @@ def test_the_dataset_on_s3_trained_from_a_verified_local_cache(s3_run, multinode
 def test_one_rank_on_each_worker_node(s3_run, multinode):
     """Evidence from the GCS's actor table: the run's two Train workers lived on different
     nodes, neither of them the head."""
-    import ray
-
-    ray.init(address=multinode["cluster"].address, log_to_driver=False)
-    try:
+    with connected(multinode["cluster"].address) as ray:
         actors = ray._private.state.actors().values()
         nodes = [a["Address"]["NodeID"] for a in actors if a["ActorClassName"] == "RayTrainWorker"]
-    finally:
-        ray.shutdown()
     assert len(nodes) == 2 and set(nodes) == multinode["workers"]
     assert multinode["head"] not in nodes
 
@@ -224,7 +239,7 @@ def test_resumed_run_reads_its_checkpoint_back_from_s3(s3_run, multinode):
                        "--storage", RUNS_URI, "--name", "s3-run", "--resume")
     assert summary["status"] == "completed" and summary["steps"] == 30
     assert summary["resumed_from_step"] == 20
-    metrics = [json.loads(x) for x in s3_read(BUCKET, "runs/s3-run/metrics.jsonl").split()]
+    metrics = [json.loads(x) for x in s3_read(BUCKET, "runs/s3-run/metrics.jsonl").splitlines()]
     assert [m["step"] for m in metrics] == [10, 20, 30]
     assert "runs/s3-run/checkpoint_00000030/state.pt" in s3_keys(BUCKET, "runs/s3-run/")
 
@@ -297,12 +312,7 @@ def test_autoscaler_launches_nodes_for_training(autoscaling_head, pydoc_data, tm
     summary = json.loads((tmp_path / "scaled" / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["steps"] == 10
 
-    import ray
-
-    ray.init(address=autoscaling_head, log_to_driver=False)
-    try:
+    with connected(autoscaling_head) as ray:
         alive = [n for n in ray.nodes() if n["Alive"]]
-    finally:
-        ray.shutdown()
     assert len(alive) == 3  # the head and the two nodes the autoscaler launched
     assert sorted(n["Resources"].get("CPU", 0) for n in alive) == [0, 1, 1]
