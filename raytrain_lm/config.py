@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -36,12 +37,14 @@ class TrainConfig:
     # data and run location
     data: str = "data/pydoc"
     name: Optional[str] = None
-    storage: str = "runs"
+    # RAYTRAIN_LM_STORAGE: a cluster's shared default (cluster.yaml sets s3://... on every node)
+    storage: str = field(default_factory=lambda: os.environ.get("RAYTRAIN_LM_STORAGE", "runs"))
     address: Optional[str] = None
     # scaling
     workers: int = 2
     use_gpu: bool = False
     cpus_per_worker: float = 1.0
+    scale_timeout: float = 900.0  # seconds to wait for an autoscaler to add nodes
     # optimisation
     max_steps: int = 300
     batch_size: int = 16  # per worker, per micro-step
@@ -285,6 +288,8 @@ def validate(cfg: TrainConfig) -> None:
         raise UserError(f"--lr must be positive, got {cfg.lr}")
     if cfg.cpus_per_worker <= 0:
         raise UserError(f"cpus_per_worker must be positive, got {cfg.cpus_per_worker}")
+    if cfg.scale_timeout < 0:
+        raise UserError(f"--scale-timeout must be >= 0 seconds, got {cfg.scale_timeout:g}")
     if cfg.warmup_steps < 0 or cfg.checkpoint_every < 0 or cfg.max_failures < -1:
         raise UserError("warmup_steps and checkpoint_every must be >= 0, max_failures >= -1")
     if not 0.0 <= cfg.min_lr_ratio <= 1.0:

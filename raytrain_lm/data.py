@@ -26,6 +26,7 @@ from torch.utils.data import Dataset, DistributedSampler
 
 from raytrain_lm.errors import UserError
 from raytrain_lm.storage import sha256_file
+from raytrain_lm.shared_data import fetch_dataset, file_lock, is_remote, read_remote_manifest
 from raytrain_lm.tokenizer import ByteTokenizer, tokenizer_from_spec
 
 MANIFEST = "manifest.json"
@@ -198,6 +199,10 @@ def prepare_dataset(
     if val_every < 2:
         raise UserError(f"--val-every must be at least 2, got {val_every}")
     check_source(source)
+    if is_remote(out_dir):  # prepare locally, then upload (shared_data.py)
+        return _prepare_remote(source, str(out_dir), force=force, text_field=text_field,
+                               val_every=val_every, block_tokens=block_tokens,
+                               shard_tokens=shard_tokens, progress=progress)
     out = Path(out_dir)
     if out.exists() and not force:
         raise UserError(f"{out} already exists; pass --force to overwrite it")
@@ -265,6 +270,8 @@ def prepare_dataset(
 
 def load_manifest(data_dir: str | Path, verify: bool = False) -> dict:
     """Read and sanity-check a dataset's manifest; `verify` also checks every shard's sha256."""
+    if is_remote(data_dir):
+        return read_remote_manifest(str(data_dir))
     d = Path(data_dir)
     mf = d / MANIFEST
     if not d.exists():
@@ -289,6 +296,46 @@ def load_manifest(data_dir: str | Path, verify: bool = False) -> dict:
     except (ValueError, KeyError, TypeError) as e:
         raise UserError(f"{d} is not a valid dataset: {e}") from None
     return manifest
+
+
+def _prepare_remote(source: str, uri: str, force: bool, **kwargs) -> dict:
+    from raytrain_lm.shared_data import remote_exists, upload_dataset
+
+    if remote_exists(uri) and not force:
+        raise UserError(f"{uri} already exists; pass --force to overwrite it")
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="raytrain-lm-prepare-") as tmp:
+        manifest = prepare_dataset(source, Path(tmp) / "dataset", **kwargs)
+        upload_dataset(Path(tmp) / "dataset", uri)
+    return manifest
+
+
+def resolve_dataset(data: str) -> str:
+    """The local folder this node memory-maps for `data` (called on every worker).
+
+    - a URI (s3://, gs://, ...): downloaded once per node into a cache, each shard verified
+      against its manifest's sha256 (shared_data.fetch_dataset);
+    - a local folder that exists: itself (the fast path, nothing copied);
+    - a built-in corpus folder (`.../data/pydoc`, `.../data/stdlib`) missing on this node, as on
+      the other nodes of a cluster: tokenized here (deterministic, the same shards everywhere);
+    - anything else missing: a UserError that says how to share the dataset.
+    """
+    if is_remote(data):
+        return fetch_dataset(data)
+    path = Path(data)
+    if (path / MANIFEST).is_file():
+        return data
+    if path.parent.name == "data" and path.name in BUILTIN_CORPORA:
+        with file_lock(path.parent / f".{path.name}.lock"):
+            if not (path / MANIFEST).is_file():
+                prepare_dataset(path.name, path, force=path.exists())
+        return data
+    import socket
+
+    raise UserError(f"dataset {data} is not on node {socket.gethostname()}; on a cluster of "
+                    f"several machines put it on shared storage: `python cli.py prepare ... --out "
+                    f"s3://BUCKET/data/NAME` and train with --data s3://BUCKET/data/NAME")
 
 
 class TokenWindows(Dataset):

@@ -79,11 +79,14 @@ def connect_ray(address: Optional[str], min_cpus: float, verbose: bool = False) 
     address = address or os.environ.get("RAY_ADDRESS")
     quiet = dict(log_to_driver=verbose, logging_level=logging.INFO if verbose else logging.WARNING)
     if address:
+        from raytrain_lm.cluster import connect_error, match_cluster_auth
+
         _check_reachable(address)
+        match_cluster_auth(address)  # Ray 2.60: a token when the cluster wants one, else none
         try:
             ray.init(address=address, **quiet)
-        except (ConnectionError, RuntimeError, ValueError) as e:
-            raise UserError(f"cannot connect to Ray at {address}: {str(e).splitlines()[0]}") from None
+        except Exception as e:  # ConnectionError, RuntimeError, AuthenticationError, ...
+            raise connect_error(address, e) from None
         return False
     # Logical CPUs are bookkeeping: give the workers their share and keep one for Ray's own tasks,
     # so small machines don't deadlock (see docs: a 2-core laptop running 2 workers).
@@ -92,10 +95,16 @@ def connect_ray(address: Optional[str], min_cpus: float, verbose: bool = False) 
     return True
 
 
-def check_resources(cfg: TrainConfig) -> None:
+def check_resources(cfg: TrainConfig, say: Callable[[str], None] = print) -> None:
     import ray
 
+    from raytrain_lm.autoscale import wait_for_resources
+
+    per_worker = {"CPU": cfg.cpus_per_worker, **({"GPU": 1} if cfg.use_gpu else {})}
     total = ray.cluster_resources()
+    if any(total.get(k, 0) < v * cfg.workers for k, v in per_worker.items()) and \
+            wait_for_resources(per_worker, cfg.workers, cfg.scale_timeout, say):
+        return  # an autoscaler brought the nodes up
     if cfg.use_gpu and total.get("GPU", 0) < cfg.workers:
         have = int(total.get("GPU", 0))
         raise UserError(f"--use-gpu with --workers {cfg.workers} needs {cfg.workers} GPUs but the "
@@ -256,7 +265,8 @@ def run_training(
     t_launch = time.time()
     manifest = ensure_dataset(cfg, say)
     fit_model_to_data(cfg, manifest)
-    cfg.data = os.path.abspath(cfg.data)  # workers do not share the driver's working directory
+    if "://" not in cfg.data:  # workers do not share the driver's working directory
+        cfg.data = os.path.abspath(cfg.data)
     if cfg.name is None:
         if resume:
             raise UserError("--resume needs --name of the run to continue")
@@ -272,7 +282,7 @@ def run_training(
     previous = run.read_json("summary.json") if resume and run.exists("summary.json") else {}
 
     connect_ray(cfg.address, cfg.workers * cfg.cpus_per_worker, verbose)
-    check_resources(cfg)
+    check_resources(cfg, say)
     if not force:
         check_memory(cfg, worker_memory_gb(cfg))
 

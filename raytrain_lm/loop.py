@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader
 from raytrain_lm import checkpoint as ckpt_io
 from raytrain_lm.config import TrainConfig
 from raytrain_lm.data import (BatchStream, ResumableDistributedSampler, TokenWindows,
-                              collate_windows, load_manifest)
+                              collate_windows, load_manifest, resolve_dataset)
 from raytrain_lm.metrics import StepTimer, gpu_peak_tflops, mfu, peak_memory_gb
 from raytrain_lm.model import GPT, flops_per_token
 from raytrain_lm.optim import build_optimizer, lr_at
@@ -87,6 +87,7 @@ def _maybe_inject_fault(spec: Optional[str], step: int, rank: int, run_name: str
 
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     cfg = TrainConfig.from_dict(loop_config["train"])
+    cfg.data = resolve_dataset(cfg.data)  # s3://... -> verified local cache on this node
     run_name = loop_config["run_name"]
     tctx = ray.train.get_context()
     rank, world = tctx.get_world_rank(), tctx.get_world_size()

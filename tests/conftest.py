@@ -14,6 +14,27 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "own_cluster: starts its own Ray cluster(s); runs last, "
+                                       "after the session cluster is shut down")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests that start their own Ray clusters run after all others (a stable sort), so the
+    session cluster of `ray_address` never has to coexist with them or restart."""
+    items.sort(key=lambda item: item.get_closest_marker("own_cluster") is not None)
+
+
+@pytest.fixture(autouse=True)
+def _session_ray_stopped_for_own_cluster(request):
+    if request.node.get_closest_marker("own_cluster"):
+        import ray
+
+        if ray.is_initialized():
+            ray.shutdown()  # stops the session cluster; nothing after this test needs it
+    yield
+
+
 @pytest.fixture(scope="session")
 def ray_address():
     """Start the session's Ray cluster; yields its address for subprocesses (`--address`)."""

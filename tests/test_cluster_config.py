@@ -1,0 +1,121 @@
+"""cluster.yaml against Ray's own launcher validation, and the bad inputs of `cluster` / `submit`
+/ `jobs` that need no running cluster."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import ROOT, run_cli
+from test_cli_errors import assert_clean_error
+
+from raytrain_lm.cluster import job_train_args, load_cluster_config
+from raytrain_lm.errors import UserError
+
+
+@pytest.fixture(scope="module")
+def filled():
+    """cluster.yaml after the launcher's schema check and fill-out of defaults (no cloud calls)."""
+    return load_cluster_config(ROOT / "cluster.yaml")
+
+
+def test_cluster_yaml_passes_ray_launcher_validation(filled):
+    from ray.autoscaler._private.util import validate_config
+
+    validate_config(filled)  # again, explicitly: raises on any schema violation
+    assert filled["provider"]["type"] == "aws"
+    # the fill-out merged the AWS defaults in (keys cluster.yaml leaves out) and set per-type limits
+    raw = yaml.safe_load((ROOT / "cluster.yaml").read_text())
+    assert {"docker", "rsync_filter"} <= set(filled) - set(raw)
+    assert "max_workers" not in raw["available_node_types"]["gpu_worker"]
+
+
+def test_head_schedules_no_training_and_gpu_workers_autoscale(filled):
+    types = filled["available_node_types"]
+    head = types[filled["head_node_type"]]
+    assert head["resources"] == {"CPU": 0} and head["max_workers"] == 0
+    workers = [t for name, t in types.items() if name != filled["head_node_type"]]
+    assert len(workers) == 1
+    gpu = workers[0]
+    assert gpu["min_workers"] == 0 and gpu["max_workers"] == filled["max_workers"] >= 1
+    assert gpu["resources"]["GPU"] >= 1
+    assert 0 < filled["idle_timeout_minutes"] <= 30
+
+
+def test_project_synced_requirements_installed_storage_shared(filled):
+    assert filled["file_mounts"]["~/raytrain-lm"] == "."
+    assert {"runs", "data", ".git"} <= set(filled["rsync_exclude"])
+    setup = "\n".join(filled["setup_commands"])
+    assert "-r ~/raytrain-lm/requirements.txt" in setup
+    assert "RAYTRAIN_LM_STORAGE=s3://" in setup
+
+
+def test_token_auth_on_and_dashboard_only_on_localhost(filled):
+    assert filled["file_mounts"]["~/.ray/auth_token"] == "~/.ray/auth_token"
+    head = " ".join(filled["head_start_ray_commands"])
+    worker = " ".join(filled["worker_start_ray_commands"])
+    assert "RAY_AUTH_MODE=token ray start --head" in head
+    assert "RAY_AUTH_MODE=token ray start --address" in worker
+    assert "--dashboard-host=127.0.0.1" in head and "0.0.0.0" not in head
+    assert "--autoscaling-config=~/ray_bootstrap_config.yaml" in head
+
+
+def test_a_broken_config_is_refused_with_the_schema_error(tmp_path):
+    config = yaml.safe_load((ROOT / "cluster.yaml").read_text())
+    config["available_node_types"]["gpu_worker"]["min_workers"] = "two"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(config))
+    with pytest.raises(UserError, match="available_node_types/gpu_worker/min_workers: 'two' is not of type 'integer'"):
+        load_cluster_config(bad)
+
+
+@pytest.mark.parametrize("text,expected", [
+    (None, "cluster config not found: missing.yaml"),
+    ("provider: {type: aws\n", "is not valid YAML"),
+    ("- just\n- a list\n", "is not a Ray cluster config"),
+    ("provider: {type: aws, region: us-west-2}\nmax_workers: -1\n", "max_workers: -1 is less than the minimum of 0"),
+])
+def test_cluster_up_with_missing_or_invalid_yaml(tmp_path, text, expected):
+    path = Path("missing.yaml")
+    if text is not None:
+        path = tmp_path / "cluster.yaml"
+        path.write_text(text)
+    result = run_cli("cluster", "up", str(path), "--yes", cwd=tmp_path)
+    assert_clean_error(result, expected)
+
+
+def test_submit_without_training_args():
+    assert_clean_error(run_cli("submit"), "submit needs the training arguments after `--`")
+    assert_clean_error(run_cli("submit", "--"), "submit needs the training arguments after `--`")
+
+
+@pytest.mark.parametrize("args", [
+    ["submit", "--address", "http://127.0.0.1:9", "--", "--workers", "2"],
+    ["jobs", "--address", "http://127.0.0.1:9"],
+    ["jobs", "logs", "raysubmit_x", "--address", "127.0.0.1:9"],
+])
+def test_unreachable_jobs_address(args):
+    assert_clean_error(run_cli(*args), "nothing answers at http://127.0.0.1:9")
+
+
+def test_unreachable_train_address(tmp_path, pydoc_data):
+    result = run_cli("train", "--address", "127.0.0.1:9", "--data", str(pydoc_data),
+                     "--storage", str(tmp_path / "runs"))
+    assert_clean_error(result, "no Ray cluster answers at 127.0.0.1:9")
+    assert not (tmp_path / "runs").exists()
+
+
+def test_bad_jobs_address_and_scale_timeout():
+    assert_clean_error(run_cli("jobs", "--address", "ftp://host:21"), "--address must be the dashboard's")
+    assert_clean_error(run_cli("train", "--scale-timeout", "-5"), "--scale-timeout must be >= 0")
+
+
+def test_job_args_on_a_local_cluster_use_this_machines_paths(tmp_path):
+    args = job_train_args(["train", "--workers", "2", "--data=data/x", "--storage", "out"],
+                          "http://127.0.0.1:8265", tmp_path)
+    assert args == ["--workers", "2", f"--data={tmp_path}/data/x", "--storage", f"{tmp_path}/out"]
+    assert job_train_args(["--workers", "2"], "127.0.0.1:8265", tmp_path)[-2:] == \
+        ["--storage", f"{tmp_path}/runs"]
+    # a remote cluster gets the arguments as given (its storage must be shared anyway)
+    assert job_train_args(["--workers", "2", "--data", "data/x"], "http://10.1.2.3:8265", tmp_path) == \
+        ["--workers", "2", "--data", "data/x"]
