@@ -102,8 +102,8 @@ class LiveTable(tune.Callback):
         counts: dict[str, int] = {}
         for row in rows:
             counts[row[1]] = counts.get(row[1], 0) + 1
-        if self.total > len(rows):
-            counts["waiting"] = self.total - len(rows)
+        if self.total > len(rows):  # not created yet by the searcher: queued as well
+            counts["queued"] = counts.get("queued", 0) + self.total - len(rows)
         head = (f"[{time.strftime('%H:%M:%S')}] {self.total} trials: "
                 + ", ".join(f"{n} {s}" for s, n in counts.items()))
         return head + "\n" + _table(header, rows)

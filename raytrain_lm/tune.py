@@ -167,13 +167,13 @@ def trial_config(base: dict, params: dict) -> TrainConfig:
     return cfg
 
 
-def run_trial(params: dict, base: dict, sweep_uri: str, controllers) -> None:
+def run_trial(params: dict, base: dict, sweep_uri: str, controllers, report_poll_s: str) -> None:
     """The Tune function trainable: one full distributed training."""
     from ray import tune
 
     from raytrain_lm.launch import build_trainer
 
-    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", REPORT_POLL_S)  # read by the controller
+    os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = report_poll_s  # read by the controller
     cfg = trial_config(base, params)
     trial_dir = os.path.basename(tune.get_context().get_trial_dir().rstrip("/"))
     cfg.storage, cfg.name = f"{sweep_uri}/{trial_dir}", "train"
@@ -206,7 +206,9 @@ def _trainable(cfg: TrainConfig, sweep_uri: str):
 
     _CONTROLLERS["queue"], _CONTROLLERS["handles"] = Queue(actor_options={"num_cpus": 0}), {}
     fn = tune.with_parameters(run_trial, base=cfg.to_dict(), sweep_uri=sweep_uri,
-                              controllers=_CONTROLLERS["queue"])
+                              controllers=_CONTROLLERS["queue"],
+                              report_poll_s=os.environ.get("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S",
+                                                           REPORT_POLL_S))
     return tune.with_resources(fn, {"cpu": TRIAL_CPUS})
 
 
@@ -310,11 +312,13 @@ def run_sweep(
                 search_alg=BasicVariantGenerator(random_state=settings.seed,
                                                  max_concurrent=concurrent),
                 num_samples=settings.trials if settings.search == "random" else 1,
-                trial_name_creator=_trial_name, trial_dirname_creator=_trial_name, reuse_actors=False,
+                trial_name_creator=_trial_name, trial_dirname_creator=_trial_name,
+                reuse_actors=False,
             ),
-            run_config=tune.RunConfig(name=cfg.name, storage_path=folder.storage_uri, verbose=0,
-                                      callbacks=[_stop_callback(), LiveTable(cfg.max_steps, space.keys, settings.trials)],
-                                      failure_config=tune.FailureConfig(max_failures=0)),
+            run_config=tune.RunConfig(
+                name=cfg.name, storage_path=folder.storage_uri, verbose=0,
+                callbacks=[_stop_callback(), LiveTable(cfg.max_steps, space.keys, settings.trials)],
+                failure_config=tune.FailureConfig(max_failures=0)),
         )
     t0 = time.time()
     try:

@@ -41,7 +41,18 @@ def sweep(ray_address, pydoc_data, tmp_path_factory):
     check_settings(cfg, space, settings, eval_every_given=False)
     said, tables = [], []
     summary = run_sweep(cfg, space, settings, say=said.append, live=tables.append, live_interval=1)
-    return summary, said, tables, storage / "asha"
+    return summary, said, tables, storage / "asha", _cpus_in_use_after_a_while()
+
+
+def _cpus_in_use_after_a_while(wait: float = 15.0) -> float:
+    import ray
+
+    deadline = time.time() + wait
+    while True:
+        in_use = ray.cluster_resources()["CPU"] - ray.available_resources().get("CPU", 0.0)
+        if in_use == 0 or time.time() > deadline:
+            return in_use
+        time.sleep(0.5)
 
 
 def by_lr(summary) -> dict[float, dict]:
@@ -49,7 +60,7 @@ def by_lr(summary) -> dict[float, dict]:
 
 
 def test_bad_learning_rate_is_stopped_early(sweep):
-    summary, _, _, _ = sweep
+    summary, *_ = sweep
     trials = by_lr(summary)
     assert set(trials) == {3e-3, 1e-2, BAD_LR}
     bad = trials[BAD_LR]
@@ -65,23 +76,30 @@ def test_bad_learning_rate_is_stopped_early(sweep):
 
 
 def test_concurrency_beyond_the_cluster_warns_and_queues(sweep):
-    summary, said, tables, _ = sweep
+    summary, said, tables, *_ = sweep
     # The session cluster has 4 CPUs; a trial needs 2 workers x 1 CPU (+0.01 for the trial itself).
     assert any(m.startswith("warning: --concurrent 2 but the cluster holds 1 trial") for m in said)
     assert tables, "no live table was shown"
     for table in tables:  # never two trials running at once
         rows = table.splitlines()[2:]
         assert sum(r.split()[1] in ("running", "starting") for r in rows) <= 1, table
-    assert any("waiting" in t.splitlines()[0] for t in tables)  # the queue was visible
+    assert any("2 queued" in t.splitlines()[0] for t in tables)  # the queue was visible
     last = tables[-1].splitlines()
     assert last[1].split()[:6] == ["trial", "status", "step", "loss", "val", "loss"]
     assert len(last) == 2 + 3
 
 
+def test_stopped_trials_release_their_workers(sweep):
+    """A trial stopped by ASHA ends with its actor; its Train workers' placement group must not
+    stay behind holding CPUs (Ray 2.60 leaves it without a dashboard; tune aborts the run)."""
+    *_, cpus_in_use = sweep
+    assert cpus_in_use == 0
+
+
 def test_best_config_reproduces_the_best_trial(sweep):
     """`train --config best.yaml` builds its config with build_config; it must equal the config the
     best trial's workers actually trained with (saved in the trial's checkpoint)."""
-    summary, _, _, sweep_dir = sweep
+    summary, _, _, sweep_dir, _ = sweep
     best = summary["best"]
     best_file = sweep_dir / "best.yaml"
     assert summary["best_config"] == str(best_file) and best_file.is_file()
@@ -96,7 +114,7 @@ def test_best_config_reproduces_the_best_trial(sweep):
 
 
 def test_results_plot_and_trial_folders(sweep):
-    summary, _, _, sweep_dir = sweep
+    summary, _, _, sweep_dir, _ = sweep
     png = (sweep_dir / "val_curves.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     saved = json.loads((sweep_dir / "results.json").read_text())
@@ -144,7 +162,9 @@ def test_sweep_resumes_after_its_driver_dies(ray_address, pydoc_data, tmp_path):
             first, second = done[0], running[0]
             break
         time.sleep(0.5)
-    assert first and second, f"the sweep never got there: {driver.poll()} {driver.stdout.read() if driver.poll() is not None else ''}"
+    if not (first and second):
+        driver.kill()
+        pytest.fail(f"the sweep never got there: {driver.communicate()[0]}")
     first_rows = (sweep_dir / f"trial_{first}" / "result.json").read_text().splitlines()
     os.kill(driver.pid, signal.SIGKILL)
     driver.wait()
@@ -159,7 +179,8 @@ def test_sweep_resumes_after_its_driver_dies(ray_address, pydoc_data, tmp_path):
     # The finished trial was kept as it was, not trained again ...
     assert (sweep_dir / f"trial_{first}" / "result.json").read_text().splitlines() == first_rows
     # ... and the interrupted one continued from its checkpoint instead of starting over.
-    rows = [json.loads(line) for line in (sweep_dir / f"trial_{second}" / "result.json").read_text().splitlines()]
+    results = (sweep_dir / f"trial_{second}" / "result.json").read_text()
+    rows = [json.loads(line) for line in results.splitlines()]
     assert any(r.get("resumed_from_step") == 20 for r in rows), [r["step"] for r in rows]
     assert (sweep_dir / "best.yaml").is_file()
 
