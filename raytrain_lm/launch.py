@@ -201,6 +201,10 @@ def build_trainer(cfg: TrainConfig, run: RunFolder, callbacks: Optional[list] = 
 
     from raytrain_lm.loop import train_loop_per_worker
 
+    # Ray Train's controller collects reports when it polls the workers (default every 2 s) and a
+    # worker holds one report at a time, so reports more frequent than the poll stall training.
+    # Ray passes this variable from the driver to the controller.
+    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
     resources = {"CPU": cfg.cpus_per_worker, **({"GPU": 1} if cfg.use_gpu else {})}
     return TorchTrainer(
         train_loop_per_worker,
