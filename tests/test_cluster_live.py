@@ -74,9 +74,8 @@ def run_cli_env(*args, env: dict, timeout: float = 120):
 
 
 # Seen on the 2-core machine in a full-suite run (2026-11-30): the head's job agent was still not
-# available 60 s after `local-up` ("No available agent to submit job"), while the same tests passed
-# when run on their own. Until the cause is found they run locally but not in CI (CI=true), and
-# issue 8 stays open; see its note.
+# available 60 s after `local-up` ("No available agent to submit job"); the cause is not found yet.
+# Until it is, these run locally but not in CI (CI=true), and issue 8 stays open; see its note.
 jobs_flaky_in_ci = pytest.mark.skipif(os.environ.get("CI") == "true",
                                       reason="job agent not ready in time on the CI machine")
 
