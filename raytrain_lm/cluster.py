@@ -161,6 +161,12 @@ def check_listening(host: str, port: int, what: str, timeout: float = 3.0) -> No
                         f"dashboard`, or check the address") from None
 
 
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
 def _port_in_use(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         return s.connect_ex(("127.0.0.1", port)) == 0
@@ -204,6 +210,9 @@ def local_up(port: int = DEFAULT_PORT, dashboard_port: int = DEFAULT_DASHBOARD_P
     cmd = _ray_cli() + [
         "start", "--head", f"--port={port}",
         "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}",
+        # The job agent's port: a free one, not the fixed default another Ray may still hold
+        # (then jobs fail with "No available agent to submit job").
+        f"--dashboard-agent-listen-port={free_port()}",
         f"--temp-dir={temp_dir}", "--disable-usage-stats",
     ] + ([f"--num-cpus={num_cpus}"] if num_cpus else [])
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)

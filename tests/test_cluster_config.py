@@ -119,3 +119,20 @@ def test_job_args_on_a_local_cluster_use_this_machines_paths(tmp_path):
     # a remote cluster gets the arguments as given (its storage must be shared anyway)
     assert job_train_args(["--workers", "2", "--data", "data/x"], "http://10.1.2.3:8265", tmp_path) == \
         ["--workers", "2", "--data", "data/x"]
+
+
+def test_local_up_refuses_a_busy_or_bad_port():
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert_clean_error(run_cli("cluster", "local-up", "--port", str(port)),
+                           f"port {port} is already in use")
+    assert_clean_error(run_cli("cluster", "local-up", "--port", "80"), "--port must be between 1024")
+
+
+def test_local_down_without_a_cluster_says_so():
+    result = run_cli("cluster", "local-down", "--port", "6399")
+    assert result.returncode == 0 and "no local Ray cluster was running on port 6399" in result.stdout

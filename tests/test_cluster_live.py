@@ -28,8 +28,8 @@ from conftest import ROOT, run_cli
 from s3_server import moto_s3, s3_keys, s3_read
 from test_cli_errors import assert_clean_error
 
-from raytrain_lm.cluster import (MARKER_ENV, cluster_processes, local_down, local_temp_dir,
-                                 match_cluster_auth)
+from raytrain_lm.cluster import (MARKER_ENV, cluster_processes, free_port, local_down,
+                                 local_temp_dir, match_cluster_auth)
 from raytrain_lm.shared_data import cache_dir_for
 
 pytestmark = pytest.mark.own_cluster
@@ -185,7 +185,8 @@ def multinode(tmp_path_factory):
     with moto_s3(BUCKET) as env, pytest.MonkeyPatch.context() as mp:
         mp.setenv("RAYTRAIN_LM_CACHE", str(cache))  # before the nodes start: they inherit it
         cluster = Cluster(initialize_head=True, head_node_args=dict(
-            num_cpus=0, gcs_server_port=MULTI_PORT, include_dashboard=False))
+            num_cpus=0, gcs_server_port=MULTI_PORT, include_dashboard=False,
+            dashboard_agent_listen_port=free_port()))
         try:
             workers = [cluster.add_node(num_cpus=1) for _ in range(2)]
             cluster.wait_for_nodes()
@@ -300,6 +301,7 @@ def autoscaling_head(tmp_path_factory):
     start = subprocess.run(
         [os.path.join(os.path.dirname(sys.executable), "ray"), "start", "--head",
          f"--port={AUTOSCALE_PORT}", "--num-cpus=0", "--include-dashboard=false",
+         f"--dashboard-agent-listen-port={free_port()}",
          f"--temp-dir={temp_dir}", f"--autoscaling-config={config}", "--disable-usage-stats"],
         env=env, capture_output=True, text=True, timeout=180)
     try:
