@@ -15,7 +15,6 @@ learning rates it moved the minimum by a decade and a half in one run.
 from __future__ import annotations
 
 import datetime as _dt
-import io
 import math
 import os
 from typing import Callable, Optional
@@ -83,10 +82,7 @@ def suggest_lr(lrs: list[float], losses: list[float]) -> dict:
 
 
 def plot(found: dict, title: str) -> bytes:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from raytrain_lm.plots import plt, png_bytes
 
     lrs, losses, sm = found["lrs"], found["losses"], found["smoothed"]
     fig, ax = plt.subplots(figsize=(8, 5), dpi=110)
@@ -105,10 +101,7 @@ def plot(found: dict, title: str) -> bytes:
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png")
-    plt.close(fig)
-    return buf.getvalue()
+    return png_bytes(fig)
 
 
 def range_test_config(cfg: TrainConfig, lr_min: float, lr_max: float, steps: int) -> TrainConfig:

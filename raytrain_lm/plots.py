@@ -11,6 +11,14 @@ matplotlib.use("Agg")  # files only: no display needed, safe in headless jobs an
 import matplotlib.pyplot as plt  # noqa: E402
 
 
+def png_bytes(fig) -> bytes:
+    """Render a finished figure to PNG bytes and free it."""
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    return buf.getvalue()
+
+
 def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
     pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
     return [p[0] for p in pts], [p[1] for p in pts]
@@ -46,7 +54,4 @@ def plot_runs(runs: Sequence[tuple[str, list[dict]]], dpi: int = 110) -> bytes:
     if not several and runs:
         fig.suptitle(runs[0][0], fontsize=10)
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png")
-    plt.close(fig)
-    return buf.getvalue()
+    return png_bytes(fig)

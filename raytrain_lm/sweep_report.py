@@ -4,7 +4,6 @@ accepts, and a plot of every trial's validation curve."""
 
 from __future__ import annotations
 
-import io
 import json
 import math
 import time
@@ -178,10 +177,7 @@ def best_config_yaml(trial_cfg: dict, trial: dict, sweep: str) -> str:
 
 
 def plot_curves(trials: list[dict], keys: list[str], title: str) -> bytes:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from raytrain_lm.plots import plt, png_bytes
 
     fig, ax = plt.subplots(figsize=(8, 5), dpi=110)
     # A diverged trial would squash every other curve into a line: the axis stops at 1.5x the best
@@ -215,10 +211,7 @@ def plot_curves(trials: list[dict], keys: list[str], title: str) -> bytes:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png")
-    plt.close(fig)
-    return buf.getvalue()
+    return png_bytes(fig)
 
 
 def write_bytes(folder: RunFolder, rel: str, data: bytes) -> None:
