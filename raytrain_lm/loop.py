@@ -235,3 +235,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             timer.reset(excluded=time.perf_counter() - t_excluded)
         else:
             timer.reset()
+
+    if resumed_row is not None:
+        # Resumed from the final checkpoint (the run stopped after writing it, before Ray took its
+        # report): nothing is left to train, but the driver and Tune still need the final row.
+        ray.train.report({**resumed_row, "resumed_from_step": resumed_from,
+                          "train_start_unix": train_start_unix})

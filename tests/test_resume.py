@@ -87,6 +87,22 @@ def test_truncated_checkpoint_is_skipped(reference, pydoc_data, storage):
     assert all(losses[s] == reference[s] for s in range(1, STEPS - 9))
 
 
+def test_resuming_a_finished_run_reports_its_end(reference_run, storage):
+    import shutil
+
+    shutil.copytree(storage / "reference", storage / "finished")
+    logged = (storage / "finished" / "metrics.jsonl").read_text().splitlines()
+    cfg = build_config(base=json.loads((storage / "finished" / "config.json").read_text()))
+    cfg.name = "finished"
+    summary = run_training(cfg, resume=True, say=lambda m: None)
+    # Nothing was trained, but the final checkpoint's row came back: the run reads as finished.
+    assert summary["status"] == "completed" and summary["steps"] == STEPS
+    assert summary["resumed_from_step"] == STEPS and summary["restarts"] == 1
+    assert summary["final_val_loss"] == reference_run[1][-1]["val_loss"]
+    rows = (storage / "finished" / "metrics.jsonl").read_text().splitlines()
+    assert len(rows) == len(logged) and step_losses(storage / "finished") == reference_run[0]
+
+
 def test_init_from_loads_weights_and_restarts_schedule(reference, pydoc_data, storage):
     rows = []
     cfg = config(pydoc_data, storage, "finetune", max_steps=5)
