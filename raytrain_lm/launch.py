@@ -341,6 +341,8 @@ def run_training(
             resumed = row.pop("resumed_metrics")
             log.add(resumed)
             tb.add(resumed)
+        if row.get("checkpoint"):
+            row["checkpoint"] = checkpoint_uri(run, row["checkpoint"])
         log.add(row)
         if row.get("checkpoint"):
             write_summary("running")
@@ -354,7 +356,7 @@ def run_training(
     result = outcome.get("result")
     if error is not None and failures_seen:
         restarts -= 1  # the last failure ended the run: it was not followed by a restart
-    checkpoint = result.checkpoint.path if result is not None and result.checkpoint else None
+    checkpoint = checkpoint_uri(run, result.checkpoint.path) if result is not None and result.checkpoint else None
     if checkpoint is None:
         checkpoint = next((r["checkpoint"] for r in reversed(log.rows) if r.get("checkpoint")), None)
     summary = write_summary("failed" if error else "completed", checkpoint,
@@ -365,6 +367,12 @@ def run_training(
         raise user_error or UserError(f"training failed: {_describe(error)} "
                                       f"(summary in {run.display_path('summary.json')})")
     return summary
+
+
+def checkpoint_uri(run: RunFolder, path: str) -> str:
+    """Where a checkpoint of `run` is, as the user would name it: Ray gives paths inside its
+    filesystem, which on object stores lack the scheme (`bucket/...`, not `s3://bucket/...`)."""
+    return run.display_path(path.rstrip("/").rsplit("/", 1)[-1])
 
 
 def saved_config(storage: str, name: str) -> dict:

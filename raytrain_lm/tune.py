@@ -83,6 +83,11 @@ def check_settings(cfg: TrainConfig, space: SearchSpace, s: SweepSettings,
     elif s.grace_steps % cfg.eval_every:
         raise UserError(f"--grace-steps ({s.grace_steps}) must be a multiple of --eval-every "
                         f"({cfg.eval_every}), so ASHA compares validation losses of the same step")
+    points = space.grid_size() if all(d.kind == "values" for d in space.dims) else math.inf
+    if s.search == "random" and s.trials > points:
+        raise UserError(f"--trials {s.trials} random samples of a space of {points} "
+                        f"point{'s' if points > 1 else ''} must repeat points; "
+                        f"use --search grid to run each point once")
 
 
 # ---------------------------------------------------------------- what each trial runs

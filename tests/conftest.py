@@ -63,6 +63,22 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: float = 300, env: dict
     )
 
 
+def kill_train_workers() -> int:
+    """SIGKILL every Ray Train worker process on this machine (Ray titles them
+    `ray::RayTrainWorker...`): with a killed driver, the whole job is lost at once."""
+    import signal
+
+    killed = 0
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and (entry / "cmdline").read_bytes().startswith(b"ray::RayTrainWorker"):
+                os.kill(int(entry.name), signal.SIGKILL)
+                killed += 1
+        except OSError:  # the process ended meanwhile
+            pass
+    return killed
+
+
 # ---------------------------------------------------------------- small runs shared by modules
 
 SMALL_STEPS = 30

@@ -212,7 +212,7 @@ def test_checkpoints_metrics_summary_land_in_s3(s3_run):
         assert f"runs/s3-run/{rel}" in keys, rel
     summary = json.loads(s3_read(BUCKET, "runs/s3-run/summary.json"))
     assert summary["status"] == "completed" and summary["steps"] == 20
-    assert summary["checkpoint"] == f"{BUCKET}/runs/s3-run/checkpoint_00000020"
+    assert summary["checkpoint"] == f"{RUNS_URI}/s3-run/checkpoint_00000020"
     metrics = [json.loads(x) for x in s3_read(BUCKET, "runs/s3-run/metrics.jsonl").splitlines()]
     assert [m["step"] for m in metrics] == [10, 20]
 

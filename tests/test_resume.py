@@ -2,7 +2,6 @@
 gloo workers. Dropout is on, so the per-step losses only match if every RNG state is restored."""
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -12,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import (ROOT, SMALL_SETTINGS, SMALL_STEPS, run_cli, small_config,
-                      step_losses)
+from conftest import (ROOT, SMALL_SETTINGS, SMALL_STEPS, kill_train_workers, run_cli,
+                      small_config, step_losses)
 from raytrain_lm.config import build_config
 from raytrain_lm.launch import run_training
 
@@ -53,11 +52,14 @@ def test_stopped_driver_resumes_and_matches(reference, pydoc_data, storage, ray_
     metrics = storage / "driver" / "metrics.jsonl"
     deadline = time.time() + 180
     while time.time() < deadline and proc.poll() is None:
-        if metrics.exists() and any(json.loads(l)["step"] >= 20 for l in metrics.read_text().splitlines()):
+        if metrics.exists() and any(json.loads(l)["step"] >= 10 for l in metrics.read_text().splitlines()):
             break
         time.sleep(0.2)
     assert proc.poll() is None, "the run ended before it could be stopped"
-    proc.send_signal(signal.SIGKILL)  # the driver dies without any cleanup
+    proc.send_signal(signal.SIGKILL)  # the driver dies without any cleanup ...
+    # ... and its workers with it, as when the head node is lost. Ray would end them too, but only
+    # after a while, in which they might write the final checkpoint and leave nothing to resume.
+    kill_train_workers()
     proc.wait()
     assert json.loads((storage / "driver" / "summary.json").read_text())["status"] == "running"
 

@@ -100,9 +100,14 @@ def test_settings_defaults_and_checks(base):
     assert s.trials == 4  # every grid point once
     assert s.grace_steps == base.max_steps // 10 and base.eval_every == s.grace_steps
 
+    mixed = parse_space({"lr": "1e-4:1e-2", "model.dropout": "0,0.1"}, [], None, base)
     s = SweepSettings(search="random")
-    check_settings(base, space, s, eval_every_given=False)
+    check_settings(base, mixed, s, eval_every_given=False)
     assert s.trials == 8
+    # Lists alone: 8 independent samples of 4 points cannot all differ.
+    with pytest.raises(UserError, match="8 random samples of a space of 4 points must repeat"):
+        check_settings(base, space, SweepSettings(search="random"), eval_every_given=False)
+    check_settings(base, space, SweepSettings(search="random", trials=4), eval_every_given=False)
 
     for settings, given, message in [
         (SweepSettings(grace_steps=400), False, "is larger than --max-steps"),
