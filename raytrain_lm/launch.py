@@ -337,8 +337,7 @@ def run_training(
             say(f"worker failure: {row['error']}; restarting from the latest checkpoint")
             write_summary("running")
             continue
-        if row.get("resumed_metrics"):  # the checkpoint's own row, which Ray may have lost
-            resumed = row.pop("resumed_metrics")
+        for resumed in row.pop("resumed_rows", None) or []:  # rows Ray may have lost: see the loop
             log.add(resumed)
             tb.add(resumed)
         if row.get("checkpoint"):

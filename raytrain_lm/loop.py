@@ -11,6 +11,7 @@ import math
 import os
 import tempfile
 import time
+from collections import deque
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Optional
@@ -29,6 +30,10 @@ from raytrain_lm.model import GPT, flops_per_token
 from raytrain_lm.optim import build_optimizer, lr_at
 from raytrain_lm.parallel import (all_reduce, is_sharded, local_param_fraction, model_state_bytes,
                                   no_sync, to_local_float, wrap_model)
+
+# Reported rows each checkpoint carries, to be re-sent after a resume: more than can be in flight
+# in Ray (a worker holds one uncollected report) when the driver or a worker dies.
+RECENT_ROWS = 8
 
 
 def autocast_dtype(cfg: TrainConfig, device: torch.device) -> Optional[torch.dtype]:
@@ -120,7 +125,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     val_loader, _ = build_loader(cfg, "val", rank, world, shuffle=False)
     stream = BatchStream(train_loader, train_sampler, cfg.batch_size)
 
-    step, tokens_seen, resumed_from, resumed_row = 0, 0, None, None
+    step, tokens_seen, resumed_from, resumed_rows = 0, 0, None, None
+    recent: deque[dict] = deque(maxlen=RECENT_ROWS)  # the rows each checkpoint carries
     if resume is not None:
         state = resume.state
         if state["format"] == "dcp":
@@ -133,9 +139,11 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         if resume.rng is not None:
             ckpt_io.set_rng_state(resume.rng)
         resumed_from = step
-        # The checkpoint's own metrics row: Ray may have lost that report if a worker died before
-        # the controller collected it, so the driver gets it again with the first report.
-        resumed_row = state.get("metrics")
+        # The last rows reported before this checkpoint, itself included: the driver may not have
+        # received them (its own death or a worker's, while they were in flight in Ray), so they
+        # go to it again with the first report.
+        resumed_rows = state.get("recent_metrics") or None
+        recent.extend(resumed_rows or [])
         resume.cleanup()
     else:
         torch.manual_seed(cfg.seed + rank)  # per-rank dropout streams
@@ -214,14 +222,15 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         if do_eval:
             val = evaluate(model, val_loader, cfg, ctx, device)
             metrics.update(val_loss=val, val_ppl=math.exp(min(val, 50.0)))
-        if resumed_row is not None:
-            metrics["resumed_metrics"], resumed_row = resumed_row, None
+        recent.append(dict(metrics))
+        if resumed_rows is not None:
+            metrics["resumed_rows"], resumed_rows = resumed_rows, None
         if do_ckpt:
             state = None
             if rank == 0:
                 state = {"scaler": scaler.state_dict(), "step": step, "tokens": tokens_seen,
                          "data": stream.state_dict(), "world_size": world,
-                         "metrics": {k: v for k, v in metrics.items() if k != "resumed_metrics"},
+                         "recent_metrics": list(recent),
                          "config": cfg.to_dict(), "tokenizer": manifest["tokenizer"]}
             with tempfile.TemporaryDirectory(prefix="raytrain-lm-ckpt-") as tmp:
                 ckpt_io.save_checkpoint(Path(tmp), rank, raw_model, optimizer,
@@ -236,8 +245,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         else:
             timer.reset()
 
-    if resumed_row is not None:
+    if resumed_rows is not None:
         # Resumed from the final checkpoint (the run stopped after writing it, before Ray took its
-        # report): nothing is left to train, but the driver and Tune still need the final row.
-        ray.train.report({**resumed_row, "resumed_from_step": resumed_from,
-                          "train_start_unix": train_start_unix})
+        # report): nothing is left to train, but the driver and Tune still need the final rows.
+        ray.train.report({**resumed_rows[-1], "resumed_from_step": resumed_from,
+                          "train_start_unix": train_start_unix, "resumed_rows": resumed_rows[:-1]})

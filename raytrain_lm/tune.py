@@ -113,6 +113,7 @@ def _forward_to_tune_callback(controllers, trial_id: str):
             fixed = []
             for m in metrics:
                 m = dict(m)
+                m.pop("resumed_rows", None)  # for `train`'s metrics.jsonl; Tune has its own log
                 for key in ("loss", "val_loss"):
                     if m.get(key) is not None and not math.isfinite(m[key]):
                         m[key] = DIVERGED

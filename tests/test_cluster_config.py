@@ -116,6 +116,10 @@ def test_job_args_on_a_local_cluster_use_this_machines_paths(tmp_path):
     assert args == ["--workers", "2", f"--data={tmp_path}/data/x", "--storage", f"{tmp_path}/out"]
     assert job_train_args(["--workers", "2"], "127.0.0.1:8265", tmp_path)[-2:] == \
         ["--storage", f"{tmp_path}/runs"]
+    # a config file's relative paths become flags too (flags win over the file)
+    (tmp_path / "run.yaml").write_text("data: data/y\nstorage: out2\nlr: 0.001\n")
+    assert job_train_args(["--config", "run.yaml", "--data", "/abs/d"], "127.0.0.1:8265", tmp_path) == \
+        ["--config", f"{tmp_path}/run.yaml", "--data", "/abs/d", "--storage", f"{tmp_path}/out2"]
     # a remote cluster gets the arguments as given (its storage must be shared anyway)
     assert job_train_args(["--workers", "2", "--data", "data/x"], "http://10.1.2.3:8265", tmp_path) == \
         ["--workers", "2", "--data", "data/x"]
