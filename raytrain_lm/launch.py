@@ -337,15 +337,13 @@ def run_training(
             say(f"worker failure: {row['error']}; restarting from the latest checkpoint")
             write_summary("running")
             continue
-        for resumed in row.pop("resumed_rows", None) or []:  # rows Ray may have lost: see the loop
-            log.add(resumed)
-            tb.add(resumed)
-        if row.get("checkpoint"):
-            row["checkpoint"] = checkpoint_uri(run, row["checkpoint"])
-        log.add(row)
+        for r in [*(row.pop("resumed_rows", None) or []), row]:  # rows Ray may have lost: see the loop
+            if r.get("checkpoint"):
+                r["checkpoint"] = checkpoint_uri(run, r["checkpoint"])
+            log.add(r)
+            tb.add(r)
         if row.get("checkpoint"):
             write_summary("running")
-        tb.add(row)
         if on_metrics:
             on_metrics(row)
     thread.join()
@@ -369,8 +367,9 @@ def run_training(
 
 
 def checkpoint_uri(run: RunFolder, path: str) -> str:
-    """Where a checkpoint of `run` is, as the user would name it: Ray gives paths inside its
-    filesystem, which on object stores lack the scheme (`bucket/...`, not `s3://bucket/...`)."""
+    """Where a checkpoint of `run` is, as the user would name it, from its folder name or from
+    Ray's path: a path inside Ray's filesystem, which on object stores lacks the scheme
+    (`bucket/...`, not `s3://bucket/...`)."""
     return run.display_path(path.rstrip("/").rsplit("/", 1)[-1])
 
 

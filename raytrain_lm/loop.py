@@ -222,7 +222,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         if do_eval:
             val = evaluate(model, val_loader, cfg, ctx, device)
             metrics.update(val_loss=val, val_ppl=math.exp(min(val, 50.0)))
-        recent.append(dict(metrics))
+        recent.append({**metrics, "checkpoint": f"checkpoint_{step:08d}"} if do_ckpt else dict(metrics))
         if resumed_rows is not None:
             metrics["resumed_rows"], resumed_rows = resumed_rows, None
         if do_ckpt:

@@ -28,8 +28,11 @@ PLOT_FILE = "lr_find.png"
 DIVERGE_FACTOR = 4.0  # stop reading the curve once the smoothed loss is 4x its minimum (as fastai)
 SKIP_START = 0.1  # the first 10% of points: Adam's first steps are noisy whatever the lr
 # Ray Train 2.60's controller collects reports every RAY_TRAIN_HEALTH_CHECK_INTERVAL_S (2 s) and a
-# worker holds one report at most, so a report every step would cost up to 2 s a step.
+# worker holds one report at most, so a report every step would stall the workers. Each report
+# carries the loss of every step since the previous one (step_losses) and the lr of a step is
+# known (lr_at), so reports can be sparse and the curve still has a point per step.
 REPORT_POLL_S = "0.1"
+REPORT_EVERY = 10
 
 
 def check_range(lr_min: float, lr_max: float, steps: int) -> None:
@@ -109,11 +112,24 @@ def range_test_config(cfg: TrainConfig, lr_min: float, lr_max: float, steps: int
     validation and one checkpoint at the end only."""
     check_range(lr_min, lr_max, steps)
     cfg.schedule, cfg.lr, cfg.min_lr_ratio = "exp_range", lr_max, lr_min / lr_max
-    cfg.max_steps, cfg.log_every, cfg.eval_every = steps, 1, steps
+    cfg.max_steps, cfg.log_every, cfg.eval_every = steps, REPORT_EVERY, steps
     cfg.checkpoint_every, cfg.keep_checkpoints = 0, 1
     if cfg.name is None:
         cfg.name = f"lrfind-{cfg.preset}-{_dt.datetime.now().strftime('%Y%m%d-%H%M%S')}"
     return cfg
+
+
+def per_step_curve(rows: list[dict], cfg: TrainConfig) -> tuple[list[float], list[float]]:
+    """(lr, loss) of every step, from metrics rows that each carry the losses since the last."""
+    from raytrain_lm.optim import lr_at
+
+    curve: dict[int, tuple[float, float]] = {}
+    for r in rows:
+        first = r["step"] - len(r["step_losses"]) + 1
+        for step, loss in zip(range(first, r["step"] + 1), r["step_losses"]):
+            curve[step] = (lr_at(step - 1, cfg), loss)  # step s ran at the lr of 0-based step s-1
+    points = [curve[s] for s in sorted(curve)]
+    return [lr for lr, _ in points], [loss for _, loss in points]
 
 
 def run_lr_find(cfg: TrainConfig, lr_min: float = 1e-5, lr_max: float = 1.0, steps: int = 100, *,
@@ -132,7 +148,8 @@ def run_lr_find(cfg: TrainConfig, lr_min: float = 1e-5, lr_max: float = 1.0, ste
             on_metrics(row)
 
     summary = run_training(cfg, verbose=verbose, say=say, on_metrics=collect)
-    found = suggest_lr([r["lr"] for r in rows], [r["loss"] for r in rows])
+    lrs, losses = per_step_curve(rows, cfg)
+    found = suggest_lr(lrs, losses)
     run = RunFolder(cfg.storage, cfg.name)
     write_bytes(run, PLOT_FILE, plot(found, f"LR range test: {cfg.name}"))
     record = {k: v for k, v in found.items() if k not in ("smoothed",)}

@@ -6,7 +6,7 @@ import pytest
 
 from raytrain_lm.config import build_config
 from raytrain_lm.errors import UserError
-from raytrain_lm.lr_find import range_test_config, smooth, suggest_lr
+from raytrain_lm.lr_find import per_step_curve, range_test_config, smooth, suggest_lr
 from raytrain_lm.lr_scaling import apply_lr_scaling, scaled_lr
 from raytrain_lm.optim import lr_at
 
@@ -55,8 +55,15 @@ def test_exp_range_schedule_rises_exponentially_to_lr():
 
 def test_range_test_config():
     cfg = range_test_config(build_config(), 1e-5, 1.0, 100)
-    assert (cfg.schedule, cfg.max_steps, cfg.log_every, cfg.eval_every) == ("exp_range", 100, 1, 100)
+    assert (cfg.schedule, cfg.max_steps, cfg.eval_every) == ("exp_range", 100, 100)
     assert lr_at(0, cfg) == pytest.approx(1e-5) and lr_at(99, cfg) == pytest.approx(1.0)
+    # Sparse reports, each with the losses since the last: still one point per step, in order.
+    rows = [{"step": 10, "step_losses": [5.0 - i / 10 for i in range(10)]},
+            {"step": 20, "step_losses": [4.0 - i / 10 for i in range(10)]},
+            {"step": 20, "step_losses": [4.0 - i / 10 for i in range(10)]}]  # run again after a restart
+    lrs, losses = per_step_curve(rows, cfg)
+    assert losses == [5.0 - i / 10 for i in range(20)]
+    assert lrs == [lr_at(i, cfg) for i in range(20)] and lrs[0] == pytest.approx(1e-5)
     assert cfg.name.startswith("lrfind-tiny-")
     with pytest.raises(UserError, match="must be below"):
         range_test_config(build_config(), 1.0, 1e-3, 100)

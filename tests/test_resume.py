@@ -105,7 +105,10 @@ def test_resuming_from_the_final_checkpoint_brings_back_lost_rows(reference_run,
     assert summary["status"] == "completed" and summary["steps"] == STEPS
     assert summary["resumed_from_step"] == STEPS and summary["restarts"] == 1
     assert summary["final_val_loss"] == reference_run[1][-1]["val_loss"]
-    assert len(log.read_text().splitlines()) == len(logged)
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    assert len(rows) == len(logged)
+    assert [r["checkpoint"] for r in rows if r.get("checkpoint")] == \
+        [str(storage / "finished" / f"checkpoint_{s:08d}") for s in (10, 20, 30)]
     assert step_losses(storage / "finished") == reference_run[0]
 
 
