@@ -487,7 +487,7 @@ def lr_find(
     def progress(row: dict) -> None:
         if row["step"] % 10 == 0 or row["step"] == steps:
             typer.echo(f"step {row['step']:>{len(str(steps))}}/{steps} | lr {row['lr']:.2e} | "
-                       f"loss {row['loss']:.4f}")
+                       f"loss {row['step_losses'][-1]:.4f}")  # this step's, at this lr
 
     found = run_lr_find(cfg, lr_min, lr_max, steps, verbose=verbose, say=say,
                         on_metrics=None if quiet else progress)
