@@ -8,6 +8,7 @@ from typing import Optional
 from ray.train import UserCallback
 
 from raytrain_lm.checkpoint import BEST_DIR
+from raytrain_lm.errors import last_line
 
 
 class ForwardMetrics(UserCallback):
@@ -36,8 +37,7 @@ def describe_failures(failures: dict) -> str:
     if dead:
         return f"worker process of rank {', '.join(map(str, dead))} died"
     rank, exc = sorted(failures.items())[0]
-    lines = [line for line in str(exc).strip().splitlines() if line.strip()]
-    return f"rank {rank}: {lines[-1] if lines else type(exc).__name__}"
+    return f"rank {rank}: {last_line(exc)}"
 
 
 class KeepBest(UserCallback):

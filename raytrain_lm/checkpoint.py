@@ -34,7 +34,6 @@ STATE, META, DCP_DIR = "state.pt", "meta.json", "dcp"
 BEST_DIR = "best_checkpoint"  # beside the checkpoint_* folders: a copy of the best by val loss
 
 
-
 def rng_state() -> dict[str, Any]:
     state = {"python": random.getstate(), "numpy": np.random.get_state(),
              "torch": torch.get_rng_state()}

@@ -461,20 +461,18 @@ def job_train_args(train_args: list[str], address: str, cwd: Path) -> list[str]:
         args = args[1:]
     if not is_local_address(address):
         return args
+    config = _option_value(args, "--config")[1]
+    if config is not None:  # the file's paths become flags (flags win over it), made absolute below
+        from raytrain_lm.config import load_config_file
+
+        settings = load_config_file(cwd / config)
+        for key in ("data", "storage"):
+            if isinstance(settings.get(key), str) and _option_value(args, f"--{key}")[1] is None:
+                args = _set_option(args, f"--{key}", settings[key])
     for flag in ("--storage", "--data", "--config", "--init-from"):
         _, value = _option_value(args, flag)
         if value is not None and "://" not in value and not os.path.isabs(value):
             args = _set_option(args, flag, str((cwd / value).resolve()))
-    config = _option_value(args, "--config")[1]
-    if config is not None:  # its relative paths too, as flags (which win over the file)
-        from raytrain_lm.config import load_config_file
-
-        settings = load_config_file(config)
-        for key in ("data", "storage"):
-            value, flag = settings.get(key), f"--{key}"
-            if isinstance(value, str) and "://" not in value and not os.path.isabs(value) \
-                    and _option_value(args, flag)[1] is None:
-                args = _set_option(args, flag, str((cwd / value).resolve()))
     if _option_value(args, "--storage")[1] is None:
         storage = os.environ.get("RAYTRAIN_LM_STORAGE", "runs")
         args = _set_option(args, "--storage",

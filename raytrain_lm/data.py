@@ -142,7 +142,6 @@ def iter_documents(source: str, text_field: str = "text") -> Iterator[str]:
 # ---------------------------------------------------------------- writing shards
 
 
-
 class _ShardWriter:
     """Buffers tokens of one split and writes fixed-size Arrow IPC shards."""
 

@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional
 from raytrain_lm import checkpoint as ckpt_io
 from raytrain_lm.config import TrainConfig
 from raytrain_lm.data import load_manifest, prepare_dataset
-from raytrain_lm.errors import UserError
+from raytrain_lm.errors import UserError, last_line
 from raytrain_lm.storage import MetricsLog, RunFolder
 from raytrain_lm.tb import TensorBoardLog
 
@@ -401,5 +401,4 @@ def _describe(error: BaseException) -> str:
         from raytrain_lm.callbacks import describe_failures
 
         return describe_failures(failures)
-    lines = [line for line in str(error).strip().splitlines() if line.strip()]
-    return lines[-1] if lines else type(error).__name__
+    return last_line(error)

@@ -149,6 +149,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         torch.manual_seed(cfg.seed + rank)  # per-rank dropout streams
 
     peak = gpu_peak_tflops(device, cfg.peak_tflops)
+    step_tokens = cfg.batch_size * cfg.seq_len * cfg.grad_accum * world
     timer = StepTimer(device)
     step_losses: list[torch.Tensor] = []  # this rank's loss of each step since the last report
     train_start, train_start_unix = time.perf_counter(), time.time()
@@ -177,9 +178,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         scaler.step(optimizer)
         scaler.update()
         step += 1
-        tokens_seen += cfg.batch_size * cfg.seq_len * cfg.grad_accum * world
+        tokens_seen += step_tokens
         timer.steps += 1
-        timer.tokens += cfg.batch_size * cfg.seq_len * cfg.grad_accum * world
+        timer.tokens += step_tokens
 
         _maybe_inject_fault(loop_config.get("fail_at"), step, rank, run_name)
 

@@ -115,26 +115,28 @@ def to_local_float(t: torch.Tensor) -> float:
     return float(t)
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor: its shard of an FSDP DTensor, else the tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def model_state_bytes(model: torch.nn.Module, optimizer) -> int:
     """Bytes this rank holds for parameters, gradients and optimizer states (local shards)."""
-    def local(t):
-        return t.to_local() if hasattr(t, "to_local") else t
-
     total = 0
     for p in model.parameters():
-        total += local(p).numel() * p.element_size()
+        total += _local(p).numel() * p.element_size()
         if p.grad is not None:
-            total += local(p.grad).numel() * p.grad.element_size()
+            total += _local(p.grad).numel() * p.grad.element_size()
     for state in optimizer.state.values():
         for v in state.values():
             if torch.is_tensor(v) and v.dim() > 0:
-                total += local(v).numel() * v.element_size()
+                total += _local(v).numel() * v.element_size()
     return total
 
 
 def local_param_fraction(model: torch.nn.Module) -> float:
     """Share of the model's parameters stored on this rank: 1.0 with DDP, ~1/world with FSDP."""
-    local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in model.parameters())
+    local = sum(_local(p).numel() for p in model.parameters())
     full = sum(p.numel() for p in model.parameters())
     return local / full
 

@@ -11,6 +11,7 @@ from typing import Any, Callable, Optional
 
 from ray import tune
 
+from raytrain_lm.errors import last_line
 from raytrain_lm.storage import RunFolder
 
 # Where the live table goes. Module-level rather than held by the callback, because Tune pickles
@@ -137,18 +138,13 @@ def collect_trials(grid, max_steps: int, keys: list[str]) -> list[dict]:
             "params": {k: res.config.get(k) for k in keys},
             "val_curve": curve,
             "wall_seconds": m.get("time_total_s"),
-            "error": _first_line(res.error) if res.error else None,
+            "error": last_line(res.error) if res.error else None,
         })
     trials.sort(key=lambda t: (t["status"] == "error", t["final_val_loss"] is None,
                                t["final_val_loss"] if t["final_val_loss"] is not None else 0.0))
     for i, t in enumerate(trials, 1):
         t["rank"] = i
     return trials
-
-
-def _first_line(error: BaseException) -> str:
-    lines = [line for line in str(error).strip().splitlines() if line.strip()]
-    return lines[-1] if lines else type(error).__name__
 
 
 def ranked_table(trials: list[dict], keys: list[str], max_steps: int) -> str:
