@@ -317,7 +317,7 @@ def generate(
 
     res = generate_text(chosen.path, prompt, max_new_tokens=max_new_tokens, temperature=temperature,
                         top_k=top_k or None, seed=seed, device=device,
-                        on_text=on_text if stream else None)
+                        on_text=on_text if stream else None, meta=chosen.meta)
     res.update(checkpoint=chosen.source, step=chosen.step)
     if as_json:
         typer.echo(json.dumps(res, indent=2))
@@ -346,7 +346,8 @@ def export(
     from raytrain_lm.runs import choose_checkpoint
 
     chosen = choose_checkpoint(model, storage, best=best)
-    config = export_checkpoint(chosen.path, out, source=chosen.source, force=force)
+    config = export_checkpoint(chosen.path, out, source=chosen.source, force=force,
+                               meta=chosen.meta)
     files = {"weights": str(out / WEIGHTS), "config": str(out / CONFIG)}
     if as_json:
         typer.echo(json.dumps({**files, **{k: v for k, v in config.items() if k != "train_config"}}, indent=2))
@@ -484,10 +485,9 @@ def lr_find(
     quiet = quiet or as_json
     say = (lambda m: typer.echo(m, err=True)) if as_json else (lambda m: _echo(m, quiet))
 
-    def progress(row: dict) -> None:
-        if row["step"] % 10 == 0 or row["step"] == steps:
-            typer.echo(f"step {row['step']:>{len(str(steps))}}/{steps} | lr {row['lr']:.2e} | "
-                       f"loss {row['step_losses'][-1]:.4f}")  # this step's, at this lr
+    def progress(row: dict) -> None:  # a row every lr_find.REPORT_EVERY steps, and the last
+        typer.echo(f"step {row['step']:>{len(str(steps))}}/{steps} | lr {row['lr']:.2e} | "
+                   f"loss {row['step_losses'][-1]:.4f}")  # this step's, at this lr
 
     found = run_lr_find(cfg, lr_min, lr_max, steps, verbose=verbose, say=say,
                         on_metrics=None if quiet else progress)

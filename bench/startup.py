@@ -154,6 +154,7 @@ def main(argv=None) -> None:
     q = Queue(actor_options={"num_cpus": 0})
     t["queue_actor_created"] = time.time()
     import raytrain_lm.loop
+    from raytrain_lm.callbacks import ForwardMetrics
 
     def timed_fit(name: str, events: str) -> dict:
         """Build and fit a trainer whose workers run `timed_loop`; driver-side timestamps."""
@@ -163,7 +164,7 @@ def main(argv=None) -> None:
         raytrain_lm.loop.train_loop_per_worker = timed_loop  # build_trainer imports it from there
         try:
             trainer = launch.build_trainer(cfg, RunFolder(cfg.storage, name),
-                                           callbacks=[launch._progress_callback(q)] + make_callbacks(events))
+                                           callbacks=[ForwardMetrics(q)] + make_callbacks(events))
         finally:
             raytrain_lm.loop.train_loop_per_worker = real_loop
         trainer.train_loop_config["events_path"] = events

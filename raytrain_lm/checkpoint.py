@@ -116,10 +116,12 @@ def _full_state_from_dcp(folder: Path) -> dict[str, Any]:
         return torch.load(f"{tmp}/full.pt", map_location="cpu", weights_only=False)
 
 
-def load_checkpoint(folder: Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+def load_checkpoint(folder: Path, map_location: str | torch.device = "cpu",
+                    meta: Optional[dict[str, Any]] = None) -> dict[str, Any]:
     """The whole training state, with `model` as a plain state dict whatever the strategy that
-    saved it (so generate/export/--init-from work on FSDP checkpoints in one process)."""
-    meta = read_meta(folder)
+    saved it (so generate/export/--init-from work on FSDP checkpoints in one process). `meta`:
+    what read_meta already returned for `folder`, so its checksums are not computed twice."""
+    meta = meta or read_meta(folder)
     state = torch.load(folder / STATE, map_location=map_location, weights_only=False)
     if meta.get("format") == "dcp":
         state["model"] = _full_state_from_dcp(folder)["model"]

@@ -11,7 +11,7 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from raytrain_lm.checkpoint import load_checkpoint
 from raytrain_lm.errors import UserError
@@ -41,15 +41,17 @@ def _umask() -> int:
     return mask
 
 
-def export_checkpoint(folder: Path, out: Path, source: str, force: bool = False) -> dict[str, Any]:
+def export_checkpoint(folder: Path, out: Path, source: str, force: bool = False,
+                      meta: Optional[dict] = None) -> dict[str, Any]:
     """Write `out`/model.safetensors and `out`/config.json from the checkpoint in `folder`.
-    `out` appears complete or not at all. Returns what config.json holds."""
+    `out` appears complete or not at all. Returns what config.json holds. `meta`: as for
+    load_checkpoint."""
     from safetensors.torch import save_file
 
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
         raise UserError(f"{out} exists and is not empty; pass --force to overwrite it")
-    state = load_checkpoint(folder)
+    state = load_checkpoint(folder, meta=meta)
     weights, tied = _untie(state["model"])
     config = {
         "format": FORMAT,

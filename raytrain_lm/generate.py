@@ -27,9 +27,10 @@ def pick_device(name: str) -> torch.device:
         raise UserError(f"unknown --device {name!r}; use auto, cpu or cuda[:N]") from None
 
 
-def load_model(folder: Path, device: torch.device):
-    """(model in eval mode on `device`, tokenizer, the checkpoint's TrainConfig)."""
-    state = load_checkpoint(folder, map_location="cpu")
+def load_model(folder: Path, device: torch.device, meta: Optional[dict] = None):
+    """(model in eval mode on `device`, tokenizer, the checkpoint's TrainConfig). `meta`: as for
+    load_checkpoint."""
+    state = load_checkpoint(folder, map_location="cpu", meta=meta)
     cfg = TrainConfig.from_dict(state["config"])
     model = GPT(cfg.model)
     model.load_state_dict(state["model"])
@@ -112,12 +113,13 @@ def generate_text(
     seed: int = 0,
     device: str = "auto",
     on_text: Optional[Callable[[str], None]] = None,
+    meta: Optional[dict] = None,
 ) -> dict:
     """Sample from the checkpoint in `folder`; `on_text` receives decoded text as it is produced.
     Returns the text, its token ids and the speed."""
     check_sampling(max_new_tokens, temperature, top_k)
     dev = pick_device(device)
-    model, tok, _ = load_model(folder, dev)
+    model, tok, _ = load_model(folder, dev, meta)
     # A byte-level model has no start token: an empty prompt starts after a newline.
     prompt_ids = [int(i) for i in tok.encode(prompt)] or [int(i) for i in tok.encode("\n")]
     if max(prompt_ids) >= model.cfg.vocab_size:

@@ -49,6 +49,16 @@ def fit_model_to_data(cfg: TrainConfig, manifest: dict) -> None:
                         f"vocab_size is {cfg.model.vocab_size}; raise model.vocab_size")
 
 
+def prepare_data(cfg: TrainConfig, say: Callable[[str], None]) -> dict:
+    """The dataset's manifest, with the model's vocabulary fitted to it and a local data path made
+    absolute (workers do not share the driver's working directory)."""
+    manifest = ensure_dataset(cfg, say)
+    fit_model_to_data(cfg, manifest)
+    if "://" not in cfg.data:
+        cfg.data = os.path.abspath(cfg.data)
+    return manifest
+
+
 def default_run_name(cfg: TrainConfig) -> str:
     return f"{cfg.preset}-{_dt.datetime.now().strftime('%Y%m%d-%H%M%S')}"
 
@@ -267,10 +277,7 @@ def run_training(
     With `resume`, the run `cfg.name` continues from its latest valid checkpoint (the caller
     loads the run's saved config: see `saved_config`)."""
     t_launch = time.time()
-    manifest = ensure_dataset(cfg, say)
-    fit_model_to_data(cfg, manifest)
-    if "://" not in cfg.data:  # workers do not share the driver's working directory
-        cfg.data = os.path.abspath(cfg.data)
+    manifest = prepare_data(cfg, say)
     if cfg.name is None:
         if resume:
             raise UserError("--resume needs --name of the run to continue")

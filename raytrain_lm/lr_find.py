@@ -14,7 +14,6 @@ learning rates it moved the minimum by a decade and a half in one run.
 
 from __future__ import annotations
 
-import datetime as _dt
 import math
 import os
 from typing import Callable, Optional
@@ -115,7 +114,9 @@ def range_test_config(cfg: TrainConfig, lr_min: float, lr_max: float, steps: int
     cfg.max_steps, cfg.log_every, cfg.eval_every = steps, REPORT_EVERY, steps
     cfg.checkpoint_every, cfg.keep_checkpoints = 0, 1
     if cfg.name is None:
-        cfg.name = f"lrfind-{cfg.preset}-{_dt.datetime.now().strftime('%Y%m%d-%H%M%S')}"
+        from raytrain_lm.launch import default_run_name
+
+        cfg.name = f"lrfind-{default_run_name(cfg)}"
     return cfg
 
 
@@ -136,7 +137,6 @@ def run_lr_find(cfg: TrainConfig, lr_min: float = 1e-5, lr_max: float = 1.0, ste
                 verbose: bool = False, say: Callable[[str], None] = print,
                 on_metrics: Optional[Callable[[dict], None]] = None) -> dict:
     from raytrain_lm.launch import run_training
-    from raytrain_lm.sweep_report import write_bytes
 
     cfg = range_test_config(cfg, lr_min, lr_max, steps)
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", REPORT_POLL_S)  # passed on to the controller
@@ -151,7 +151,7 @@ def run_lr_find(cfg: TrainConfig, lr_min: float = 1e-5, lr_max: float = 1.0, ste
     lrs, losses = per_step_curve(rows, cfg)
     found = suggest_lr(lrs, losses)
     run = RunFolder(cfg.storage, cfg.name)
-    write_bytes(run, PLOT_FILE, plot(found, f"LR range test: {cfg.name}"))
+    run.write_bytes(PLOT_FILE, plot(found, f"LR range test: {cfg.name}"))
     record = {k: v for k, v in found.items() if k not in ("smoothed",)}
     record.update(lr_min=lr_min, lr_max=lr_max, steps=steps, workers=cfg.workers,
                   tokens_per_step=cfg.tokens_per_step, run_dir=summary["run_dir"])

@@ -142,8 +142,7 @@ def build_report(refs: list[str], storage: str, out: Optional[str] = None) -> di
         where = out
     else:
         rel = "report.png" if len(runs) == 1 else "compare.png"
-        with runs[0].fs.open_output_stream(f"{runs[0].path}/{rel}") as f:
-            f.write(png)
+        runs[0].write_bytes(rel, png)
         where = runs[0].display_path(rel)
     summaries = []
     for run in runs:

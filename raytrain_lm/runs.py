@@ -16,7 +16,6 @@ from typing import Any, Optional
 
 import pyarrow.fs as pafs
 
-from raytrain_lm.checkpoint import read_meta
 from raytrain_lm.errors import UserError
 from raytrain_lm.storage import MetricsLog, RunFolder, resolve_storage
 
@@ -105,6 +104,7 @@ class Chosen:
     path: Path  # a local folder (a temporary copy for remote runs)
     step: int
     source: str  # where it came from, for messages
+    meta: dict  # its meta.json, checked against every file's checksum
     val_loss: Optional[float] = None
 
 
@@ -119,12 +119,14 @@ def _local_copy(fs: pafs.FileSystem, path: str) -> Path:
 def choose_checkpoint(ref: str, storage: str, best: bool = False) -> Chosen:
     """The checkpoint to load for `ref`: a checkpoint folder as given, else the run's latest
     complete checkpoint, or with `best` the one with the lowest validation loss at its step."""
+    from raytrain_lm.checkpoint import read_meta  # torch: not for `runs`, which lists only
+
     path = Path(ref)
     if path.is_dir() and (path / "meta.json").is_file():
         if best:
             raise UserError("--best chooses among a run's checkpoints; give the run, not a checkpoint")
         meta = read_meta(path)
-        return Chosen(path, meta["step"], str(path))
+        return Chosen(path, meta["step"], str(path), meta)
     run = open_run(ref, storage)
     found = checkpoints(run)
     if not found:
@@ -144,9 +146,9 @@ def choose_checkpoint(ref: str, storage: str, best: bool = False) -> Chosen:
     for step, p, loss in candidates:
         local = _local_copy(run.fs, p)
         try:
-            read_meta(local)  # complete and not corrupted, else fall back to an older one
+            meta = read_meta(local)  # complete and not corrupted, else fall back to an older one
         except UserError as e:
             problems.append(str(e))
             continue
-        return Chosen(local, step, f"{run.display_path()}/{p.rsplit('/', 1)[-1]}", loss)
+        return Chosen(local, step, f"{run.display_path()}/{p.rsplit('/', 1)[-1]}", meta, loss)
     raise UserError(f"no valid checkpoint in run {run.name!r}: " + "; ".join(problems))

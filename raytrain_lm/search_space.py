@@ -14,7 +14,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import itertools
-import json
 import math
 import typing
 from dataclasses import dataclass
@@ -271,7 +270,3 @@ def check_space_against_config(space: SearchSpace, base: TrainConfig) -> None:
         except UserError as e:
             shown = ", ".join(f"{k}={v}" for k, v in point.items())
             raise UserError(f"search space: the point {shown} is invalid: {e}") from None
-
-
-def space_summary(space: SearchSpace) -> str:
-    return json.dumps({d.key: d.describe() for d in space.dims})

@@ -51,13 +51,16 @@ class RunFolder:
         with self.fs.open_input_stream(f"{self.path}/{rel}") as f:
             return f.read().decode()
 
-    def write_text(self, rel: str, text: str) -> None:
+    def write_bytes(self, rel: str, data: bytes) -> None:
         """Write whole, then move into place: readers never see half a file."""
         self.fs.create_dir(self.path, recursive=True)
         tmp = f"{self.path}/.{rel}.tmp-{os.getpid()}"
         with self.fs.open_output_stream(tmp) as f:
-            f.write(text.encode())
+            f.write(data)
         self.fs.move(tmp, f"{self.path}/{rel}")
+
+    def write_text(self, rel: str, text: str) -> None:
+        self.write_bytes(rel, text.encode())
 
     def write_json(self, rel: str, obj: Any) -> None:
         self.write_text(rel, json.dumps(obj, indent=2, default=str) + "\n")

@@ -178,13 +178,9 @@ def plot_curves(trials: list[dict], keys: list[str], title: str) -> bytes:
     fig, ax = plt.subplots(figsize=(8, 5), dpi=110)
     # A diverged trial would squash every other curve into a line: the axis stops at 1.5x the best
     # trial's first validation loss, and points above it sit on the top edge as triangles.
-    firsts = [t["val_curve"][0][1] for t in trials if t["val_curve"]]
-    best_first = next((t["val_curve"][0][1] for t in trials if t["val_curve"]), None)
-    top = max(firsts) if firsts else 1.0
-    if best_first is not None:
-        top = min(top, 1.5 * best_first)
+    firsts = [t["val_curve"][0][1] for t in trials if t["val_curve"]]  # trials come ranked
+    top = min(max(firsts), 1.5 * firsts[0]) if firsts else 1.0
     low = min((v for t in trials for _, v in t["val_curve"]), default=0.0)
-    top = max(top, max((v for t in trials for _, v in t["val_curve"] if v <= top), default=top))
     for t in trials:
         if not t["val_curve"]:
             continue
@@ -210,12 +206,6 @@ def plot_curves(trials: list[dict], keys: list[str], title: str) -> bytes:
     return png_bytes(fig)
 
 
-def write_bytes(folder: RunFolder, rel: str, data: bytes) -> None:
-    folder.fs.create_dir(folder.path, recursive=True)
-    with folder.fs.open_output_stream(f"{folder.path}/{rel}") as f:
-        f.write(data)
-
-
 def write_outputs(folder: RunFolder, cfg, space, settings, trials: list[dict], wall: float) -> dict:
     from raytrain_lm.tune import BEST_FILE, PLOT_FILE, RESULTS_FILE, TRIAL_CONFIG_FILE
 
@@ -233,7 +223,7 @@ def write_outputs(folder: RunFolder, cfg, space, settings, trials: list[dict], w
         folder.write_text(BEST_FILE, best_config_yaml(trial_cfg, best, cfg.name))
         summary["best_config"] = folder.display_path(BEST_FILE)
     if any(t["val_curve"] for t in trials):
-        write_bytes(folder, PLOT_FILE, plot_curves(trials, keys, f"sweep {cfg.name}: validation loss"))
+        folder.write_bytes(PLOT_FILE, plot_curves(trials, keys, f"sweep {cfg.name}: validation loss"))
         summary["plot"] = folder.display_path(PLOT_FILE)
     folder.write_json(RESULTS_FILE, summary)
     summary["table"] = ranked_table(trials, keys, cfg.max_steps)

@@ -14,7 +14,6 @@ folder per trial (Tune's result.json, the trial's config, its Train run with che
 from __future__ import annotations
 
 import copy
-import datetime as _dt
 import math
 import os
 import time
@@ -223,7 +222,9 @@ def _trial_name(trial) -> str:
 
 
 def default_sweep_name(cfg: TrainConfig) -> str:
-    return f"tune-{cfg.preset}-{_dt.datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    from raytrain_lm.launch import default_run_name
+
+    return f"tune-{default_run_name(cfg)}"
 
 
 def run_sweep(
@@ -241,7 +242,7 @@ def run_sweep(
 
     For a resume, only cfg.name, cfg.storage and cfg.address are used: the rest comes from the
     sweep's own sweep.json."""
-    from raytrain_lm.launch import check_resources, connect_ray, ensure_dataset, fit_model_to_data
+    from raytrain_lm.launch import check_resources, connect_ray, prepare_data
 
     if resume:
         if not cfg.name:
@@ -256,9 +257,7 @@ def run_sweep(
         space = SearchSpace.from_json(saved["space"])
         settings = SweepSettings(**saved["settings"])
     else:
-        manifest = ensure_dataset(cfg, say)
-        fit_model_to_data(cfg, manifest)
-        cfg.data = os.path.abspath(cfg.data)  # trials do not share the driver's working directory
+        prepare_data(cfg, say)
         cfg.name = cfg.name or default_sweep_name(cfg)
         folder = RunFolder(cfg.storage, cfg.name)
         if folder.exists():
@@ -291,7 +290,7 @@ def run_sweep(
     from raytrain_lm.sweep_report import LiveTable, collect_trials, watch, write_outputs
 
     watch(live, live_interval)
-    trainable = _trainable(cfg, folder.storage_uri + "/" + cfg.name)
+    trainable = _trainable(cfg, folder.display_path())
     if resume:
         from ray.tune import Tuner
 
