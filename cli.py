@@ -220,14 +220,16 @@ def plan(
                "bf16 activations on GPU, fused attention)")
 
 
-STORAGE_HELP = "Where runs live: a folder or s3://..."
+# The same default as `train` (TrainConfig.storage): RAYTRAIN_LM_STORAGE, else ./runs.
+STORAGE_OPT = typer.Option("runs", envvar="RAYTRAIN_LM_STORAGE",
+                           help="Where runs live: a folder or s3://...")
 
 
 @app.command("runs", epilog="Examples:\n\n  python cli.py runs\n\n"
                             "  python cli.py runs --storage s3://bucket/runs --json\n\n"
                             "  python cli.py runs -q   # names only, one per line")
 def runs_(
-    storage: str = typer.Option("runs", help=STORAGE_HELP),
+    storage: str = STORAGE_OPT,
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Only the run names."),
     as_json: bool = typer.Option(False, "--json", help="Print the runs as a JSON list."),
 ) -> None:
@@ -259,7 +261,7 @@ def report(
                                                 "(repeat, or list them after one --compare)."),
     out: Optional[Path] = typer.Option(None, help="Write the PNG here [default: report.png in the "
                                        "run's folder; compare.png with --compare]."),
-    storage: str = typer.Option("runs", help=STORAGE_HELP),
+    storage: str = STORAGE_OPT,
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Only the PNG's path."),
     as_json: bool = typer.Option(False, "--json", help="Print the summaries and the PNG's path as JSON."),
 ) -> None:
@@ -292,7 +294,7 @@ def generate(
     best: bool = typer.Option(False, "--best", help="The checkpoint with the lowest validation loss "
                               "instead of the latest."),
     device: str = typer.Option("auto", help="auto (a GPU if there is one), cpu, cuda, cuda:N."),
-    storage: str = typer.Option("runs", help=STORAGE_HELP),
+    storage: str = STORAGE_OPT,
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Only the generated text (no prompt, no stats)."),
     as_json: bool = typer.Option(False, "--json", help="Print text, token ids and stats as JSON at the end."),
 ) -> None:
@@ -337,7 +339,7 @@ def export(
     best: bool = typer.Option(False, "--best", help="The checkpoint with the lowest validation loss "
                               "instead of the latest."),
     force: bool = typer.Option(False, help="Replace --out if it exists."),
-    storage: str = typer.Option("runs", help=STORAGE_HELP),
+    storage: str = STORAGE_OPT,
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Print nothing on success."),
     as_json: bool = typer.Option(False, "--json", help="Print config.json's content and the files as JSON."),
 ) -> None:

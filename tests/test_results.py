@@ -57,6 +57,8 @@ def test_runs_lists_the_run(trained):
     assert "completed" in line and f"{STEPS}/{STEPS}" in line and f"{r['final_val_loss']:.4f}" in line
     assert "\033[" not in table.stdout  # no colour codes into a pipe
     assert run_cli("runs", "--storage", str(storage), "-q").stdout.split() == ["looked-at"]
+    # Without --storage, the same default as `train`: RAYTRAIN_LM_STORAGE (a cluster's shared one)
+    assert run_cli("runs", "-q", env={"RAYTRAIN_LM_STORAGE": str(storage)}).stdout.split() == ["looked-at"]
 
 
 def test_runs_colours_only_on_a_terminal(trained):
