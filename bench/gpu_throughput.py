@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from raytrain_lm.config import ModelConfig, preset_config  # noqa: E402
 from raytrain_lm.errors import UserError  # noqa: E402
-from raytrain_lm.metrics import gpu_peak_tflops, peak_memory_gb  # noqa: E402
+from raytrain_lm.metrics import gpu_peak_tflops, mfu, peak_memory_gb  # noqa: E402
 from raytrain_lm.model import GPT, flops_per_token  # noqa: E402
 from raytrain_lm.optim import build_optimizer, lr_at  # noqa: E402
 
@@ -269,7 +269,7 @@ def main(argv=None) -> None:
         for batch in args.batch_sizes:
             try:
                 r = run_config(cfg, model_cfg, device, mode, batch, args)
-                r["mfu"] = r["tokens_per_second"] * fpt / (peak * 1e12) if peak else None
+                r["mfu"] = mfu(r["tokens_per_second"], fpt, 1, peak)
             except torch.OutOfMemoryError:
                 r = {"mode": mode, "batch_size": batch, "seq_len": cfg.seq_len, "status": "oom"}
             results.append(r)
@@ -308,9 +308,9 @@ def main(argv=None) -> None:
 def row(r: dict) -> str:
     if r["status"] != "ok":
         return f"  {r['mode']:8s} batch {r['batch_size']:4d}: {r['status']}"
-    mfu = f"{100 * r['mfu']:5.1f}%" if r.get("mfu") is not None else "    -"
+    mfu_text = f"{100 * r['mfu']:5.1f}%" if r.get("mfu") is not None else "    -"
     return (f"  {r['mode']:8s} batch {r['batch_size']:4d}: {r['tokens_per_second']:>12,.0f} tok/s  "
-            f"step {1e3 * r['step_seconds_median']:8.1f} ms  MFU {mfu}  peak mem "
+            f"step {1e3 * r['step_seconds_median']:8.1f} ms  MFU {mfu_text}  peak mem "
             f"{r['peak_mem_gb']:6.2f} GB  first step {r['first_step_seconds']:.1f} s  "
             f"loss {r['loss_first']:.3f} -> {r['loss_last']:.3f}")
 

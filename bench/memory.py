@@ -45,7 +45,8 @@ def main() -> None:
                                           name=strategy), sets=sets)
             rows = []
             run_training(cfg, say=lambda m: None, on_metrics=rows.append)
-            plan = estimate(cfg.model, 2, strategy, "none", cfg.batch_size, cfg.seq_len, gpu=False)
+            plan = estimate(cfg.model, cfg.workers, cfg.strategy, cfg.activation_checkpointing,
+                            cfg.batch_size, cfg.seq_len, gpu=cfg.use_gpu)
             last = rows[-1]
             results[strategy] = {
                 "parameters": last["num_parameters"],

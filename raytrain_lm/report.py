@@ -104,6 +104,20 @@ def _local_time(iso: Optional[str]) -> str:
 STATUS_COLORS = {"completed": "green", "failed": "red", "unfinished": "yellow"}
 
 
+def text_table(header, rows, paint_cell=None) -> str:
+    """Columns padded to their widest cell, two spaces apart, under a header line.
+    `paint_cell(column, padded, raw)` may colour a cell (after padding: colour codes take no
+    width)."""
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip()]
+    for row in rows:
+        cells = [c.ljust(w) for c, w in zip(row, widths)]
+        if paint_cell:
+            cells = [paint_cell(i, cell, raw) for i, (cell, raw) in enumerate(zip(cells, row))]
+        lines.append("  ".join(cells).rstrip())
+    return "\n".join(lines)
+
+
 def runs_table(runs: list[dict[str, Any]], paint=lambda text, color: text) -> str:
     """`runs`: one line per run. `paint(text, color)` colours the status (or leaves it plain)."""
     header = ("run", "status", "steps", "val loss", "tokens/s", "ckpts", "date")
@@ -112,13 +126,8 @@ def runs_table(runs: list[dict[str, Any]], paint=lambda text, color: text) -> st
               f"{r['final_val_loss']:.4f}" if r.get("final_val_loss") is not None else "-",
               f"{r['tokens_per_second']:,.0f}" if r.get("tokens_per_second") else "-",
               str(r.get("checkpoints", 0)), _local_time(r.get("finished"))) for r in runs]
-    widths = [max(len(row[i]) for row in [header, *table]) for i in range(len(header))]
-    lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip()]
-    for row in table:
-        cells = [c.ljust(w) for c, w in zip(row, widths)]
-        cells[1] = paint(cells[1], STATUS_COLORS.get(row[1], "bold"))
-        lines.append("  ".join(cells).rstrip())
-    return "\n".join(lines)
+    return text_table(header, table, lambda i, cell, raw:
+                      paint(cell, STATUS_COLORS.get(raw, "bold")) if i == 1 else cell)
 
 
 def build_report(refs: list[str], storage: str, out: Optional[str] = None) -> dict[str, Any]:

@@ -12,6 +12,7 @@ from typing import Any, Callable, Optional
 from ray import tune
 
 from raytrain_lm.errors import last_line
+from raytrain_lm.report import text_table
 from raytrain_lm.storage import RunFolder
 
 # Where the live table goes. Module-level rather than held by the callback, because Tune pickles
@@ -31,13 +32,6 @@ def _fmt(v: Any, key: str = "") -> str:
     if isinstance(v, float):
         return f"{v:.4f}" if key in ("loss", "val_loss") else f"{v:.4g}"
     return str(v)
-
-
-def _table(header: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
-    lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip()]
-    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-    return "\n".join(lines)
 
 
 def status_label(tune_status: str, step: Optional[int], max_steps: int) -> str:
@@ -106,7 +100,7 @@ class LiveTable(tune.Callback):
             counts["queued"] = counts.get("queued", 0) + self.total - len(rows)
         head = (f"[{time.strftime('%H:%M:%S')}] {self.total} trials: "
                 + ", ".join(f"{n} {s}" for s, n in counts.items()))
-        return head + "\n" + _table(header, rows)
+        return head + "\n" + text_table(header, rows)
 
 
 # ---------------------------------------------------------------- after the sweep
@@ -157,7 +151,7 @@ def ranked_table(trials: list[dict], keys: list[str], max_steps: int) -> str:
                      _fmt(t["final_val_loss"], "val_loss"), _fmt(t["final_train_loss"], "loss")]
                     + [_fmt(t["params"].get(k), k) for k in keys]
                     + [f"{wall:.0f}s" if wall is not None else "-"])
-    return _table(header, rows)
+    return text_table(header, rows)
 
 
 def best_config_yaml(trial_cfg: dict, trial: dict, sweep: str) -> str:
