@@ -34,13 +34,14 @@ from pathlib import Path
 
 import torch
 
+# GPU hosts run this from a copy of the repository without installing it (the package would pull
+# Ray, which they lack): the project's modules come from the checkout.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 from raytrain_lm.config import ModelConfig, preset_config  # noqa: E402
 from raytrain_lm.errors import UserError  # noqa: E402
 from raytrain_lm.metrics import gpu_peak_tflops, mfu, peak_memory_gb  # noqa: E402
 from raytrain_lm.model import GPT, flops_per_token  # noqa: E402
-from raytrain_lm.optim import build_optimizer, lr_at  # noqa: E402
+from raytrain_lm.optim import build_optimizer, lr_at
 
 SMOKE = dict(model=dict(vocab_size=50304, block_size=64, n_layer=2, n_head=2, n_embd=64, bias=False),
              seq_len=64, batch_sizes="2,4", modes="eager", steps=3, warmup=1)

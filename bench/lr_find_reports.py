@@ -2,7 +2,7 @@
 every 10 steps (the default), alternating order each repetition.
 
 Each run is `python cli.py lr-find` in a fresh process with its own local Ray; the only change is
-`raytrain_lm.lr_find.REPORT_EVERY`, set before the CLI runs. Both sides compute the same steps,
+`raytrain_lm.tune.lr_find.REPORT_EVERY`, set before the CLI runs. Both sides compute the same steps,
 so their suggested lr must agree (checked). It starts its own local Ray, so run it alone:
 
     flock /tmp/raytrain-ray.lock python bench/lr_find_reports.py --reps 2 --steps 100
@@ -28,12 +28,11 @@ ROOT = Path(__file__).resolve().parent.parent
 
 RUN = """
 import sys
-sys.path.insert(0, {root!r})
-import raytrain_lm.lr_find
-raytrain_lm.lr_find.REPORT_EVERY = {every}
+import raytrain_lm.tune.lr_find
+raytrain_lm.tune.lr_find.REPORT_EVERY = {every}
 sys.argv = ["cli.py", "lr-find", *{args!r}]
-import cli
-cli.main()
+from raytrain_lm.cli import main
+main()
 """
 
 
@@ -42,7 +41,7 @@ def one_run(every: int, steps: int, storage: str, name: str, sets: list[str]) ->
             "--json", *[x for s in sets for x in ("--set", s)]]
     load = os.getloadavg()[0]
     t0 = time.perf_counter()
-    out = subprocess.run([sys.executable, "-c", RUN.format(root=str(ROOT), every=every, args=args)],
+    out = subprocess.run([sys.executable, "-c", RUN.format(every=every, args=args)],
                          cwd=ROOT, capture_output=True, text=True, check=True)
     wall = time.perf_counter() - t0
     found = json.loads(out.stdout)

@@ -14,15 +14,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from raytrain_lm.config import build_config  # noqa: E402
-from raytrain_lm.launch import run_training  # noqa: E402
-from raytrain_lm.plan import GB, estimate  # noqa: E402
+from raytrain_lm.config import build_config
+from raytrain_lm.driver import run_training
+from raytrain_lm.plan import GB, estimate
 
 
 def main() -> None:

@@ -36,7 +36,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 
 def parse_args(argv=None):
@@ -186,7 +185,7 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     args.data = os.path.abspath(args.data)
     if not Path(args.data, "manifest.json").is_file():
-        from raytrain_lm.data import prepare_dataset
+        from raytrain_lm.data.prepare import prepare_dataset
         print(f"preparing the pydoc corpus into {args.data} ...", flush=True)
         prepare_dataset("pydoc", args.data)
     sides = [args.only] if args.only else ["torchrun", "ray"]

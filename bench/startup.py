@@ -1,6 +1,6 @@
 """Where does the time to the first training step go? Timestamps of every phase of `train`.
 
-Runs the same path as `python cli.py train` (raytrain_lm.launch's functions, the real
+Runs the same path as `python cli.py train` (raytrain_lm's driver functions, the real
 TorchTrainer, the real per-worker loop) with timestamps taken
   - in the driver, around each step of `run_training`;
   - in Ray Train's controller, by a (developer-API) controller/worker-group callback;
@@ -19,15 +19,14 @@ import time
 
 T_SCRIPT = time.time()
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import os  # noqa: E402
-import sys  # noqa: E402
-import tempfile  # noqa: E402
-from pathlib import Path  # noqa: E402
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 
 def process_start_unix(pid: str = "self") -> float:
@@ -130,7 +129,8 @@ def main(argv=None) -> None:
     t["import_launch"] = time.time()
     import typer  # noqa: F401  (cli.py imports it first; counted as the CLI's own import cost)
 
-    from raytrain_lm import launch
+    from raytrain_lm import driver, preflight
+    from raytrain_lm.cluster import connect
     from raytrain_lm.config import build_config
     from raytrain_lm.storage import RunFolder
     t["import_launch_done"] = time.time()
@@ -141,14 +141,14 @@ def main(argv=None) -> None:
         workers=args.workers, max_steps=args.steps, data=os.path.abspath(args.data),
         storage=storage, name="startup", eval_every=args.steps, checkpoint_every=0))
     t["t_launch"] = time.time()  # where run_training's clock starts
-    manifest = launch.ensure_dataset(cfg, print)
-    launch.fit_model_to_data(cfg, manifest)
+    manifest = preflight.ensure_dataset(cfg, print)
+    preflight.fit_model_to_data(cfg, manifest)
     t["dataset_checked"] = time.time()
     import ray
     t["import_ray_done"] = time.time()
-    launch.connect_ray(None, cfg.workers * cfg.cpus_per_worker)
+    connect.connect_ray(None, cfg.workers * cfg.cpus_per_worker)
     t["ray_init_done"] = time.time()
-    launch.check_resources(cfg)
+    preflight.check_resources(cfg)
     from ray.util.queue import Queue
 
     q = Queue(actor_options={"num_cpus": 0})
@@ -163,7 +163,7 @@ def main(argv=None) -> None:
         real_loop = raytrain_lm.loop.train_loop_per_worker
         raytrain_lm.loop.train_loop_per_worker = timed_loop  # build_trainer imports it from there
         try:
-            trainer = launch.build_trainer(cfg, RunFolder(cfg.storage, name),
+            trainer = driver.build_trainer(cfg, RunFolder(cfg.storage, name),
                                            callbacks=[ForwardMetrics(q)] + make_callbacks(events))
         finally:
             raytrain_lm.loop.train_loop_per_worker = real_loop
@@ -209,7 +209,7 @@ def main(argv=None) -> None:
 
     timeline = [("process start (python interpreter)", t["process_start"], None),
                 ("script imports done", t["import_launch"], None),
-                ("imports: typer + raytrain_lm.launch", t["import_launch"], t["import_launch_done"]),
+                ("imports: typer + raytrain_lm.driver", t["import_launch"], t["import_launch_done"]),
                 ("dataset manifest checked", t["t_launch"], t["dataset_checked"]),
                 ("import ray", t["dataset_checked"], t["import_ray_done"]),
                 ("ray.init (local cluster)", t["import_ray_done"], t["ray_init_done"]),

@@ -20,7 +20,6 @@ import argparse
 import json
 import math
 import os
-import sys
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -30,13 +29,12 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from raytrain_lm.config import build_config  # noqa: E402
-from raytrain_lm.data import TokenWindows, collate_windows, load_manifest  # noqa: E402
-from raytrain_lm.metrics import StepTimer, gpu_peak_tflops, mfu, peak_memory_gb  # noqa: E402
-from raytrain_lm.model import GPT, flops_per_token  # noqa: E402
-from raytrain_lm.optim import build_optimizer, lr_at  # noqa: E402
+from raytrain_lm.config import build_config
+from raytrain_lm.data.manifest import load_manifest
+from raytrain_lm.data.windows import TokenWindows, collate_windows
+from raytrain_lm.metrics import StepTimer, gpu_peak_tflops, mfu, peak_memory_gb
+from raytrain_lm.model import GPT, flops_per_token
+from raytrain_lm.optim import build_optimizer, lr_at
 
 
 def parse_args(argv=None):

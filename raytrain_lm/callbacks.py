@@ -7,8 +7,9 @@ from typing import Optional
 
 from ray.train import UserCallback
 
-from raytrain_lm.checkpoint import BEST_DIR
 from raytrain_lm.errors import last_line
+from raytrain_lm.files import BEST_DIR
+from raytrain_lm.storage import staged_folder
 
 
 class ForwardMetrics(UserCallback):
@@ -62,16 +63,5 @@ class KeepBest(UserCallback):
         import pyarrow.fs as pafs
 
         fs, src = checkpoint.filesystem, checkpoint.path.rstrip("/")
-        run_dir = src.rsplit("/", 1)[0]
-        tmp, dst, old = f"{run_dir}/.{BEST_DIR}.tmp", f"{run_dir}/{BEST_DIR}", f"{run_dir}/.{BEST_DIR}.old"
-        for path in (tmp, old):
-            if fs.get_file_info(path).type != pafs.FileType.NotFound:
-                fs.delete_dir(path)
-        fs.create_dir(tmp, recursive=True)
-        pafs.copy_files(src, tmp, source_filesystem=fs, destination_filesystem=fs)
-        # Swap in the complete copy; the previous best is removed only after.
-        if fs.get_file_info(dst).type != pafs.FileType.NotFound:
-            fs.move(dst, old)
-        fs.move(tmp, dst)
-        if fs.get_file_info(old).type != pafs.FileType.NotFound:
-            fs.delete_dir(old)
+        with staged_folder(f"{src.rsplit('/', 1)[0]}/{BEST_DIR}", fs) as tmp:
+            pafs.copy_files(src, tmp, source_filesystem=fs, destination_filesystem=fs)

@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import json
 import random
-import shutil
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -28,10 +26,8 @@ import numpy as np
 import torch
 
 from raytrain_lm.errors import UserError
+from raytrain_lm.files import DCP_DIR, META, STATE, rank_record, rng_file
 from raytrain_lm.storage import sha256_file
-
-STATE, META, DCP_DIR = "state.pt", "meta.json", "dcp"
-BEST_DIR = "best_checkpoint"  # beside the checkpoint_* folders: a copy of the best by val loss
 
 
 def rng_state() -> dict[str, Any]:
@@ -57,7 +53,7 @@ def save_checkpoint(folder: Path, rank: int, model: torch.nn.Module, optimizer, 
                     state: Optional[dict[str, Any]]) -> None:
     """Called on every rank (a collective when `sharded`). Rank 0 passes the training `state`."""
     folder.mkdir(parents=True, exist_ok=True)
-    torch.save(rng_state(), folder / f"rng-rank{rank}.pt")
+    torch.save(rng_state(), folder / rng_file(rank))
     if sharded:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -72,10 +68,11 @@ def save_checkpoint(folder: Path, rank: int, model: torch.nn.Module, optimizer, 
         torch.save(state, folder / STATE)
     written = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != META)
     record = {str(p.relative_to(folder)): sha256_file(p) for p in written}
-    (folder / f"rank{rank}.json").write_text(json.dumps(record, indent=1))
+    (folder / rank_record(rank)).write_text(json.dumps(record, indent=1))
     if rank == 0:
         meta = {"step": state["step"], "world_size": state["world_size"], "format": state["format"],
-                "config": state["config"], "tokenizer": state["tokenizer"]}
+                "val_loss": state.get("val_loss"), "config": state["config"],
+                "tokenizer": state["tokenizer"]}
         (folder / META).write_text(json.dumps(meta, indent=2))
 
 
@@ -93,7 +90,7 @@ def read_meta(folder: Path) -> dict[str, Any]:
     except (json.JSONDecodeError, KeyError, ValueError):
         raise UserError(f"{folder}/{META} is corrupted") from None
     for r in range(world):
-        record_path = folder / f"rank{r}.json"
+        record_path = folder / rank_record(r)
         if not record_path.is_file():
             raise UserError(f"{folder} is incomplete (nothing committed by rank {r})")
         try:
@@ -139,54 +136,10 @@ def load_sharded(folder: Path, model: torch.nn.Module, optimizer) -> None:
     set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
 
 
-@dataclass
-class ResumePoint:
-    state: dict[str, Any]  # state.pt (model/optimizer only for the "full" format)
-    rng: Optional[dict[str, Any]]  # this rank's RNG states, if the saving run had this rank
-    folder: Path  # a local copy, valid until cleanup()
-    _tmp: Optional[str] = None
-
-    def cleanup(self) -> None:
-        if self._tmp:
-            shutil.rmtree(self._tmp, ignore_errors=True)
-
-
-def find_resume_state(fs, run_path: str, rank: int) -> Optional[ResumePoint]:
-    """The newest valid checkpoint in the run's folder, or None if it has none.
-
-    We scan the folder rather than trust only `ray.train.get_checkpoint()`: Ray's controller
-    registers a reported checkpoint when it next polls the workers (every ~2 s), so a worker that
-    dies right after a checkpoint was uploaded would otherwise cost a whole extra interval.
-    Invalid checkpoints (torn writes, missing ranks) are skipped for the one before them.
-    """
-    import pyarrow.fs as pafs
-
-    infos = fs.get_file_info(pafs.FileSelector(run_path, allow_not_found=True))
-    names = sorted((i.base_name for i in infos if i.type == pafs.FileType.Directory
-                    and i.base_name.startswith("checkpoint_")), reverse=True)
-    problems = []
-    for name in names:
-        tmp = None
-        if isinstance(fs, pafs.LocalFileSystem):
-            folder = Path(run_path) / name
-        else:  # object store: download a local copy first
-            tmp = tempfile.mkdtemp(prefix="raytrain-lm-restore-")
-            pafs.copy_files(f"{run_path}/{name}", tmp, source_filesystem=fs,
-                            destination_filesystem=pafs.LocalFileSystem())
-            folder = Path(tmp)
-        try:
-            read_meta(folder)
-            state = torch.load(folder / STATE, map_location="cpu", weights_only=False)
-        except UserError as e:
-            problems.append(str(e))
-            if rank == 0:
-                print(f"[checkpoint] skipping {name}: {e}", flush=True)
-            if tmp:
-                shutil.rmtree(tmp, ignore_errors=True)
-            continue
-        rng_path = folder / f"rng-rank{rank}.pt"
-        rng = torch.load(rng_path, weights_only=False) if rng_path.is_file() else None
-        return ResumePoint(state, rng, folder, tmp)
-    if problems:
-        raise UserError(f"no valid checkpoint in {run_path}: " + "; ".join(problems))
-    return None
+def load_resume_state(folder: Path, rank: int) -> tuple[dict[str, Any], Optional[dict[str, Any]]]:
+    """(state.pt, this rank's RNG states or None if the saving run had no such rank) of a
+    checkpoint that read_meta has checked."""
+    state = torch.load(folder / STATE, map_location="cpu", weights_only=False)
+    rng_path = folder / rng_file(rank)
+    rng = torch.load(rng_path, weights_only=False) if rng_path.is_file() else None
+    return state, rng

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -17,63 +16,81 @@ from pathlib import Path
 from typing import Any, Optional
 
 from raytrain_lm.errors import UserError
+from raytrain_lm.files import STORAGE_ENV, default_storage
+
+DEFAULT_DATA = "data/pydoc"  # the built-in corpus, prepared on first use
+
+
+def setting(default: Any = dataclasses.MISSING, *, help: str, factory: Any = dataclasses.MISSING):
+    """A config field with its help text beside it: `--help` of every command reads it from here."""
+    return field(default=default, default_factory=factory, metadata={"help": help})
 
 
 @dataclass
 class ModelConfig:
-    vocab_size: Optional[int] = None  # None: taken from the dataset's manifest
-    block_size: int = 256  # maximum context length
-    n_layer: int = 4
-    n_head: int = 4
-    n_embd: int = 128
-    dropout: float = 0.0
-    bias: bool = True
+    vocab_size: Optional[int] = setting(None, help="Vocabulary size [default: the dataset's tokenizer's].")
+    block_size: int = setting(256, help="Longest context the model can attend to (position embeddings).")
+    n_layer: int = setting(4, help="Transformer blocks.")
+    n_head: int = setting(4, help="Attention heads per block.")
+    n_embd: int = setting(128, help="Width of the residual stream (a multiple of n_head).")
+    dropout: float = setting(0.0, help="Dropout probability (attention, residual, embeddings).")
+    bias: bool = setting(True, help="Biases in linear layers and LayerNorms.")
 
 
 @dataclass
 class TrainConfig:
-    preset: str = "tiny"
+    preset: str = setting("tiny", help=f"Model preset: {', '.join(['tiny', 'small', 'gpt2', 'gpt2-medium'])}.")
     model: ModelConfig = field(default_factory=ModelConfig)
     # data and run location
-    data: str = "data/pydoc"
-    name: Optional[str] = None
-    # RAYTRAIN_LM_STORAGE: a cluster's shared default (cluster.yaml sets s3://... on every node)
-    storage: str = field(default_factory=lambda: os.environ.get("RAYTRAIN_LM_STORAGE", "runs"))
-    address: Optional[str] = None
+    data: str = setting(DEFAULT_DATA, help="Prepared dataset: a folder or s3://... / gs://... "
+                        "(the default is prepared on first use).")
+    name: Optional[str] = setting(None, help="Run name [default: <preset>-<date>-<time>].")
+    storage: str = setting(factory=default_storage, help="Where runs live: a folder or s3://... "
+                           f"[default: ${STORAGE_ENV}, else runs].")
+    address: Optional[str] = setting(None, help="Ray cluster to use [default: RAY_ADDRESS, else start "
+                                     "a local one].")
     # scaling
-    workers: int = 2
-    use_gpu: bool = False
-    cpus_per_worker: float = 1.0
-    scale_timeout: float = 900.0  # seconds to wait for an autoscaler to add nodes
+    workers: int = setting(2, help="Ray Train workers (one process each).")
+    use_gpu: bool = setting(False, help="One GPU per worker, NCCL.")
+    cpus_per_worker: float = setting(1.0, help="CPUs Ray reserves for each worker.")
+    scale_timeout: float = setting(900.0, help="Seconds to wait for an autoscaler to add the nodes "
+                                   "training needs.")
     # optimisation
-    max_steps: int = 300
-    batch_size: int = 16  # per worker, per micro-step
-    seq_len: int = 128
-    grad_accum: int = 1
-    lr: float = 3e-3
-    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio (exp_range starts there)
-    schedule: str = "cosine"  # cosine: warmup + cosine decay; exp_range: lr-find's exponential ramp
-    ref_batch_tokens: Optional[int] = None  # tokens/step `lr` was chosen at (--scale-lr); None: preset's
-    warmup_steps: int = 30
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    grad_clip: float = 1.0
-    precision: str = "auto"  # auto: bf16 autocast on GPU, fp32 on CPU
-    compile: bool = False
-    strategy: str = "ddp"  # ddp: full replica per worker; fsdp: FSDP2 shards params/grads/optim
-    activation_checkpointing: str = "none"  # none | full | selective
-    seed: int = 1337
+    max_steps: int = setting(300, help="Optimizer steps.")
+    batch_size: int = setting(16, help="Sequences per worker per micro-step.")
+    seq_len: int = setting(128, help="Tokens per sequence (<= model.block_size).")
+    grad_accum: int = setting(1, help="Micro-steps per optimizer step.")
+    lr: float = setting(3e-3, help="Peak learning rate (after warmup).")
+    min_lr_ratio: float = setting(0.1, help="The schedule decays to lr x this (exp_range starts there).")
+    schedule: str = setting("cosine", help="cosine: warmup + cosine decay; exp_range: lr-find's "
+                            "exponential ramp.")
+    ref_batch_tokens: Optional[int] = setting(None, help="Tokens per step `lr` was chosen at "
+                                              "(--scale-lr) [default: the preset's].")
+    warmup_steps: int = setting(30, help="Steps of linear warmup.")
+    weight_decay: float = setting(0.1, help="AdamW weight decay (matrices and embeddings only).")
+    beta1: float = setting(0.9, help="AdamW beta1.")
+    beta2: float = setting(0.95, help="AdamW beta2.")
+    grad_clip: float = setting(1.0, help="Clip the global gradient norm to this.")
+    precision: str = setting("auto", help="fp32, bf16 or fp16 (with a gradient scaler); auto: bf16 "
+                             "on GPU, fp32 on CPU.")
+    compile: bool = setting(False, help="torch.compile the model.")
+    strategy: str = setting("ddp", help="ddp (a full replica per worker) or fsdp (FSDP2: shard "
+                            "parameters, gradients, optimizer state).")
+    activation_checkpointing: str = setting("none", help="Recompute activations in backward: none, "
+                                            "full or selective.")
+    seed: int = setting(1337, help="Random seed.")
     # cadence
-    log_every: int = 10
-    eval_every: int = 100
-    eval_batches: int = 8
-    checkpoint_every: int = 100  # 0: only at the end
-    keep_checkpoints: int = 2
-    max_failures: int = 0
+    log_every: int = setting(10, help="Steps between metric reports.")
+    eval_every: int = setting(100, help="Steps between validations.")
+    eval_batches: int = setting(8, help="Batches per worker in a validation.")
+    checkpoint_every: int = setting(100, help="Steps between checkpoints; 0: only at the end.")
+    keep_checkpoints: int = setting(2, help="Checkpoints to keep.")
+    max_failures: int = setting(0, help="Worker-group restarts allowed.")
     # metrics
-    peak_tflops: Optional[float] = None  # override the GPU peak used for MFU
-    gpu_memory_gb: Optional[float] = None  # per GPU, for the pre-launch memory check
+    peak_tflops: Optional[float] = setting(None, help="GPU peak TFLOP/s for MFU [default: from the "
+                                           "GPU's name].")
+    gpu_memory_gb: Optional[float] = setting(None, help="Memory per GPU, GB, for the pre-launch "
+                                             "memory check [default: the GPU's].")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -87,6 +104,11 @@ class TrainConfig:
     @property
     def tokens_per_step(self) -> int:
         return self.workers * self.batch_size * self.grad_accum * self.seq_len
+
+
+def setting_fields() -> dict[str, dataclasses.Field]:
+    """TrainConfig's settings, each with its help text: name -> field."""
+    return {f.name: f for f in dataclasses.fields(TrainConfig) if "help" in f.metadata}
 
 
 # Presets set the model shape and the training defaults that suit it.

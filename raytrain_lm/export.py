@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 from typing import Any, Optional
 
 from raytrain_lm.checkpoint import load_checkpoint
 from raytrain_lm.errors import UserError
+from raytrain_lm.storage import staged_folder
 
 WEIGHTS, CONFIG = "model.safetensors", "config.json"
 FORMAT = "raytrain-lm/gpt-1"
@@ -65,18 +65,8 @@ def export_checkpoint(folder: Path, out: Path, source: str, force: bool = False,
         "source": source,
         "train_config": state["config"],
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
-        save_file(weights, str(tmp / WEIGHTS), metadata={"format": "pt", "source": FORMAT})
-        (tmp / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
-        os.chmod(tmp / WEIGHTS, 0o666 & ~_umask())  # safetensors creates it owner-only
-        if out.exists():
-            shutil.rmtree(out) if out.is_dir() else out.unlink()
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with staged_folder(out) as tmp:
+        save_file(weights, f"{tmp}/{WEIGHTS}", metadata={"format": "pt", "source": FORMAT})
+        Path(tmp, CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+        os.chmod(f"{tmp}/{WEIGHTS}", 0o666 & ~_umask())  # safetensors creates it owner-only
     return config

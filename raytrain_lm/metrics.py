@@ -82,3 +82,61 @@ class StepTimer:
         self._sync()
         self.mark = time.perf_counter()
         return self.mark - self.start
+
+
+class Meter:
+    """What a rank measures between two reports (losses, tokens, time, waiting for data), turned
+    into one metrics row at report time: a few small all-reduces make it global on every rank."""
+
+    def __init__(self, device: torch.device, world: int, flops_per_token: float,
+                 peak_tflops: Optional[float], num_parameters: int, baseline_mem: float):
+        self.device, self.world = device, world
+        self.fpt, self.peak, self.num_parameters = flops_per_token, peak_tflops, num_parameters
+        self.baseline_mem = baseline_mem  # peak memory before the model existed
+        self.timer = StepTimer(device)
+        self.losses: list[torch.Tensor] = []  # this rank's loss of each step since the last report
+        self.start, self.start_unix = time.perf_counter(), time.time()
+        self._row_done = 0.0
+
+    def add_step(self, loss: torch.Tensor, tokens: int, data_wait: float) -> None:
+        self.losses.append(loss)
+        self.timer.steps += 1
+        self.timer.tokens += tokens
+        self.timer.data_wait += data_wait
+
+    def row(self, step: int, lr: float, grad_norm: float, model: torch.nn.Module, optimizer) -> dict:
+        from raytrain_lm.parallel.fsdp import local_param_fraction, model_state_bytes
+        from raytrain_lm.parallel.mesh import all_reduce
+
+        elapsed = self.timer.elapsed()
+        losses = all_reduce(torch.stack(self.losses).double()) / self.world
+        wait = all_reduce(torch.tensor([self.timer.data_wait], dtype=torch.float64, device=self.device))
+        mem = all_reduce(torch.tensor([peak_memory_gb(self.device), model_state_bytes(model, optimizer) / 1e9],
+                                      dtype=torch.float64, device=self.device), op="max")
+        tps = self.timer.tokens / elapsed
+        row = {
+            "step": step,
+            "loss": losses.mean().item(),
+            "step_losses": losses.tolist(),  # per-step global losses, for exact-resume checks
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "tokens_per_second": tps,
+            "step_time": elapsed / self.timer.steps,
+            "data_wait_frac": wait[0].item() / self.world / elapsed,
+            "mfu": mfu(tps, self.fpt, self.world, self.peak),
+            "peak_mem_gb": mem[0].item(),
+            "model_state_gb": mem[1].item(),  # params + grads + optimizer states, max over ranks
+            "mem_above_baseline_gb": mem[0].item() - self.baseline_mem,
+            "param_fraction": local_param_fraction(model),  # of all parameters, on rank 0
+            "elapsed": time.perf_counter() - self.start,
+            "train_start_unix": self.start_unix,
+            "num_parameters": self.num_parameters,
+        }
+        self._row_done = time.perf_counter()
+        return row
+
+    def next_interval(self, exclude_since_row: bool) -> None:
+        """Start the next interval. The cost of reporting (a barrier) counts against it; with
+        `exclude_since_row`, validation and checkpoint time since the row was built does not."""
+        self.losses = []
+        self.timer.reset(excluded=time.perf_counter() - self._row_done if exclude_since_row else 0.0)

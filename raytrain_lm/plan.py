@@ -119,3 +119,40 @@ def format_plans(plans: list[MemoryPlan], memory_gb: float | None) -> str:
                      + "".join(f"{v / GB:>9.2f}" for v in (p.activations, p.logits, p.total))
                      + f"  {fits}")
     return "\n".join(lines)
+
+
+def plan_report(cfg, memory_gb: float, gpu: bool = True) -> dict:
+    """`plan`: the parameter count, every plan, and the recommendation for `cfg`'s model,
+    workers and batch."""
+    from raytrain_lm.errors import UserError
+
+    if memory_gb <= 0:
+        raise UserError("--gpu-memory-gb must be positive")
+    if cfg.model.vocab_size is None:
+        cfg.model.vocab_size = 256  # the byte-level tokenizer's
+    return {"parameters": param_counts(cfg.model)["total"],
+            "plans": all_plans(cfg.model, cfg.workers, cfg.batch_size, cfg.seq_len, gpu=gpu),
+            "recommendation": recommend(cfg.model, cfg.workers, cfg.batch_size, cfg.grad_accum,
+                                        cfg.seq_len, memory_gb, gpu=gpu)}
+
+
+def describe_plans(cfg, report: dict, memory_gb: float, gpu: bool = True) -> str:
+    """The text `plan` prints for a plan_report."""
+    n = report["parameters"]
+    lines = [f"{cfg.preset}: {n / 1e9:.3f}B parameters; fp32 parameters alone {4 * n / GB:.1f} GB, "
+             f"with gradients and AdamW states {16 * n / GB:.1f} GB",
+             f"per worker, GB, {cfg.workers} workers, micro-batch {cfg.batch_size} x {cfg.seq_len} "
+             f"tokens, {'bf16' if gpu else 'fp32'} activations, {memory_gb:g} GB per "
+             f"{'GPU' if gpu else 'worker'} (90% usable):",
+             format_plans(report["plans"], memory_gb)]
+    best = report["recommendation"]
+    if best is None:
+        lines.append("recommendation: does not fit at any micro-batch; add workers or shrink the model")
+    else:
+        p, accum = best
+        lines.append(f"recommendation: --strategy {p.strategy} --activation-checkpointing "
+                     f"{p.activation_checkpointing} --batch-size {p.micro_batch} --grad-accum {accum} "
+                     f"(~{p.total / GB:.1f} GB per worker)")
+    lines.append("assumptions: see raytrain_lm/plan.py (fp32 master weights and AdamW states, "
+                 "bf16 activations on GPU, fused attention)")
+    return "\n".join(lines)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from typing import Any, Optional
 
+from raytrain_lm import files
 from raytrain_lm.errors import UserError
 
 
@@ -136,10 +137,9 @@ def build_report(refs: list[str], storage: str, out: Optional[str] = None) -> di
     {"runs": [summary, ...], "plot": where the PNG went}."""
     from raytrain_lm.plots import plot_runs
     from raytrain_lm.runs import open_run, summary_of
-    from raytrain_lm.storage import MetricsLog
 
     runs = [open_run(r, storage) for r in refs]
-    curves = [(run.name, run.read_jsonl(MetricsLog.FILE)) for run in runs]
+    curves = [(run.name, run.read_jsonl(files.METRICS)) for run in runs]
     empty = [name for name, rows in curves if not rows]
     if empty:
         raise UserError(f"run {empty[0]!r} has no metrics yet (it never logged a step)")

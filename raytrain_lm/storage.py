@@ -1,15 +1,19 @@
-"""A run's folder `<storage>/<name>/` on a local disk or any pyarrow filesystem (s3://, gs://)."""
+"""Files on a local disk or any pyarrow filesystem (s3://, gs://): opening a URI, writing a file
+or a folder so that readers never see half of it, and a run's folder `<storage>/<name>/`."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import uuid
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import pyarrow.fs as pafs
 
+from raytrain_lm import files
 from raytrain_lm.errors import UserError
 
 
@@ -21,16 +25,63 @@ def sha256_file(path: str | Path) -> str:
     return h.hexdigest()
 
 
+def is_remote(path) -> bool:
+    """True for a URI of a remote filesystem (s3://, gs://, ...); local paths and file:// are not."""
+    p = str(path)
+    return "://" in p and not p.startswith("file://")
+
+
+def open_uri(uri: str, what: str = "") -> tuple[pafs.FileSystem, str]:
+    """(filesystem, path inside it) of a URI such as s3://bucket/prefix."""
+    try:
+        fs, path = pafs.FileSystem.from_uri(uri)
+    except (pafs.ArrowInvalid, OSError, ValueError) as e:
+        raise UserError(f"cannot open {what + ' ' if what else ''}{uri}: "
+                        f"{str(e).splitlines()[0]}") from None
+    return fs, path.rstrip("/")
+
+
 def resolve_storage(storage: str) -> tuple[pafs.FileSystem, str, str]:
     """(filesystem, path inside it, the URI/absolute path Ray's RunConfig should get)."""
     if "://" in storage:
-        try:
-            fs, path = pafs.FileSystem.from_uri(storage)
-        except (pafs.ArrowInvalid, OSError, ValueError) as e:
-            raise UserError(f"cannot open storage {storage}: {e}") from None
-        return fs, path.rstrip("/"), storage.rstrip("/")
+        fs, path = open_uri(storage, "storage")
+        return fs, path, storage.rstrip("/")
     path = os.path.abspath(os.path.expanduser(storage))
     return pafs.LocalFileSystem(), path, path
+
+
+def _exists(fs: pafs.FileSystem, path: str) -> bool:
+    return fs.get_file_info(path).type != pafs.FileType.NotFound
+
+
+@contextlib.contextmanager
+def staged_folder(target: str | Path, fs: Optional[pafs.FileSystem] = None) -> Iterator[str]:
+    """Yields a temporary sibling folder of `target` to fill. When the block ends without an error
+    the folder takes `target`'s place, and a previous `target` is removed only after that; on an
+    error it is deleted. Readers see the old folder or the complete new one, never half of one."""
+    fs = fs or pafs.LocalFileSystem()
+    target = str(target).rstrip("/")
+    if isinstance(fs, pafs.LocalFileSystem):
+        target = os.path.abspath(target)
+    parent, name = target.rsplit("/", 1)
+    tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp, old = f"{parent}/.{name}.tmp-{tag}", f"{parent}/.{name}.old-{tag}"
+    fs.create_dir(tmp, recursive=True)
+    try:
+        yield tmp
+        if _exists(fs, target):
+            fs.move(target, old)
+        fs.move(tmp, target)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            fs.delete_dir(tmp)
+        raise
+    with contextlib.suppress(Exception):
+        kind = fs.get_file_info(old).type
+        if kind == pafs.FileType.Directory:
+            fs.delete_dir(old)
+        elif kind == pafs.FileType.File:  # a file stood where the folder goes (--force)
+            fs.delete_file(old)
 
 
 class RunFolder:
@@ -83,11 +134,10 @@ class MetricsLog:
     restarted from a checkpoint, so the lines after that step are dropped and the curve stays the
     one the model actually followed."""
 
-    FILE = "metrics.jsonl"
 
     def __init__(self, run: RunFolder):
         self.run = run
-        self.rows: list[dict] = run.read_jsonl(self.FILE)
+        self.rows: list[dict] = run.read_jsonl(files.METRICS)
 
     def add(self, row: dict) -> None:
         step = row["step"]
@@ -99,10 +149,10 @@ class MetricsLog:
         self.rows.append(row)
         if self.run.local:
             os.makedirs(self.run.path, exist_ok=True)
-            with open(f"{self.run.path}/{self.FILE}", "a") as f:
+            with open(f"{self.run.path}/{files.METRICS}", "a") as f:
                 f.write(json.dumps(row) + "\n")
         else:  # object stores cannot append: rewrite the (small) file
             self._rewrite()
 
     def _rewrite(self) -> None:
-        self.run.write_text(self.FILE, "".join(json.dumps(r) + "\n" for r in self.rows))
+        self.run.write_text(files.METRICS, "".join(json.dumps(r) + "\n" for r in self.rows))

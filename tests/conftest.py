@@ -11,17 +11,23 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "own_cluster: starts its own Ray cluster(s); runs last, "
                                        "after the session cluster is shut down")
+    config.addinivalue_line("markers", "ray: needs a Ray cluster (set on every test that uses the "
+                                       "session cluster or starts its own); `-m 'not ray'` is the "
+                                       "fast tier")
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests that start their own Ray clusters run after all others (a stable sort), so the
-    session cluster of `ray_address` never has to coexist with them or restart."""
+    """Mark the tests that need Ray, and run those that start their own Ray clusters after all
+    others (a stable sort), so the session cluster of `ray_address` never has to coexist with
+    them or restart."""
+    for item in items:
+        if "ray_address" in getattr(item, "fixturenames", ()) or item.get_closest_marker("own_cluster"):
+            item.add_marker(pytest.mark.ray)
     items.sort(key=lambda item: item.get_closest_marker("own_cluster") is not None)
 
 
@@ -48,7 +54,7 @@ def ray_address():
 
 @pytest.fixture(scope="session")
 def pydoc_data(tmp_path_factory) -> Path:
-    from raytrain_lm.data import prepare_dataset
+    from raytrain_lm.data.prepare import prepare_dataset
 
     out = tmp_path_factory.mktemp("data") / "pydoc"
     prepare_dataset("pydoc", out)
@@ -116,7 +122,7 @@ def small_storage(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def reference_run(ray_address, pydoc_data, small_storage):
     """An uninterrupted DDP run: (per-step losses, metrics rows). Its folder: small_storage/reference."""
-    from raytrain_lm.launch import run_training
+    from raytrain_lm.driver import run_training
 
     rows = []
     summary = run_training(small_config(pydoc_data, small_storage, "reference"),
@@ -133,7 +139,7 @@ def tiny_run(ray_address, pydoc_data, tmp_path_factory):
     """One real 2-worker run of the tiny preset, shared by the modules that look at a finished
     run: (storage, run folder). Validation and checkpoints at steps 60 and 120."""
     from raytrain_lm.config import build_config
-    from raytrain_lm.launch import run_training
+    from raytrain_lm.driver import run_training
 
     storage = tmp_path_factory.mktemp("runs")
     cfg = build_config(flags=dict(workers=2, max_steps=TINY_STEPS, log_every=10, eval_every=60,

@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from conftest import ROOT
 
 from raytrain_lm.config import ModelConfig
@@ -55,6 +57,7 @@ def test_gpu_throughput_refuses_cpu_without_smoke(tmp_path):
     assert not out.exists()
 
 
+@pytest.mark.ray  # the integration tier: real gloo DDP between torchrun's processes (~35 s)
 def test_torchrun_baseline_through_the_overhead_harness(tmp_path, pydoc_data):
     """bench/overhead.py's Ray-free side end to end: torchrun starts bench/torchrun_ddp.py as two
     real processes (gloo DDP); they train and log, and the harness summarises the run."""

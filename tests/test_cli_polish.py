@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, run_cli
+from conftest import run_cli
 
 COMMANDS = ["prepare", "train", "runs", "report", "generate", "export"]
 
@@ -46,20 +46,19 @@ def test_bad_usage_is_one_line_with_exit_code_2(args, expected):
 # cli.main(): what the user sees of an unexpected exception.
 BOOM = """
 import sys, typer
-sys.path.insert(0, {root!r})
-import cli
+from raytrain_lm.cli import app, main
 
-@cli.app.command()
+@app.command()
 def boom(verbose: bool = typer.Option(False, "--verbose")):
     raise RuntimeError("kaboom\\nsecond line")
 
 sys.argv = ["cli.py", "boom", *sys.argv[1:]]
-cli.main()
+main()
 """
 
 
 def _boom(*args):
-    return subprocess.run([sys.executable, "-c", BOOM.format(root=str(ROOT)), *args],
+    return subprocess.run([sys.executable, "-c", BOOM, *args],
                           capture_output=True, text=True, timeout=60)
 
 
@@ -77,8 +76,6 @@ def test_unexpected_error_shows_the_traceback_with_verbose():
 
 
 RAY_NOTICES = """
-import sys
-sys.path.insert(0, {root!r})
 from raytrain_lm.console import quiet_ray_logging
 if {quiet}:
     quiet_ray_logging()
@@ -90,7 +87,7 @@ a._warn_token_auth_disabled()
 
 def test_rays_token_auth_notice_is_dropped_but_not_the_security_warning():
     def run(quiet):
-        return subprocess.run([sys.executable, "-c", RAY_NOTICES.format(root=str(ROOT), quiet=quiet)],
+        return subprocess.run([sys.executable, "-c", RAY_NOTICES.format(quiet=quiet)],
                               capture_output=True, text=True, timeout=60).stderr
 
     loud, quiet = run(False), run(True)

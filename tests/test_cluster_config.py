@@ -9,7 +9,8 @@ import yaml
 from conftest import ROOT, run_cli
 from test_cli_errors import assert_clean_error
 
-from raytrain_lm.cluster import job_train_args, load_cluster_config
+from raytrain_lm.cluster.jobs import job_train_args
+from raytrain_lm.cluster.launcher import load_cluster_config
 from raytrain_lm.errors import UserError
 
 
@@ -46,7 +47,7 @@ def test_project_synced_requirements_installed_storage_shared(filled):
     assert filled["file_mounts"]["~/raytrain-lm"] == "."
     assert {"runs", "data", ".git"} <= set(filled["rsync_exclude"])
     setup = "\n".join(filled["setup_commands"])
-    assert "-r ~/raytrain-lm/requirements.txt" in setup
+    assert "cd ~/raytrain-lm && ~/.local/bin/uv pip install --python ~/venv/bin/python -r requirements.txt" in setup
     assert "RAYTRAIN_LM_STORAGE=s3://" in setup
 
 
@@ -110,18 +111,27 @@ def test_bad_jobs_address_and_scale_timeout():
     assert_clean_error(run_cli("train", "--scale-timeout", "-5"), "--scale-timeout must be >= 0")
 
 
-def test_job_args_on_a_local_cluster_use_this_machines_paths(tmp_path):
-    args = job_train_args(["train", "--workers", "2", "--data=data/x", "--storage", "out"],
-                          "http://127.0.0.1:8265", tmp_path)
-    assert args == ["--workers", "2", f"--data={tmp_path}/data/x", "--storage", f"{tmp_path}/out"]
-    assert job_train_args(["--workers", "2"], "127.0.0.1:8265", tmp_path)[-2:] == \
-        ["--storage", f"{tmp_path}/runs"]
+def test_job_arguments_make_local_paths_absolute(tmp_path, monkeypatch):
+    """What the job's `train` parses from the arguments `submit` sends."""
+    from raytrain_lm.cli.train import parse_train_args, train_paths
+
+    monkeypatch.delenv("RAYTRAIN_LM_STORAGE", raising=False)
+
+    def job(args, address="http://127.0.0.1:8265"):
+        sent = job_train_args(args, train_paths(args), address, tmp_path)
+        return sent, parse_train_args(sent)
+
+    sent, seen = job(["train", "--workers", "2", "--data=data/x", "--storage", "out"])
+    assert sent[:4] == ["--workers", "2", "--data=data/x", "--storage"]  # as given, then the fixes
+    assert (seen["workers"], seen["data"], seen["storage"]) == (2, f"{tmp_path}/data/x", f"{tmp_path}/out")
+    assert job(["--workers", "2"], "127.0.0.1:8265")[1]["storage"] == f"{tmp_path}/runs"
     # a config file's relative paths become flags too (flags win over the file)
     (tmp_path / "run.yaml").write_text("data: data/y\nstorage: out2\nlr: 0.001\n")
-    assert job_train_args(["--config", "run.yaml", "--data", "/abs/d"], "127.0.0.1:8265", tmp_path) == \
-        ["--config", f"{tmp_path}/run.yaml", "--data", "/abs/d", "--storage", f"{tmp_path}/out2"]
+    _, seen = job(["--config", "run.yaml", "--data", "/abs/d"], "127.0.0.1:8265")
+    assert (str(seen["config"]), seen["data"], seen["storage"]) == \
+        (f"{tmp_path}/run.yaml", "/abs/d", f"{tmp_path}/out2")
     # a remote cluster gets the arguments as given (its storage must be shared anyway)
-    assert job_train_args(["--workers", "2", "--data", "data/x"], "http://10.1.2.3:8265", tmp_path) == \
+    assert job(["--workers", "2", "--data", "data/x"], "http://10.1.2.3:8265")[0] == \
         ["--workers", "2", "--data", "data/x"]
 
 

@@ -28,9 +28,9 @@ from conftest import ROOT, run_cli
 from s3_server import moto_s3, s3_keys, s3_read
 from test_cli_errors import assert_clean_error
 
-from raytrain_lm.cluster import (MARKER_ENV, cluster_processes, free_port, local_down,
-                                 local_temp_dir, match_cluster_auth)
-from raytrain_lm.shared_data import cache_dir_for
+from raytrain_lm.cluster.connect import free_port, match_cluster_auth
+from raytrain_lm.cluster.local import MARKER_ENV, cluster_processes, local_down, local_temp_dir
+from raytrain_lm.data.remote import cache_dir_for
 
 pytestmark = pytest.mark.own_cluster
 

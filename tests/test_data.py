@@ -7,8 +7,10 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from raytrain_lm.data import (BatchStream, ResumableDistributedSampler, TokenWindows,
-                              collate_windows, load_manifest, prepare_dataset)
+from raytrain_lm.data.manifest import load_manifest
+from raytrain_lm.data.prepare import prepare_dataset
+from raytrain_lm.data.sampler import BatchStream, ResumableDistributedSampler
+from raytrain_lm.data.windows import TokenWindows, collate_windows
 from raytrain_lm.errors import UserError
 from raytrain_lm.tokenizer import ByteTokenizer
 

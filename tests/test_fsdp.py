@@ -1,15 +1,12 @@
 """FSDP2 and activation checkpointing on two real gloo workers, against DDP on the same data."""
 
-import json
-from pathlib import Path
 
 import pytest
-import torch
 
 from conftest import SMALL_SETTINGS, SMALL_STEPS, small_config, step_losses
 from raytrain_lm.checkpoint import load_checkpoint
 from raytrain_lm.config import build_config
-from raytrain_lm.launch import run_training
+from raytrain_lm.driver import run_training
 from raytrain_lm.model import GPT
 
 STEPS = SMALL_STEPS

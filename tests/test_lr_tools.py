@@ -6,8 +6,8 @@ import pytest
 
 from raytrain_lm.config import build_config
 from raytrain_lm.errors import UserError
-from raytrain_lm.lr_find import per_step_curve, range_test_config, smooth, suggest_lr
-from raytrain_lm.lr_scaling import apply_lr_scaling, scaled_lr
+from raytrain_lm.tune.lr_find import per_step_curve, range_test_config, smooth, suggest_lr
+from raytrain_lm.tune.lr_scaling import apply_lr_scaling, scaled_lr
 from raytrain_lm.optim import lr_at
 
 

@@ -299,11 +299,13 @@ def test_generate_best_takes_the_lowest_validation_loss(trained):
     assert set(val) == {60, 120}
     best = generate_json(storage, "--best", "-n", "5")
     assert best["step"] == min(val, key=val.get)
-    # A copy of the run in which step 60 looks best must be answered with step 60.
+    assert best["checkpoint"].endswith("best_checkpoint")
+    # --best is best_checkpoint/ (kept by the driver), whatever the latest checkpoint is: in a copy
+    # of the run whose best_checkpoint/ holds step 60, --best answers step 60.
     copy = storage / "best-is-60"
     shutil.copytree(run_dir, copy)
-    (copy / "metrics.jsonl").write_text("".join(
-        json.dumps({**r, "val_loss": 0.5} if r["step"] == 60 else r) + "\n" for r in rows))
+    shutil.rmtree(copy / "best_checkpoint")
+    shutil.copytree(copy / "checkpoint_00000060", copy / "best_checkpoint")
     res = run_cli("generate", "best-is-60", "--storage", str(storage), "--best", "-n", "5", "--json")
     assert json.loads(res.stdout)["step"] == 60
     shutil.rmtree(copy)

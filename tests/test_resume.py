@@ -6,7 +6,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,7 +13,7 @@ import torch
 from conftest import (ROOT, SMALL_SETTINGS, SMALL_STEPS, kill_train_workers, run_cli,
                       small_config, step_losses)
 from raytrain_lm.config import build_config
-from raytrain_lm.launch import run_training
+from raytrain_lm.driver import run_training
 
 STEPS = SMALL_STEPS
 SETTINGS = SMALL_SETTINGS

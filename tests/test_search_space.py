@@ -6,8 +6,8 @@ import pytest
 
 from raytrain_lm.config import build_config
 from raytrain_lm.errors import UserError
-from raytrain_lm.search_space import nest, parse_space
-from raytrain_lm.tune import SweepSettings, check_settings, trial_config
+from raytrain_lm.tune.space import nest, parse_space
+from raytrain_lm.tune.sweep import SweepSettings, check_settings, trial_config
 
 
 @pytest.fixture

@@ -8,9 +8,12 @@ import pytest
 
 from s3_server import moto_s3, s3_keys
 
-from raytrain_lm.data import TokenWindows, load_manifest, prepare_dataset, resolve_dataset
+from raytrain_lm.data.manifest import load_manifest
+from raytrain_lm.data.prepare import prepare_dataset
+from raytrain_lm.data.resolve import resolve_dataset
+from raytrain_lm.data.windows import TokenWindows
 from raytrain_lm.errors import UserError
-from raytrain_lm.shared_data import cache_dir_for, fetch_dataset
+from raytrain_lm.data.remote import cache_dir_for, fetch_dataset
 
 BUCKET = "rtl-data"
 URI = f"s3://{BUCKET}/data/pydoc"

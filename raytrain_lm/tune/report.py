@@ -12,6 +12,7 @@ from typing import Any, Callable, Optional
 from ray import tune
 
 from raytrain_lm.errors import last_line
+from raytrain_lm.files import BEST_CONFIG, SWEEP_RESULTS, TRIAL_CONFIG, VAL_CURVES
 from raytrain_lm.report import text_table
 from raytrain_lm.storage import RunFolder
 
@@ -201,8 +202,6 @@ def plot_curves(trials: list[dict], keys: list[str], title: str) -> bytes:
 
 
 def write_outputs(folder: RunFolder, cfg, space, settings, trials: list[dict], wall: float) -> dict:
-    from raytrain_lm.tune import BEST_FILE, PLOT_FILE, RESULTS_FILE, TRIAL_CONFIG_FILE
-
     keys = space.keys
     best = trials[0] if trials and trials[0]["final_val_loss"] is not None else None
     summary: dict[str, Any] = {
@@ -213,13 +212,13 @@ def write_outputs(folder: RunFolder, cfg, space, settings, trials: list[dict], w
         "best": best, "best_config": None, "plot": None,
     }
     if best is not None:
-        trial_cfg = RunFolder(folder.storage_uri, f"{cfg.name}/{best['dir']}").read_json(TRIAL_CONFIG_FILE)
-        folder.write_text(BEST_FILE, best_config_yaml(trial_cfg, best, cfg.name))
-        summary["best_config"] = folder.display_path(BEST_FILE)
+        trial_cfg = RunFolder(folder.storage_uri, f"{cfg.name}/{best['dir']}").read_json(TRIAL_CONFIG)
+        folder.write_text(BEST_CONFIG, best_config_yaml(trial_cfg, best, cfg.name))
+        summary["best_config"] = folder.display_path(BEST_CONFIG)
     if any(t["val_curve"] for t in trials):
-        folder.write_bytes(PLOT_FILE, plot_curves(trials, keys, f"sweep {cfg.name}: validation loss"))
-        summary["plot"] = folder.display_path(PLOT_FILE)
-    folder.write_json(RESULTS_FILE, summary)
+        folder.write_bytes(VAL_CURVES, plot_curves(trials, keys, f"sweep {cfg.name}: validation loss"))
+        summary["plot"] = folder.display_path(VAL_CURVES)
+    folder.write_json(SWEEP_RESULTS, summary)
     summary["table"] = ranked_table(trials, keys, cfg.max_steps)
     return summary
 

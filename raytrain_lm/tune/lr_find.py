@@ -15,22 +15,19 @@ learning rates it moved the minimum by a decade and a half in one run.
 from __future__ import annotations
 
 import math
-import os
 from typing import Callable, Optional
 
 from raytrain_lm.config import TrainConfig
 from raytrain_lm.errors import UserError
+from raytrain_lm.files import LR_FIND_PLOT, LR_FIND_RESULT
 from raytrain_lm.storage import RunFolder
 
-RESULT_FILE = "lr_find.json"
-PLOT_FILE = "lr_find.png"
 DIVERGE_FACTOR = 4.0  # stop reading the curve once the smoothed loss is 4x its minimum (as fastai)
 SKIP_START = 0.1  # the first 10% of points: Adam's first steps are noisy whatever the lr
-# Ray Train 2.60's controller collects reports every RAY_TRAIN_HEALTH_CHECK_INTERVAL_S (2 s) and a
-# worker holds one report at most, so a report every step would stall the workers. Each report
-# carries the loss of every step since the previous one (step_losses) and the lr of a step is
-# known (lr_at), so reports can be sparse and the curve still has a point per step.
-REPORT_POLL_S = "0.1"
+# A report every step would stall the workers (driver.report_poll_seconds). Each report carries the
+# loss of every step since the previous one (step_losses) and the lr of a step is known (lr_at),
+# so reports can be sparse and the curve still has a point per step; a short poll keeps up.
+REPORT_POLL_S = 0.1
 REPORT_EVERY = 10
 
 
@@ -83,6 +80,12 @@ def suggest_lr(lrs: list[float], losses: list[float]) -> dict:
     }
 
 
+def next_range(found: dict) -> tuple[float, float]:
+    """The lr range to search next with `tune`: a third of the suggestion up to the minimum (the
+    edge of stability), at least up to three times the suggestion."""
+    return found["suggested_lr"] / 3, max(found["min_loss_lr"], found["suggested_lr"] * 3)
+
+
 def plot(found: dict, title: str) -> bytes:
     from raytrain_lm.plots import plt, png_bytes
 
@@ -114,7 +117,7 @@ def range_test_config(cfg: TrainConfig, lr_min: float, lr_max: float, steps: int
     cfg.max_steps, cfg.log_every, cfg.eval_every = steps, REPORT_EVERY, steps
     cfg.checkpoint_every, cfg.keep_checkpoints = 0, 1
     if cfg.name is None:
-        from raytrain_lm.launch import default_run_name
+        from raytrain_lm.preflight import default_run_name
 
         cfg.name = f"lrfind-{default_run_name(cfg)}"
     return cfg
@@ -136,10 +139,9 @@ def per_step_curve(rows: list[dict], cfg: TrainConfig) -> tuple[list[float], lis
 def run_lr_find(cfg: TrainConfig, lr_min: float = 1e-5, lr_max: float = 1.0, steps: int = 100, *,
                 verbose: bool = False, say: Callable[[str], None] = print,
                 on_metrics: Optional[Callable[[dict], None]] = None) -> dict:
-    from raytrain_lm.launch import run_training
+    from raytrain_lm.driver import report_poll_seconds, run_training
 
     cfg = range_test_config(cfg, lr_min, lr_max, steps)
-    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", REPORT_POLL_S)  # passed on to the controller
     rows: list[dict] = []
 
     def collect(row: dict) -> None:
@@ -147,14 +149,15 @@ def run_lr_find(cfg: TrainConfig, lr_min: float = 1e-5, lr_max: float = 1.0, ste
         if on_metrics:
             on_metrics(row)
 
-    summary = run_training(cfg, verbose=verbose, say=say, on_metrics=collect)
+    summary = run_training(cfg, verbose=verbose, say=say, on_metrics=collect,
+                           poll_seconds=report_poll_seconds(REPORT_POLL_S))
     lrs, losses = per_step_curve(rows, cfg)
     found = suggest_lr(lrs, losses)
     run = RunFolder(cfg.storage, cfg.name)
-    run.write_bytes(PLOT_FILE, plot(found, f"LR range test: {cfg.name}"))
+    run.write_bytes(LR_FIND_PLOT, plot(found, f"LR range test: {cfg.name}"))
     record = {k: v for k, v in found.items() if k not in ("smoothed",)}
     record.update(lr_min=lr_min, lr_max=lr_max, steps=steps, workers=cfg.workers,
                   tokens_per_step=cfg.tokens_per_step, run_dir=summary["run_dir"])
-    run.write_json(RESULT_FILE, record)
-    record.update(plot=run.display_path(PLOT_FILE), result=run.display_path(RESULT_FILE))
+    run.write_json(LR_FIND_RESULT, record)
+    record.update(plot=run.display_path(LR_FIND_PLOT), result=run.display_path(LR_FIND_RESULT))
     return record

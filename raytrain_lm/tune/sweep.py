@@ -22,22 +22,14 @@ from typing import Any, Callable, Optional
 
 from raytrain_lm.config import TrainConfig, apply_overrides, validate
 from raytrain_lm.errors import UserError
-from raytrain_lm.search_space import SearchSpace, nest
+from raytrain_lm.files import SWEEP, TRIAL_CONFIG
 from raytrain_lm.storage import RunFolder
-
-SWEEP_FILE = "sweep.json"
-RESULTS_FILE = "results.json"
-BEST_FILE = "best.yaml"
-PLOT_FILE = "val_curves.png"
-TRIAL_CONFIG_FILE = "train_config.json"
+from raytrain_lm.tune.space import SearchSpace, nest, parse_space
 # What the trial function itself asks for. Its workers get their own placement group from Ray Train,
 # so the trial needs next to nothing; Tune refuses a request of exactly zero.
 TRIAL_CPUS = 0.01
 METRIC = "val_loss"
 DIVERGED = 1e4  # stands in for a NaN/inf loss: ASHA's cutoffs ignore NaN, so a NaN trial would never stop
-# Ray Train 2.60's controller collects reports every RAY_TRAIN_HEALTH_CHECK_INTERVAL_S (2 s) and a
-# worker holds one report at most: small trials that report more often than that would wait.
-REPORT_POLL_S = "0.5"
 
 
 @dataclass
@@ -87,6 +79,32 @@ def check_settings(cfg: TrainConfig, space: SearchSpace, s: SweepSettings,
         raise UserError(f"--trials {s.trials} random samples of a space of {points} "
                         f"point{'s' if points > 1 else ''} must repeat points; "
                         f"use --search grid to run each point once")
+
+
+def new_sweep(settings: dict, specs: dict, space_args: list[str], space_file: Optional[str],
+              config_file: Optional[str], sets: Optional[list[str]],
+              sweep: SweepSettings) -> tuple[TrainConfig, SearchSpace]:
+    """The base config and search space of a new sweep from `tune`'s flags, checked (and
+    `sweep`'s defaults filled) before anything starts."""
+    from raytrain_lm.config import build_config, load_config_file, parse_set_args
+
+    cfg = build_config(config_file=config_file, flags=settings, sets=sets)
+    space = parse_space(specs, space_args, space_file, cfg)
+    given = (settings.get("eval_every") is not None or "eval_every" in parse_set_args(sets or [])
+             or "eval_every" in (load_config_file(config_file) if config_file else {}))
+    check_settings(cfg, space, sweep, eval_every_given=given)
+    return cfg, space
+
+
+def resumed_sweep(settings: dict, others_given: list[str]) -> TrainConfig:
+    """What `tune --resume` needs: the sweep's name, storage and address. Everything else comes
+    from the sweep's own sweep.json, so other flags are refused rather than ignored."""
+    given = others_given + [k for k, v in settings.items()
+                            if v is not None and k not in ("name", "storage", "address")]
+    if given:
+        raise UserError(f"--resume continues the sweep as it was started; drop {', '.join(given)}")
+    return TrainConfig.from_dict({k: settings[k] for k in ("name", "storage", "address")
+                                  if settings.get(k) is not None})
 
 
 # ---------------------------------------------------------------- what each trial runs
@@ -172,20 +190,20 @@ def trial_config(base: dict, params: dict) -> TrainConfig:
     return cfg
 
 
-def run_trial(params: dict, base: dict, sweep_uri: str, controllers, report_poll_s: str) -> None:
+def run_trial(params: dict, base: dict, sweep_uri: str, controllers, poll_seconds: str) -> None:
     """The Tune function trainable: one full distributed training."""
     from ray import tune
 
-    from raytrain_lm.launch import build_trainer
+    from raytrain_lm.driver import build_trainer
 
-    os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = report_poll_s  # read by the controller
     cfg = trial_config(base, params)
     trial_dir = os.path.basename(tune.get_context().get_trial_dir().rstrip("/"))
     cfg.storage, cfg.name = f"{sweep_uri}/{trial_dir}", "train"
-    RunFolder(sweep_uri, trial_dir).write_json(TRIAL_CONFIG_FILE, cfg.to_dict())
+    RunFolder(sweep_uri, trial_dir).write_json(TRIAL_CONFIG, cfg.to_dict())
     # Same RunConfig(storage, name) as before a driver died: Ray Train resumes from its checkpoints.
     forward = _forward_to_tune_callback(controllers, tune.get_context().get_trial_id())
-    build_trainer(cfg, RunFolder(cfg.storage, cfg.name), callbacks=[forward]).fit()
+    build_trainer(cfg, RunFolder(cfg.storage, cfg.name), callbacks=[forward],
+                  poll_seconds=poll_seconds).fit()
 
 
 # ---------------------------------------------------------------- driver
@@ -210,10 +228,12 @@ def _trainable(cfg: TrainConfig, sweep_uri: str):
     from ray.util.queue import Queue
 
     _CONTROLLERS["queue"], _CONTROLLERS["handles"] = Queue(actor_options={"num_cpus": 0}), {}
+    from raytrain_lm.driver import report_poll_seconds
+
+    # The trial runs in its own process: the driver's poll setting travels with it.
     fn = tune.with_parameters(run_trial, base=cfg.to_dict(), sweep_uri=sweep_uri,
                               controllers=_CONTROLLERS["queue"],
-                              report_poll_s=os.environ.get("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S",
-                                                           REPORT_POLL_S))
+                              poll_seconds=report_poll_seconds())
     return tune.with_resources(fn, {"cpu": TRIAL_CPUS})
 
 
@@ -222,7 +242,7 @@ def _trial_name(trial) -> str:
 
 
 def default_sweep_name(cfg: TrainConfig) -> str:
-    from raytrain_lm.launch import default_run_name
+    from raytrain_lm.preflight import default_run_name
 
     return f"tune-{default_run_name(cfg)}"
 
@@ -242,15 +262,16 @@ def run_sweep(
 
     For a resume, only cfg.name, cfg.storage and cfg.address are used: the rest comes from the
     sweep's own sweep.json."""
-    from raytrain_lm.launch import check_resources, connect_ray, prepare_data
+    from raytrain_lm.cluster.connect import connect_ray
+    from raytrain_lm.preflight import check_resources, prepare_data
 
     if resume:
         if not cfg.name:
             raise UserError("--resume needs --name of the sweep to continue")
         folder = RunFolder(cfg.storage, cfg.name)
-        if not folder.exists(SWEEP_FILE):
+        if not folder.exists(SWEEP):
             raise UserError(f"cannot resume: no sweep named {cfg.name!r} in {cfg.storage}")
-        saved = folder.read_json(SWEEP_FILE)
+        saved = folder.read_json(SWEEP)
         address = cfg.address
         cfg = TrainConfig.from_dict(saved["base"])
         cfg.address = address
@@ -287,7 +308,7 @@ def run_sweep(
     # Tune's own console output (a banner and paths, even at verbose=0) stays off: the live table
     # is ours, and --json must leave nothing else on stdout.
     os.environ["RAY_AIR_NEW_OUTPUT"] = "0"
-    from raytrain_lm.sweep_report import LiveTable, collect_trials, watch, write_outputs
+    from raytrain_lm.tune.report import LiveTable, collect_trials, watch, write_outputs
 
     watch(live, live_interval)
     trainable = _trainable(cfg, folder.display_path())
@@ -302,7 +323,7 @@ def run_sweep(
         tuner = Tuner.restore(folder.display_path(), trainable=trainable, resume_unfinished=True,
                               resume_errored=True)
     else:
-        folder.write_json(SWEEP_FILE, {"base": cfg.to_dict(), "space": space.to_json(),
+        folder.write_json(SWEEP, {"base": cfg.to_dict(), "space": space.to_json(),
                                         "settings": asdict(settings)})
         tuner = tune.Tuner(
             trainable,

@@ -1,0 +1,99 @@
+"""A worker's side of this run's checkpoints: find the newest valid one, restore every component
+from it, and save a new one with the report that registers it in Ray.
+
+We scan the run's folder rather than trust only `ray.train.get_checkpoint()`: Ray's controller
+registers a reported checkpoint when it next polls the workers, so a worker that dies right after
+a checkpoint was uploaded would otherwise lose it.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections import deque
+from pathlib import Path
+from typing import Any, Optional
+
+import ray.train
+import torch
+
+from raytrain_lm import checkpoint as ckpt_io
+from raytrain_lm.config import TrainConfig
+from raytrain_lm.files import checkpoint_name
+from raytrain_lm.runs import FoundCheckpoint, latest_checkpoint
+
+# Reported rows each checkpoint carries, to be re-sent after a resume: more than can be in flight
+# in Ray (a worker holds one uncollected report) when the driver or a worker dies.
+RECENT_ROWS = 8
+
+
+class Checkpointer:
+    def __init__(self, cfg: TrainConfig, rank: int, world: int, tokenizer: dict):
+        storage = ray.train.get_context().get_storage()
+        self.fs, self.run_path = storage.storage_filesystem, storage.experiment_fs_path
+        self.cfg, self.rank, self.world, self.tokenizer = cfg, rank, world, tokenizer
+        self.recent: deque[dict] = deque(maxlen=RECENT_ROWS)  # the rows each checkpoint carries
+        self.resent: Optional[list[dict]] = None  # rows to send again with the first report
+        self.resumed_from: Optional[int] = None
+
+    def find_latest(self) -> Optional[FoundCheckpoint]:
+        say = (lambda m: print(f"[checkpoint] {m}", flush=True)) if self.rank == 0 else None
+        return latest_checkpoint(self.fs, self.run_path, say=say)
+
+    def restore(self, found: FoundCheckpoint, state: dict, rng: Optional[dict], step_fn,
+                stream) -> tuple[int, int]:
+        """Everything but full-format weights (loaded before parallelizing) from `found`;
+        returns (step, tokens seen)."""
+        if state["format"] == "dcp":
+            ckpt_io.load_sharded(found.path, step_fn.raw, step_fn.optimizer)
+        else:
+            step_fn.optimizer.load_state_dict(state["optimizer"])
+        step_fn.scaler.load_state_dict(state["scaler"])
+        stream.load_state_dict(state["data"])
+        if rng is not None:
+            ckpt_io.set_rng_state(rng)
+        self.resumed_from = state["step"]
+        # The last rows reported before this checkpoint, itself included: the driver may not have
+        # received them (its own death or a worker's, while they were in flight in Ray), so they
+        # go to it again with the first report.
+        self.resent = state.get("recent_metrics") or None
+        self.recent.extend(self.resent or [])
+        found.cleanup()
+        return state["step"], state["tokens"]
+
+    def report(self, row: dict[str, Any], save: bool, step_fn=None, stream=None) -> None:
+        """`ray.train.report` (a barrier: every rank calls it), with a checkpoint if `save`."""
+        step = row["step"]
+        row["resumed_from_step"] = self.resumed_from
+        self.recent.append({**row, "checkpoint": checkpoint_name(step)} if save else dict(row))
+        if self.resent is not None:
+            row["resumed_rows"], self.resent = self.resent, None
+        if not save:
+            ray.train.report(row)
+            return
+        state = None
+        if self.rank == 0:
+            state = {"scaler": step_fn.scaler.state_dict(), "step": step, "tokens": row["tokens"],
+                     "data": stream.state_dict(), "world_size": self.world,
+                     "val_loss": row.get("val_loss"), "recent_metrics": list(self.recent),
+                     "config": self.cfg.to_dict(), "tokenizer": self.tokenizer}
+        with tempfile.TemporaryDirectory(prefix="raytrain-lm-ckpt-") as tmp:
+            ckpt_io.save_checkpoint(Path(tmp), self.rank, step_fn.raw, step_fn.optimizer,
+                                    sharded=step_fn.sharded, state=state)
+            ray.train.report(row, checkpoint=ray.train.Checkpoint.from_directory(tmp),
+                             checkpoint_dir_name=checkpoint_name(step))
+
+    def report_final_rows(self, train_start_unix: float) -> None:
+        """After resuming from the final checkpoint (the run stopped after writing it, before Ray
+        took its report) nothing is left to train, but the driver and Tune still need its rows."""
+        if self.resent is not None:
+            ray.train.report({**self.resent[-1], "resumed_from_step": self.resumed_from,
+                              "train_start_unix": train_start_unix, "resumed_rows": self.resent[:-1]})
+
+
+def load_weights(model: torch.nn.Module, state: Optional[dict], init_from: Optional[str]) -> None:
+    """Full-format weights into the unwrapped model: a resumed run's own, else --init-from's."""
+    if state is not None:
+        if state["format"] == "full":
+            model.load_state_dict(state["model"])
+    elif init_from:  # weights only: fresh optimizer and schedule
+        model.load_state_dict(ckpt_io.load_checkpoint(Path(init_from))["model"])

@@ -1,0 +1,60 @@
+"""The command line: `python cli.py` and `raytrain-lm` are this app. It parses, calls the library
+and prints; no logic lives only here. One module per command group:
+
+    data.py      prepare
+    train.py     train, plan
+    results.py   runs, report, generate, export
+    tune.py      tune, lr-find
+    cluster.py   cluster (local-up/-down, up/down/status/dashboard), submit, jobs
+"""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from raytrain_lm.cli import data, train, results, tune, cluster  # noqa: F401,I001  (in --help's order)
+from raytrain_lm.cli.app import app
+from raytrain_lm.errors import UserError
+
+
+def main() -> None:
+    """The one place that turns errors into what the user sees: a UserError or bad usage is one
+    line and exit code 2; anything unexpected is one line and exit code 1, with the traceback
+    only under --verbose."""
+    from raytrain_lm.console import paint, quiet_ray_logging
+
+    verbose = "--verbose" in sys.argv or "-v" in sys.argv
+    if not verbose:
+        quiet_ray_logging()
+    err = lambda m: typer.echo(paint("error:", "red", sys.stderr) + " " + m, err=True)  # noqa: E731
+    try:
+        code = app(standalone_mode=False)
+    except typer.TyperException as e:  # bad usage, from Typer's (vendored) click
+        if type(e).__name__ == "NoArgsIsHelpError":
+            e.show()  # `cli.py` or `cli.py COMMAND` alone: the help itself
+            sys.exit(2)
+        ctx = getattr(e, "ctx", None)
+        hint = f" (see `{ctx.command_path} --help`)" if ctx else ""
+        err(e.format_message().replace("\n", " ") + hint)
+        sys.exit(getattr(e, "exit_code", 2))
+    except UserError as e:
+        if verbose:
+            raise
+        err(str(e))
+        sys.exit(2)
+    except (KeyboardInterrupt, typer.Abort):
+        typer.echo("interrupted", err=True)
+        sys.exit(130)
+    except BrokenPipeError:  # `... | head`: the reader left; not an error
+        sys.stderr.close()
+        sys.exit(0)
+    except Exception as e:
+        if verbose:
+            raise
+        first = next((line for line in str(e).splitlines() if line.strip()), "")
+        err(f"unexpected {type(e).__name__}{': ' + first if first else ''} "
+            f"(rerun with --verbose for the traceback)")
+        sys.exit(1)
+    sys.exit(code if isinstance(code, int) else 0)

@@ -1,0 +1,149 @@
+"""`runs`, `report`, `generate`, `export`: looking at what training left behind."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from raytrain_lm.cli.app import app, examples
+from raytrain_lm.cli.options import JSON, STORAGE
+
+MODEL_ARG = typer.Argument(..., metavar="RUN|CHECKPOINT", help="Run name (in --storage), run "
+                           "folder, or checkpoint folder.")
+BEST = typer.Option(False, "--best", help="The run's best checkpoint (best_checkpoint/: the lowest "
+                    "validation loss) instead of its latest.")
+
+
+@app.command("runs", epilog=examples("python cli.py runs",
+                                     "python cli.py runs --storage s3://bucket/runs --json",
+                                     "python cli.py runs -q   # names only, one per line"))
+def runs_(
+    storage: str = STORAGE,
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Only the run names."),
+    as_json: bool = JSON,
+) -> None:
+    """List the runs in --storage: status, steps, final val loss, tokens/s, date."""
+    from raytrain_lm.console import paint
+    from raytrain_lm.report import runs_table
+    from raytrain_lm.runs import list_runs
+
+    found = list_runs(storage)
+    if as_json:
+        typer.echo(json.dumps([{k: v for k, v in r.items() if k != "config"} for r in found], indent=2))
+    elif quiet:
+        for r in found:
+            typer.echo(r["name"])
+    elif not found:
+        typer.echo(f"no runs in {storage} (start one with `python cli.py train`)")
+    else:
+        typer.echo(runs_table(found, paint=paint))
+
+
+@app.command(epilog=examples("python cli.py report tiny-20261130-075850",
+                             "python cli.py report runs/tiny-20261130-075850 --json",
+                             "python cli.py report base --compare wide deep --out compare.png"))
+def report(
+    run: str = typer.Argument(..., help="Run name (in --storage) or run folder."),
+    compare: Optional[List[str]] = typer.Option(None, "--compare", help="More runs to overlay "
+                                                "(repeat, or list them after one --compare)."),
+    out: Optional[Path] = typer.Option(None, help="Write the PNG here [default: report.png in the "
+                                       "run's folder; compare.png with --compare]."),
+    storage: str = STORAGE,
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Only the PNG's path."),
+    as_json: bool = JSON,
+) -> None:
+    """A run's results table and a PNG of its curves (train/val loss, tokens/s, learning rate)."""
+    from raytrain_lm.report import build_report, compare_table, results_table
+
+    rep = build_report([run, *(compare or [])], storage, out=str(out) if out else None)
+    if as_json:
+        typer.echo(json.dumps(rep, indent=2, default=str))
+        return
+    if not quiet:
+        runs = rep["runs"]
+        typer.echo(results_table(runs[0]) if len(runs) == 1 else compare_table(runs))
+    typer.echo(rep["plot"] if quiet else f"plot: {rep['plot']}")
+
+
+@app.command(epilog=examples("python cli.py generate tiny-20261130-075850 --prompt 'The list type'",
+                             "python cli.py generate my-run --best --temperature 0 --max-new-tokens 100",
+                             "python cli.py generate runs/my-run/checkpoint_00000300 --prompt 'def ' --seed 7",
+                             "python cli.py generate my-run --prompt 'import' --json"))
+def generate(
+    model: str = MODEL_ARG,
+    prompt: str = typer.Option("", "--prompt", "-p", help="Text to continue [default: start of a line]."),
+    max_new_tokens: int = typer.Option(200, "--max-new-tokens", "-n", help="Tokens to sample (bytes, for the byte tokenizer)."),
+    temperature: float = typer.Option(0.8, help="Softmax temperature; 0 always takes the likeliest token."),
+    top_k: int = typer.Option(40, help="Sample among the k likeliest tokens; 0: among all."),
+    seed: int = typer.Option(0, help="Random seed: the same seed gives the same text on the same device."),
+    best: bool = BEST,
+    device: str = typer.Option("auto", help="auto (a GPU if there is one), cpu, cuda, cuda:N."),
+    storage: str = STORAGE,
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Only the generated text (no prompt, no stats)."),
+    as_json: bool = typer.Option(False, "--json", help="Print text, token ids and stats as JSON at the end."),
+) -> None:
+    """Sample text from a run's latest (or best) checkpoint, streaming it as it comes (KV cache)."""
+    from raytrain_lm.console import paint
+    from raytrain_lm.generate import check_sampling, generate_text, pick_device
+    from raytrain_lm.runs import find_checkpoint
+
+    check_sampling(max_new_tokens, temperature, top_k or None)
+    pick_device(device)  # a bad --device fails before any loading
+    found = find_checkpoint(model, storage, best=best)
+    info = lambda m: None if (quiet or as_json) else typer.echo(paint(m, "dim", sys.stderr), err=True)  # noqa: E731
+    val = f", val loss {found.val_loss:.4f}" if found.val_loss is not None else ""
+    info(f"checkpoint {found.source} (step {found.step}{val})")
+    stream = not as_json
+    if stream and not quiet:
+        typer.echo(paint(prompt, "bold"), nl=False)
+
+    def on_text(text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    try:
+        res = generate_text(found.path, prompt, max_new_tokens=max_new_tokens,
+                            temperature=temperature, top_k=top_k or None, seed=seed, device=device,
+                            on_text=on_text if stream else None, meta=found.meta)
+    finally:
+        found.cleanup()
+    res.update(checkpoint=found.source, step=found.step)
+    if as_json:
+        typer.echo(json.dumps(res, indent=2))
+        return
+    typer.echo("")
+    info(f"{res['tokens']} tokens in {res['seconds']:.2f} s ({res['tokens_per_second']:,.0f} tokens/s, "
+         f"{res['device']}, seed {seed})")
+
+
+@app.command(epilog=examples("python cli.py export tiny-20261130-075850 --out export/tiny",
+                             "python cli.py export my-run --best --out export/best --force",
+                             "python cli.py export runs/my-run/checkpoint_00000200 --out export/step200 --json"))
+def export(
+    model: str = MODEL_ARG,
+    out: Path = typer.Option(..., help="Folder to write model.safetensors and config.json into."),
+    best: bool = BEST,
+    force: bool = typer.Option(False, help="Replace --out if it exists."),
+    storage: str = STORAGE,
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Print nothing on success."),
+    as_json: bool = typer.Option(False, "--json", help="Print config.json's content and the files as JSON."),
+) -> None:
+    """Write a checkpoint's weights as safetensors plus a config JSON (loadable with plain PyTorch)."""
+    from raytrain_lm.export import CONFIG, WEIGHTS, export_checkpoint
+    from raytrain_lm.runs import find_checkpoint
+
+    found = find_checkpoint(model, storage, best=best)
+    try:
+        config = export_checkpoint(found.path, out, source=found.source, force=force, meta=found.meta)
+    finally:
+        found.cleanup()
+    files = {"weights": str(out / WEIGHTS), "config": str(out / CONFIG)}
+    if as_json:
+        typer.echo(json.dumps({**files, **{k: v for k, v in config.items() if k != "train_config"}}, indent=2))
+    elif not quiet:
+        typer.echo(f"exported step {config['step']} of {found.source} ({config['num_parameters']:,} "
+                   f"parameters, {config['dtype']}) to {files['weights']} and {files['config']}")

@@ -1,0 +1,112 @@
+"""`train` and `plan`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from raytrain_lm.cli.app import app, examples
+from raytrain_lm.cli.options import CONFIG, JSON, QUIET, SET, VERBOSE, ConfigPath, SetList, say_for, settings
+
+TRAIN_SETTINGS = ("workers", "use_gpu", "preset", "data", "max_steps", "batch_size", "seq_len", "lr",
+                  "grad_accum", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints",
+                  "max_failures", "seed", "compile", "strategy", "activation_checkpointing",
+                  "precision", "name", "storage", "address", "scale_timeout")
+
+
+@app.command(epilog=examples("python cli.py train",
+                             "python cli.py train --workers 2 --max-steps 300 --preset tiny",
+                             "python cli.py train --workers 8 --use-gpu --preset gpt2 --data data/stdlib",
+                             "python cli.py train --config best.yaml --set model.dropout=0.1",
+                             "python cli.py train --config best.yaml --workers 8 --scale-lr sqrt",
+                             "python cli.py train --name my-run --resume"))
+@settings(*TRAIN_SETTINGS)
+def train(
+    settings: dict,
+    force: bool = typer.Option(False, help="Launch even if the memory plan says it will not fit."),
+    config: ConfigPath = CONFIG,
+    set_: SetList = SET,
+    resume: bool = typer.Option(False, help="Continue the run --name from its latest checkpoint."),
+    init_from: Optional[Path] = typer.Option(None, help="Start from this checkpoint's weights (a "
+                                             "checkpoint, or a run: its best) with a fresh optimizer."),
+    scale_lr: str = typer.Option("none", help="Scale lr to this run's global batch from the one it was "
+                                 "chosen at (ref_batch_tokens): none, linear or sqrt (recommended for AdamW)."),
+    verbose: bool = VERBOSE,
+    quiet: bool = QUIET,
+    as_json: bool = JSON,
+) -> None:
+    """Train a GPT model with Ray Train (DDP over gloo on CPU, NCCL on GPU)."""
+    from raytrain_lm.config import build_config
+    from raytrain_lm.driver import run_training, saved_config
+    from raytrain_lm.files import default_storage
+    from raytrain_lm.report import progress_line, results_table
+    from raytrain_lm.tune.lr_scaling import apply_lr_scaling
+
+    base = saved_config(settings["storage"] or default_storage(), settings["name"]) if resume else None
+    cfg = build_config(config_file=str(config) if config else None, flags=settings, sets=set_,
+                       base=base)
+    say = say_for(quiet, as_json)
+    scaled = apply_lr_scaling(cfg, scale_lr)
+    if scaled:
+        say(scaled)
+    show = None if quiet or as_json else lambda row: typer.echo(progress_line(row, cfg.max_steps))
+    summary = run_training(cfg, resume=resume, init_from=str(init_from) if init_from else None,
+                           verbose=verbose, force=force, say=say, on_metrics=show)
+    if as_json:
+        typer.echo(json.dumps({k: v for k, v in summary.items() if k != "config"}, indent=2))
+        return
+    typer.echo(results_table(summary))
+    typer.echo(f"results: {summary['run_dir']}/summary.json, metrics.jsonl")
+
+
+def parse_train_args(args: list[str]) -> dict:
+    """What `train` would parse from `args` (after `--` of `submit`): {parameter: value}. Bad
+    arguments fail here, before anything is sent to a cluster."""
+    import typer.main
+
+    command = typer.main.get_command(app).commands["train"]
+    args = args[1:] if args[:1] == ["train"] else args
+    with command.make_context("train", list(args)) as ctx:
+        return dict(ctx.params)
+
+
+def train_paths(args: list[str]) -> dict:
+    """The paths `train` would get from `args`: storage, data, config, init_from (None if absent)."""
+    from raytrain_lm.cluster.jobs import PATH_SETTINGS
+
+    parsed = parse_train_args(args)
+    return {k: None if parsed[k] is None else str(parsed[k]) for k in PATH_SETTINGS}
+
+
+@app.command(epilog=examples("python cli.py plan --preset gpt2 --workers 8",
+                             "python cli.py plan --preset gpt-70b --workers 64 --gpu-memory-gb 80",
+                             "python cli.py plan --preset small --set model.n_layer=24 --batch-size 32"))
+@settings("batch_size", "seq_len", "grad_accum")
+def plan(
+    settings: dict,
+    preset: str = typer.Option("gpt2", help="Model preset (any field overridable with --set)."),
+    workers: int = typer.Option(8, help="Data-parallel workers."),
+    gpu_memory_gb: float = typer.Option(80.0, help="Memory per GPU, GB."),
+    cpu: bool = typer.Option(False, help="Plan for CPU workers (fp32 activations)."),
+    set_: SetList = SET,
+    as_json: bool = JSON,
+) -> None:
+    """Per-worker memory for each strategy and activation checkpointing, and what fits."""
+    from dataclasses import asdict
+
+    from raytrain_lm.config import build_config
+    from raytrain_lm.plan import describe_plans, plan_report
+
+    cfg = build_config(preset=preset, flags={**settings, "workers": workers}, sets=set_)
+    report = plan_report(cfg, gpu_memory_gb, gpu=not cpu)
+    if as_json:
+        best = report["recommendation"]
+        typer.echo(json.dumps({"parameters": report["parameters"],
+                               "plans": [asdict(p) | {"total": p.total} for p in report["plans"]],
+                               "recommendation": None if best is None else
+                               {**asdict(best[0]), "grad_accum": best[1]}}, indent=2))
+        return
+    typer.echo(describe_plans(cfg, report, gpu_memory_gb, gpu=not cpu))

@@ -1,0 +1,176 @@
+"""Reaching a Ray cluster: token authentication as Ray 2.60 does it, a fast reachability check,
+and `connect_ray`, which joins a cluster or starts a local Ray for this process.
+
+Ray 2.60 authentication: a cluster started with a token (`~/.ray/auth_token`, RAY_AUTH_TOKEN or
+RAY_AUTH_TOKEN_PATH) rejects clients without it, and a client only sends it when RAY_AUTH_MODE
+is `token`. `use_token_auth_if_available` sets that mode for this process when a token exists.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import socket
+import sys
+from typing import Optional
+
+from raytrain_lm.errors import UserError
+
+def token_available() -> bool:
+    from ray._raylet import AuthenticationTokenLoader
+
+    return AuthenticationTokenLoader.instance().has_token(ignore_auth_mode=True)
+
+
+def use_token_auth_if_available() -> bool:
+    """Send the token on every request of this process when one exists (RAY_AUTH_MODE=token).
+
+    A cluster without authentication ignores it; one with authentication needs it."""
+    mode = os.environ.get("RAY_AUTH_MODE")
+    if mode is not None:  # the user chose explicitly
+        return mode.lower() == "token"
+    if not token_available():
+        return False
+    _set_auth_mode("token")
+    return True
+
+
+NO_TOKEN = ("has token authentication on and no token was found here: set RAY_AUTH_TOKEN, or "
+            "RAY_AUTH_TOKEN_PATH to a file holding it (a cluster from cluster.yaml uses your "
+            "~/.ray/auth_token; a local one the ~/.ray/auth_token of its machine)")
+
+
+def is_auth_error(error: BaseException) -> bool:
+    e: Optional[BaseException] = error
+    while e is not None:
+        text = f"{type(e).__name__} {e}"
+        if "AuthenticationError" in text or "InvalidAuthToken" in text or \
+                "Unauthorized" in text or "Authentication required" in text:
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def connect_error(address: str, error: BaseException) -> UserError:
+    """The one-line error for a failed connection to a cluster."""
+    if is_auth_error(error):
+        return UserError(f"the Ray cluster at {address} {NO_TOKEN}")
+    lines = [line for line in str(error).strip().splitlines() if line.strip()]
+    return UserError(f"cannot connect to Ray at {address}: {lines[0] if lines else type(error).__name__}")
+
+
+@contextlib.contextmanager
+def _stderr_silenced():
+    """Hide what Ray's C++ core writes straight to fd 2 (retry warnings) during a probe."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def _probe_gcs(address: str) -> None:
+    from ray._raylet import GcsClient
+
+    with _stderr_silenced():
+        GcsClient(address=address)
+
+
+def _set_auth_mode(mode: str) -> None:
+    from ray._raylet import Config
+
+    os.environ["RAY_AUTH_MODE"] = mode
+    Config.initialize("")  # refresh the cached config so this process sees the mode
+
+
+def match_cluster_auth(address: str) -> None:
+    """Make this process use the authentication mode of the cluster at `address`, before
+    `ray.init(address=...)`.
+
+    The modes must match both ways: a driver without the token is refused (after ray.init has
+    retried for 20 s, printing a warning a second), and a driver in token mode refuses the
+    cluster's own calls back to it when the cluster has no authentication, so the cluster takes
+    it for dead and cancels its actors. One fast probe of the GCS without a token tells which."""
+    if address == "auto" or "://" in address:
+        use_token_auth_if_available()
+        return
+    _set_auth_mode("disabled")
+    try:
+        _probe_gcs(address)
+        return  # no authentication on this cluster
+    except Exception as e:
+        if not is_auth_error(e):
+            return  # unreachable or else: ray.init reports it in its own words
+    if not token_available():
+        raise UserError(f"the Ray cluster at {address} {NO_TOKEN}")
+    _set_auth_mode("token")
+    try:
+        _probe_gcs(address)
+    except Exception as e:
+        if is_auth_error(e):
+            raise UserError(f"the Ray cluster at {address} refused the token found here; set "
+                            f"RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH to the cluster's token") from None
+
+
+def check_listening(host: str, port: int, what: str, timeout: float = 3.0) -> None:
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return
+    except OSError:
+        raise UserError(f"nothing answers at {what}; start a cluster with `python cli.py cluster "
+                        f"local-up`, open the tunnel to a remote one with `python cli.py cluster "
+                        f"dashboard`, or check the address") from None
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def port_in_use(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def check_reachable(address: str, timeout: float = 3.0) -> None:
+    """Fail in seconds, not minutes, when nothing listens at a host:port address."""
+    hostport = address.split("://", 1)[-1]
+    if address == "auto" or ":" not in hostport:
+        return
+    host, _, port = hostport.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout):
+            pass
+    except (OSError, ValueError):
+        raise UserError(f"no Ray cluster answers at {address}; start one with "
+                        f"`python cli.py cluster local-up` or check the address") from None
+
+
+def connect_ray(address: Optional[str], min_cpus: float, verbose: bool = False) -> bool:
+    """Connect to `address` (or RAY_ADDRESS), else start a local Ray. Returns True if we started it."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    address = address or os.environ.get("RAY_ADDRESS")
+    quiet = dict(log_to_driver=verbose, logging_level=logging.INFO if verbose else logging.WARNING)
+    if address:
+        check_reachable(address)
+        match_cluster_auth(address)  # Ray 2.60: a token when the cluster wants one, else none
+        try:
+            ray.init(address=address, **quiet)
+        except Exception as e:  # ConnectionError, RuntimeError, AuthenticationError, ...
+            raise connect_error(address, e) from None
+        return False
+    # Logical CPUs are bookkeeping: give the workers their share and keep one for Ray's own tasks,
+    # so small machines don't deadlock (see docs: a 2-core laptop running 2 workers).
+    num_cpus = max(os.cpu_count() or 1, math.ceil(min_cpus) + 1)
+    ray.init(num_cpus=num_cpus, include_dashboard=False, **quiet)
+    return True

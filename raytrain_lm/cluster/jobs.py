@@ -1,0 +1,232 @@
+"""`python cli.py train ...` as a Ray job through `JobSubmissionClient`, with the project as the
+job's working dir; following, listing and stopping jobs."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Optional
+from urllib.parse import urlparse
+
+from raytrain_lm.cluster.connect import NO_TOKEN, check_listening, connect_error, is_auth_error, \
+    use_token_auth_if_available
+from raytrain_lm.errors import UserError
+from raytrain_lm.files import default_storage
+
+ROOT = Path(__file__).resolve().parents[2]  # the project: the working dir of a job
+DEFAULT_DASHBOARD_PORT = 8265  # the dashboard serves the jobs API
+DEFAULT_JOBS_ADDRESS = f"http://127.0.0.1:{DEFAULT_DASHBOARD_PORT}"
+# Not uploaded with a job: results, prepared datasets and caches, VCS and tool folders.
+JOB_EXCLUDES = ["runs/", "data/", ".cache/", ".git/", ".hg/", ".svn/", "__pycache__/",
+                ".pytest_cache/", ".venv/", "venv/", "*.egg-info/", ".ipynb_checkpoints/"]
+# Forwarded to a job so that its driver and workers reach the same S3-compatible endpoint (no
+# secrets: credentials come from the cluster's own environment or instance role).
+FORWARDED_ENV = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_REGION", "AWS_DEFAULT_REGION")
+
+Say = Callable[[str], None]
+
+
+def jobs_address(address: Optional[str]) -> str:
+    """--address, else RAY_API_SERVER_ADDRESS, else an http RAY_ADDRESS, else the local default."""
+    address = address or os.environ.get("RAY_API_SERVER_ADDRESS")
+    if not address and os.environ.get("RAY_ADDRESS", "").startswith(("http://", "https://")):
+        address = os.environ["RAY_ADDRESS"]
+    address = (address or DEFAULT_JOBS_ADDRESS).rstrip("/")
+    if "://" not in address:
+        address = f"http://{address}"
+    parsed = urlparse(address)
+    if parsed.scheme not in ("http", "https") or not parsed.hostname:
+        raise UserError(f"--address must be the dashboard's http://HOST:PORT (e.g. "
+                        f"{DEFAULT_JOBS_ADDRESS}), got {address}")
+    return address
+
+
+def is_local_address(address: str) -> bool:
+    return urlparse(jobs_address(address)).hostname in ("127.0.0.1", "localhost", "::1")
+
+
+def job_client(address: Optional[str] = None, check: bool = True):
+    """A JobSubmissionClient for the cluster's dashboard, with the token when one exists."""
+    address = jobs_address(address)
+    parsed = urlparse(address)
+    if check:
+        check_listening(parsed.hostname, parsed.port or (443 if parsed.scheme == "https" else 80),
+                        address)
+    use_token_auth_if_available()
+    from ray.job_submission import JobSubmissionClient
+
+    try:
+        return JobSubmissionClient(address)
+    except Exception as e:  # connection, version or authentication failure
+        raise connect_error(address, e) from None
+
+
+def _call(address: str, fn, *args):
+    try:
+        return fn(*args)
+    except UserError:
+        raise
+    except Exception as e:
+        if is_auth_error(e):
+            raise UserError(f"the Ray cluster at {address} {NO_TOKEN}") from None
+        text = " ".join(str(e).split())
+        if "does not exist" in text or "404" in text:
+            raise UserError(f"no job {args[0] if args else ''} on {address}; "
+                            f"`python cli.py jobs` lists them") from None
+        raise UserError(f"{address}: {text[:300]}") from None
+
+
+PATH_SETTINGS = ("storage", "data", "config", "init_from")
+
+
+def job_train_args(train_args: list[str], given: dict, address: str, cwd: Path) -> list[str]:
+    """The `train` arguments a job runs. A job's working dir is a copy of the project without
+    runs/ and data/, so on a cluster on this machine (127.0.0.1) local paths are made absolute
+    and results go to this project's runs/; remote clusters need shared storage anyway.
+
+    `given`: the PATH_SETTINGS as `train` parsed them from `train_args` (None where absent).
+    Absolute paths are appended as flags: the last of a repeated flag wins, and flags win over a
+    --config file."""
+    args = list(train_args[1:] if train_args[:1] == ["train"] else train_args)
+    if not is_local_address(address):
+        return args
+    paths = {key: given.get(key) for key in PATH_SETTINGS}
+    if paths["config"] is not None:  # the file's paths count as given
+        from raytrain_lm.config import load_config_file
+
+        settings = load_config_file(cwd / paths["config"])
+        for key in ("data", "storage"):
+            if paths[key] is None and isinstance(settings.get(key), str):
+                paths[key] = settings[key]
+    paths["storage"] = paths["storage"] or default_storage()
+    extra: list[str] = []
+    for key, value in paths.items():
+        flag = f"--{key.replace('_', '-')}"
+        if value is not None and "://" not in value and not os.path.isabs(value):
+            extra += [flag, str((cwd / value).resolve())]
+        elif key == "storage" and given.get("storage") is None:
+            extra += [flag, value]  # the default, made explicit for the job's driver
+    return args + extra
+
+
+def submit(train_args: list[str], given: dict, address: Optional[str] = None, follow: bool = True,
+           say: Say = print, out: Callable[[str], None] = None, cwd: Optional[Path] = None) -> dict:
+    """Submit `python cli.py train ARGS` as a Ray job; follow its logs if `follow`. `given`: as for
+    job_train_args.
+
+    Returns {"job_id", "status", "message", "results"}; `results` is the `results: ...` line the
+    training printed (where its summary and checkpoints are)."""
+    if not train_args or train_args == ["train"]:
+        raise UserError("submit needs the training arguments after `--`, e.g. "
+                        "`python cli.py submit -- --workers 2 --max-steps 300`")
+    address = jobs_address(address)
+    args = job_train_args(train_args, given, address, cwd or Path.cwd())
+    client = job_client(address)
+    python = shlex.quote(sys.executable) if is_local_address(address) else "python"
+    entrypoint = f"{python} cli.py train {shlex.join(args)}"
+    env_vars = {k: os.environ[k] for k in FORWARDED_ENV if os.environ.get(k)}
+    runtime_env = {"working_dir": str(ROOT), "excludes": JOB_EXCLUDES,
+                   **({"env_vars": env_vars} if env_vars else {})}
+    # No entrypoint resources: the driver runs on the head node and takes no CPU or GPU there,
+    # so training workers get every GPU of the cluster.
+    job_id = _submit_with_retry(address, lambda: client.submit_job(
+        entrypoint=entrypoint, runtime_env=runtime_env, metadata={"app": "raytrain-lm"}))
+    say(f"submitted job {job_id} to {address}: {entrypoint}")
+    if not follow:
+        say(f"follow it with `python cli.py jobs logs {job_id} --follow`")
+        return {"job_id": job_id, "status": "PENDING", "message": None, "results": None}
+    return follow_job(job_id, address, client=client, say=say, out=out)
+
+
+def _submit_with_retry(address: str, submit_fn, wait: float = 60.0) -> str:
+    """Submit, retrying while the head's job agent is still starting (a fresh cluster answers
+    "No available agent to submit job, please try again later" for some seconds)."""
+    import logging
+
+    ray_log = logging.getLogger("ray")  # the upload's INFO/WARNING lines are noise here
+    level, ray_log.level = ray_log.level, logging.ERROR
+    deadline = time.monotonic() + wait
+    try:
+        while True:
+            try:
+                return _call(address, submit_fn)
+            except UserError as e:
+                if "try again later" not in str(e) or time.monotonic() > deadline:
+                    raise
+                time.sleep(2)
+    finally:
+        ray_log.setLevel(level)
+
+
+def follow_job(job_id: str, address: Optional[str] = None, client=None, say: Say = print,
+               out: Optional[Callable[[str], None]] = None) -> dict:
+    """Stream a job's logs until it ends; returns its outcome."""
+    address = jobs_address(address)
+    client = client or job_client(address)
+    out = out or (lambda text: (sys.stdout.write(text), sys.stdout.flush()))
+    seen: list[str] = []
+
+    async def tail() -> None:
+        async for chunk in client.tail_job_logs(job_id):
+            seen.append(chunk)
+            out(chunk)
+
+    try:
+        _call(address, lambda: asyncio.run(tail()))
+    except KeyboardInterrupt:
+        say(f"\nstopped following; job {job_id} keeps running (`python cli.py jobs logs {job_id}`, "
+            f"`python cli.py jobs stop {job_id}`)")
+        raise
+    info = _call(address, client.get_job_info, job_id)
+    while not info.status.is_terminal():  # the log stream can end just before the status
+        time.sleep(0.5)
+        info = _call(address, client.get_job_info, job_id)
+    results = [line for line in "".join(seen).splitlines() if line.startswith("results: ")]
+    return {"job_id": job_id, "status": str(info.status), "message": info.message,
+            "results": results[-1][len("results: "):] if results else None}
+
+
+def job_exit_code(outcome: dict) -> int:
+    """0 when the job succeeded; else the training's own exit code when the job says it."""
+    if outcome["status"] == "SUCCEEDED":
+        return 0
+    message = outcome.get("message") or ""
+    marker = "exit code "
+    if marker in message:
+        tail = message.split(marker, 1)[1]
+        digits = "".join(ch for ch in tail[:4] if ch.isdigit())
+        if digits:
+            return int(digits)
+    return 1
+
+
+def list_jobs(address: Optional[str] = None) -> list[dict]:
+    address = jobs_address(address)
+    client = job_client(address)
+    jobs = _call(address, client.list_jobs)
+    rows = []
+    for j in sorted(jobs, key=lambda j: j.start_time or 0):
+        if j.submission_id is None:  # a driver connected directly, not a submitted job
+            continue
+        rows.append({"job_id": j.submission_id, "status": str(j.status),
+                     "start_time": j.start_time, "end_time": j.end_time,
+                     "entrypoint": j.entrypoint, "message": j.message})
+    return rows
+
+
+def job_logs(job_id: str, address: Optional[str] = None) -> str:
+    address = jobs_address(address)
+    client = job_client(address)
+    return _call(address, client.get_job_logs, job_id)
+
+
+def stop_job(job_id: str, address: Optional[str] = None) -> bool:
+    address = jobs_address(address)
+    client = job_client(address)
+    _call(address, client.get_job_info, job_id)  # a clear error for an unknown id
+    return _call(address, client.stop_job, job_id)
+

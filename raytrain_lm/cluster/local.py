@@ -1,0 +1,156 @@
+"""A Ray head on this machine (dashboard and jobs API on 127.0.0.1, token authentication on) and
+its clean stop: only the processes of *that* cluster are stopped, never other Ray instances on the
+machine (which `ray stop` would kill)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Callable, Optional
+
+from raytrain_lm.cluster.connect import free_port, port_in_use, token_available
+from raytrain_lm.cluster.jobs import DEFAULT_DASHBOARD_PORT, job_client
+from raytrain_lm.errors import UserError
+
+DEFAULT_PORT = 6379
+MARKER_ENV = "RAYTRAIN_LM_LOCAL_CLUSTER"  # inherited by every process of a local cluster
+STATE_FILE = "raytrain-lm-cluster.json"
+
+Say = Callable[[str], None]
+
+
+def ray_cli() -> list[str]:
+    exe = Path(sys.executable).with_name("ray")
+    return [str(exe)] if exe.is_file() else [sys.executable, "-m", "ray.scripts.scripts"]
+
+
+def local_temp_dir(port: int = DEFAULT_PORT) -> Path:
+    """The Ray temp dir of the local cluster on `port`: its sessions, logs and sockets."""
+    return Path(tempfile.gettempdir()) / f"raytrain-lm-ray-{port}"
+
+
+
+
+def local_up(port: int = DEFAULT_PORT, dashboard_port: int = DEFAULT_DASHBOARD_PORT,
+             num_cpus: Optional[int] = None, say: Say = print) -> dict:
+    """Start a Ray head on this machine; returns its addresses."""
+    for p, what in ((port, "--port"), (dashboard_port, "--dashboard-port")):
+        if not 1024 <= p <= 65535:
+            raise UserError(f"{what} must be between 1024 and 65535, got {p}")
+        if port_in_use(p):
+            raise UserError(f"port {p} is already in use (a Ray cluster running? stop it with "
+                            f"`python cli.py cluster local-down --port {port}`), or choose another {what}")
+    if num_cpus is not None and num_cpus < 1:
+        raise UserError(f"--num-cpus must be at least 1, got {num_cpus}")
+    env = dict(os.environ)
+    auth = env.get("RAY_AUTH_MODE", "token").lower() == "token"
+    if auth:
+        env["RAY_AUTH_MODE"] = "token"
+        if not token_available():
+            from ray._private.authentication.authentication_token_setup import generate_and_save_token
+
+            generate_and_save_token()
+            say("generated an authentication token in ~/.ray/auth_token")
+    temp_dir = local_temp_dir(port)
+    env[MARKER_ENV] = str(temp_dir)
+    cmd = ray_cli() + [
+        "start", "--head", f"--port={port}",
+        "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}",
+        # The job agent's port: a free one, not the fixed default another Ray may still hold
+        # (then jobs fail with "No available agent to submit job").
+        f"--dashboard-agent-listen-port={free_port()}",
+        f"--temp-dir={temp_dir}", "--disable-usage-stats",
+    ] + ([f"--num-cpus={num_cpus}"] if num_cpus else [])
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    if proc.returncode != 0:
+        lines = [line for line in (proc.stderr + proc.stdout).splitlines() if line.strip()]
+        raise UserError(f"`ray start` failed: {lines[-1] if lines else proc.returncode}")
+    from ray._private.services import get_node_ip_address
+
+    info = {"address": f"{get_node_ip_address()}:{port}", "dashboard": f"http://127.0.0.1:{dashboard_port}",
+            "temp_dir": str(temp_dir), "auth": auth}
+    (temp_dir / "raytrain-lm-cluster.json").write_text(json.dumps(info, indent=2))
+    return info
+
+
+def _psutil():
+    import ray  # noqa: F401  (puts the psutil Ray bundles on sys.path)
+    import psutil
+
+    return psutil
+
+
+def cluster_processes(temp_dir: Path) -> list:
+    """The processes of the local cluster whose temp dir is `temp_dir`: those started with it
+    (their command line names it, or they inherited MARKER_ENV) and all their descendants
+    (Ray workers rename themselves `ray::...`; a job's driver is a child of its supervisor)."""
+    psutil = _psutil()
+
+    me = {os.getpid(), *(p.pid for p in psutil.Process().parents())}
+    roots = []
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        if p.pid in me:
+            continue
+        try:
+            if any(str(temp_dir) in part for part in (p.info["cmdline"] or [])) or \
+                    p.environ().get(MARKER_ENV) == str(temp_dir):
+                roots.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    found = {p.pid: p for p in roots}
+    for p in roots:
+        try:
+            for c in p.children(recursive=True):
+                if c.pid not in me:
+                    found.setdefault(c.pid, c)
+        except psutil.NoSuchProcess:
+            continue
+    return list(found.values())
+
+
+def local_down(port: int = DEFAULT_PORT, grace: float = 5.0, say: Say = print) -> int:
+    """Stop the local cluster on `port` (its jobs first, then its processes); returns how many
+    processes were stopped. Other Ray instances on this machine are left alone."""
+    psutil = _psutil()
+
+    temp_dir = local_temp_dir(port)
+    state = temp_dir / "raytrain-lm-cluster.json"
+    if state.is_file():  # stop jobs through the API, so their drivers end cleanly
+        try:
+            dashboard = json.loads(state.read_text())["dashboard"]
+            client = job_client(dashboard, check=False)
+            for job in client.list_jobs():
+                if not job.status.is_terminal():
+                    client.stop_job(job.submission_id)
+        except Exception:  # the head may already be gone: the processes are stopped below
+            pass
+    stopped = 0
+    for _ in range(3):  # processes can appear while we stop others (a raylet starting workers)
+        procs = cluster_processes(temp_dir)
+        if not procs:
+            break
+        for p in procs:
+            try:
+                p.send_signal(signal.SIGTERM)
+            except psutil.NoSuchProcess:
+                pass
+        gone, alive = psutil.wait_procs(procs, timeout=grace)
+        for p in alive:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(alive, timeout=5)
+        stopped += len(procs)
+    left = cluster_processes(temp_dir)
+    if left:
+        raise UserError(f"{len(left)} processes of the local cluster did not stop: "
+                        f"{', '.join(str(p.pid) for p in left)}")
+    if state.is_file():
+        state.unlink()
+    return stopped

@@ -1,0 +1,256 @@
+"""Driver side of `train`: connect to Ray, build the TorchTrainer, follow the run (progress lines,
+metrics.jsonl, TensorBoard, summary.json) and return its summary. What is checked before any of
+this happens is in preflight.py."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import queue as _queue
+import threading
+import time
+from typing import Any, Callable, Optional
+
+from raytrain_lm import files, summary
+from raytrain_lm.config import TrainConfig
+from raytrain_lm.errors import UserError, last_line
+from raytrain_lm.preflight import (check_init_from, check_memory, check_resources,
+                                   default_run_name, prepare_data, worker_memory_gb)
+from raytrain_lm.storage import MetricsLog, RunFolder
+from raytrain_lm.tb import TensorBoardLog
+
+FAULT_ENV = "RAYTRAIN_LM_FAIL_AT"  # fault drill: "RANK:STEP" makes that rank's process exit there
+# Ray Train's controller collects reports when it polls the workers (default every 2 s) and a
+# worker holds one report at a time, so reports more frequent than the poll stall training. Ray
+# passes this variable from the driver to the controller; a value the user set always wins.
+POLL_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
+USER_POLL = os.environ.get(POLL_ENV)
+DEFAULT_POLL_S = 0.5
+
+
+def report_poll_seconds(default: float = DEFAULT_POLL_S) -> str:
+    """How often Ray Train's controller should collect reports: the user's setting, else `default`."""
+    return USER_POLL or str(default)
+
+
+def build_summary(cfg: TrainConfig, rows: list[dict], status: str, wall: float, t_launch: float,
+                  checkpoint: Optional[str] = None, error: Optional[str] = None) -> dict:
+    last = rows[-1] if rows else {}
+    return {
+        "status": status,
+        "name": cfg.name,
+        **summary.from_metrics(rows),
+        "max_steps": cfg.max_steps,
+        "time_to_first_step": (last["train_start_unix"] - t_launch) if last.get("train_start_unix") else None,
+        "wall_seconds": wall,
+        "workers": cfg.workers,
+        "use_gpu": cfg.use_gpu,
+        "preset": cfg.preset,
+        "checkpoint": checkpoint,
+        "error": error,
+        "config": cfg.to_dict(),
+        "finished": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def build_trainer(cfg: TrainConfig, run: RunFolder, callbacks: Optional[list] = None,
+                  init_from: Optional[str] = None, fail_at: Optional[str] = None,
+                  poll_seconds: Optional[str] = None):
+    """The TorchTrainer for `cfg`, writing into `run`'s folder. Used by `train` and by each Tune
+    trial. `poll_seconds`: see report_poll_seconds."""
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from raytrain_lm.loop import train_loop_per_worker
+
+    os.environ[POLL_ENV] = poll_seconds or report_poll_seconds()  # read when the controller starts
+    resources = {"CPU": cfg.cpus_per_worker, **({"GPU": 1} if cfg.use_gpu else {})}
+    return TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config={"train": cfg.to_dict(), "run_name": cfg.name, "init_from": init_from,
+                           "fail_at": fail_at},
+        scaling_config=ScalingConfig(num_workers=cfg.workers, use_gpu=cfg.use_gpu,
+                                     resources_per_worker=resources),
+        run_config=RunConfig(
+            name=cfg.name,
+            storage_path=run.storage_uri,
+            failure_config=FailureConfig(max_failures=cfg.max_failures),
+            checkpoint_config=CheckpointConfig(num_to_keep=cfg.keep_checkpoints),
+            callbacks=callbacks or [],
+        ),
+    )
+
+
+def run_training(
+    cfg: TrainConfig,
+    *,
+    resume: bool = False,
+    init_from: Optional[str] = None,
+    verbose: bool = False,
+    force: bool = False,
+    say: Callable[[str], None] = print,
+    on_metrics: Optional[Callable[[dict], None]] = None,
+    poll_seconds: Optional[str] = None,
+) -> dict:
+    """Train `cfg` on a Ray cluster; returns the summary (also written to summary.json).
+
+    With `resume`, the run `cfg.name` continues from its latest valid checkpoint (the caller
+    loads the run's saved config: see `saved_config`)."""
+    from ray.util.queue import Queue
+
+    from raytrain_lm.callbacks import ForwardMetrics, KeepBest
+    from raytrain_lm.cluster.connect import connect_ray
+
+    t_launch = time.time()
+    manifest = prepare_data(cfg, say)
+    run = run_folder(cfg, resume)
+    if init_from:
+        init_from = check_init_from(init_from, cfg, manifest)
+    previous = run.read_json(files.SUMMARY) if resume and run.exists(files.SUMMARY) else {}
+    connect_ray(cfg.address, cfg.workers * cfg.cpus_per_worker, verbose)
+    check_resources(cfg, say)
+    if not force:
+        check_memory(cfg, worker_memory_gb(cfg))
+
+    metrics_q = Queue(actor_options={"num_cpus": 0})
+    callbacks = [ForwardMetrics(metrics_q), KeepBest(previous.get("best_val_loss"))]
+    trainer = build_trainer(cfg, run, callbacks=callbacks, init_from=init_from,
+                            fail_at=os.environ.get(FAULT_ENV), poll_seconds=poll_seconds)
+    if not resume:
+        run.write_json(files.CONFIG, cfg.to_dict())
+    follower = Follower(cfg, run, t_launch, previous.get("restarts", 0) + (1 if resume else 0),
+                        say, on_metrics)
+    follower.write_summary("running")  # kept current: after a crash of this driver it still tells
+    result, error = follower.follow(trainer, metrics_q)
+
+    checkpoint = checkpoint_uri(run, result.checkpoint.path) if result is not None and result.checkpoint else None
+    if checkpoint is None:
+        checkpoint = next((r["checkpoint"] for r in reversed(follower.log.rows) if r.get("checkpoint")), None)
+    final = follower.write_summary("failed" if error else "completed", checkpoint,
+                                   _describe(error) if error else None)
+    final["run_dir"] = run.display_path()
+    if error is not None:
+        raise _user_error_inside(error) or UserError(
+            f"training failed: {_describe(error)} (summary in {run.display_path(files.SUMMARY)})")
+    return final
+
+
+def run_folder(cfg: TrainConfig, resume: bool) -> RunFolder:
+    """The run's folder: an existing one to resume, else a new name."""
+    if cfg.name is None:
+        if resume:
+            raise UserError("--resume needs --name of the run to continue")
+        cfg.name = default_run_name(cfg)
+    run = RunFolder(cfg.storage, cfg.name)
+    if resume and not run.exists():
+        raise UserError(f"cannot resume: no run named {cfg.name!r} in {cfg.storage}")
+    if not resume and run.exists():
+        raise UserError(f"a run named {cfg.name!r} already exists in {cfg.storage}; "
+                        f"pass --resume to continue it or choose another --name")
+    return run
+
+
+class Follower:
+    """Follows a run from the driver: rows from the workers (through the controller's callback and
+    a Ray queue) go to metrics.jsonl, TensorBoard and the caller's progress display, and
+    summary.json is rewritten at every checkpoint and failure."""
+
+    def __init__(self, cfg: TrainConfig, run: RunFolder, t_launch: float, restarts: int,
+                 say: Callable[[str], None], on_metrics: Optional[Callable[[dict], None]]):
+        self.cfg, self.run, self.t_launch, self.restarts = cfg, run, t_launch, restarts
+        self.say, self.on_metrics = say, on_metrics
+        self.log = MetricsLog(run)
+        self.failures_seen = 0
+
+    def write_summary(self, status: str, checkpoint: Optional[str] = None,
+                      error: Optional[str] = None) -> dict:
+        out = build_summary(self.cfg, self.log.rows, status, time.time() - self.t_launch,
+                            self.t_launch, checkpoint, error)
+        out["restarts"] = self.restarts
+        out["best_checkpoint"] = (self.run.display_path(files.BEST_DIR)
+                                  if self.run.exists(files.BEST_DIR) else None)
+        self.run.write_json(files.SUMMARY, out)
+        return out
+
+    def follow(self, trainer, metrics_q):
+        """Run `trainer.fit()` in a thread while taking its rows; returns (result, error)."""
+        tb = TensorBoardLog(self.run, self.say)  # event files beside metrics.jsonl
+        outcome: dict[str, Any] = {}
+
+        def fit() -> None:
+            try:
+                outcome["result"] = trainer.fit()
+            except BaseException as e:  # reported by the caller, on the main thread
+                outcome["error"] = e
+
+        thread = threading.Thread(target=fit, name="ray-train-fit", daemon=True)
+        thread.start()
+        while thread.is_alive() or not metrics_q.empty():
+            try:
+                row = metrics_q.get(timeout=0.5)
+            except _queue.Empty:
+                continue
+            except Exception:  # the queue actor is gone: nothing more will come
+                break
+            self._take(row, tb)
+        thread.join()
+        tb.close()
+        if outcome.get("error") is not None and self.failures_seen:
+            self.restarts -= 1  # the last failure ended the run: it was not followed by a restart
+        return outcome.get("result"), outcome.get("error")
+
+    def _take(self, row: dict, tb: TensorBoardLog) -> None:
+        if row.get("event") == "worker_failure":
+            self.restarts, self.failures_seen = self.restarts + 1, self.failures_seen + 1
+            self.say(f"worker failure: {row['error']}; restarting from the latest checkpoint")
+            self.write_summary("running")
+            return
+        for r in [*(row.pop("resumed_rows", None) or []), row]:  # rows Ray may have lost
+            if r.get("checkpoint"):
+                r["checkpoint"] = checkpoint_uri(self.run, r["checkpoint"])
+            self.log.add(r)
+            tb.add(r)
+        if row.get("checkpoint"):
+            self.write_summary("running")
+        if self.on_metrics:
+            self.on_metrics(row)
+
+
+def checkpoint_uri(run: RunFolder, path: str) -> str:
+    """Where a checkpoint of `run` is, as the user would name it, from its folder name or from
+    Ray's path: a path inside Ray's filesystem, which on object stores lacks the scheme
+    (`bucket/...`, not `s3://bucket/...`)."""
+    return run.display_path(path.rstrip("/").rsplit("/", 1)[-1])
+
+
+def saved_config(storage: str, name: Optional[str]) -> dict:
+    """The config a run was started with, for --resume."""
+    if not name:
+        raise UserError("--resume needs --name of the run to continue")
+    run = RunFolder(storage, name)
+    if not run.exists():
+        raise UserError(f"cannot resume: no run named {name!r} in {storage}")
+    if not run.exists(files.CONFIG):
+        raise UserError(f"cannot resume {name!r}: it has no {files.CONFIG} (not a raytrain-lm run?)")
+    return run.read_json(files.CONFIG)
+
+
+def _user_error_inside(error: BaseException) -> Optional[UserError]:
+    """A UserError raised on a worker (e.g. no valid checkpoint) is still the user's to fix."""
+    failures = getattr(error, "worker_failures", None) or {}
+    for exc in failures.values():
+        inner = exc
+        while inner is not None:
+            if isinstance(inner, UserError):
+                return UserError(str(inner))
+            inner = getattr(inner, "cause", None) or inner.__cause__
+    return None
+
+
+def _describe(error: BaseException) -> str:
+    failures = getattr(error, "worker_failures", None)
+    if failures:
+        from raytrain_lm.callbacks import describe_failures
+
+        return describe_failures(failures)
+    return last_line(error)

@@ -1,0 +1,70 @@
+"""The names of what raytrain-lm writes, in one place: a run's folder, its checkpoints, a
+dataset's folder. Everything that reads or writes these files takes the names from here.
+
+    <storage>/<run>/
+        summary.json                status, losses, throughput, ... (kept current while training)
+        config.json                 the run's TrainConfig (what --resume continues with)
+        metrics.jsonl               one line per logged step
+        checkpoint_00000200/        a Ray Train checkpoint: state.pt, meta.json, rank*.json, ...
+        best_checkpoint/            a copy of the checkpoint with the lowest validation loss
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+# ---------------------------------------------------------------- a run's folder
+SUMMARY = "summary.json"
+CONFIG = "config.json"
+METRICS = "metrics.jsonl"
+CHECKPOINT_PREFIX = "checkpoint_"
+BEST_DIR = "best_checkpoint"
+
+# ---------------------------------------------------------------- inside a checkpoint
+STATE = "state.pt"  # rank 0: step, data position, config; model and optimizer unless sharded
+META = "meta.json"  # rank 0's commit record, written last
+DCP_DIR = "dcp"  # sharded model and optimizer (torch.distributed.checkpoint)
+
+# ---------------------------------------------------------------- a dataset's folder
+MANIFEST = "manifest.json"
+
+# Where runs live when --storage is not given: a cluster sets RAYTRAIN_LM_STORAGE on every node
+# (cluster.yaml: s3://...), so the driver, the workers and the read commands agree.
+STORAGE_ENV = "RAYTRAIN_LM_STORAGE"
+
+
+def default_storage() -> str:
+    return os.environ.get(STORAGE_ENV) or "runs"
+
+
+def checkpoint_name(step: int) -> str:
+    return f"{CHECKPOINT_PREFIX}{step:08d}"
+
+
+def checkpoint_step(name: str) -> Optional[int]:
+    """The step of a `checkpoint_00000200` folder name; None for any other name."""
+    if not name.startswith(CHECKPOINT_PREFIX):
+        return None
+    digits = name[len(CHECKPOINT_PREFIX):]
+    return int(digits) if digits.isdigit() else None
+
+
+def rank_record(rank: int) -> str:
+    return f"rank{rank}.json"
+
+
+def rng_file(rank: int) -> str:
+    return f"rng-rank{rank}.pt"
+
+
+# ---------------------------------------------------------------- a sweep's folder (tune)
+SWEEP = "sweep.json"  # base config, search space and settings: what --resume reuses
+SWEEP_RESULTS = "results.json"
+BEST_CONFIG = "best.yaml"
+VAL_CURVES = "val_curves.png"
+TRIAL_CONFIG = "train_config.json"
+
+# ---------------------------------------------------------------- lr-find's, in its run's folder
+LR_FIND_RESULT = "lr_find.json"
+LR_FIND_PLOT = "lr_find.png"

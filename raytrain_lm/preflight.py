@@ -1,0 +1,121 @@
+"""Everything `train` checks before a worker starts, so a bad input costs a second and writes
+nothing: the dataset (the built-in corpus is prepared on first use), the model against the data,
+--init-from, the cluster's resources and the memory plan."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+from typing import Callable, Optional
+
+from raytrain_lm.config import DEFAULT_DATA, TrainConfig
+from raytrain_lm.errors import UserError
+
+
+def ensure_dataset(cfg: TrainConfig, say: Callable[[str], None]) -> dict:
+    """The dataset's manifest; the built-in default corpus is prepared on first use."""
+    from raytrain_lm.data.manifest import load_manifest
+    from raytrain_lm.data.prepare import prepare_dataset
+
+    if cfg.data == DEFAULT_DATA and not os.path.exists(cfg.data):
+        say(f"preparing the built-in corpus (pydoc topics) into {cfg.data} ...")
+        prepare_dataset("pydoc", cfg.data)
+    return load_manifest(cfg.data)
+
+
+def fit_model_to_data(cfg: TrainConfig, manifest: dict) -> None:
+    vocab = manifest["vocab_size"]
+    if cfg.model.vocab_size is None:
+        cfg.model.vocab_size = vocab
+    elif vocab > cfg.model.vocab_size:
+        raise UserError(f"dataset {cfg.data} has a vocabulary of {vocab} tokens but the model's "
+                        f"vocab_size is {cfg.model.vocab_size}; raise model.vocab_size")
+
+
+def prepare_data(cfg: TrainConfig, say: Callable[[str], None]) -> dict:
+    """The dataset's manifest, with the model's vocabulary fitted to it and a local data path made
+    absolute (workers do not share the driver's working directory)."""
+    manifest = ensure_dataset(cfg, say)
+    fit_model_to_data(cfg, manifest)
+    if "://" not in cfg.data:
+        cfg.data = os.path.abspath(cfg.data)
+    return manifest
+
+
+def default_run_name(cfg: TrainConfig) -> str:
+    return f"{cfg.preset}-{_dt.datetime.now().strftime('%Y%m%d-%H%M%S')}"
+
+
+def check_resources(cfg: TrainConfig, say: Callable[[str], None] = print) -> None:
+    import ray
+
+    from raytrain_lm.cluster.autoscale import wait_for_resources
+
+    per_worker = {"CPU": cfg.cpus_per_worker, **({"GPU": 1} if cfg.use_gpu else {})}
+    total = ray.cluster_resources()
+    if any(total.get(k, 0) < v * cfg.workers for k, v in per_worker.items()) and \
+            wait_for_resources(per_worker, cfg.workers, cfg.scale_timeout, say):
+        return  # an autoscaler brought the nodes up
+    if cfg.use_gpu and total.get("GPU", 0) < cfg.workers:
+        have = int(total.get("GPU", 0))
+        raise UserError(f"--use-gpu with --workers {cfg.workers} needs {cfg.workers} GPUs but the "
+                        f"cluster has {have}; drop --use-gpu or lower --workers")
+    need = cfg.workers * cfg.cpus_per_worker
+    if total.get("CPU", 0) < need:
+        raise UserError(f"--workers {cfg.workers} needs {need:g} CPUs but the cluster has "
+                        f"{total.get('CPU', 0):g}; lower --workers or cpus_per_worker")
+
+
+def worker_memory_gb(cfg: TrainConfig) -> Optional[float]:
+    """Memory one worker may use: its GPU's (from --set gpu_memory_gb or Ray's accelerator
+    label), or on CPU the cluster's memory resource split among the workers. None: unknown."""
+    import ray
+
+    from raytrain_lm.plan import GPU_MEMORY_GB
+
+    if cfg.use_gpu:
+        if cfg.gpu_memory_gb:
+            return cfg.gpu_memory_gb
+        labels = [k.split(":", 1)[1] for k in ray.cluster_resources() if k.startswith("accelerator_type:")]
+        sizes = [GPU_MEMORY_GB[label] for label in labels if label in GPU_MEMORY_GB]
+        return min(sizes) if sizes else None
+    return ray.cluster_resources().get("memory", 0) / 1e9 / cfg.workers or None
+
+
+def check_memory(cfg: TrainConfig, memory_gb: Optional[float]) -> None:
+    """Refuse a configuration whose planned per-worker memory exceeds what a worker has."""
+    from raytrain_lm.plan import GB, USABLE_FRACTION, estimate, recommend
+
+    if memory_gb is None:
+        return
+    plan = estimate(cfg.model, cfg.workers, cfg.strategy, cfg.activation_checkpointing,
+                    cfg.batch_size, cfg.seq_len, gpu=cfg.use_gpu)
+    if plan.total <= memory_gb * GB * USABLE_FRACTION:
+        return
+    better = recommend(cfg.model, cfg.workers, cfg.batch_size, cfg.grad_accum, cfg.seq_len,
+                       memory_gb, gpu=cfg.use_gpu)
+    hint = ("nothing fits on this many workers: add workers or use a smaller model" if better is None
+            else f"try --strategy {better[0].strategy} --activation-checkpointing "
+                 f"{better[0].activation_checkpointing} --batch-size {better[0].micro_batch} "
+                 f"--grad-accum {better[1]}")
+    raise UserError(f"this run needs ~{plan.total / GB:.1f} GB per worker (model state "
+                    f"{plan.model_state / GB:.1f}, activations {plan.activations / GB:.1f}, logits "
+                    f"{plan.logits / GB:.1f}) but a worker has {memory_gb:.0f} GB; {hint}; "
+                    f"see `python cli.py plan`, or pass --force")
+
+
+def check_init_from(path: str, cfg: TrainConfig, manifest: dict) -> str:
+    """Validate --init-from against the model and dataset before any worker starts; returns the
+    checkpoint folder to load (a run's best checkpoint, else its latest)."""
+    from raytrain_lm.runs import find_checkpoint
+
+    found = find_checkpoint(path, cfg.storage, best_else_latest=True)
+    theirs = TrainConfig.from_dict(found.meta["config"]).model
+    if theirs != cfg.model:
+        diff = ", ".join(f"{k}: {getattr(theirs, k)} vs {getattr(cfg.model, k)}"
+                         for k in vars(theirs) if getattr(theirs, k) != getattr(cfg.model, k))
+        raise UserError(f"checkpoint {found.source} is for another model shape ({diff})")
+    if found.meta["tokenizer"] != manifest["tokenizer"]:
+        raise UserError(f"checkpoint {found.source} used tokenizer {found.meta['tokenizer']} but "
+                        f"dataset {cfg.data} uses {manifest['tokenizer']}")
+    return str(found.path.resolve())

@@ -1,0 +1,33 @@
+"""A run's summary from its metrics rows, built in one place: by the driver as the run goes (and at
+its end), and by `runs`/`report` for a run whose driver never wrote summary.json."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any, Optional
+
+
+def _median(values: list) -> Optional[float]:
+    return statistics.median(values) if values else None
+
+
+def from_metrics(rows: list[dict]) -> dict[str, Any]:
+    """What the metrics rows (metrics.jsonl) tell about a run."""
+    last = rows[-1] if rows else {}
+    evals = [r for r in rows if r.get("val_loss") is not None]
+    # Steady state: drop the first interval (compilation, allocator and cache warm-up).
+    steady = rows[1:] if len(rows) > 2 else rows
+    return {
+        "steps": last.get("step", 0),
+        "tokens": last.get("tokens", 0),
+        "final_train_loss": last.get("loss"),
+        "final_val_loss": evals[-1]["val_loss"] if evals else None,
+        "val_perplexity": evals[-1]["val_ppl"] if evals else None,
+        "best_val_loss": min(r["val_loss"] for r in evals) if evals else None,
+        "tokens_per_second": _median([r["tokens_per_second"] for r in steady]),
+        "mfu": _median([r["mfu"] for r in steady if r.get("mfu") is not None]),
+        "data_wait_frac": _median([r["data_wait_frac"] for r in steady if "data_wait_frac" in r]),
+        "peak_mem_gb": max((r["peak_mem_gb"] for r in rows if "peak_mem_gb" in r), default=None),
+        "num_parameters": last.get("num_parameters"),
+        "resumed_from_step": last.get("resumed_from_step"),
+    }
