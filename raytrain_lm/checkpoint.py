@@ -1,11 +1,12 @@
 """Full training state in a Ray Checkpoint folder, written so a partial write never loads.
 
 Each rank writes into its own local folder and Ray merges them in the run's storage. Layout:
-    state.pt          rank 0: step, tokens, data position, scaler, config, tokenizer, metrics;
-                      with DDP also the model (unwrapped: no `module.`/`_orig_mod.` prefixes)
-                      and the optimizer
-    dcp/              FSDP only: model and optimizer shards, torch.distributed.checkpoint format
-                      (every rank writes its shard; loadable at any world size, or in one process)
+    state.pt          rank 0: step, tokens, data position, scaler, config, tokenizer, metrics
+    dcp/              model and optimizer, torch.distributed.checkpoint format, under the
+                      single-process model's parameter names whatever the layout (every rank
+                      writes its shards, a replicated tensor once): a checkpoint saved at one
+                      layout (ddp, fsdp, tp, pp, any worker count) loads at any other, or in one
+                      process (generate, export, --init-from)
     rng-rank{R}.pt    every RNG state of rank R
     rank{R}.json      rank R's commit record: sha256 of every file it wrote
     meta.json         rank 0's commit record, written last: step, world size, format, config
@@ -16,10 +17,11 @@ matches its checksum; the loader skips an invalid one for the one before it.
 
 from __future__ import annotations
 
+import io
 import json
 import pickle
 import random
-import tempfile
+import warnings
 from pathlib import Path
 from typing import Any, Optional
 
@@ -31,9 +33,21 @@ from raytrain_lm.files import DCP_DIR, META, STATE, rank_record, rng_file
 from raytrain_lm.storage import sha256_file
 
 
-# Version 2: a global data position (data/sampler.py), RNG states as tensors and plain data
-# (loadable with weights_only), the validation loss in meta.json.
-VERSION = 2
+# 2: a global data position (data/sampler.py), RNG states as tensors and plain data (loadable with
+#    weights_only), the validation loss in meta.json.
+# 3: the model's fused q/k/v in head-interleaved order (model.py); model and optimizer always in
+#    dcp/ (FQN-keyed, optimizer state flattened), so any layout loads any other.
+VERSION = 3
+
+
+# A single process (generate, export, the tests) saves and loads without a process group, as meant.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+
+
+def _options(**kwargs):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(flatten_optimizer_state_dict=True, **kwargs)
 
 
 def rng_state() -> dict[str, Any]:
@@ -72,32 +86,146 @@ def safe_load(path: Path, map_location: str | torch.device = "cpu") -> Any:
 # ---------------------------------------------------------------- saving
 
 
-def save_checkpoint(folder: Path, rank: int, model: torch.nn.Module, optimizer, sharded: bool,
-                    state: Optional[dict[str, Any]]) -> None:
-    """Called on every rank (a collective when `sharded`). Rank 0 passes the training `state`."""
+# ---------------------------------------------------------------- reading dcp/ safely
+# torch.distributed.checkpoint unpickles its .metadata with plain pickle and the non-tensor
+# values (optimizer settings) with torch.load(weights_only=False): a dcp/ folder from elsewhere
+# could run code when loaded. The reader and planners below accept only what our checkpoints hold.
+
+_DCP_GLOBALS = {("pathlib", "PosixPath"), ("torch", "Size"), ("torch.serialization", "_get_layout"),
+                ("torch.distributed.checkpoint.filesystem", "_StorageInfo")}
+_DCP_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        if (module, name) in _DCP_GLOBALS or module == _DCP_METADATA_MODULE or \
+                (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"Weights only load failed: {module}.{name} is not allowed")
+
+
+def _dcp_reader(folder: Path):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    class SafeReader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            path = self._get_metadata_path(kwargs.get("rank"))
+            with self.fs.create_stream(path, "rb") as f:
+                metadata = _MetadataUnpickler(f).load()
+            if getattr(metadata, "storage_meta", None) is None:
+                from torch.distributed.checkpoint.metadata import StorageMeta
+
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return SafeReader(str(folder / DCP_DIR))
+
+
+def _safe_planner(empty: bool = False):
+    """A load planner whose non-tensor values load with weights_only=True; `empty`: gather
+    everything into an empty dict (one process)."""
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
+
+    base = _EmptyStateDictLoadPlanner if empty else DefaultLoadPlanner
+
+    class SafePlanner(base):
+        def load_bytes(self, read_item, value):
+            loaded = torch.load(value, weights_only=True)
+            super().load_bytes(read_item, io.BytesIO(_reserialize(loaded)))
+
+    return SafePlanner()
+
+
+def _reserialize(obj) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _dcp_load(state: dict, folder: Path, empty: bool = False) -> dict:
+    """dcp.load through the safe reader and planner; a refused value is a UserError."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    try:
+        if empty:  # as dcp_to_torch_save does: the planner fills the dict it is given
+            _load_state_dict(state, storage_reader=_dcp_reader(folder), planner=_safe_planner(True),
+                             no_dist=True)
+        else:
+            dcp.load(state, storage_reader=_dcp_reader(folder), planner=_safe_planner())
+    except pickle.UnpicklingError:
+        raise UserError(f"refusing to load {folder / DCP_DIR}: it holds Python objects, not only "
+                        f"tensors and plain data (a raytrain-lm checkpoint never does)") from None
+    return state
+
+
+def _state_dicts(parallel) -> list[tuple[dict, dict]]:
+    """(model, optimizer) state dicts of each of this rank's parts, keyed by the single-process
+    model's names: pipeline stages keep "h.<layer>", TP and FSDP keep module paths."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    return [get_state_dict(part, opt, options=_options())
+            for part, opt in zip(parallel.parts, parallel.optimizers)]
+
+
+def save_checkpoint(folder: Path, rank: int, parallel, state: Optional[dict[str, Any]]) -> None:
+    """Called on every rank (a collective). Rank 0 passes the training `state`."""
+    import torch.distributed.checkpoint as dcp
+
     folder.mkdir(parents=True, exist_ok=True)
     torch.save(rng_state(), folder / rng_file(rank))
-    if sharded:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
-        msd, osd = get_state_dict(model, optimizer)
-        dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(folder / DCP_DIR))
+    model_sd, optim_sd = {}, {}
+    for msd, osd in _state_dicts(parallel):  # parts hold disjoint names but the tied embedding
+        model_sd.update(msd)
+        optim_sd.update(osd)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(folder / DCP_DIR))
     if rank == 0:
         assert state is not None
-        state = {**state, "format": "dcp" if sharded else "full"}
-        if not sharded:
-            state.update(model=model.state_dict(), optimizer=optimizer.state_dict())
+        state = {**state, "format": "dcp"}
         torch.save(state, folder / STATE)
     written = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != META)
     record = {str(p.relative_to(folder)): sha256_file(p) for p in written}
     (folder / rank_record(rank)).write_text(json.dumps(record, indent=1))
     if rank == 0:
         meta = {"version": VERSION, "step": state["step"], "world_size": state["world_size"],
-                "format": state["format"],
-                "val_loss": state.get("val_loss"), "config": state["config"],
-                "tokenizer": state["tokenizer"]}
+                "format": state["format"], "val_loss": state.get("val_loss"),
+                "config": state["config"], "tokenizer": state["tokenizer"]}
         (folder / META).write_text(json.dumps(meta, indent=2))
+
+
+def load_state(folder: Path, parallel, optimizer: bool = True) -> None:
+    """Load dcp/ into this rank's parts (and optimizers), whatever layout saved it."""
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
+    templates = _state_dicts(parallel)  # this layout's shards (initialises optimizer state)
+    sd: dict[str, dict] = {"model": {}, **({"optim": {}} if optimizer else {})}
+    for msd, osd in templates:
+        sd["model"].update(msd)
+        if optimizer:
+            sd["optim"].update(osd)
+    _dcp_load(sd, folder)
+    for (msd, osd), part, opt in zip(templates, parallel.parts, parallel.optimizers):
+        model_sd = {k: sd["model"][k] for k in msd}
+        if optimizer:
+            set_state_dict(part, opt, model_state_dict=model_sd,
+                           optim_state_dict={k: sd["optim"][k] for k in osd}, options=_options())
+        else:
+            set_model_state_dict(part, model_sd, options=_options())
+
+
+def load_weights(folder: Path, meta: dict[str, Any], parallel) -> None:
+    """The weights of a checkpoint into this rank's parts, for --init-from (fresh optimizer).
+    A checkpoint of an earlier format is gathered in each process first."""
+    if meta.get("version", 1) >= 3:
+        load_state(folder, parallel, optimizer=False)
+        return
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+    full = load_checkpoint(folder, meta=meta)["model"]
+    for part in parallel.parts:
+        set_model_state_dict(part, {k: v for k, v in full.items() if k in part.state_dict()},
+                             options=_options(full_state_dict=True))
 
 
 # ---------------------------------------------------------------- checking and loading
@@ -130,11 +258,7 @@ def read_meta(folder: Path) -> dict[str, Any]:
 
 def _full_state_from_dcp(folder: Path) -> dict[str, Any]:
     """Gather a sharded checkpoint into plain tensors in this one process."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    with tempfile.TemporaryDirectory() as tmp:
-        dcp_to_torch_save(str(folder / DCP_DIR), f"{tmp}/full.pt")
-        return safe_load(Path(tmp, "full.pt"))
+    return _dcp_load({}, folder, empty=True)
 
 
 def load_checkpoint(folder: Path, map_location: str | torch.device = "cpu",
@@ -146,18 +270,15 @@ def load_checkpoint(folder: Path, map_location: str | torch.device = "cpu",
     state = safe_load(folder / STATE, map_location)
     if meta.get("format") == "dcp":
         state["model"] = _full_state_from_dcp(folder)["model"]
+    model = state["model"]
+    model.setdefault("lm_head.weight", model["wte.weight"])  # tied: one copy may be all there is
+    if meta.get("version", 1) < 3:  # GPT-2's [q; k; v] order, from before model.py interleaved it
+        from raytrain_lm.model import qkv_gpt2_to_interleaved
+
+        n_head = state["config"]["model"]["n_head"]
+        for key in [k for k in model if k.endswith("attn.c_attn.weight") or k.endswith("attn.c_attn.bias")]:
+            model[key] = qkv_gpt2_to_interleaved(model[key], n_head)
     return state
-
-
-def load_sharded(folder: Path, model: torch.nn.Module, optimizer) -> None:
-    """Load a dcp/ checkpoint into an FSDP model and its optimizer (any world size)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-    msd, osd = get_state_dict(model, optimizer)
-    sd = {"model": msd, "optim": osd}
-    dcp.load(sd, checkpoint_id=str(folder / DCP_DIR))
-    set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
 
 
 def load_resume_state(folder: Path, meta: dict[str, Any],

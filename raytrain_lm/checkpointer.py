@@ -40,12 +40,9 @@ class Checkpointer:
         return latest_checkpoint(self.fs, self.run_path, say=say)
 
     def restore(self, found: FoundCheckpoint, state: dict, step_fn, stream) -> tuple[int, int]:
-        """Everything but full-format weights (loaded before parallelizing) and RNG states
-        (restored last: see restore_rng) from `found`; returns (step, tokens seen)."""
-        if state["format"] == "dcp":
-            ckpt_io.load_sharded(found.path, step_fn.raw, step_fn.optimizer)
-        else:
-            step_fn.optimizer.load_state_dict(state["optimizer"])
+        """Everything but the RNG states (restored last: see restore_rng) from `found`, at this
+        run's layout whatever the saving run's; returns (step, tokens seen)."""
+        ckpt_io.load_state(found.path, step_fn.parallel)
         if step_fn.scaler.is_enabled() and state["scaler"]:
             step_fn.scaler.load_state_dict(state["scaler"])  # else fp16 starts here: a fresh scale
         stream.load_state_dict(state["data"])
@@ -75,8 +72,7 @@ class Checkpointer:
                      "val_loss": row.get("val_loss"), "recent_metrics": list(self.recent),
                      "config": self.cfg.to_dict(), "tokenizer": self.tokenizer}
         with tempfile.TemporaryDirectory(prefix="raytrain-lm-ckpt-") as tmp:
-            ckpt_io.save_checkpoint(Path(tmp), self.rank, step_fn.raw, step_fn.optimizer,
-                                    sharded=step_fn.sharded, state=state)
+            ckpt_io.save_checkpoint(Path(tmp), self.rank, step_fn.parallel, state=state)
             ray.train.report(row, checkpoint=ray.train.Checkpoint.from_directory(tmp),
                              checkpoint_dir_name=checkpoint_name(step))
 
@@ -88,19 +84,12 @@ class Checkpointer:
                               "train_start_unix": train_start_unix, "resumed_rows": self.resent[:-1]})
 
 
-def restore_rng(rng: Optional[dict], seed: int, rank: int) -> None:
+def restore_rng(rng: Optional[dict], seed: int, stream: int) -> None:
     """This rank's saved RNG states. A fresh start, or a rank the saving run did not have (resumed
-    on more workers), gets a dropout stream of its own: seed + rank."""
+    on more workers), gets a dropout stream of its own: seed + `stream`, the rank's place among
+    the data-parallel ranks and pipeline stages (the tensor-parallel ranks of a group share a
+    stream: their replicated activations must draw the same dropout masks)."""
     if rng is not None:
         ckpt_io.set_rng_state(rng)
     else:
-        torch.manual_seed(seed + rank)
-
-
-def load_weights(model: torch.nn.Module, state: Optional[dict], init_from: Optional[str]) -> None:
-    """Full-format weights into the unwrapped model: a resumed run's own, else --init-from's."""
-    if state is not None:
-        if state["format"] == "full":
-            model.load_state_dict(state["model"])
-    elif init_from:  # weights only: fresh optimizer and schedule
-        model.load_state_dict(ckpt_io.load_checkpoint(Path(init_from))["model"])
+        torch.manual_seed(seed + stream)

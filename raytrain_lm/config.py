@@ -82,8 +82,18 @@ class TrainConfig:
     precision: str = setting("auto", help="fp32, bf16 or fp16 (with a gradient scaler); auto: bf16 "
                              "on GPU, fp32 on CPU.")
     compile: bool = setting(False, help="torch.compile the model.")
-    strategy: str = setting("ddp", help="ddp (a full replica per worker) or fsdp (FSDP2: shard "
-                            "parameters, gradients, optimizer state).")
+    strategy: str = setting("ddp", help="The data-parallel dimension: ddp (a full replica per "
+                            "data-parallel rank) or fsdp (FSDP2: shard parameters, gradients, "
+                            "optimizer state).")
+    tp: int = setting(1, help="Tensor-parallel degree: each layer's matrices split over this many "
+                      "workers (keep it within a node).")
+    pp: int = setting(1, help="Pipeline-parallel degree: the layers split into this many stages.")
+    microbatches: int = setting(0, help="Pipeline microbatches per step (--pp); they split "
+                                "--batch-size. 0: 2 x the stages.")
+    pp_schedule: str = setting("1f1b", help="Pipeline schedule: gpipe, 1f1b or interleaved-1f1b "
+                               "(two stages per worker).")
+    sequence_parallel: bool = setting(False, help="With --tp: shard LayerNorm and dropout "
+                                      "activations over the sequence too.")
     activation_checkpointing: str = setting("none", help="Recompute activations in backward: none, "
                                             "full or selective.")
     seed: int = setting(1337, help="Random seed.")
@@ -322,6 +332,64 @@ def check_name(name: Optional[str]) -> None:
         raise UserError(f"--name {name!r} is not a valid name: use {NAME_RULE}")
 
 
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+
+
+def pipeline_stages(cfg: TrainConfig) -> int:
+    """Pipeline stages in all: two per worker for the interleaved schedule."""
+    return cfg.pp * (2 if cfg.pp_schedule == "interleaved-1f1b" else 1)
+
+
+def pipeline_microbatches(cfg: TrainConfig) -> int:
+    return cfg.microbatches or 2 * pipeline_stages(cfg)
+
+
+def check_layout(cfg: TrainConfig) -> None:
+    """What a (dp, pp, tp) layout needs, checked before any worker starts; one line each."""
+    m = cfg.model
+    if cfg.tp < 1 or cfg.pp < 1:
+        raise UserError(f"--tp and --pp must be at least 1, got {cfg.tp} and {cfg.pp}")
+    if cfg.workers % (cfg.tp * cfg.pp):
+        raise UserError(f"--workers {cfg.workers} must be a multiple of --tp x --pp = "
+                        f"{cfg.tp * cfg.pp}: the data-parallel size is workers / (tp x pp)")
+    if m.n_head % cfg.tp:
+        raise UserError(f"model.n_head ({m.n_head}) must be divisible by --tp {cfg.tp}: each "
+                        f"tensor-parallel rank holds whole attention heads")
+    if m.block_size % cfg.tp:
+        raise UserError(f"model.block_size ({m.block_size}) must be divisible by --tp {cfg.tp}")
+    if cfg.sequence_parallel and cfg.tp == 1:
+        raise UserError("--sequence-parallel needs --tp 2 or more")
+    if cfg.sequence_parallel and cfg.seq_len % cfg.tp:
+        raise UserError(f"--seq-len {cfg.seq_len} must be divisible by --tp {cfg.tp} with "
+                        f"--sequence-parallel")
+    if cfg.compile and (cfg.tp > 1 or cfg.pp > 1):
+        raise UserError("--compile works with --tp 1 --pp 1 (ddp or fsdp) for now")
+    if cfg.pp_schedule not in PP_SCHEDULES:
+        raise UserError(f"--pp-schedule must be one of {', '.join(PP_SCHEDULES)}, got {cfg.pp_schedule!r}")
+    if cfg.microbatches < 0:
+        raise UserError(f"--microbatches must be >= 0 (0: twice the stages), got {cfg.microbatches}")
+    if cfg.pp == 1:
+        return
+    stages, micro = pipeline_stages(cfg), pipeline_microbatches(cfg)
+    if m.n_layer < stages:
+        raise UserError(f"model.n_layer ({m.n_layer}) is fewer than the {stages} pipeline stages "
+                        f"of --pp {cfg.pp} --pp-schedule {cfg.pp_schedule}")
+    if micro < cfg.pp:
+        raise UserError(f"--microbatches {micro} is fewer than the {cfg.pp} pipeline stages: the "
+                        f"pipeline would never fill")
+    if cfg.pp_schedule == "interleaved-1f1b" and micro % cfg.pp:
+        raise UserError(f"interleaved-1f1b needs --microbatches ({micro}) to be a multiple of "
+                        f"--pp ({cfg.pp})")
+    if cfg.batch_size % micro:
+        raise UserError(f"--batch-size {cfg.batch_size} must be divisible by --microbatches "
+                        f"{micro}: each microbatch is batch-size / microbatches sequences")
+    if cfg.grad_accum != 1:
+        raise UserError("with --pp, the pipeline's --microbatches accumulate gradients: use them "
+                        "instead of --grad-accum")
+    if cfg.precision == "fp16":
+        raise UserError("--precision fp16 (a gradient scaler) is not supported with --pp; use bf16")
+
+
 def validate(cfg: TrainConfig) -> None:
     """Checks that need no cluster and no dataset."""
     check_name(cfg.name)
@@ -358,6 +426,7 @@ def validate(cfg: TrainConfig) -> None:
                         f"(model.block_size={m.block_size}); lower it or --set model.block_size=...")
     if cfg.precision not in ("auto", "fp32", "bf16", "fp16"):
         raise UserError(f"precision must be auto, fp32, bf16 or fp16, got {cfg.precision!r}")
+    check_layout(cfg)
     if cfg.strategy not in ("ddp", "fsdp"):
         raise UserError(f"--strategy must be ddp or fsdp, got {cfg.strategy!r}")
     if cfg.activation_checkpointing not in ("none", "full", "selective"):

@@ -56,8 +56,7 @@ def export_checkpoint(folder: Path, out: Path, source: str, force: bool = False,
     state = load_checkpoint(folder, meta=meta)
     # The ties come from the model, not from how a checkpoint stored its tensors: a sharded (FSDP)
     # checkpoint gathers the tied embedding and output weights as two separate copies.
-    model = GPT(TrainConfig.from_dict(state["config"]).model)
-    model.load_state_dict(state["model"])
+    model = GPT.from_state_dict(TrainConfig.from_dict(state["config"]).model, state["model"])
     weights, tied = _untie(model.state_dict())
     config = {
         "format": FORMAT,

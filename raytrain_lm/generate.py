@@ -32,8 +32,7 @@ def load_model(folder: Path, device: torch.device, meta: Optional[dict] = None):
     load_checkpoint."""
     state = load_checkpoint(folder, map_location="cpu", meta=meta)
     cfg = TrainConfig.from_dict(state["config"])
-    model = GPT(cfg.model)
-    model.load_state_dict(state["model"])
+    model = GPT.from_state_dict(cfg.model, state["model"])
     return model.to(device).eval(), tokenizer_from_spec(state["tokenizer"]), cfg
 
 

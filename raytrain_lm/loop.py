@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+from pathlib import Path
 from typing import Any, Optional
 
 import ray.train
@@ -16,16 +17,18 @@ import ray.train.torch
 import torch
 
 from raytrain_lm import checkpoint as ckpt_io
-from raytrain_lm.checkpointer import Checkpointer, load_weights, restore_rng
+from raytrain_lm.checkpointer import Checkpointer, restore_rng
 from raytrain_lm.config import TrainConfig
 from raytrain_lm.data.loaders import Validation, train_stream
 from raytrain_lm.data.manifest import load_manifest
 from raytrain_lm.data.resolve import resolve_dataset
 from raytrain_lm.metrics import Meter, gpu_peak_tflops, peak_memory_gb
-from raytrain_lm.model import GPT, flops_per_token
+from raytrain_lm.model import flops_per_token
 from raytrain_lm.optim import lr_at
 from raytrain_lm.preflight import check_device_memory
 from raytrain_lm.parallel.fsdp import to_float
+from raytrain_lm.parallel.mesh import rank_coords
+from raytrain_lm.plan import param_counts
 from raytrain_lm.step import TrainStep
 
 
@@ -40,24 +43,30 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     checkpointer = Checkpointer(cfg, rank, world, load_manifest(cfg.data)["tokenizer"])
     found = checkpointer.find_latest()  # this run's newest valid checkpoint, or None
     state, rng = ckpt_io.load_resume_state(found.path, found.meta, rank) if found else (None, None)
+    coords = rank_coords(rank, world, cfg.tp, cfg.pp)
 
-    # --- the model, built alike on every rank (DDP also broadcasts rank 0's), then parallelized
-    torch.manual_seed(cfg.seed)
+    # --- the model as this rank holds it (built sharded where the layout shards it), then its
+    # state: a resumed run's own, else --init-from's weights, else the initial values
     baseline_mem = peak_memory_gb(device)
-    model = GPT(cfg.model)
-    load_weights(model, state, loop_config.get("init_from"))
-    n_params = model.num_params()
-    fpt = flops_per_token(cfg.model, model.num_params(exclude_position=True), cfg.seq_len)
-    step_fn = TrainStep(model, cfg, device)
-    batches, validation = train_stream(cfg, rank, world), Validation(cfg, rank, world)
+    step_fn = TrainStep(cfg, device)
+    batches = train_stream(cfg, coords.dp, step_fn.parallel.dp)  # tp and pp peers: the same rows
+    validation = Validation(cfg, coords.dp, step_fn.parallel.dp)
+    if found is not None:
+        step, tokens = checkpointer.restore(found, state, step_fn, batches)
+    else:
+        step, tokens = 0, 0
+        if loop_config.get("init_from"):
+            init_from = Path(loop_config["init_from"])
+            ckpt_io.load_weights(init_from, ckpt_io.read_meta(init_from), step_fn.parallel)
+    restore_rng(rng, cfg.seed, rank // cfg.tp)  # the saved RNG states, else a dropout stream per rank
 
-    step, tokens = checkpointer.restore(found, state, step_fn, batches) if found else (0, 0)
-    restore_rng(rng, cfg.seed, rank)  # the saved RNG states, else a dropout stream per rank
-
+    n_params = param_counts(cfg.model)["total"]
+    fpt = flops_per_token(cfg.model, n_params - cfg.model.block_size * cfg.model.n_embd, cfg.seq_len)
     cadence = Cadence(cfg)
-    step_tokens = cfg.batch_size * cfg.seq_len * cfg.grad_accum * world
-    meter = Meter(device, world, fpt, gpu_peak_tflops(device, cfg.peak_tflops), n_params, baseline_mem)
-    step_fn.model.train()
+    step_tokens = cfg.batch_size * cfg.seq_len * cfg.grad_accum * step_fn.parallel.dp
+    meter = Meter(device, world, fpt, gpu_peak_tflops(device, cfg.peak_tflops), n_params, baseline_mem,
+                  loss_ranks=step_fn.parallel.dp)
+    step_fn.parallel.train()
     while step < cfg.max_steps:
         lr = lr_at(step, cfg)
         loss, grad_norm, waited = step_fn(batches, lr)
@@ -66,13 +75,13 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         fault_drill(loop_config.get("fail_at"), step, rank, loop_config["run_name"])
         if not cadence.reports(step):
             continue
-        row = meter.row(step, lr, to_float(grad_norm), step_fn.raw, step_fn.optimizer)
+        row = meter.row(step, lr, to_float(grad_norm), step_fn.parallel)
         row.update(tokens=tokens, epoch=batches.epoch)
         if cadence.validates(step):
             val = step_fn.evaluate(validation)
             row.update(val_loss=val, val_ppl=math.exp(min(val, 50.0)))
-        if cadence.checkpoints(step) and not step_fn.sharded:
-            row["replica_spread"] = meter.replica_spread(step_fn.raw)  # 0.0: the replicas agree
+        if cadence.checkpoints(step) and step_fn.parallel.replicated:
+            row["replica_spread"] = meter.replica_spread(step_fn.parallel.parts[0])  # 0.0: they agree
         checkpointer.report(row, save=cadence.checkpoints(step), step_fn=step_fn, stream=batches)
         meter.next_interval(exclude_since_row=cadence.validates(step))
     checkpointer.report_final_rows(meter.start_unix)

@@ -73,8 +73,11 @@ class Meter:
     into one metrics row at report time: a few small all-reduces make it global on every rank."""
 
     def __init__(self, device: torch.device, world: int, flops_per_token: float,
-                 peak_tflops: Optional[float], num_parameters: int, baseline_mem: float):
-        self.device, self.world = device, world
+                 peak_tflops: Optional[float], num_parameters: int, baseline_mem: float,
+                 loss_ranks: Optional[int] = None):
+        """`loss_ranks`: how many ranks report a loss (one per data-parallel group; the others
+        add 0), so the sum over all ranks divided by it is the global mean."""
+        self.device, self.world, self.loss_ranks = device, world, loss_ranks or world
         self.fpt, self.peak, self.num_parameters = flops_per_token, peak_tflops, num_parameters
         self.baseline_mem = baseline_mem  # peak memory before the model existed
         self.timer = StepTimer(device)
@@ -88,14 +91,15 @@ class Meter:
         self.timer.tokens += tokens
         self.timer.data_wait += data_wait
 
-    def row(self, step: int, lr: float, grad_norm: float, model: torch.nn.Module, optimizer) -> dict:
-        from raytrain_lm.parallel.fsdp import local_param_fraction, model_state_bytes
+    def row(self, step: int, lr: float, grad_norm: float, parallel) -> dict:
+        from raytrain_lm.parallel.fsdp import held_bytes, param_fraction
         from raytrain_lm.parallel.mesh import all_reduce
 
         elapsed = self.timer.elapsed()
-        losses = all_reduce(torch.stack(self.losses).double()) / self.world
+        losses = all_reduce(torch.stack(self.losses).double()) / self.loss_ranks
         wait = all_reduce(torch.tensor([self.timer.data_wait], dtype=torch.float64, device=self.device))
-        mem = all_reduce(torch.tensor([peak_memory_gb(self.device), model_state_bytes(model, optimizer) / 1e9],
+        mem = all_reduce(torch.tensor([peak_memory_gb(self.device),
+                                       held_bytes(parallel.parts, parallel.optimizers) / 1e9],
                                       dtype=torch.float64, device=self.device), op="max")
         tps = self.timer.tokens / elapsed
         row = {
@@ -111,7 +115,7 @@ class Meter:
             "peak_mem_gb": mem[0].item(),
             "model_state_gb": mem[1].item(),  # params + grads + optimizer states, max over ranks
             "mem_above_baseline_gb": mem[0].item() - self.baseline_mem,
-            "param_fraction": local_param_fraction(model),  # of all parameters, on rank 0
+            "param_fraction": param_fraction(parallel.parts, self.num_parameters),  # on rank 0
             "elapsed": time.perf_counter() - self.start,
             "train_start_unix": self.start_unix,
             "num_parameters": self.num_parameters,

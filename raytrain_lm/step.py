@@ -1,25 +1,16 @@
-"""One optimizer step of the parallelized model, and a validation pass: what the loop calls.
-
-The step accumulates gradients over `grad_accum` micro-batches (without the all-reduce on all
-but the last), runs under autocast (bf16 on GPU; fp16 with a gradient scaler), clips the global
-gradient norm, and applies AdamW at the learning rate the schedule gives it.
-"""
+"""One optimizer step of the model as this rank holds it, and a validation pass: what the loop
+calls. The layout (ddp, fsdp, tp, pp) is the business of `parallel.Parallelized`; here: the
+learning rate, mixed precision (bf16 autocast on GPU; fp16 with a gradient scaler), the step."""
 
 from __future__ import annotations
 
-import time
 from contextlib import nullcontext
 from typing import Optional
 
 import torch
 
 from raytrain_lm.config import TrainConfig
-from raytrain_lm.model import GPT
-from raytrain_lm.optim import build_optimizer
-from raytrain_lm.parallel import parallelize
-from raytrain_lm.parallel.ddp import no_sync
-from raytrain_lm.parallel.fsdp import is_sharded
-from raytrain_lm.parallel.mesh import all_reduce
+from raytrain_lm.parallel import Parallelized
 
 
 def autocast_dtype(cfg: TrainConfig, device: torch.device) -> Optional[torch.dtype]:
@@ -30,52 +21,22 @@ def autocast_dtype(cfg: TrainConfig, device: torch.device) -> Optional[torch.dty
 
 
 class TrainStep:
-    def __init__(self, model: GPT, cfg: TrainConfig, device: torch.device):
+    def __init__(self, cfg: TrainConfig, device: torch.device):
         self.cfg, self.device = cfg, device
-        self.raw = model  # unwrapped: its state_dict has clean keys (FSDP shards it in place)
-        self.model = parallelize(model, cfg, device)
-        self.optimizer = build_optimizer(model, cfg, device)
+        self.parallel = Parallelized(cfg, device)
         dtype = autocast_dtype(cfg, device)
         self.autocast = torch.autocast(device.type, dtype=dtype) if dtype else nullcontext()
         self.scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
 
-    @property
-    def sharded(self) -> bool:
-        return is_sharded(self.raw)
-
     def __call__(self, batches, lr: float) -> tuple[torch.Tensor, torch.Tensor, float]:
-        """(this rank's loss of the step, the gradient norm before clipping, seconds spent
-        waiting for batches)."""
+        """(the step's loss of this rank's data-parallel group, 0 on ranks that do not report it;
+        the gradient norm before clipping; seconds spent waiting for batches)."""
         # Gradients are freed here rather than after the step, so a report sees them as held.
-        self.optimizer.zero_grad(set_to_none=True)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        accum, waited, step_loss = self.cfg.grad_accum, 0.0, None
-        for micro in range(accum):
-            t0 = time.perf_counter()
-            x, y = batches.next()
-            waited += time.perf_counter() - t0
-            with no_sync(self.model, sync=micro == accum - 1), self.autocast:
-                _, loss = self.model(x, y)
-                self.scaler.scale(loss / accum).backward()
-            micro_loss = loss.detach() / accum
-            step_loss = micro_loss if step_loss is None else step_loss + micro_loss
-        self.scaler.unscale_(self.optimizer)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.raw.parameters(), self.cfg.grad_clip)
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
-        return step_loss, grad_norm, waited
+        self.parallel.zero_grad()
+        self.parallel.set_lr(lr)
+        loss, waited = self.parallel.forward_backward(batches, self.autocast, self.scaler)
+        grad_norm = self.parallel.clip_and_step(self.scaler)
+        return loss, grad_norm, waited
 
-    @torch.no_grad()
     def evaluate(self, validation) -> float:
-        """Mean loss over the validation windows, all ranks together."""
-        self.model.eval()
-        total = torch.zeros(2, dtype=torch.float64, device=self.device)  # (loss x windows, windows)
-        for (x, y), windows in validation:
-            with self.autocast:
-                _, loss = self.model(x, y)
-            total += torch.stack([loss.detach().double() * windows,
-                                  torch.tensor(float(windows), dtype=torch.float64, device=self.device)])
-        self.model.train()
-        all_reduce(total)
-        return (total[0] / total[1]).item()
+        return self.parallel.evaluate(validation, self.autocast)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import torch
 
@@ -24,7 +25,7 @@ def write_checkpoint(folder):
     state = {"scaler": {}, "step": 3, "tokens": 96, "data": {"epoch": 0, "consumed": 48},
              "world_size": 1, "val_loss": 4.0, "recent_metrics": [], "config": cfg.to_dict(),
              "tokenizer": {"type": "byte", "vocab_size": 256}}
-    save_checkpoint(folder, 0, model, opt, sharded=False, state=state)
+    save_checkpoint(folder, 0, SimpleNamespace(parts=[model], optimizers=[opt]), state=state)
     return model
 
 

@@ -31,16 +31,21 @@ def train_stream(cfg: TrainConfig, dp_rank: int, dp_size: int) -> BatchStream:
 
 class Validation:
     """The validation set: the first `eval_windows` windows of the split (all if 0), the same
-    windows whatever the number of workers, shared out among the data-parallel ranks."""
+    windows whatever the number of workers, shared out among the data-parallel ranks. Batches
+    are full size; the padding windows' targets are IGNORE (cross-entropy skips them)."""
+
+    IGNORE = -100  # F.cross_entropy's ignore_index
 
     def __init__(self, cfg: TrainConfig, dp_rank: int, dp_size: int):
         self.cfg = cfg
         self.dataset = TokenWindows(cfg.data, "val", cfg.seq_len)
         self.num_windows = min(len(self.dataset), cfg.eval_windows or len(self.dataset))
         batches = eval_batches(self.num_windows, cfg.batch_size, dp_rank, dp_size)
-        self.weights = [w for _, w in batches]
+        self.real = [n for _, n in batches]
         self.indices = [idx for idx, _ in batches]
 
     def __iter__(self):
-        """((inputs, targets), number of windows the batch counts for)."""
-        return zip(_loader(self.cfg, self.dataset, self.indices), self.weights)
+        """(inputs, targets) of this rank's batches."""
+        for (x, y), real in zip(_loader(self.cfg, self.dataset, self.indices), self.real):
+            y[real:] = self.IGNORE
+            yield x, y

@@ -104,11 +104,13 @@ class BatchStream:
 def eval_batches(num_windows: int, micro_batch: int, dp_rank: int,
                  dp_size: int) -> list[tuple[list[int], int]]:
     """This rank's batches of the validation windows 0..num_windows-1 (window i belongs to rank
-    i % dp_size), each with the number of windows it counts for. Every rank gets the same number
-    of batches, so collectives (FSDP's gathers) stay in step: a rank that runs out of windows
-    evaluates window 0 with weight 0."""
+    i % dp_size), each `micro_batch` windows long with the number of real windows it starts with.
+    Every rank gets the same number of batches of the same size, so collectives (FSDP's gathers,
+    a pipeline's microbatches) stay in step: the rest of a batch is window 0 again, to be ignored."""
     mine = list(range(dp_rank, num_windows, dp_size))
-    batches = [(mine[i:i + micro_batch], len(mine[i:i + micro_batch]))
-               for i in range(0, len(mine), micro_batch)]
     most = -(-(-(-num_windows // dp_size)) // micro_batch)  # ceil(ceil(n / dp) / micro)
-    return batches + [([0], 0)] * (most - len(batches))
+    batches = []
+    for i in range(most):
+        real = mine[i * micro_batch:(i + 1) * micro_batch]
+        batches.append((real + [0] * (micro_batch - len(real)), len(real)))
+    return batches

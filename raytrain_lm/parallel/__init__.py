@@ -1,27 +1,216 @@
 """Everything that makes the model distributed or memory-lean, applied from outside `model.py`
-(which imports nothing from torch.distributed), in one order: activation checkpointing, then
-torch.compile, then the data-parallel wrapper (DDP through Ray Train, or FSDP2).
+(which imports nothing from torch.distributed).
 
-    mesh.py   process group and device mesh; all-reduce of metrics
+Two ways to build, one interface (`Parallelized`):
+- replicated (DDP, no --tp/--pp): the whole model on every worker, wrapped by Ray Train's
+  `prepare_model` (parallel/ddp.py): activation checkpointing, then compile, then DDP.
+- sharded (--strategy fsdp, --tp, --pp): built on the meta device, split into pipeline stages
+  (pp.py), tensor-parallelized (tp.py), sharded or replicated over dp (fsdp.py), and only then
+  materialised: each rank allocates its own shards and fills them with the layout-independent
+  initial values (init.py), so no rank ever holds the whole model and every layout starts from
+  the weights a single process would build with the same seed.
+
+    mesh.py   the (pp, dp, tp) device mesh and how ranks map to it
     ac.py     activation checkpointing (full or selective)
-    ddp.py    DDP replica through ray.train.torch.prepare_model; no_sync for accumulation
-    fsdp.py   FSDP2 sharding; what a rank holds
+    ddp.py    DDP through ray.train.torch.prepare_model; no_sync for accumulation
+    fsdp.py   FSDP2 or FSDP2's replicate on the dp dim; what a rank holds
+    tp.py     tensor (and sequence) parallelism with DTensor; loss without gathering logits
+    pp.py     pipeline stages, schedules, the tied embedding across first and last stage
+    init.py   meta -> local shards -> initial values
+    grad.py   gradients in their parameters' layouts; the global gradient norm
+    comm.py   bytes per mesh dim per step; the pipeline's bubble
 """
 
 from __future__ import annotations
 
-import torch
+import contextlib
 
-from raytrain_lm.config import TrainConfig
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from raytrain_lm.config import TrainConfig, pipeline_microbatches, pipeline_stages
+from raytrain_lm.model import GPT
+from raytrain_lm.optim import build_optimizer
 from raytrain_lm.parallel import ddp, fsdp
 from raytrain_lm.parallel.ac import apply_activation_checkpointing
-from raytrain_lm.parallel.mesh import is_distributed
+from raytrain_lm.parallel.mesh import Coords, all_reduce, build_mesh, is_distributed, rank_coords
 
 
-def parallelize(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) -> torch.nn.Module:
-    """Returns the module to call for training. `model` itself stays the unwrapped module whose
-    state_dict has clean keys (with FSDP it is sharded in place)."""
-    apply_activation_checkpointing(model, cfg.activation_checkpointing)
-    if cfg.strategy == "fsdp" and is_distributed():
-        return fsdp.shard(model, cfg, device)
-    return ddp.replicate(model, cfg.compile)
+class Parallelized:
+    """The model as this rank holds it: its parts (one, or its pipeline stages), the modules to
+    call, one optimizer per part, and how a step, a clip and a validation run on this layout."""
+
+    def __init__(self, cfg: TrainConfig, device: torch.device):
+        self.cfg, self.device = cfg, device
+        world = dist.get_world_size() if is_distributed() else 1
+        rank = dist.get_rank() if is_distributed() else 0
+        self.coords: Coords = rank_coords(rank, world, cfg.tp, cfg.pp)
+        self.dp = world // (cfg.tp * cfg.pp)
+        self.replicated = cfg.tp == cfg.pp == 1 and (cfg.strategy == "ddp" or world == 1)
+        self.mesh = None if self.replicated else build_mesh(device, cfg.tp, cfg.pp)
+        self.schedule = self.tied_group = self.pp_group = None
+        self.norm_exclude: set[int] = set()
+        if self.replicated:
+            model = GPT(cfg.model, seed=cfg.seed)
+            apply_activation_checkpointing(model, cfg.activation_checkpointing)
+            self.parts, self.modules = [model], [ddp.replicate(model, cfg.compile)]
+        else:
+            self.parts = self._build_sharded()
+            self.modules = self.parts
+        self.optimizers = [build_optimizer(part, cfg, device) for part in self.parts]
+        if cfg.pp > 1:
+            self._build_pipeline()
+        # The ranks whose loss is their dp group's (tp ranks hold copies; with pp, the last stage).
+        self.reports_loss = self.coords.tp == 0 and self.coords.pp == cfg.pp - 1
+
+    # ---------------------------------------------------------------- building
+
+    def _build_sharded(self) -> list[nn.Module]:
+        from raytrain_lm.parallel import pp, tp
+        from raytrain_lm.parallel.init import materialize_
+
+        cfg = self.cfg
+        if cfg.pp > 1:
+            per_rank = pipeline_stages(cfg) // cfg.pp
+            self.stages = pp.build_stage_modules(cfg.model, self.coords.pp, cfg.pp, per_rank)
+        else:
+            with torch.device("meta"):
+                self.stages = [(0, GPT(cfg.model))]
+        for _, part in self.stages:
+            apply_activation_checkpointing(part, cfg.activation_checkpointing)
+            if cfg.tp > 1:
+                tp.apply_tp(part, self.mesh["tp"], sequence_parallel=cfg.sequence_parallel,
+                            local_logits=cfg.pp > 1)
+            fsdp.apply_dp(part, self.mesh["dp"], cfg, self.device, pipelined=cfg.pp > 1)
+            materialize_(part, cfg.model, cfg.seed, self.device)
+        return [part for _, part in self.stages]
+
+    def _build_pipeline(self) -> None:
+        from raytrain_lm.parallel import pp
+
+        cfg = self.cfg
+        tp_mesh = self.mesh["tp"] if cfg.tp > 1 else None
+        self.loss_fn = pp.PipelineLoss(tp_mesh)
+        self.schedule = pp.build_schedule(cfg.pp_schedule, self.stages, pipeline_stages(cfg),
+                                          pipeline_microbatches(cfg), self.mesh["pp"],
+                                          self.loss_fn, self.device)
+        self.has_first = any(m.is_first for m in self.parts)
+        self.has_last = any(m.is_last for m in self.parts)
+        self.pp_group = self.mesh["pp"].get_group()
+        self.tied_group = pp.tied_group(self.mesh)
+        self.norm_exclude = pp.duplicate_tied_params(self.parts)
+
+    # ---------------------------------------------------------------- a step
+
+    def params(self) -> list[nn.Parameter]:
+        return list({id(p): p for part in self.parts for p in part.parameters()}.values())
+
+    def _loss_ctx(self):
+        """Under tensor parallelism the logits stay sharded over the vocabulary and the loss is
+        computed on the shards (forward and backward inside loss_parallel)."""
+        if self.cfg.tp > 1:
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            return loss_parallel()
+        return contextlib.nullcontext()
+
+    def forward_backward(self, batches, autocast, scaler) -> tuple[torch.Tensor, float]:
+        """Gradients of one step's mean loss over the whole global batch; returns (the loss of
+        this rank's dp group, or 0 on ranks that do not report it; seconds waiting for data)."""
+        import time
+
+        accum, waited, total = self.cfg.grad_accum, 0.0, None
+        for micro in range(accum):
+            t0 = time.perf_counter()
+            x, y = batches.next()
+            waited += time.perf_counter() - t0
+            if self.schedule is not None:
+                loss = self._pipeline_step(x, y, autocast)
+            else:
+                with ddp.no_sync(self.modules[0], sync=micro == accum - 1), autocast, self._loss_ctx():
+                    _, loss = self.modules[0](x, y)
+                    scaler.scale(loss / accum).backward()
+                loss = _local(loss.detach()) / accum
+            total = loss if total is None else total + loss
+        return (total if self.reports_loss else torch.zeros_like(total)), waited
+
+    def _pipeline_step(self, x, y, autocast) -> torch.Tensor:
+        """One schedule step: the first stage takes the inputs, the last the targets; the
+        microbatch losses come back on the last stage."""
+        losses: list[torch.Tensor] = []
+        with autocast, self._loss_ctx():
+            self.schedule.step(*((x,) if self.has_first else ()),
+                               target=y if self.has_last else None, losses=losses)
+        if not self.has_last:
+            return torch.zeros((), device=self.device)
+        return torch.stack([_local(l.detach()) for l in losses]).mean()
+
+    def clip_and_step(self, scaler) -> torch.Tensor:
+        """Global gradient-norm clipping, then every optimizer; returns the norm before clipping."""
+        from raytrain_lm.parallel import grad, pp
+
+        if not self.replicated:
+            grad.align_grads_(self.params())
+            pp.sync_tied_grads(self.parts, self.tied_group)
+        for optimizer in self.optimizers:
+            scaler.unscale_(optimizer)
+        if self.replicated:
+            norm = torch.nn.utils.clip_grad_norm_(self.parts[0].parameters(), self.cfg.grad_clip)
+        else:
+            norm = torch.tensor(grad.clip_grad_norm_(self.params(), self.cfg.grad_clip,
+                                                     self.pp_group, self.norm_exclude))
+        for optimizer in self.optimizers:
+            scaler.step(optimizer)
+        scaler.update()
+        return norm
+
+    def zero_grad(self) -> None:
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=True)
+
+    def set_lr(self, lr: float) -> None:
+        for optimizer in self.optimizers:
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+
+    def train(self, mode: bool = True) -> None:
+        for module in self.modules:
+            module.train(mode)
+
+    # ---------------------------------------------------------------- validation
+
+    @torch.no_grad()
+    def evaluate(self, validation, autocast) -> float:
+        """Mean token loss over the validation windows, all ranks together. Padding windows
+        (a rank with fewer windows runs full batches all the same) carry ignored targets."""
+        self.train(False)
+        total = torch.zeros(2, dtype=torch.float64, device=self.device)  # (loss sum, tokens)
+        for x, y in validation:
+            tokens = int((y != validation.IGNORE).sum())
+            if self.schedule is not None:
+                loss_sum = self._pipeline_eval(x, y, autocast)
+            else:
+                with autocast, self._loss_ctx():
+                    _, loss = self.modules[0](x, y)
+                loss_sum = _local(loss).double() * tokens if tokens else torch.zeros((), dtype=torch.float64)
+            if self.reports_loss:
+                total += torch.stack([loss_sum.to(total), torch.tensor(float(tokens), dtype=torch.float64,
+                                                                     device=self.device)])
+        self.train(True)
+        all_reduce(total)
+        return (total[0] / total[1]).item()
+
+    def _pipeline_eval(self, x, y, autocast) -> torch.Tensor:
+        losses: list[torch.Tensor] = []
+        with autocast, self._loss_ctx(), self.loss_fn.summing():
+            self.schedule.eval(*((x,) if self.has_first else ()),
+                               target=y if self.has_last else None, losses=losses)
+        if not self.has_last:
+            return torch.zeros((), dtype=torch.float64, device=self.device)
+        return torch.stack([_local(l).double() for l in losses]).sum()
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A loss that may be a DTensor (replicated over tp) as a plain tensor."""
+    return t.to_local() if hasattr(t, "to_local") else t

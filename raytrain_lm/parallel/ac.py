@@ -32,7 +32,7 @@ def apply_activation_checkpointing(model: torch.nn.Module, mode: str) -> None:
         return
     context_fn = (functools.partial(create_selective_checkpoint_contexts, _selective_policy)
                   if mode == "selective" else None)
-    for block in model.h:
+    for block in (model.h.values() if isinstance(model.h, torch.nn.ModuleDict) else model.h):
         inner = block.forward
 
         def forward(*args, _inner=inner, **kwargs):

@@ -1,37 +1,57 @@
-"""FSDP2: parameters, gradients and optimizer states sharded across the data-parallel workers, and
-what a rank can say about its shards."""
+"""The data-parallel dimension of a sharded layout (FSDP2, or DDP as FSDP2's replicate), and what a
+rank can say about the shards it holds."""
 
 from __future__ import annotations
 
+import warnings
+
 import torch
+import torch.nn as nn
 
 from raytrain_lm.config import TrainConfig
-from raytrain_lm.parallel.mesh import world_mesh
+
+# A Block returns (x, (k, v)) and k, v are views; FSDP2 warns about in-place ops on returned
+# views. Nothing writes into them (they are only the KV cache), so the warning is noise.
+warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
 
 
-def shard(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) -> torch.nn.Module:
-    """FSDP2 in place: each block, then the root (embeddings, final norm, tied head)."""
+def apply_dp(part: nn.Module, dp_mesh, cfg: TrainConfig, device: torch.device,
+             pipelined: bool) -> nn.Module:
+    """Shard (fsdp) or replicate (ddp) a model part over the "dp" mesh dim, in place, before its
+    parameters are materialised. Both compose with tensor parallelism (the parameters are
+    already DTensors on the tp dim) and with pipeline stages:
+      fsdp: FSDP2 `fully_shard`, one group per block, then the part's root (embeddings, final
+            norm and the tied head share one group: a shared parameter lives in one group);
+      ddp:  the FSDP2-based `replicate` (unlike nn.parallel.DistributedDataParallel it takes
+            DTensor parameters, and a pipeline stage knows to all-reduce its gradients after the
+            last microbatch only). Plain DDP without tp or pp goes through Ray (parallel/ddp.py).
+    Both average the gradients over dp, so dp-sharded batches give the whole batch's gradient."""
+    if dp_mesh.size() == 1:
+        return part
+    if cfg.strategy == "ddp":
+        from torch.distributed._composable.replicate_with_fsdp import replicate
+
+        replicate(part, mesh=dp_mesh)
+        return part
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    model.to(device)
-    if cfg.compile:
-        for block in model.h:
-            block.compile()  # per block, as torchtitan does: FSDP's hooks stay outside graphs
-    kwargs = {"mesh": world_mesh(device)}
-    if device.type == "cuda" and cfg.precision in ("auto", "bf16"):
+    kwargs = {"mesh": dp_mesh, "reshard_after_forward": not pipelined}  # (each microbatch would
+    if device.type == "cuda" and cfg.precision in ("auto", "bf16"):      # re-gather otherwise)
         # Gather parameters and compute in bf16; reduce gradients in fp32 for accuracy.
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
                                                    reduce_dtype=torch.float32)
-    for block in model.h:
+    if cfg.compile:
+        for block in blocks(part):
+            block.compile()  # per block, as torchtitan does: FSDP's hooks stay outside graphs
+    for block in blocks(part):
         fully_shard(block, **kwargs)
-    fully_shard(model, **kwargs)
-    return model
+    fully_shard(part, **kwargs)
+    return part
 
 
-def is_sharded(model: torch.nn.Module) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(model, FSDPModule)
+def blocks(part: nn.Module) -> list[nn.Module]:
+    """The transformer blocks of a GPT (h: ModuleList) or of a pipeline stage (h: ModuleDict)."""
+    return list(part.h.values()) if isinstance(part.h, nn.ModuleDict) else list(part.h)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -46,20 +66,23 @@ def to_float(t: torch.Tensor) -> float:
     return float(t)
 
 
-def model_state_bytes(model: torch.nn.Module, optimizer) -> int:
+def held_bytes(parts: list[nn.Module], optimizers: list) -> int:
     """Bytes this rank holds for parameters, gradients and optimizer states (local shards)."""
     total = 0
-    for p in model.parameters():
+    for p in {id(p): p for part in parts for p in part.parameters()}.values():
         total += local(p).numel() * p.element_size()
         if p.grad is not None:
             total += local(p.grad).numel() * p.grad.element_size()
-    for state in optimizer.state.values():
-        for v in state.values():
-            if torch.is_tensor(v) and v.dim() > 0:
-                total += local(v).numel() * v.element_size()
+    for optimizer in optimizers:
+        for state in optimizer.state.values():
+            for v in state.values():
+                if torch.is_tensor(v) and v.dim() > 0:
+                    total += local(v).numel() * v.element_size()
     return total
 
 
-def local_param_fraction(model: torch.nn.Module) -> float:
-    """Share of the model's parameters stored on this rank: 1.0 with DDP, ~1/world with FSDP."""
-    return sum(local(p).numel() for p in model.parameters()) / sum(p.numel() for p in model.parameters())
+def param_fraction(parts: list[nn.Module], total: int) -> float:
+    """Share of the model's `total` parameters stored on this rank: 1.0 with DDP, ~1/world with
+    FSDP, 1/tp with tensor parallelism, one stage's share with pipelining."""
+    return sum(local(p).numel() for p in {id(p): p for part in parts
+                                          for p in part.parameters()}.values()) / total

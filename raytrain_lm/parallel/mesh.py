@@ -1,24 +1,65 @@
-"""The process group and device mesh the parallel layouts share: built in one place."""
+"""The device mesh: one named dimension per kind of parallelism, built in one place.
+
+Rank -> coordinates (row-major over DIMS, tp innermost):
+
+    rank = (pp_i * dp + dp_i) * tp + tp_i
+    pp_i = rank // (dp * tp),  dp_i = (rank // tp) % dp,  tp_i = rank % tp
+
+e.g. 8 workers, --pp 2 --tp 2 (so dp = 2):  rank: 0 1 2 3 4 5 6 7
+                                             pp:  0 0 0 0 1 1 1 1
+                                             dp:  0 0 1 1 0 0 1 1
+                                             tp:  0 1 0 1 0 1 0 1
+
+Ray Train gives the workers of one node consecutive ranks (it sorts them by node), so:
+- tp innermost: a tp group is `tp` consecutive ranks, inside one node as long as tp divides the
+  GPUs per node. Tensor parallelism all-reduces activations after every layer: it needs NVLink.
+- pp outermost (as Megatron-LM and torchtitan): pipeline stages exchange one microbatch's
+  activations point to point, the smallest traffic, so they are the ones to put across nodes.
+- dp in between: when tp is smaller than a node, FSDP's gathers and DDP's all-reduce stay inside
+  it for the first dp ranks and cross nodes only beyond.
+Dims are always addressed by name (mesh["dp"], ...); dims of size 1 are kept, so code never
+special-cases them.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
+
+DIMS = ("pp", "dp", "tp")
 
 
 def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def world_mesh(device: torch.device):
-    """A 1-D mesh over every worker (the data-parallel dimension)."""
+def build_mesh(device: torch.device, tp: int = 1, pp: int = 1):
+    """The (pp, dp, tp) mesh over every worker, dp = world / (tp * pp)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("dp",))
+    world = dist.get_world_size()
+    if world % (tp * pp):
+        raise ValueError(f"{world} workers are not a multiple of tp x pp = {tp} x {pp}")
+    return init_device_mesh(device.type, (pp, world // (tp * pp), tp), mesh_dim_names=DIMS)
 
 
-def all_reduce(t: torch.Tensor, op: str = "sum") -> torch.Tensor:
-    """In place over every worker (nothing to do in a single process); returns `t`."""
+@dataclass(frozen=True)
+class Coords:
+    pp: int
+    dp: int
+    tp: int
+
+
+def rank_coords(rank: int, world: int, tp: int = 1, pp: int = 1) -> Coords:
+    """Where a rank sits in the mesh, without building it (data sharding, seeds, logs)."""
+    dp = world // (tp * pp)
+    return Coords(pp=rank // (dp * tp), dp=(rank // tp) % dp, tp=rank % tp)
+
+
+def all_reduce(t: torch.Tensor, op: str = "sum", group=None) -> torch.Tensor:
+    """In place over every worker (or `group`); nothing to do in a single process. Returns `t`."""
     if is_distributed():
-        dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op])
+        dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op], group=group)
     return t

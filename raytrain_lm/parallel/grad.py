@@ -1,0 +1,84 @@
+"""Global gradient norm and clipping across every shard and stage.
+
+torch.nn.utils.clip_grad_norm_ only sees one rank's tensors: with TP/FSDP the grads are DTensors
+on different meshes (tp, (dp, tp), dp) mixed with Replicate ones, and with PP each rank holds
+only its stages. Here each grad contributes the sum of squares of its local shard; those sums are
+all-reduced over exactly the mesh dims on which that grad is sharded (a Replicate dim holds
+copies and must not be summed), then over the pp group, with the pipeline's duplicate tied
+embedding left out.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import _StridedShard
+
+
+@torch.no_grad()
+def align_grads_(params) -> None:
+    """Give every DTensor gradient its parameter's placements. DTensor autograd does not force
+    them: under sequence parallelism a Replicate parameter (LayerNorm, row-parallel bias) that
+    sees sequence-sharded activations gets a Partial gradient (the all-reduce is deferred until
+    the grad is used); and a row-parallel (Shard(0)) embedding gets a Replicate, full-size
+    (V, C) gradient from its lookup backward (every tp rank computes all rows). Redistributing
+    performs the pending all-reduce, or keeps this rank's rows, so the norm, the tied-embedding
+    sync and the optimizer see true, sharded grads.
+    FSDP2 does the same for the parameters it manages before its reduce-scatter."""
+    for p in params:
+        g = p.grad
+        if isinstance(g, DTensor) and tuple(g.placements) != tuple(p.placements):
+            p.grad = g.redistribute(p.device_mesh, p.placements)
+
+
+@torch.no_grad()
+def global_grad_norm(params, pp_group=None, exclude: set[int] = frozenset()) -> float:
+    plain = torch.zeros((), dtype=torch.float64)
+    by_layout: dict[tuple, torch.Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float64))
+    meshes = {}
+    for p in params:
+        if p.grad is None or id(p) in exclude:
+            continue
+        g = p.grad
+        if isinstance(g, DTensor):
+            if any(pl.is_partial() for pl in g.placements):
+                raise RuntimeError("a Partial gradient: reduce it before clipping")
+            # _StridedShard (FSDP2 over TP) is a shard too, but its is_shard() says False.
+            dims = tuple(i for i, pl in enumerate(g.placements)
+                         if pl.is_shard() or isinstance(pl, _StridedShard))
+            # Key by the mesh's rank grid and dim names: the same on every rank of a group, so all
+            # ranks issue the same collectives in the same order.
+            key = (tuple(g.device_mesh.mesh.flatten().tolist()), g.device_mesh.mesh_dim_names, dims)
+            meshes[key] = g.device_mesh
+            by_layout[key] += g.to_local().double().pow(2).sum()
+        else:
+            plain += g.double().pow(2).sum()
+    total = plain
+    for key in sorted(by_layout, key=repr):
+        s = by_layout[key]
+        for d in key[2]:
+            dist.all_reduce(s, group=meshes[key].get_group(d))
+        total = total + s
+    if pp_group is not None:
+        dist.all_reduce(total, group=pp_group)
+    return math.sqrt(total.item())
+
+
+@torch.no_grad()
+def clip_grad_norm_(params, max_norm: float, pp_group=None, exclude: set[int] = frozenset()) -> float:
+    """Like torch.nn.utils.clip_grad_norm_ (same 1e-6 and clamp), with the global norm. Every
+    parameter with a grad is scaled, excluded duplicates included. Returns the norm."""
+    params = list(params)
+    align_grads_(params)
+    norm = global_grad_norm(params, pp_group, exclude)
+    coef = max_norm / (norm + 1e-6)
+    if coef < 1.0:
+        for p in params:
+            if p.grad is not None:
+                g = p.grad
+                (g.to_local() if isinstance(g, DTensor) else g).mul_(coef)
+    return norm

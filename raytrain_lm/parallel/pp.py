@@ -1,0 +1,180 @@
+"""Pipeline parallelism with torch.distributed.pipelining, stages built by hand (no tracer).
+
+* Split by layers: stage s holds blocks layers[s]; the first stage also wte/wpe/drop, the last
+  ln_f/lm_head. A stage module keeps the full model's FQNs (h is a ModuleDict keyed by the
+  original layer index: "h.5.attn.c_attn.weight" in the stage is the same key as in the GPT), so
+  DCP checkpoints and the layout-independent init work across layouts unchanged.
+* Tied embeddings (Megatron's "embedding group"): the last stage holds its own copy of `wte`
+  (registered as `wte`, with lm_head.weight tied to it, exactly as in GPT), initialised to the same
+  values by construction. After each backward the gradients of the two copies are summed across
+  the first and last stage (`sync_tied_grads`), so both copies take identical optimizer steps and
+  the result equals the tied single-process model. The global grad norm counts the copy once.
+* Loss scaling: the schedule calls loss_fn per microbatch (mean over its tokens) and, with
+  scale_grads=True (default), divides the accumulated grads by n_microbatches after the last
+  backward. Equal microbatches => grads of the whole-batch mean loss. Losses come back per
+  microbatch on the last stage; their mean is the batch loss.
+* Stage placement: "loop" style, stage s on pp rank s % pp (Interleaved1F1B with v stages/rank).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import (
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+)
+from torch.distributed.tensor import DTensor, Shard
+
+from raytrain_lm.model import GPT
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B}
+
+
+class GPTStage(nn.Module):
+    """The part of a GPT one pipeline stage runs. It takes the GPT's own submodules (build the GPT
+    on the meta device first: taking them is free) and runs GPT.embed / Block / GPT.head, so the
+    math is model.py's."""
+
+    def __init__(self, model: GPT, layers: range, is_first: bool, is_last: bool):
+        super().__init__()
+        self.cfg = model.cfg
+        self.is_first, self.is_last = is_first, is_last
+        if is_first or is_last:
+            self.wte = model.wte  # the last stage's copy serves lm_head (tied)
+        if is_first:
+            self.wpe, self.drop = model.wpe, model.drop
+        self.h = nn.ModuleDict({str(i): model.h[i] for i in layers})
+        if is_last:
+            self.ln_f, self.lm_head = model.ln_f, model.lm_head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.is_first:
+            x = GPT.embed(self, x)  # token ids -> embeddings
+        for block in self.h.values():
+            x, _ = block(x)
+        if self.is_last:
+            x = GPT.head(self, x)  # logits (the local vocab shard under TP)
+        return x
+
+
+def split_layers(n_layer: int, n_stages: int) -> list[range]:
+    """Contiguous, as even as possible; any extra layers go to the middle stages, since the first
+    and last stages also run the embeddings and the head."""
+    if n_layer < n_stages:
+        raise ValueError(f"{n_layer} layers cannot fill {n_stages} pipeline stages")
+    sizes = [n_layer // n_stages] * n_stages
+    order = sorted(range(n_stages), key=lambda s: (s in (0, n_stages - 1), abs(s - n_stages / 2)))
+    for s in order[: n_layer % n_stages]:
+        sizes[s] += 1
+    starts = [sum(sizes[:s]) for s in range(n_stages)]
+    return [range(st, st + n) for st, n in zip(starts, sizes)]
+
+
+def stage_ids(pp_rank: int, pp_size: int, stages_per_rank: int) -> list[int]:
+    return [pp_rank + v * pp_size for v in range(stages_per_rank)]
+
+
+def build_stage_modules(cfg, pp_rank: int, pp_size: int, stages_per_rank: int) -> list[tuple[int, GPTStage]]:
+    """(stage index, stage module) for this rank, on the meta device."""
+    n_stages = pp_size * stages_per_rank
+    splits = split_layers(cfg.n_layer, n_stages)
+    with torch.device("meta"):
+        full = GPT(cfg)
+    out = []
+    for s in stage_ids(pp_rank, pp_size, stages_per_rank):
+        # This rank's stages take disjoint modules out of its meta GPT: wte goes to both the
+        # first and the last stage, but with pp > 1 those are never on the same rank.
+        out.append((s, GPTStage(full, splits[s], s == 0, s == n_stages - 1)))
+    return out
+
+
+class PipelineLoss:
+    """The schedule's loss function, per microbatch: the mean token loss (training: the schedule
+    then scales the gradients by 1/microbatches), or within `summing()` the sum over the
+    microbatch's targets (validation, whose padding windows carry ignored targets). Under TP the
+    last stage emits its local vocabulary shard of the logits as a plain tensor (pipelining moves
+    plain tensors); it is re-wrapped as a Shard(-1) DTensor so the cross-entropy runs
+    vocab-parallel (the caller holds loss_parallel())."""
+
+    def __init__(self, tp_mesh: DeviceMesh | None):
+        self.tp_mesh = tp_mesh if tp_mesh is not None and tp_mesh.size() > 1 else None
+        self.reduction = "mean"
+
+    @contextlib.contextmanager
+    def summing(self):
+        self.reduction = "sum"
+        try:
+            yield
+        finally:
+            self.reduction = "mean"
+
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if self.tp_mesh is not None:
+            logits = DTensor.from_local(logits, self.tp_mesh, [Shard(-1)], run_check=False)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.reshape(-1),
+                               reduction=self.reduction)
+        return loss.to_local() if isinstance(loss, DTensor) else loss  # replicated over tp
+
+
+def build_schedule(name: str, stages: list[tuple[int, nn.Module]], n_stages: int,
+                   n_microbatches: int, pp_mesh: DeviceMesh, loss_fn, device="cpu"):
+    cls = SCHEDULES[name]
+    group = pp_mesh.get_group()
+    pstages = [PipelineStage(m, s, n_stages, torch.device(device), group=group) for s, m in stages]
+    if cls is ScheduleInterleaved1F1B:
+        return cls(pstages, n_microbatches, loss_fn=loss_fn, scale_grads=True)
+    if len(pstages) != 1:
+        raise ValueError(f"{name} runs one stage per rank")
+    return cls(pstages[0], n_microbatches, loss_fn=loss_fn, scale_grads=True)
+
+
+def tied_group(mesh: DeviceMesh) -> dist.ProcessGroup | None:
+    """The process group joining, for this rank's (dp, tp) coordinates, the pp ranks holding the
+    first and the last stage (pp ranks 0 and pp-1 in loop placement). Every rank must call this
+    (new_group is collective)."""
+    pp = mesh["pp"].size()
+    if pp == 1:
+        return None
+    if pp == 2:
+        return mesh["pp"].get_group()
+    grid = mesh.mesh  # (pp, dp, tp) global ranks
+    mine = None
+    for d in range(grid.shape[1]):
+        for t in range(grid.shape[2]):
+            ranks = [int(grid[0, d, t]), int(grid[-1, d, t])]
+            g = dist.new_group(ranks)
+            if dist.get_rank() in ranks:
+                mine = g
+    return mine
+
+
+def tied_params(stage_modules: list[nn.Module]) -> list[nn.Parameter]:
+    return [m.wte.weight for m in stage_modules if getattr(m, "wte", None) is not None]
+
+
+@torch.no_grad()
+def sync_tied_grads(stage_modules: list[nn.Module], group) -> None:
+    """Sum the wte gradient over the first and last stage: each copy then holds the tied
+    model's gradient (lookup part + output-projection part)."""
+    if group is None:
+        return
+    for p in tied_params(stage_modules):
+        g = p.grad
+        if g is None:
+            g = p.grad = torch.zeros_like(p)
+        dist.all_reduce(g.to_local() if isinstance(g, DTensor) else g, group=group)
+
+
+def duplicate_tied_params(stage_modules: list[nn.Module]) -> set[int]:
+    """ids of parameters to leave out of the global grad norm: the last stage's wte copy (the
+    first stage's copy counts for both)."""
+    return {id(m.wte.weight) for m in stage_modules
+            if getattr(m, "is_last", False) and not m.is_first and getattr(m, "wte", None) is not None}

@@ -1,0 +1,143 @@
+"""Tensor (and optional sequence) parallelism for the GPT of model.py, with DTensor's
+`parallelize_module` on the "tp" mesh dim. Works on the full model and on pipeline stages
+(parallel/pp.py: GPTStage), which hold a subset of the same attributes.
+
+Layouts (tp ranks r = 0..tp-1):
+  c_attn, mlp.c_fc       ColwiseParallel: weight Shard(0). c_attn's rows are head-interleaved
+                          (model.py), so rank r holds whole heads r*H/tp .. (r+1)*H/tp-1 with
+                          their q, k and v.
+  attn.c_proj, mlp.c_proj RowwiseParallel: weight Shard(1), bias Replicate; output all-reduced
+                          (or reduce-scattered over the sequence with SP).
+  wte                     RowwiseParallel on the embedding = Shard(0) of the (V, C) weight
+                          (vocab-parallel lookup, masked, then all-reduce / reduce-scatter).
+  lm_head                 ColwiseParallel = Shard(0) of the same (V, C) weight, so the tie with wte
+                          survives: one DTensor, two users. Output logits stay Shard(-1) (vocab)
+                          and cross_entropy runs under `loss_parallel()`: full logits are never
+                          gathered.
+  wpe                     RowwiseParallel too: Shard(0) over positions; its (T, C) output is
+                          all-reduced, or reduce-scattered over T with SP.
+  LayerNorms              SequenceParallel with SP (Replicate params, sequence-sharded
+                          activations); without SP `ReplicateParallel` below makes their params
+                          Replicate DTensors as well, so that every parameter is a DTensor
+                          (optimizers, grad-norm and DCP then treat the model uniformly).
+Sequence parallelism (as torchtitan): between blocks the residual stream is Shard(1) over the
+sequence; PrepareModuleInput all-gathers it before attention / MLP; the row-parallel outputs are
+reduce-scattered back to Shard(1).
+Dropout: without SP activations are replicated across tp, so dropout masks must be identical on
+all tp ranks of a group (seed per dp rank/pp stage, not per tp rank); with SP (and for attention
+dropout on local heads) they should differ per tp rank. The tests use dropout 0.
+"""
+
+from __future__ import annotations
+
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+from torch.distributed.tensor.parallel.style import ParallelStyle
+
+
+class ReplicateParallel(ParallelStyle):
+    """Parameters become Replicate DTensors; plain inputs are taken as replicated and outputs
+    handed back as plain tensors. For LayerNorms in TP without sequence parallelism."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(module, device_mesh, _replicate_params, _inputs_as_replicate,
+                                 _outputs_to_local)
+
+
+def _replicate_params(name, module, mesh):
+    for pname, p in list(module.named_parameters(recurse=False)):
+        # from_local, not distribute_tensor: works on meta and needs no broadcast (every rank
+        # fills the same values at init).
+        module.register_parameter(pname, nn.Parameter(
+            DTensor.from_local(p, mesh, [Replicate()], run_check=False),
+            requires_grad=p.requires_grad))
+
+
+def _inputs_as_replicate(module, inputs, mesh):
+    return tuple(DTensor.from_local(t, mesh, [Replicate()], run_check=False)
+                 if not isinstance(t, DTensor) and hasattr(t, "shape") else t for t in inputs)
+
+
+def _outputs_to_local(module, outputs, mesh):
+    return outputs.to_local() if isinstance(outputs, DTensor) else outputs
+
+
+def apply_tp(module: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool = False,
+             loss_parallel: bool = True, local_logits: bool = False) -> nn.Module:
+    """Parallelize a GPT or GPTStage in place (ideally still on the meta device).
+
+    loss_parallel: keep logits sharded over the vocabulary (the caller wraps forward+backward in
+        `torch.distributed.tensor.parallel.loss_parallel()`); else all-gather them.
+    local_logits: hand back the local logits shard as a plain tensor instead of a DTensor
+        (pipeline stages: pipelining only moves plain tensors; the loss function re-wraps it).
+    """
+    sp = sequence_parallel
+    seq = Shard(1)
+    root_plan = {}
+    if _has(module, "wte"):
+        root_plan["wte"] = RowwiseParallel(input_layouts=Replicate(),
+                                           output_layouts=seq if sp else Replicate())
+    if _has(module, "wpe"):
+        # wpe(pos) is (T, C): the sequence is dim 0 there.
+        root_plan["wpe"] = RowwiseParallel(input_layouts=Replicate(),
+                                           output_layouts=Shard(0) if sp else Replicate())
+    if _has(module, "ln_f"):
+        root_plan["ln_f"] = SequenceParallel() if sp else ReplicateParallel()
+    if _has(module, "lm_head"):
+        if loss_parallel:
+            root_plan["lm_head"] = ColwiseParallel(input_layouts=seq if sp else Replicate(),
+                                                   output_layouts=Shard(-1),
+                                                   use_local_output=local_logits)
+        else:
+            root_plan["lm_head"] = ColwiseParallel(input_layouts=seq if sp else Replicate(),
+                                                   output_layouts=Replicate())
+    tied = _has(module, "wte") and _has(module, "lm_head") and \
+        module.lm_head.weight is module.wte.weight
+    parallelize_module(module, tp_mesh, root_plan)
+    if tied:
+        # Each style distributed the shared parameter on its own, giving two DTensors; both are
+        # Shard(0) of the same (V, C) tensor, so point lm_head back at wte's.
+        assert module.lm_head.weight.placements == module.wte.weight.placements
+        module.lm_head.weight = module.wte.weight
+
+    for block in _blocks(module):
+        if sp:
+            plan = {
+                "ln_1": SequenceParallel(),
+                "attn": PrepareModuleInput(input_layouts=(seq, None),
+                                           desired_input_layouts=(Replicate(), None)),
+                "attn.c_attn": ColwiseParallel(),
+                "attn.c_proj": RowwiseParallel(output_layouts=seq),
+                "ln_2": SequenceParallel(),
+                "mlp": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
+                "mlp.c_fc": ColwiseParallel(),
+                "mlp.c_proj": RowwiseParallel(output_layouts=seq),
+            }
+        else:
+            plan = {
+                "ln_1": ReplicateParallel(),
+                "attn.c_attn": ColwiseParallel(),
+                "attn.c_proj": RowwiseParallel(),
+                "ln_2": ReplicateParallel(),
+                "mlp.c_fc": ColwiseParallel(),
+                "mlp.c_proj": RowwiseParallel(),
+            }
+        parallelize_module(block, tp_mesh, plan)
+    return module
+
+
+def _has(module: nn.Module, name: str) -> bool:
+    return getattr(module, name, None) is not None
+
+
+def _blocks(module: nn.Module):
+    h = module.h
+    return h.values() if isinstance(h, nn.ModuleDict) else list(h)
