@@ -19,6 +19,7 @@ import torch
 from raytrain_lm import checkpoint as ckpt_io
 from raytrain_lm.config import TrainConfig
 from raytrain_lm.files import checkpoint_name
+from raytrain_lm.optim import resumed_horizon
 from raytrain_lm.runs import FoundCheckpoint, latest_checkpoint
 
 # Reported rows each checkpoint carries, to be re-sent after a resume: more than can be in flight
@@ -42,6 +43,9 @@ class Checkpointer:
     def restore(self, found: FoundCheckpoint, state: dict, step_fn, stream) -> tuple[int, int]:
         """Everything but the RNG states (restored last: see restore_rng) from `found`, at this
         run's layout whatever the saving run's; returns (step, tokens seen)."""
+        # The schedule keeps the learning rates used up to this checkpoint: decided here, from the
+        # checkpoint actually resumed from (an older one when the newest is incomplete).
+        resumed_horizon(TrainConfig.from_dict(state["config"]), self.cfg, state["step"])
         ckpt_io.load_state(found.path, step_fn.parallel)
         if step_fn.scaler.is_enabled() and state["scaler"]:
             step_fn.scaler.load_state_dict(state["scaler"])  # else fp16 starts here: a fresh scale

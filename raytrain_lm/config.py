@@ -314,10 +314,11 @@ def build_config(
 
 
 def check_resumable(was: TrainConfig, cfg: TrainConfig, preset: str) -> None:
-    """Settings a resumed run cannot change, because what its checkpoints hold depends on them."""
-    if cfg.model != was.model or cfg.preset != preset or cfg.strategy != was.strategy:
-        raise UserError("a resumed run keeps its model and strategy: drop those settings, or "
-                        "start a new run with --init-from")
+    """Settings a resumed run cannot change, because what its checkpoints hold depends on them.
+    The layout may change (--workers, --strategy, --tp, --pp): checkpoints load at any layout."""
+    if cfg.model != was.model or cfg.preset != preset:
+        raise UserError("a resumed run keeps its model: drop those settings, or start a new run "
+                        "with --init-from")
     for key, why in (("seq_len", "the saved data position counts windows of that many tokens"),
                      ("seed", "the saved data position is a place in the order this seed shuffles")):
         if getattr(cfg, key) != getattr(was, key):

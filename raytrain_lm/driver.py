@@ -15,7 +15,7 @@ from raytrain_lm import files, summary
 from raytrain_lm.config import TrainConfig
 from raytrain_lm.errors import UserError, last_line
 from raytrain_lm.preflight import (check_init_from, check_memory, check_resources,
-                                   default_run_name, prepare_data, settle_resume, worker_memory_gb)
+                                   default_run_name, prepare_data, resume_step, worker_memory_gb)
 from raytrain_lm.runs import best_val_loss
 from raytrain_lm.storage import MetricsLog, RunFolder
 from raytrain_lm.tb import TensorBoardLog
@@ -105,8 +105,8 @@ def run_training(
     t_launch = time.time()
     run = run_folder(cfg, resume)
     manifest = prepare_data(cfg, say)
-    if resume and (step := settle_resume(cfg, run)) is not None:
-        say(f"resuming {cfg.name} from its checkpoint at step {step}")
+    if resume and (step := resume_step(run)) is not None:
+        say(f"resuming {cfg.name} from its newest checkpoint, step {step}")
     if init_from:
         init_from = check_init_from(init_from, cfg, manifest)
     previous = run.read_json(files.SUMMARY) if resume and run.exists(files.SUMMARY) else {}

@@ -19,7 +19,9 @@ from raytrain_lm.model import GPT
 from raytrain_lm.storage import staged_folder
 
 WEIGHTS, CONFIG = "model.safetensors", "config.json"
-FORMAT = "raytrain-lm/gpt-1"
+# gpt-2: c_attn's rows are head-interleaved ([h0 q, h0 k, h0 v, h1 q, ...], model.py), which
+# raytrain_lm.model.GPT reads as is; model.qkv_interleaved_to_gpt2 gives GPT-2's [q; k; v].
+FORMAT = "raytrain-lm/gpt-2"
 
 
 def _untie(state: dict) -> tuple[dict, dict[str, str]]:
@@ -63,6 +65,7 @@ def export_checkpoint(folder: Path, out: Path, source: str, force: bool = False,
         "model": state["config"]["model"],
         "tokenizer": state["tokenizer"],
         "tied": tied,
+        "qkv_layout": "head-interleaved",
         "dtype": str(next(iter(weights.values())).dtype).removeprefix("torch."),
         "num_parameters": sum(t.numel() for t in weights.values()),
         "step": state["step"],

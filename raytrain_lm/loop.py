@@ -49,6 +49,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     # state: a resumed run's own, else --init-from's weights, else the initial values
     baseline_mem = peak_memory_gb(device)
     step_fn = TrainStep(cfg, device)
+    build_mem = peak_memory_gb(device) - baseline_mem  # built sharded: only this rank's shards
     batches = train_stream(cfg, coords.dp, step_fn.parallel.dp)  # tp and pp peers: the same rows
     validation = Validation(cfg, coords.dp, step_fn.parallel.dp)
     if found is not None:
@@ -65,7 +66,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     cadence = Cadence(cfg)
     step_tokens = cfg.batch_size * cfg.seq_len * cfg.grad_accum * step_fn.parallel.dp
     meter = Meter(device, world, fpt, gpu_peak_tflops(device, cfg.peak_tflops), n_params, baseline_mem,
-                  loss_ranks=step_fn.parallel.dp)
+                  build_mem, loss_ranks=step_fn.parallel.dp)
     step_fn.parallel.train()
     while step < cfg.max_steps:
         lr = lr_at(step, cfg)

@@ -74,12 +74,13 @@ class Meter:
 
     def __init__(self, device: torch.device, world: int, flops_per_token: float,
                  peak_tflops: Optional[float], num_parameters: int, baseline_mem: float,
-                 loss_ranks: Optional[int] = None):
+                 build_mem: float = 0.0, loss_ranks: Optional[int] = None):
         """`loss_ranks`: how many ranks report a loss (one per data-parallel group; the others
         add 0), so the sum over all ranks divided by it is the global mean."""
         self.device, self.world, self.loss_ranks = device, world, loss_ranks or world
         self.fpt, self.peak, self.num_parameters = flops_per_token, peak_tflops, num_parameters
         self.baseline_mem = baseline_mem  # peak memory before the model existed
+        self.build_mem = build_mem  # what building the model added (before any step)
         self.timer = StepTimer(device)
         self.losses: list[torch.Tensor] = []  # this rank's loss of each step since the last report
         self.start, self.start_unix = time.perf_counter(), time.time()
@@ -99,7 +100,8 @@ class Meter:
         losses = all_reduce(torch.stack(self.losses).double()) / self.loss_ranks
         wait = all_reduce(torch.tensor([self.timer.data_wait], dtype=torch.float64, device=self.device))
         mem = all_reduce(torch.tensor([peak_memory_gb(self.device),
-                                       held_bytes(parallel.parts, parallel.optimizers) / 1e9],
+                                       held_bytes(parallel.parts, parallel.optimizers) / 1e9,
+                                       peak_memory_gb(self.device) - self.baseline_mem, self.build_mem],
                                       dtype=torch.float64, device=self.device), op="max")
         tps = self.timer.tokens / elapsed
         row = {
@@ -114,8 +116,11 @@ class Meter:
             "mfu": mfu(tps, self.fpt, self.world, self.peak),
             "peak_mem_gb": mem[0].item(),
             "model_state_gb": mem[1].item(),  # params + grads + optimizer states, max over ranks
-            "mem_above_baseline_gb": mem[0].item() - self.baseline_mem,
+            "mem_above_baseline_gb": mem[2].item(),  # max over ranks of what the run added
+            "build_mem_gb": mem[3].item(),  # max over ranks of what building the model added
             "param_fraction": param_fraction(parallel.parts, self.num_parameters),  # on rank 0
+            "bubble": parallel.take_bubble(),  # pipeline idle share (rank 0's), None without pp
+            "comm_bytes": parallel.comm_bytes,  # rank 0's bytes sent per step, per mesh dim
             "elapsed": time.perf_counter() - self.start,
             "train_start_unix": self.start_unix,
             "num_parameters": self.num_parameters,

@@ -47,13 +47,16 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 
 def resumed_horizon(saved: TrainConfig, cfg: TrainConfig, step: int) -> TrainConfig:
-    """A resumed run given another --max-steps keeps the learning rates it has used: if moving
-    the horizon to the new max_steps would change the learning rate at the step it resumes from
-    (a cosine already decaying, a wsd already in its decay), the old horizon stays and the
-    minimum is held after it; otherwise (still warming up, a wsd still stable) the schedule
-    stretches to the new end. Returns `cfg`, its horizon set."""
+    """A run resumed at `step` from a checkpoint saved with `saved` keeps the learning rates it
+    has used. If --max-steps changed and moving the horizon to the new max_steps would change the
+    learning rate at `step` (a cosine already decaying, a wsd already in its decay), the old
+    horizon stays and the minimum is held after it; otherwise (still warming up, a wsd still
+    stable) the schedule stretches to the new end. An earlier resume's horizon is inherited.
+    Returns `cfg`, its horizon set."""
+    if cfg.horizon is None:
+        cfg.horizon = saved.horizon
     if cfg.horizon is not None or cfg.max_steps == saved.max_steps:
-        return cfg  # the user's (or an earlier resume's) horizon, or nothing moved
+        return cfg  # the user's or an earlier resume's horizon, or nothing moved
     moved = lr_at(step, cfg)
     cfg.horizon = saved.max_steps
     if math.isclose(lr_at(step, cfg), moved, rel_tol=1e-12):

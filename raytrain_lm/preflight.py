@@ -36,6 +36,9 @@ def fit_model_to_data(cfg: TrainConfig, manifest: dict) -> None:
     vocab = manifest["vocab_size"]
     if cfg.model.vocab_size is None:
         cfg.model.vocab_size = padded_vocab(vocab)
+    if cfg.model.vocab_size % cfg.tp:
+        raise UserError(f"model.vocab_size ({cfg.model.vocab_size}) must be divisible by --tp "
+                        f"{cfg.tp}: the embedding is split over the vocabulary")
     elif vocab > cfg.model.vocab_size:
         raise UserError(f"dataset {cfg.data} has a vocabulary of {vocab} tokens but the model's "
                         f"vocab_size is {cfg.model.vocab_size}; raise model.vocab_size")
@@ -114,17 +117,12 @@ def check_memory(cfg: TrainConfig, memory_gb: Optional[float]) -> None:
                     f"see `python cli.py plan`, or pass --force")
 
 
-def settle_resume(cfg: TrainConfig, run) -> Optional[int]:
-    """A resumed run's config against the one it was started with: the schedule keeps the
-    learning rates already used when --max-steps changes (optim.resumed_horizon). Returns the step
-    of the checkpoint it will resume from (None: it has none yet, so it starts over)."""
-    from raytrain_lm.files import CONFIG
-    from raytrain_lm.optim import resumed_horizon
+def resume_step(run) -> Optional[int]:
+    """The step of the run's newest checkpoint, for the message (a worker falls back to an older
+    one if it proves incomplete; the schedule's horizon is decided there: optim.resumed_horizon)."""
     from raytrain_lm.runs import newest_step
 
-    step = newest_step(run)
-    resumed_horizon(TrainConfig.from_dict(run.read_json(CONFIG)), cfg, step or 0)
-    return step
+    return newest_step(run)
 
 
 def check_device_memory(cfg: TrainConfig, device, force: bool) -> None:

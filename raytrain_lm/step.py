@@ -27,16 +27,30 @@ class TrainStep:
         dtype = autocast_dtype(cfg, device)
         self.autocast = torch.autocast(device.type, dtype=dtype) if dtype else nullcontext()
         self.scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+        self.steps = 0
 
     def __call__(self, batches, lr: float) -> tuple[torch.Tensor, torch.Tensor, float]:
         """(the step's loss of this rank's data-parallel group, 0 on ranks that do not report it;
         the gradient norm before clipping; seconds spent waiting for batches)."""
-        # Gradients are freed here rather than after the step, so a report sees them as held.
-        self.parallel.zero_grad()
-        self.parallel.set_lr(lr)
-        loss, waited = self.parallel.forward_backward(batches, self.autocast, self.scaler)
-        grad_norm = self.parallel.clip_and_step(self.scaler)
+        self.steps += 1
+        with self._count_comm() as counter:
+            # Gradients are freed here rather than after the step, so a report sees them as held.
+            self.parallel.zero_grad()
+            self.parallel.set_lr(lr)
+            loss, waited = self.parallel.forward_backward(batches, self.autocast, self.scaler)
+            grad_norm = self.parallel.clip_and_step(self.scaler)
+        if counter is not None:
+            self.parallel.comm_bytes = counter.bytes_per_dim()
         return loss, grad_norm, waited
+
+    def _count_comm(self):
+        """The bytes each mesh dimension moves, counted on this run's second step (the first
+        one sets things up) of a sharded layout; every step moves the same."""
+        from raytrain_lm.parallel.comm import CommCounter
+
+        if self.steps != 2 or self.parallel.mesh is None:
+            return nullcontext()
+        return CommCounter(self.parallel.mesh)
 
     def evaluate(self, validation) -> float:
         return self.parallel.evaluate(validation, self.autocast)

@@ -59,3 +59,7 @@ def test_a_longer_resumed_run_never_jumps(schedule, resume_at, horizon):
     assert max(step_jumps(lrs)) <= max(step_jumps([lr_at(s, saved) for s in range(300)])) + 1e-12
     assert resumed_horizon(saved, TrainConfig(lr=3e-3, warmup_steps=30, max_steps=300,
                                               schedule=schedule), resume_at).horizon is None
+    # A later resume from a checkpoint of the longer run inherits its horizon.
+    again = resumed_horizon(longer, TrainConfig(lr=3e-3, warmup_steps=30, max_steps=600,
+                                                schedule=schedule), 500)
+    assert again.horizon == horizon

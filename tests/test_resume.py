@@ -104,8 +104,9 @@ def test_truncated_checkpoint_is_skipped_and_a_longer_run_keeps_its_schedule(ref
     resumed = [lr for s, lr in before if s <= STEPS - 10][-1:] + [lr for _, lr in after]
     assert max(abs(b - a) for a, b in zip(resumed, resumed[1:])) <= largest
     assert [lr for s, lr in after if s > STEPS] == [cfg.lr * cfg.min_lr_ratio] * 2
-    saved = json.loads((storage / "truncated" / "config.json").read_text())
-    assert (saved["max_steps"], saved["horizon"]) == (STEPS + 10, STEPS)  # a later --resume keeps it
+    # The checkpoints carry the horizon: a later --resume inherits it (optim.resumed_horizon).
+    saved = json.loads((storage / "truncated" / f"checkpoint_{STEPS + 10:08d}" / "meta.json").read_text())
+    assert (saved["config"]["max_steps"], saved["config"]["horizon"]) == (STEPS + 10, STEPS)
 
 
 def test_resume_without_storage_uses_the_default(reference_run, storage, ray_address, tmp_path):

@@ -13,13 +13,17 @@ from raytrain_lm.cli.options import CONFIG, JSON, QUIET, SET, VERBOSE, ConfigPat
 
 TRAIN_SETTINGS = ("workers", "use_gpu", "preset", "data", "max_steps", "batch_size", "seq_len", "lr",
                   "grad_accum", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints",
-                  "max_failures", "seed", "compile", "strategy", "activation_checkpointing",
+                  "max_failures", "seed", "compile", "strategy", "tp", "pp", "microbatches",
+                  "pp_schedule", "sequence_parallel", "activation_checkpointing",
                   "precision", "name", "storage", "address", "scale_timeout")
 
 
 @app.command(epilog=examples("python cli.py train",
                              "python cli.py train --workers 2 --max-steps 300 --preset tiny",
                              "python cli.py train --workers 8 --use-gpu --preset gpt2 --data data/stdlib",
+                             "python cli.py train --workers 4 --tp 2    # 2-way data x 2-way tensor parallel",
+                             "python cli.py train --workers 4 --pp 2 --microbatches 8 --pp-schedule 1f1b",
+                             "python cli.py train --workers 8 --tp 2 --pp 2 --strategy fsdp",
                              "python cli.py train --config best.yaml --set model.dropout=0.1",
                              "python cli.py train --config best.yaml --workers 8 --scale-lr sqrt",
                              "python cli.py train --name my-run --resume"))

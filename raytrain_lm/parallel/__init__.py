@@ -24,6 +24,7 @@ Two ways to build, one interface (`Parallelized`):
 from __future__ import annotations
 
 import contextlib
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -34,6 +35,7 @@ from raytrain_lm.model import GPT
 from raytrain_lm.optim import build_optimizer
 from raytrain_lm.parallel import ddp, fsdp
 from raytrain_lm.parallel.ac import apply_activation_checkpointing
+from raytrain_lm.parallel.comm import PipelineTimer
 from raytrain_lm.parallel.mesh import Coords, all_reduce, build_mesh, is_distributed, rank_coords
 
 
@@ -49,8 +51,9 @@ class Parallelized:
         self.dp = world // (cfg.tp * cfg.pp)
         self.replicated = cfg.tp == cfg.pp == 1 and (cfg.strategy == "ddp" or world == 1)
         self.mesh = None if self.replicated else build_mesh(device, cfg.tp, cfg.pp)
-        self.schedule = self.tied_group = self.pp_group = None
+        self.schedule = self.tied_group = self.pp_group = self.timer = None
         self.norm_exclude: set[int] = set()
+        self.comm_bytes: dict[str, int] = {}  # per mesh dim, one step (step.py counts them)
         if self.replicated:
             model = GPT(cfg.model, seed=cfg.seed)
             apply_activation_checkpointing(model, cfg.activation_checkpointing)
@@ -95,6 +98,7 @@ class Parallelized:
         self.schedule = pp.build_schedule(cfg.pp_schedule, self.stages, pipeline_stages(cfg),
                                           pipeline_microbatches(cfg), self.mesh["pp"],
                                           self.loss_fn, self.device)
+        self.timer = PipelineTimer(self.schedule)
         self.has_first = any(m.is_first for m in self.parts)
         self.has_last = any(m.is_last for m in self.parts)
         self.pp_group = self.mesh["pp"].get_group()
@@ -140,8 +144,9 @@ class Parallelized:
         microbatch losses come back on the last stage."""
         losses: list[torch.Tensor] = []
         with autocast, self._loss_ctx():
-            self.schedule.step(*((x,) if self.has_first else ()),
-                               target=y if self.has_last else None, losses=losses)
+            self.timer.measure(lambda: self.schedule.step(*((x,) if self.has_first else ()),
+                                                          target=y if self.has_last else None,
+                                                          losses=losses))
         if not self.has_last:
             return torch.zeros((), device=self.device)
         return torch.stack([_local(l.detach()) for l in losses]).mean()
@@ -164,6 +169,11 @@ class Parallelized:
             scaler.step(optimizer)
         scaler.update()
         return norm
+
+    def take_bubble(self) -> Optional[float]:
+        """The share of the pipeline steps since the last call this rank spent idle (None
+        without a pipeline)."""
+        return self.timer.take() if self.timer is not None else None
 
     def zero_grad(self) -> None:
         for optimizer in self.optimizers:

@@ -19,11 +19,14 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from raytrain_lm.parallel.mesh import DIMS
 
 _FUNCOL = ("_c10d_functional", "_c10d_functional_autograd")
 
@@ -128,6 +131,14 @@ class CommCounter(TorchDispatchMode):
             s = _nbytes(args[1])
             self._record(pg, "all_to_all", s, (n - 1) / n * s)
 
+    def __enter__(self):
+        super().__enter__()
+        return self
+
+    def bytes_per_dim(self) -> dict[str, int]:
+        """Bytes this rank sent over each mesh dim (ring algorithms), e.g. {"dp": ..., "tp": ...}."""
+        return {dim: d["wire"] for dim, d in self.by_dim().items() if dim in DIMS}
+
     def by_dim(self) -> dict:
         """{dim: {"wire": bytes sent, "payload": ..., "recv": ..., "ops": {op: calls}}}"""
         out = {}
@@ -151,6 +162,7 @@ class PipelineTimer:
         stages = getattr(schedule, "_stages", None) or [schedule._stage]
         self.busy = 0.0
         self.step_time = 0.0
+        self._busy_in_steps = 0.0  # busy time inside measured steps, since the last take()
         for st in stages:
             for meth in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
                 setattr(st, meth, self._timed(getattr(st, meth)))
@@ -171,7 +183,16 @@ class PipelineTimer:
         step_fn()
         dt = time.perf_counter() - t
         self.step_time += dt
+        self._busy_in_steps += self.busy - busy0
         return 1.0 - (self.busy - busy0) / dt
+
+    def take(self) -> Optional[float]:
+        """Bubble fraction over the steps measured since the last take()."""
+        if not self.step_time:
+            return None
+        bubble = 1.0 - self._busy_in_steps / self.step_time
+        self.step_time = self._busy_in_steps = 0.0
+        return bubble
 
     @staticmethod
     def theory(pp: int, microbatches: int, stages_per_rank: int = 1) -> float:

@@ -1,0 +1,135 @@
+"""The three paradigms on real Ray workers over gloo: every layout trains the same model as one
+worker does, step for step; models are built sharded; checkpoints move between layouts."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from conftest import run_cli, step_losses
+from raytrain_lm.config import build_config
+from raytrain_lm.driver import run_training
+
+STEPS = 20
+GLOBAL_BATCH = 16  # sequences per step, whatever the layout
+# 4 layers (the interleaved schedule needs 4 stages at --pp 2), 4 heads (2 per tp rank), no
+# dropout: the same math in every layout, up to float rounding.
+MODEL = ["model.n_layer=4", "model.n_head=4", "model.n_embd=64", "model.block_size=64",
+         "model.dropout=0"]
+LAYOUTS = {  # name: (workers, flags); batch_size is per data-parallel rank
+    "one": (1, {}),
+    "tp2": (2, dict(tp=2)),
+    "pp2-gpipe": (2, dict(pp=2, pp_schedule="gpipe", microbatches=4)),
+    "pp2-1f1b": (2, dict(pp=2, pp_schedule="1f1b", microbatches=4)),
+    "pp2-interleaved": (2, dict(pp=2, pp_schedule="interleaved-1f1b", microbatches=4)),
+    "dp2xtp2": (4, dict(tp=2, strategy="ddp")),
+    "dp2xpp2": (4, dict(pp=2, strategy="ddp", microbatches=4)),
+    "fsdp2xtp2": (4, dict(tp=2, strategy="fsdp")),
+}
+
+
+def layout_config(data, storage, name, workers, flags, **more):
+    dp = workers // (flags.get("tp", 1) * flags.get("pp", 1))
+    return build_config(sets=MODEL, flags=dict(
+        workers=workers, cpus_per_worker=0.5 if workers > 2 else 1.0, max_steps=STEPS,
+        batch_size=GLOBAL_BATCH // dp, seq_len=64, lr=3e-3, warmup_steps=5, log_every=10,
+        eval_every=STEPS, checkpoint_every=10, data=str(data), storage=str(storage), name=name,
+        seed=5, **flags, **more))
+
+
+@pytest.fixture(scope="module")
+def storage(tmp_path_factory):
+    return tmp_path_factory.mktemp("layouts")
+
+
+@pytest.fixture(scope="module")
+def runs(ray_address, pydoc_data, storage):
+    """Every layout's per-step losses and metrics rows (one Ray run each)."""
+    out = {}
+    for name, (workers, flags) in LAYOUTS.items():
+        rows = []
+        summary = run_training(layout_config(pydoc_data, storage, name, workers, flags),
+                               say=lambda m: None, on_metrics=rows.append)
+        assert summary["status"] == "completed", name
+        out[name] = (step_losses(storage / name), rows)
+    return out
+
+
+@pytest.mark.parametrize("layout", [n for n in LAYOUTS if n != "one"])
+def test_every_layout_trains_the_one_worker_model(runs, layout):
+    """Within 1e-4 relative at each of 20 steps (AdamW, clipping, warmup and cosine): the same
+    initial weights (built sharded, filled with the values one process would draw), the same
+    windows (sharded by data-parallel rank only), the same global gradient norm."""
+    reference, losses = runs["one"][0], runs[layout][0]
+    assert losses.keys() == reference.keys() == set(range(1, STEPS + 1))
+    for step in reference:
+        assert losses[step] == pytest.approx(reference[step], rel=1e-4), step
+    rows, one = runs[layout][1], runs["one"][1]
+    assert rows[-1]["val_loss"] == pytest.approx(one[-1]["val_loss"], rel=1e-4)
+
+
+def test_the_layouts_report_what_they_hold_and_move(runs):
+    """tp2 holds half the parameters per rank, its tp dimension moves bytes, the pipelines
+    report a bubble and point-to-point bytes; DDP replicas agree."""
+    tp2, pp2, one = runs["tp2"][1][-1], runs["pp2-1f1b"][1][-1], runs["one"][1][-1]
+    assert one["param_fraction"] == 1.0 and one["comm_bytes"] == {}
+    assert tp2["param_fraction"] == pytest.approx(0.5, abs=0.03)  # LayerNorms stay replicated
+    assert tp2["comm_bytes"]["tp"] > 0 and "pp" not in tp2["comm_bytes"]
+    assert pp2["comm_bytes"]["pp"] > 0 and 0.0 < pp2["bubble"] < 1.0
+    assert runs["fsdp2xtp2"][1][-1]["comm_bytes"]["dp"] > 0
+
+
+def test_a_tp2_checkpoint_resumes_as_fsdp_on_two_workers(runs, storage, pydoc_data):
+    """Saved at --tp 2 (one data-parallel rank of 16 sequences), continued at --strategy fsdp
+    --workers 2 (two ranks of 8): the next step's loss is the uninterrupted tp2 run's."""
+    shutil.copytree(storage / "tp2", storage / "tp2-to-fsdp")
+    torn = storage / "tp2-to-fsdp" / f"checkpoint_{STEPS:08d}" / "state.pt"
+    torn.write_bytes(torn.read_bytes()[:100])  # the final checkpoint is skipped: resume from 10
+    cfg = build_config(base=json.loads((storage / "tp2-to-fsdp" / "config.json").read_text()),
+                       flags={"tp": 1, "strategy": "fsdp", "batch_size": GLOBAL_BATCH // 2,
+                              "max_steps": 12})
+    cfg.name = "tp2-to-fsdp"
+    rows = []
+    summary = run_training(cfg, resume=True, say=lambda m: None, on_metrics=rows.append)
+    assert summary["resumed_from_step"] == 10
+    resumed, uninterrupted = step_losses(storage / "tp2-to-fsdp"), runs["tp2"][0]
+    for step in (11, 12):
+        assert resumed[step] == pytest.approx(uninterrupted[step], rel=1e-5), step
+
+
+@pytest.mark.parametrize("flags", [dict(strategy="fsdp"), dict(tp=2)])
+def test_built_sharded_no_rank_holds_the_whole_model(ray_address, pydoc_data, storage, flags):
+    """A gpt2-medium-shaped model (303M parameters with bytes): each of 2 workers builds only its
+    half, and its peak memory through a training step stays under 0.65x of what a full replica
+    needs for parameters, gradients and AdamW (16 bytes per parameter)."""
+    name = "big-" + "-".join(f"{k}{v}" for k, v in flags.items())
+    cfg = build_config(preset="gpt2-medium", flags=dict(
+        workers=2, max_steps=1, batch_size=1, seq_len=64, log_every=1, eval_every=1,
+        eval_windows=1, checkpoint_every=0, data=str(pydoc_data), storage=str(storage),
+        name=name, **flags))
+    rows = []
+    run_training(cfg, say=lambda m: None, on_metrics=rows.append, force=True)
+    full_replica_gb = 16 * rows[-1]["num_parameters"] / 1e9
+    assert rows[-1]["param_fraction"] == pytest.approx(0.5, abs=0.01)
+    assert rows[-1]["build_mem_gb"] < 0.55 * 4 * rows[-1]["num_parameters"] / 1e9  # < the weights
+    assert rows[-1]["mem_above_baseline_gb"] < 0.65 * full_replica_gb
+
+
+@pytest.mark.parametrize("args,expected", [
+    (["--tp", "3", "--workers", "3"], "model.n_head (4) must be divisible by --tp 3"),
+    (["--pp", "8", "--workers", "8"], "model.n_layer (4) is fewer than the 8 pipeline stages"),
+    (["--workers", "3", "--tp", "2"], "--workers 3 must be a multiple of --tp x --pp = 2"),
+    (["--pp", "2", "--microbatches", "1"], "--microbatches 1 is fewer than the 2 pipeline stages"),
+    (["--pp", "2", "--microbatches", "3"], "--batch-size 16 must be divisible by --microbatches 3"),
+    (["--pp", "2", "--grad-accum", "2"], "use them instead of --grad-accum"),
+    (["--pp", "2", "--pp-schedule", "zigzag"], "--pp-schedule must be one of"),
+    (["--sequence-parallel"], "--sequence-parallel needs --tp 2 or more"),
+])
+def test_layouts_that_cannot_work_are_refused(tmp_path, args, expected):
+    from test_cli_errors import assert_clean_error
+
+    result = run_cli("train", "--storage", str(tmp_path / "runs"), *args)
+    assert_clean_error(result, expected)
+    assert not (tmp_path / "runs").exists()
