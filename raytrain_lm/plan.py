@@ -108,7 +108,6 @@ GPUS_PER_NODE = 8
 # Activation elements per layer per token, in units of the width: (whole on every tp rank without
 # sequence parallelism, divided by tp). Sums: 17 without recomputation, 11 selective.
 AC_SPLIT = {"none": (5, 12), "selective": (3, 8)}
-AC_ELEMENTS = {k: sum(v) for k, v in AC_SPLIT.items()}
 AC_MODES = ("none", "selective", "full")
 STRATEGIES = ("ddp", "fsdp")
 
@@ -502,7 +501,7 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def tp_sizes(m: ModelConfig, cl: Cluster, seq_len: int) -> list[int]:
+def tp_sizes(m: ModelConfig, cl: Cluster) -> list[int]:
     """Tensor-parallel degrees that keep a group inside a node and whole heads on each rank."""
     return [t for t in divisors(cl.node) if cl.gpus % t == 0 and m.n_head % t == 0
             and m.block_size % t == 0]
@@ -523,7 +522,7 @@ def structures(m: ModelConfig, cl: Cluster, seq_len: int, tp: Optional[int] = No
                pp: Optional[int] = None, strategy: Optional[str] = None) -> Iterator[tuple]:
     """(tp, pp, dp, strategy, ac, sp, schedule) for every layout the GPUs and model allow;
     tp, pp and strategy fixed when given."""
-    for t in [tp] if tp else tp_sizes(m, cl, seq_len):
+    for t in [tp] if tp else tp_sizes(m, cl):
         for p in [pp] if pp else [d for d in divisors(cl.gpus // t) if d <= m.n_layer]:
             if cl.gpus % (t * p):
                 continue
@@ -697,14 +696,33 @@ def reason(best: Estimate, ranked: list[Estimate], cl: Cluster) -> str:
     if lay.ac != "none":
         parts.append(f"{lay.ac} activation checkpointing")
     fitting = [e for e in ranked if e.fits]
-    plain = [e for e in fitting if e.layout.tp == e.layout.pp == 1]
-    if lay.tp == lay.pp == 1:
-        versus = "plain data parallelism is the fastest that fits"
-    elif not plain:
-        versus = "data parallelism alone does not fit"
-    else:
-        versus = f"data parallelism alone would take {plain[0].step_s / best.step_s:.2g}x as long"
-    return f"{', '.join(parts) or 'one GPU'}: fastest of the {len(fitting)} layouts that fit; {versus}"
+    return (f"{', '.join(parts) or 'one GPU'}: fastest of the {len(fitting)} layouts that fit"
+            f"{_runner_up(best, fitting)}{_versus_plain(best, ranked)}")
+
+
+def short(lay: Layout) -> str:
+    """A layout in a few words."""
+    out = f"tp {lay.tp}, pp {lay.pp}, {lay.strategy} {lay.dp}"
+    if lay.pp > 1:
+        out += f", {lay.schedule}"
+    return out + f", {lay.ac} checkpointing" + (", SP" if lay.sp else "")
+
+
+def _runner_up(best: Estimate, fitting: list[Estimate]) -> str:
+    if len(fitting) < 2:
+        return ""
+    nxt = fitting[1]
+    return f"; next: {short(nxt.layout)}, {nxt.step_s / best.step_s - 1:+.0%}"
+
+
+def _versus_plain(best: Estimate, ranked: list[Estimate]) -> str:
+    """How plain data parallelism (no tp, no pp) compares, when it was planned at all."""
+    plain = [e for e in ranked if e.layout.tp == e.layout.pp == 1]
+    if not plain or any(e is best for e in plain):
+        return ""
+    if not plain[0].fits:
+        return "; data parallelism alone does not fit"
+    return f"; data parallelism alone would take {plain[0].step_s / best.step_s:.2g}x as long"
 
 
 def _row(i: int, e: Estimate) -> str:

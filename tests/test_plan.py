@@ -245,7 +245,10 @@ def test_plan_cli_table_and_reason():
     assert len(table_rows(r.stdout)) == 10  # the best ten, not hundreds
     rec = next(line for line in lines if line.startswith("recommendation: --tp"))
     assert "GB per GPU" in rec and "MFU" in rec
-    assert next(line for line in lines if line.startswith("why: "))
+    why = next(line for line in lines if line.startswith("why: "))
+    assert "does not fit" in why or "x as long" in why  # compared with data parallelism alone
+    if "TP " in why:
+        assert "inside a node" in why.split("TP ")[1].split(",")[0]
     assert run_cli(*PLAN_70B[:3], "--workers", "64", *PLAN_70B[5:]).stdout == r.stdout  # the alias
     r = run_cli(*PLAN_70B, "--top", "3")
     assert len(table_rows(r.stdout)) == 3
@@ -258,8 +261,9 @@ def test_plan_cli_json_and_restrictions():
     assert len(out["layouts"]) > 100 and out["recommendation"]["fits"] and out["reason"]
     assert out["recommendation"] == out["layouts"][0]
     r = run_cli(*PLAN_70B, "--json", "--tp", "8", "--strategy", "fsdp")
-    layouts = json.loads(r.stdout)["layouts"]
-    assert {(x["tp"], x["strategy"]) for x in layouts} == {(8, "fsdp")}
+    out = json.loads(r.stdout)
+    assert {(x["tp"], x["strategy"]) for x in out["layouts"]} == {(8, "fsdp")}
+    assert "data parallelism alone" not in out["reason"]  # it was not planned
     r = run_cli("plan", "--preset", "gpt2", "--gpus", "8")
     assert r.returncode == 0 and "recommendation: --tp 1 --pp 1 --strategy ddp" in r.stdout
 
