@@ -705,14 +705,16 @@ def short(lay: Layout) -> str:
     out = f"tp {lay.tp}, pp {lay.pp}, {lay.strategy} {lay.dp}"
     if lay.pp > 1:
         out += f", {lay.schedule}"
-    return out + f", {lay.ac} checkpointing" + (", SP" if lay.sp else "")
+    ckpt = "no checkpointing" if lay.ac == "none" else f"{lay.ac} checkpointing"
+    return f"{out}, {ckpt}" + (", SP" if lay.sp else "")
 
 
 def _runner_up(best: Estimate, fitting: list[Estimate]) -> str:
     if len(fitting) < 2:
         return ""
     nxt = fitting[1]
-    return f"; next: {short(nxt.layout)}, {nxt.step_s / best.step_s - 1:+.0%}"
+    slower = nxt.step_s / best.step_s - 1  # within 0.1% the simpler layout ranks first
+    return f"; next: {short(nxt.layout)}, " + ("as fast" if abs(slower) < 0.005 else f"{slower:+.0%}")
 
 
 def _versus_plain(best: Estimate, ranked: list[Estimate]) -> str:
