@@ -82,7 +82,17 @@ Step time:
 - Not modelled: latency, kernel efficiency against micro-batch size, the optimizer step, data
   loading, the extra work of the first and last stages (embedding, head), fp8.
 - MFU = model FLOPs / (step time x GPUs x peak).
-Estimates, not measurements: bench/memory.py compares the memory model with measured memory.
+
+Which layouts, and in which order:
+- tp divides the GPUs of a node (so a tp group never leaves it) and the heads; pp is at most the
+  layers (interleaved: 2 pp); dp = GPUs / (tp x pp) must divide the global batch. Micro-batches
+  tried: the powers of two dividing S, and S; pipelines need m >= pp (interleaved: a multiple).
+- Each layout keeps its fastest micro-batch split that fits (larger micro-batches among equals:
+  the model does not see their better kernel efficiency).
+- Layouts that fit rank by step time; times within 0.1% tie and the simpler wins (less
+  recomputation, no sequence parallelism, ddp, fewer stages, less tp).
+Estimates, not measurements: bench/memory.py compares the memory model with measured memory;
+docs/planner.md compares step times with published runs.
 """
 
 from __future__ import annotations
