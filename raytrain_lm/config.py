@@ -345,6 +345,19 @@ def pipeline_microbatches(cfg: TrainConfig) -> int:
     return cfg.microbatches or 2 * pipeline_stages(cfg)
 
 
+def split_layers(n_layer: int, n_stages: int) -> list[range]:
+    """Contiguous, as even as possible; any extra layers go to the middle stages, since the first
+    and last stages also run the embeddings and the head."""
+    if n_layer < n_stages:
+        raise ValueError(f"{n_layer} layers cannot fill {n_stages} pipeline stages")
+    sizes = [n_layer // n_stages] * n_stages
+    order = sorted(range(n_stages), key=lambda s: (s in (0, n_stages - 1), abs(s - n_stages / 2)))
+    for s in order[: n_layer % n_stages]:
+        sizes[s] += 1
+    starts = [sum(sizes[:s]) for s in range(n_stages)]
+    return [range(st, st + n) for st, n in zip(starts, sizes)]
+
+
 def check_layout(cfg: TrainConfig) -> None:
     """What a (dp, pp, tp) layout needs, checked before any worker starts; one line each."""
     m = cfg.model

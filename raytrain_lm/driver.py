@@ -15,7 +15,8 @@ from raytrain_lm import files, summary
 from raytrain_lm.config import TrainConfig
 from raytrain_lm.errors import UserError, last_line
 from raytrain_lm.preflight import (check_init_from, check_memory, check_resources,
-                                   default_run_name, prepare_data, resume_step, worker_memory_gb)
+                                   configured_memory_gb, default_run_name, prepare_data,
+                                   resume_step, worker_memory_gb)
 from raytrain_lm.runs import best_val_loss
 from raytrain_lm.storage import MetricsLog, RunFolder
 from raytrain_lm.tb import TensorBoardLog
@@ -110,9 +111,12 @@ def run_training(
     if init_from:
         init_from = check_init_from(init_from, cfg, manifest)
     previous = run.read_json(files.SUMMARY) if resume and run.exists(files.SUMMARY) else {}
+    known = configured_memory_gb(cfg)
+    if not force:  # before Ray starts when --set gpu_memory_gb tells the memory
+        check_memory(cfg, known)
     connect_ray(cfg.address, cfg.workers * cfg.cpus_per_worker, verbose)
     check_resources(cfg, say)
-    if not force:
+    if not force and known is None:  # else from Ray's accelerator labels or memory resource
         check_memory(cfg, worker_memory_gb(cfg))
 
     metrics_q = Queue(actor_options={"num_cpus": 0})

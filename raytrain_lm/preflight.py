@@ -95,26 +95,43 @@ def worker_memory_gb(cfg: TrainConfig) -> Optional[float]:
     return ray.cluster_resources().get("memory", 0) / 1e9 / cfg.workers or None
 
 
+def configured_memory_gb(cfg: TrainConfig) -> Optional[float]:
+    """Memory per GPU known from the config alone (--set gpu_memory_gb=...), so the memory check
+    can run before Ray starts."""
+    return cfg.gpu_memory_gb if cfg.use_gpu and cfg.gpu_memory_gb else None
+
+
 def check_memory(cfg: TrainConfig, memory_gb: Optional[float]) -> None:
-    """Refuse a configuration whose planned per-worker memory exceeds what a worker has."""
-    from raytrain_lm.plan import GB, USABLE_FRACTION, estimate, recommend
+    """Refuse a configuration whose planned per-worker memory (plan.py, for its own layout: tp,
+    pp, strategy, sequence parallelism, schedule and microbatches) exceeds what a worker has,
+    naming the plan's best layout for the same workers and global batch."""
+    from raytrain_lm.plan import GB, USABLE_FRACTION, config_cluster, config_layout, estimate_layout
 
     if memory_gb is None:
         return
-    plan = estimate(cfg.model, cfg.workers, cfg.strategy, cfg.activation_checkpointing,
-                    cfg.batch_size, cfg.seq_len, gpu=cfg.use_gpu)
-    if plan.total <= memory_gb * GB * USABLE_FRACTION:
+    layout, cluster = config_layout(cfg), config_cluster(cfg, memory_gb)
+    mine = estimate_layout(cfg.model, layout, cluster)
+    if mine.fits:
         return
-    better = recommend(cfg.model, cfg.workers, cfg.batch_size, cfg.grad_accum, cfg.seq_len,
-                       memory_gb, gpu=cfg.use_gpu)
-    hint = ("nothing fits on this many workers: add workers or use a smaller model" if better is None
-            else f"try --strategy {better[0].strategy} --activation-checkpointing "
-                 f"{better[0].activation_checkpointing} --batch-size {better[0].micro_batch} "
-                 f"--grad-accum {better[1]}")
-    raise UserError(f"this run needs ~{plan.total / GB:.1f} GB per worker (model state "
-                    f"{plan.model_state / GB:.1f}, activations {plan.activations / GB:.1f}, logits "
-                    f"{plan.logits / GB:.1f}) but a worker has {memory_gb:.0f} GB; {hint}; "
+    m = mine.memory
+    raise UserError(f"this run needs ~{m.total / GB:.1f} GB per worker (model state "
+                    f"{m.model_state / GB:.1f}, FSDP working set {m.gathered / GB:.1f}, activations "
+                    f"{m.activations / GB:.1f}, logits {m.logits / GB:.1f}) but a worker has "
+                    f"{memory_gb:.0f} GB ({USABLE_FRACTION:.0%} usable); {_better_layout(cfg, cluster, layout)}; "
                     f"see `python cli.py plan`, or pass --force")
+
+
+def _better_layout(cfg: TrainConfig, cluster, layout) -> str:
+    """The plan's fastest layout that fits, at this run's global batch, as a hint."""
+    from raytrain_lm.plan import GB, plan, recommendation
+
+    try:
+        best = recommendation(plan(cfg.model, cluster, layout.dp * layout.sequences, cfg.seq_len))
+    except UserError:
+        best = None
+    if best is None:
+        return "nothing fits on this many workers: add workers or use a smaller model"
+    return f"try {best.layout.flags()} (~{best.memory.total / GB:.1f} GB per worker)"
 
 
 def resume_step(run) -> Optional[int]:

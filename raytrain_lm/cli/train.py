@@ -10,6 +10,7 @@ import typer
 
 from raytrain_lm.cli.app import app, examples
 from raytrain_lm.cli.options import CONFIG, JSON, QUIET, SET, VERBOSE, ConfigPath, SetList, say_for, settings
+from raytrain_lm.plan import COMPUTE_EFFICIENCY, H100_NVLINK_GBPS, H100_TFLOPS, IB_400_GBPS
 
 TRAIN_SETTINGS = ("workers", "use_gpu", "preset", "data", "max_steps", "batch_size", "seq_len", "lr",
                   "grad_accum", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints",
@@ -88,35 +89,51 @@ def train_paths(args: list[str]) -> dict:
     return {k: None if parsed[k] is None else str(parsed[k]) for k in PATH_SETTINGS}
 
 
-@app.command(epilog=examples("python cli.py plan --preset gpt2 --workers 8",
-                             "python cli.py plan --preset gpt-70b --workers 64 --gpu-memory-gb 80",
+@app.command(epilog=examples("python cli.py plan --preset gpt2 --gpus 8",
+                             "python cli.py plan --preset gpt-70b --gpus 64 --gpus-per-node 8 --gpu-memory-gb 80",
+                             "python cli.py plan --preset gpt-70b --gpus 512 --tp 8 --strategy fsdp --json",
                              "python cli.py plan --preset small --set model.n_layer=24 --batch-size 32"))
-@settings("batch_size", "seq_len", "grad_accum")
+@settings("batch_size", "seq_len", "grad_accum",
+          help={"batch_size": "Sequences per GPU per micro-step under plain data parallelism: the "
+                              "global batch, the same for every layout, is GPUs x this x "
+                              "--grad-accum [default: the preset's]."})
 def plan(
     settings: dict,
     preset: str = typer.Option("gpt2", help="Model preset (any field overridable with --set)."),
-    workers: int = typer.Option(8, help="Data-parallel workers."),
+    gpus: int = typer.Option(8, "--gpus", "--workers", help="GPUs (workers) in all."),
+    gpus_per_node: int = typer.Option(8, help="GPUs per node: tensor parallelism stays inside one."),
     gpu_memory_gb: float = typer.Option(80.0, help="Memory per GPU, GB."),
+    intra_node_gbps: float = typer.Option(H100_NVLINK_GBPS, help="Bandwidth inside a node, Gb/s per "
+                                          "GPU per direction [default: H100 NVLink 4, 900 GB/s "
+                                          "both ways = 3600 Gb/s each way]."),
+    inter_node_gbps: float = typer.Option(IB_400_GBPS, help="Bandwidth between nodes, Gb/s per GPU "
+                                          "per direction [default: a 400 Gb/s InfiniBand NIC per GPU]."),
+    gpu_tflops: float = typer.Option(H100_TFLOPS, help="Peak dense bf16 TFLOP/s per GPU [default: "
+                                     "H100 SXM]."),
+    compute_efficiency: float = typer.Option(COMPUTE_EFFICIENCY, help="Fraction of the peak the "
+                                             "matmuls reach when nothing waits."),
+    tp: Optional[int] = typer.Option(None, help="Only layouts with this tensor-parallel degree."),
+    pp: Optional[int] = typer.Option(None, help="Only layouts with this many pipeline stages."),
+    strategy: Optional[str] = typer.Option(None, help="Only layouts whose data-parallel dimension is "
+                                           "this: ddp or fsdp."),
+    top: int = typer.Option(10, help="Layouts shown, fastest first."),
+    show_all: bool = typer.Option(False, "--all", help="Show every layout planned."),
     vocab_size: int = typer.Option(50304, help="The tokenizer's vocabulary, padded: GPT-2's BPE is "
                                    "50304, the byte tokenizer 256."),
     cpu: bool = typer.Option(False, help="Plan for CPU workers (fp32 activations)."),
     set_: SetList = SET,
     as_json: bool = JSON,
 ) -> None:
-    """Per-worker memory for each strategy and activation checkpointing, and what fits."""
-    from dataclasses import asdict
-
+    """Every (dp, tp, pp) layout of the GPUs: memory per GPU, communication, estimated step time;
+    the fastest that fits, and why."""
     from raytrain_lm.config import build_config
-    from raytrain_lm.plan import describe_plans, plan_report
+    from raytrain_lm.plan import Cluster, check_cluster, plan_command
 
+    cluster = Cluster(gpus=gpus, gpus_per_node=gpus_per_node, memory_gb=gpu_memory_gb,
+                      intra_gbps=intra_node_gbps, inter_gbps=inter_node_gbps, tflops=gpu_tflops,
+                      efficiency=compute_efficiency, gpu=not cpu)
+    check_cluster(cluster)
     cfg = build_config(preset=preset, sets=set_,
-                       flags={**settings, "workers": workers, "model": {"vocab_size": vocab_size}})
-    report = plan_report(cfg, gpu_memory_gb, gpu=not cpu)
-    if as_json:
-        best = report["recommendation"]
-        typer.echo(json.dumps({"parameters": report["parameters"],
-                               "plans": [asdict(p) | {"total": p.total} for p in report["plans"]],
-                               "recommendation": None if best is None else
-                               {**asdict(best[0]), "grad_accum": best[1]}}, indent=2))
-        return
-    typer.echo(describe_plans(cfg, report, gpu_memory_gb, gpu=not cpu))
+                       flags={**settings, "workers": gpus, "model": {"vocab_size": vocab_size}})
+    typer.echo(plan_command(cfg, cluster, tp=tp, pp=pp, strategy=strategy, top=top,
+                            show_all=show_all, as_json=as_json))

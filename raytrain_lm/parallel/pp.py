@@ -33,6 +33,7 @@ from torch.distributed.pipelining.schedules import (
 )
 from torch.distributed.tensor import DTensor, Shard
 
+from raytrain_lm.config import split_layers  # noqa: F401  (pure; the planner uses it too)
 from raytrain_lm.model import GPT
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B}
@@ -63,19 +64,6 @@ class GPTStage(nn.Module):
         if self.is_last:
             x = GPT.head(self, x)  # logits (the local vocab shard under TP)
         return x
-
-
-def split_layers(n_layer: int, n_stages: int) -> list[range]:
-    """Contiguous, as even as possible; any extra layers go to the middle stages, since the first
-    and last stages also run the embeddings and the head."""
-    if n_layer < n_stages:
-        raise ValueError(f"{n_layer} layers cannot fill {n_stages} pipeline stages")
-    sizes = [n_layer // n_stages] * n_stages
-    order = sorted(range(n_stages), key=lambda s: (s in (0, n_stages - 1), abs(s - n_stages / 2)))
-    for s in order[: n_layer % n_stages]:
-        sizes[s] += 1
-    starts = [sum(sizes[:s]) for s in range(n_stages)]
-    return [range(st, st + n) for st, n in zip(starts, sizes)]
 
 
 def stage_ids(pp_rank: int, pp_size: int, stages_per_rank: int) -> list[int]:
