@@ -1,0 +1,260 @@
+"""Step time of a layout; which layouts exist and how they rank; a config's own layout."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+from raytrain_lm.config import ModelConfig, PP_SCHEDULES
+from raytrain_lm.errors import UserError
+from raytrain_lm.plan.layout import (AC_MODES, GPUS_PER_NODE, STRATEGIES, Cluster, Layout,
+                                     candidate_ranks, param_counts, rank_stages)
+from raytrain_lm.plan.memory import MemoryPlan, rank_memory
+from raytrain_lm.plan.comm import Comm, rank_comm
+
+
+def flops_per_token(m: ModelConfig, seq_len: int) -> float:
+    """model.flops_per_token (PaLM: 6N + 12 L H Q T) with N as loop.py counts it: every parameter
+    but the position embeddings."""
+    n = param_counts(m)["total"] - m.block_size * m.n_embd
+    return 6.0 * n + 12.0 * m.n_layer * m.n_embd * seq_len
+
+
+def recompute_flops_per_token(m: ModelConfig, ac: str, seq_len: int) -> float:
+    """Full checkpointing runs every block's forward again (a third of its 6N + 12 L H Q T);
+    selective recomputes elementwise ops only (counted as free)."""
+    if ac != "full":
+        return 0.0
+    return 2.0 * m.n_layer * param_counts(m)["block"] + 4.0 * m.n_layer * m.n_embd * seq_len
+
+
+def bubble(pp: int, microbatches: int, stages_per_rank: int = 1) -> float:
+    """Idle fraction of a pipelined step: (p - 1) / (v m + p - 1)."""
+    return (pp - 1) / (stages_per_rank * microbatches + pp - 1)
+
+
+@dataclass
+class Estimate:
+    layout: Layout
+    memory: MemoryPlan  # the rank that needs the most
+    comm: Comm  # the slowest rank's
+    compute_s: float
+    bubble: float
+    tp_s: float
+    pp_s: float
+    dp_exposed_s: float
+    step_s: float
+    mfu: float
+    fits: bool
+
+
+def rank_step(lay: Layout, cl: Cluster, comm: Comm, compute: float, idle: float) -> tuple[float, ...]:
+    """(tp, pp, exposed dp, step) seconds for one rank."""
+    t_tp = comm.tp / cl.bandwidth(lay.blocks["tp"])
+    t_pp = comm.pp / cl.bandwidth(lay.blocks["pp"])
+    gather = comm.dp_gather / cl.bandwidth(lay.blocks["dp"])
+    reduce = comm.dp_reduce / cl.bandwidth(lay.blocks["dp"])
+    if lay.pp > 1:
+        exposed = max(0.0, gather - compute) + reduce
+    else:
+        exposed = max(0.0, gather + reduce - compute)
+    return t_tp, t_pp, exposed, (compute + t_tp) / (1 - idle) + t_pp + exposed
+
+
+def estimate_layout(m: ModelConfig, lay: Layout, cl: Cluster) -> Estimate:
+    ranks = rank_stages(m, lay.pp, lay.v)
+    candidates = candidate_ranks(ranks)
+    memory = max((rank_memory(m, lay, cl, ranks[r], r) for r in candidates), key=lambda x: x.total)
+    tokens = lay.dp * lay.sequences * lay.seq_len
+    model_flops = flops_per_token(m, lay.seq_len) * tokens
+    work = model_flops + recompute_flops_per_token(m, lay.ac, lay.seq_len) * tokens
+    compute = work / (lay.gpus * cl.tflops * 1e12 * cl.efficiency)
+    idle = bubble(lay.pp, lay.microbatches, lay.v) if lay.pp > 1 else 0.0
+    slowest = None
+    for r in candidates:
+        comm = rank_comm(m, lay, cl, ranks[r])
+        times = rank_step(lay, cl, comm, compute, idle)
+        if slowest is None or times[-1] > slowest[1][-1]:
+            slowest = (comm, times)
+    comm, (t_tp, t_pp, exposed, step) = slowest
+    return Estimate(layout=lay, memory=memory, comm=comm, compute_s=compute, bubble=idle,
+                    tp_s=t_tp, pp_s=t_pp, dp_exposed_s=exposed, step_s=step,
+                    mfu=model_flops / (step * lay.gpus * cl.tflops * 1e12),
+                    fits=memory.total <= cl.budget)
+
+
+# ---------------------------------------------------------------- which layouts
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def tp_sizes(m: ModelConfig, cl: Cluster) -> list[int]:
+    """Tensor-parallel degrees that keep a group inside a node and whole heads on each rank."""
+    return [t for t in divisors(cl.node) if cl.gpus % t == 0 and m.n_head % t == 0
+            and m.block_size % t == 0]
+
+
+def micro_batches(sequences: int) -> list[int]:
+    """Micro-batch sizes tried: the powers of two dividing S, and S."""
+    out = {sequences}
+    b = 1
+    while b <= sequences:
+        if sequences % b == 0:
+            out.add(b)
+        b *= 2
+    return sorted(out)
+
+
+def structures(m: ModelConfig, cl: Cluster, seq_len: int, tp: Optional[int] = None,
+               pp: Optional[int] = None, strategy: Optional[str] = None) -> Iterator[tuple]:
+    """(tp, pp, dp, strategy, ac, sp, schedule) for every layout the GPUs and model allow;
+    tp, pp and strategy fixed when given."""
+    for t in [tp] if tp else tp_sizes(m, cl):
+        for p in [pp] if pp else [d for d in divisors(cl.gpus // t) if d <= m.n_layer]:
+            if cl.gpus % (t * p):
+                continue
+            dp = cl.gpus // (t * p)
+            kinds = [strategy] if strategy else (list(STRATEGIES) if dp > 1 else ["ddp"])
+            schedules = [s for s in PP_SCHEDULES if p * (2 if s == "interleaved-1f1b" else 1)
+                         <= m.n_layer] if p > 1 else ["-"]
+            sps = [False, True] if t > 1 and seq_len % t == 0 else [False]
+            for kind in kinds:
+                for ac in AC_MODES:
+                    for sp in sps:
+                        for schedule in schedules:
+                            yield t, p, dp, kind, ac, sp, schedule
+
+
+def variants(structure: tuple, global_batch: int, seq_len: int) -> Iterator[Layout]:
+    """The micro-batch splits of one structure (check_layout's rules for pipelines)."""
+    t, p, dp, kind, ac, sp, schedule = structure
+    if global_batch % dp:
+        return
+    sequences = global_batch // dp
+    for b in micro_batches(sequences):
+        n = sequences // b
+        if p > 1 and (n < p or (schedule == "interleaved-1f1b" and n % p)):
+            continue
+        yield Layout(dp, t, p, kind, ac, sp, schedule, b, n, seq_len)
+
+
+def _bucket(seconds: float) -> int:
+    """Step times within 0.1% count as equal when ranking."""
+    return round(math.log(seconds) / math.log(1.001))
+
+
+def best_variant(estimates: list[Estimate]) -> Estimate:
+    """The fastest split that fits, larger micro-batches first among equals (the model does not
+    see their better kernel efficiency); if none fits, the one that needs the least memory."""
+    fitting = [e for e in estimates if e.fits]
+    if fitting:
+        return min(fitting, key=lambda e: (_bucket(e.step_s), -e.layout.micro_batch))
+    return min(estimates, key=lambda e: e.memory.total)
+
+
+def rank_key(e: Estimate) -> tuple:
+    """Fitting layouts by step time, then the simpler (less recomputation, no sequence
+    parallelism, ddp, fewer stages, less tp), then memory; the others after, by memory."""
+    lay = e.layout
+    if not e.fits:
+        return (1, e.memory.total)
+    return (0, _bucket(e.step_s), AC_MODES.index(lay.ac), lay.sp, lay.strategy == "fsdp",
+            lay.pp, lay.tp, e.memory.total)
+
+
+def plan(m: ModelConfig, cl: Cluster, global_batch: int, seq_len: int, tp: Optional[int] = None,
+         pp: Optional[int] = None, strategy: Optional[str] = None) -> list[Estimate]:
+    """Every layout (each with its best micro-batch split), ranked: fitting ones fastest first."""
+    check_request(m, cl, global_batch, seq_len, tp, pp, strategy)
+    out = []
+    for structure in structures(m, cl, seq_len, tp, pp, strategy):
+        estimates = [estimate_layout(m, lay, cl) for lay in variants(structure, global_batch, seq_len)]
+        if estimates:
+            out.append(best_variant(estimates))
+    if not out:
+        raise UserError(f"no layout of {cl.gpus} GPUs can split a global batch of {global_batch} "
+                        f"sequences: raise --batch-size or --grad-accum, or drop --tp/--pp")
+    return sorted(out, key=rank_key)
+
+
+def check_cluster(cl: Cluster) -> None:
+    """Bad cluster inputs of `plan`, one line each."""
+    for name, value in (("--gpus", cl.gpus), ("--gpus-per-node", cl.gpus_per_node)):
+        if value < 1:
+            raise UserError(f"{name} must be at least 1, got {value}")
+    if cl.gpus > cl.gpus_per_node and cl.gpus % cl.gpus_per_node:
+        raise UserError(f"--gpus {cl.gpus} is not a whole number of nodes of --gpus-per-node "
+                        f"{cl.gpus_per_node}")
+    for name, value in (("--gpu-memory-gb", cl.memory_gb), ("--intra-node-gbps", cl.intra_gbps),
+                        ("--inter-node-gbps", cl.inter_gbps), ("--gpu-tflops", cl.tflops)):
+        if not value > 0:
+            raise UserError(f"{name} must be positive, got {value:g}")
+    if not 0 < cl.efficiency <= 1:
+        raise UserError(f"--compute-efficiency must be in (0, 1], got {cl.efficiency:g}")
+
+
+def check_request(m: ModelConfig, cl: Cluster, global_batch: int, seq_len: int,
+                  tp: Optional[int], pp: Optional[int], strategy: Optional[str]) -> None:
+    """Bad inputs of `plan`, one line each."""
+    check_cluster(cl)
+    if global_batch < 1:
+        raise UserError(f"the global batch must be at least 1 sequence, got {global_batch}")
+    if strategy is not None and strategy not in STRATEGIES:
+        raise UserError(f"--strategy must be ddp or fsdp, got {strategy!r}")
+    if tp is not None:
+        check_tp(m, cl, tp, seq_len)
+    if pp is not None:
+        check_pp(m, cl, pp, tp or 1)
+
+
+def check_tp(m: ModelConfig, cl: Cluster, tp: int, seq_len: int) -> None:
+    if tp < 1:
+        raise UserError(f"--tp must be at least 1, got {tp}")
+    if cl.gpus % tp:
+        raise UserError(f"--tp {tp} does not divide --gpus {cl.gpus}")
+    if tp > cl.node or cl.node % tp:
+        raise UserError(f"--tp {tp} does not fit in a node of {cl.node} GPUs: tensor parallelism "
+                        f"all-reduces activations in every layer and needs the node's links")
+    if m.n_head % tp or m.block_size % tp:
+        raise UserError(f"--tp {tp} must divide model.n_head ({m.n_head}) and model.block_size "
+                        f"({m.block_size}): each tensor-parallel rank holds whole heads")
+
+
+def check_pp(m: ModelConfig, cl: Cluster, pp: int, tp: int) -> None:
+    if pp < 1:
+        raise UserError(f"--pp must be at least 1, got {pp}")
+    if cl.gpus % (tp * pp):
+        raise UserError(f"--gpus {cl.gpus} is not a multiple of tp x pp = {tp} x {pp}")
+    if pp > m.n_layer:
+        raise UserError(f"--pp {pp} is more stages than model.n_layer ({m.n_layer}) layers")
+
+
+# ---------------------------------------------------------------- a config's own layout
+
+def config_layout(cfg) -> Layout:
+    """The layout a TrainConfig trains with."""
+    from raytrain_lm.config import pipeline_microbatches
+
+    dp = cfg.workers // (cfg.tp * cfg.pp)
+    if cfg.pp > 1:
+        n = pipeline_microbatches(cfg)
+        return Layout(dp, cfg.tp, cfg.pp, cfg.strategy, cfg.activation_checkpointing,
+                      cfg.sequence_parallel, cfg.pp_schedule, cfg.batch_size // n, n, cfg.seq_len)
+    return Layout(dp, cfg.tp, 1, cfg.strategy, cfg.activation_checkpointing,
+                  cfg.sequence_parallel, "-", cfg.batch_size, cfg.grad_accum, cfg.seq_len)
+
+
+def config_cluster(cfg, memory_gb: float) -> Cluster:
+    """The cluster `train` checks against: GPUs per node unknown before Ray starts, so the
+    largest of 1, 2, 4, 8 that divides the workers (8-GPU nodes)."""
+    return Cluster(gpus=cfg.workers, gpus_per_node=math.gcd(cfg.workers, GPUS_PER_NODE),
+                   memory_gb=memory_gb, gpu=cfg.use_gpu)
+
+
+def estimate(m: ModelConfig, workers: int, strategy: str, ac: str, micro_batch: int, seq_len: int,
+             gpu: bool = True) -> MemoryPlan:
+    """Memory of plain data parallelism (no tp, no pp, one micro-step): bench/memory.py's plan."""
+    lay = Layout(workers, 1, 1, strategy, ac, False, "-", micro_batch, 1, seq_len)
+    return estimate_layout(m, lay, Cluster(gpus=workers, gpu=gpu)).memory

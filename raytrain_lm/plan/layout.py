@@ -1,0 +1,177 @@
+"""What is planned: the cluster, a layout, and where the parameters are."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from raytrain_lm.config import ModelConfig, split_layers
+
+
+GB = 1e9
+USABLE_FRACTION = 0.9
+# Defaults of the cluster (H100 SXM nodes of 8 GPUs):
+# NVLink 4: 900 GB/s per GPU both directions together = 450 GB/s = 3600 Gb/s per direction.
+H100_NVLINK_GBPS = 3600.0
+# One 400 Gb/s InfiniBand (or RoCE) NIC per GPU, as in DGX H100 and Meta's Grand Teton hosts.
+IB_400_GBPS = 400.0
+H100_TFLOPS = 989.0  # H100 SXM dense bf16 (gpus.py)
+COMPUTE_EFFICIENCY = 0.5
+GPUS_PER_NODE = 8
+
+# Activation elements per layer per token, in units of the width: (whole on every tp rank without
+# sequence parallelism, divided by tp). Sums: 17 without recomputation, 11 selective.
+AC_SPLIT = {"none": (5, 12), "selective": (3, 8)}
+AC_MODES = ("none", "selective", "full")
+STRATEGIES = ("ddp", "fsdp")
+
+
+@dataclass(frozen=True)
+class Cluster:
+    gpus: int
+    gpus_per_node: int = GPUS_PER_NODE
+    memory_gb: float = 80.0
+    intra_gbps: float = H100_NVLINK_GBPS  # per GPU per direction, gigabits per second
+    inter_gbps: float = IB_400_GBPS
+    tflops: float = H100_TFLOPS  # peak per GPU
+    efficiency: float = COMPUTE_EFFICIENCY  # of the peak, reached by the matmuls
+    gpu: bool = True  # False: CPU workers (fp32 activations)
+
+    @property
+    def budget(self) -> float:
+        """Bytes a GPU may plan for."""
+        return self.memory_gb * GB * USABLE_FRACTION
+
+    @property
+    def act_bytes(self) -> int:
+        """Activations, gathered FSDP parameters, tp collectives: bf16 on GPU, fp32 on CPU."""
+        return 2 if self.gpu else 4
+
+    @property
+    def node(self) -> int:
+        """GPUs that share a node's fast links (all of them when they do not fill one node)."""
+        return min(self.gpus_per_node, self.gpus)
+
+    def inside(self, block: int) -> bool:
+        """Whether a group whose ranks lie in aligned blocks of `block` consecutive ranks stays
+        inside one node."""
+        return block <= self.node and self.node % block == 0
+
+    def bandwidth(self, block: int) -> float:
+        """Bytes/s per GPU per direction for such a group."""
+        return (self.intra_gbps if self.inside(block) else self.inter_gbps) * 1e9 / 8
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp: int
+    tp: int
+    pp: int
+    strategy: str  # of the dp dimension: ddp or fsdp
+    ac: str  # activation checkpointing: none, selective, full
+    sp: bool  # sequence parallelism
+    schedule: str  # gpipe, 1f1b, interleaved-1f1b; "-" without pp
+    micro_batch: int  # b: sequences per micro-batch
+    microbatches: int  # n: pipeline microbatches (pp > 1), else gradient-accumulation steps
+    seq_len: int
+
+    @property
+    def gpus(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def v(self) -> int:
+        """Pipeline stages per GPU."""
+        return 2 if self.schedule == "interleaved-1f1b" else 1
+
+    @property
+    def sequences(self) -> int:
+        """S: sequences per data-parallel rank per step."""
+        return self.micro_batch * self.microbatches
+
+    @property
+    def sharded(self) -> bool:
+        """FSDP shards only over a dp dimension of 2 or more (fsdp.apply_dp)."""
+        return self.strategy == "fsdp" and self.dp > 1
+
+    @property
+    def blocks(self) -> dict[str, int]:
+        """Each dimension's groups as aligned blocks of consecutive ranks (parallel/mesh.py)."""
+        return {"tp": self.tp, "dp": self.dp * self.tp, "pp": self.gpus}
+
+    def flags(self) -> str:
+        """This layout as `train` flags (the data-parallel size follows from --workers)."""
+        out = [f"--tp {self.tp}", f"--pp {self.pp}", f"--strategy {self.strategy}",
+               f"--activation-checkpointing {self.ac}"]
+        if self.sp:
+            out.append("--sequence-parallel")
+        if self.pp > 1:
+            out += [f"--pp-schedule {self.schedule}", f"--batch-size {self.sequences}",
+                    f"--microbatches {self.microbatches}"]
+        else:
+            out += [f"--batch-size {self.micro_batch}", f"--grad-accum {self.microbatches}"]
+        return " ".join(out)
+
+
+# ---------------------------------------------------------------- parameters
+
+def param_counts(m: ModelConfig) -> dict[str, int]:
+    h, V, L = m.n_embd, m.vocab_size or 256, m.n_layer
+    bias = 1 if m.bias else 0
+    block = 12 * h * h + bias * (3 * h + h + 4 * h + h) + (2 + 2 * bias) * h
+    root = V * h + m.block_size * h + (1 + bias) * h  # tied embedding, positions, final norm
+    return {"block": block, "root": root, "total": L * block + root}
+
+
+def tp_param_counts(m: ModelConfig, tp: int) -> dict[str, float]:
+    """Parameters one tp rank holds, per piece (parallel/tp.py's layouts)."""
+    h, V, T = m.n_embd, m.vocab_size or 256, m.block_size
+    bias = 1 if m.bias else 0
+    ln = (1 + bias) * h
+    # Split: c_attn (3h x h + 3h), c_fc (4h x h + 4h), attn.c_proj (h x h), mlp.c_proj (h x 4h).
+    # Whole: the row-parallel biases (h each) and the two LayerNorms.
+    block = (12 * h * h + bias * 7 * h) / tp + bias * 2 * h + 2 * ln
+    return {"block": block, "wte": V * h / tp, "wpe": T * h / tp, "ln_f": ln}
+
+
+@dataclass(frozen=True)
+class Stage:
+    layers: int
+    first: bool
+    last: bool
+
+
+def rank_stages(m: ModelConfig, pp: int, v: int) -> list[list[Stage]]:
+    """Each pp rank's stages: stage s on rank s % pp ("loop" placement, parallel/pp.py)."""
+    n = pp * v
+    sizes = [len(r) for r in split_layers(m.n_layer, n)]
+    return [[Stage(sizes[s], s == 0, s == n - 1) for s in range(r, n, pp)] for r in range(pp)]
+
+
+def stage_params(p: dict[str, float], st: Stage) -> float:
+    """A stage's parameters; wte once when one stage is both first and last (tied to the head)."""
+    return (st.layers * p["block"] + (p["wte"] if st.first or st.last else 0)
+            + (p["wpe"] if st.first else 0) + (p["ln_f"] if st.last else 0))
+
+
+def held_params(p: dict[str, float], stages: list[Stage]) -> float:
+    return sum(stage_params(p, st) for st in stages)
+
+
+def root_params(p: dict[str, float], stages: list[Stage]) -> float:
+    """Parameters outside the blocks (FSDP's root group) on a rank."""
+    return sum(stage_params(p, Stage(0, st.first, st.last)) for st in stages)
+
+
+def candidate_ranks(ranks: list[list[Stage]]) -> list[int]:
+    """The pp ranks that can be the worst: the first (most microbatches in flight, embeddings),
+    the last (head, logits), and of the others the first with each layer count (a later rank
+    with as many layers holds fewer microbatches and sends as much)."""
+    p = len(ranks)
+    out = {0, p - 1}
+    seen = set()
+    for r in range(1, p - 1):
+        layers = sum(st.layers for st in ranks[r])
+        if layers not in seen:
+            seen.add(layers)
+            out.add(r)
+    return sorted(out)
