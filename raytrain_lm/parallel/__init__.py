@@ -30,7 +30,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from raytrain_lm.config import TrainConfig, pipeline_microbatches, pipeline_stages
+from raytrain_lm.checks import pipeline_microbatches, pipeline_stages
+from raytrain_lm.config import TrainConfig
 from raytrain_lm.model import GPT
 from raytrain_lm.optim import build_optimizer
 from raytrain_lm.parallel import ddp, fsdp

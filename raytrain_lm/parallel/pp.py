@@ -33,7 +33,7 @@ from torch.distributed.pipelining.schedules import (
 )
 from torch.distributed.tensor import DTensor, Shard
 
-from raytrain_lm.config import split_layers  # noqa: F401  (pure; the planner uses it too)
+from raytrain_lm.checks import split_layers  # noqa: F401  (pure; the planner uses it too)
 from raytrain_lm.model import GPT
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B}

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from raytrain_lm.config import ModelConfig, split_layers
+from raytrain_lm.checks import split_layers
+from raytrain_lm.config import ModelConfig
 
 
 GB = 1e9

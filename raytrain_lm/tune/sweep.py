@@ -20,7 +20,8 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Optional
 
-from raytrain_lm.config import TrainConfig, apply_overrides, check_name, validate
+from raytrain_lm.checks import check_name, validate
+from raytrain_lm.config import TrainConfig, apply_overrides
 from raytrain_lm.errors import UserError
 from raytrain_lm.files import SWEEP, TRIAL_CONFIG
 from raytrain_lm.storage import RunFolder

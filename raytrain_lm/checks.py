@@ -1,0 +1,159 @@
+"""Checks of a TrainConfig that need no cluster and no dataset: the values, the parallel layout,
+what a resumed run may change, names. Every failure is one line (UserError).
+Also the pipeline's shape (stages, microbatches, the layer split), shared by the checks, the
+planner and parallel/pp.py."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional
+
+from raytrain_lm.errors import UserError
+from raytrain_lm.files import NAME_RULE, is_plain_name
+
+if TYPE_CHECKING:
+    from raytrain_lm.config import TrainConfig
+
+SCHEDULES = ("cosine", "wsd", "exp_range")  # of the learning rate (optim.lr_at)
+
+
+def check_resumable(was: TrainConfig, cfg: TrainConfig, preset: str) -> None:
+    """Settings a resumed run cannot change, because what its checkpoints hold depends on them.
+    The layout may change (--workers, --strategy, --tp, --pp): checkpoints load at any layout."""
+    if cfg.model != was.model or cfg.preset != preset:
+        raise UserError("a resumed run keeps its model: drop those settings, or start a new run "
+                        "with --init-from")
+    for key, why in (("seq_len", "the saved data position counts windows of that many tokens"),
+                     ("seed", "the saved data position is a place in the order this seed shuffles")):
+        if getattr(cfg, key) != getattr(was, key):
+            raise UserError(f"a resumed run keeps its --{key.replace('_', '-')} "
+                            f"({getattr(was, key)}): {why}; drop it, or start a new run with "
+                            f"--init-from")
+
+
+def check_name(name: Optional[str]) -> None:
+    """A run or sweep name is a folder inside --storage, never a path out of it."""
+    if name is not None and not is_plain_name(name):
+        raise UserError(f"--name {name!r} is not a valid name: use {NAME_RULE}")
+
+
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+
+
+def pipeline_stages(cfg: TrainConfig) -> int:
+    """Pipeline stages in all: two per worker for the interleaved schedule."""
+    return cfg.pp * (2 if cfg.pp_schedule == "interleaved-1f1b" else 1)
+
+
+def pipeline_microbatches(cfg: TrainConfig) -> int:
+    return cfg.microbatches or 2 * pipeline_stages(cfg)
+
+
+def split_layers(n_layer: int, n_stages: int) -> list[range]:
+    """Contiguous, as even as possible; any extra layers go to the middle stages, since the first
+    and last stages also run the embeddings and the head."""
+    if n_layer < n_stages:
+        raise ValueError(f"{n_layer} layers cannot fill {n_stages} pipeline stages")
+    sizes = [n_layer // n_stages] * n_stages
+    order = sorted(range(n_stages), key=lambda s: (s in (0, n_stages - 1), abs(s - n_stages / 2)))
+    for s in order[: n_layer % n_stages]:
+        sizes[s] += 1
+    starts = [sum(sizes[:s]) for s in range(n_stages)]
+    return [range(st, st + n) for st, n in zip(starts, sizes)]
+
+
+def check_layout(cfg: TrainConfig) -> None:
+    """What a (dp, pp, tp) layout needs, checked before any worker starts; one line each."""
+    m = cfg.model
+    if cfg.tp < 1 or cfg.pp < 1:
+        raise UserError(f"--tp and --pp must be at least 1, got {cfg.tp} and {cfg.pp}")
+    if cfg.workers % (cfg.tp * cfg.pp):
+        raise UserError(f"--workers {cfg.workers} must be a multiple of --tp x --pp = "
+                        f"{cfg.tp * cfg.pp}: the data-parallel size is workers / (tp x pp)")
+    if m.n_head % cfg.tp:
+        raise UserError(f"model.n_head ({m.n_head}) must be divisible by --tp {cfg.tp}: each "
+                        f"tensor-parallel rank holds whole attention heads")
+    if m.block_size % cfg.tp:
+        raise UserError(f"model.block_size ({m.block_size}) must be divisible by --tp {cfg.tp}")
+    if cfg.sequence_parallel and cfg.tp == 1:
+        raise UserError("--sequence-parallel needs --tp 2 or more")
+    if cfg.sequence_parallel and cfg.seq_len % cfg.tp:
+        raise UserError(f"--seq-len {cfg.seq_len} must be divisible by --tp {cfg.tp} with "
+                        f"--sequence-parallel")
+    if cfg.compile and (cfg.tp > 1 or cfg.pp > 1):
+        raise UserError("--compile works with --tp 1 --pp 1 (ddp or fsdp) for now")
+    if cfg.pp_schedule not in PP_SCHEDULES:
+        raise UserError(f"--pp-schedule must be one of {', '.join(PP_SCHEDULES)}, got {cfg.pp_schedule!r}")
+    if cfg.microbatches < 0:
+        raise UserError(f"--microbatches must be >= 0 (0: twice the stages), got {cfg.microbatches}")
+    if cfg.pp == 1:
+        return
+    stages, micro = pipeline_stages(cfg), pipeline_microbatches(cfg)
+    if m.n_layer < stages:
+        raise UserError(f"model.n_layer ({m.n_layer}) is fewer than the {stages} pipeline stages "
+                        f"of --pp {cfg.pp} --pp-schedule {cfg.pp_schedule}")
+    if micro < cfg.pp:
+        raise UserError(f"--microbatches {micro} is fewer than the {cfg.pp} pipeline stages: the "
+                        f"pipeline would never fill")
+    if cfg.pp_schedule == "interleaved-1f1b" and micro % cfg.pp:
+        raise UserError(f"interleaved-1f1b needs --microbatches ({micro}) to be a multiple of "
+                        f"--pp ({cfg.pp})")
+    if cfg.batch_size % micro:
+        raise UserError(f"--batch-size {cfg.batch_size} must be divisible by --microbatches "
+                        f"{micro}: each microbatch is batch-size / microbatches sequences")
+    if cfg.grad_accum != 1:
+        raise UserError("with --pp, the pipeline's --microbatches accumulate gradients: use them "
+                        "instead of --grad-accum")
+    if cfg.precision == "fp16":
+        raise UserError("--precision fp16 (a gradient scaler) is not supported with --pp; use bf16")
+
+
+def validate(cfg: TrainConfig) -> None:
+    """Checks that need no cluster and no dataset."""
+    check_name(cfg.name)
+    m = cfg.model
+    positive = dict(workers=cfg.workers, max_steps=cfg.max_steps, batch_size=cfg.batch_size,
+                    seq_len=cfg.seq_len, grad_accum=cfg.grad_accum, log_every=cfg.log_every,
+                    eval_every=cfg.eval_every,
+                    keep_checkpoints=cfg.keep_checkpoints, **{"model.n_layer": m.n_layer,
+                    "model.n_head": m.n_head, "model.n_embd": m.n_embd,
+                    "model.block_size": m.block_size})
+    for k, v in positive.items():
+        if v < 1:
+            raise UserError(f"--{k.replace('_', '-')} must be at least 1, got {v}")
+    if cfg.lr <= 0:
+        raise UserError(f"--lr must be positive, got {cfg.lr}")
+    if cfg.cpus_per_worker <= 0:
+        raise UserError(f"cpus_per_worker must be positive, got {cfg.cpus_per_worker}")
+    if cfg.scale_timeout < 0:
+        raise UserError(f"--scale-timeout must be >= 0 seconds, got {cfg.scale_timeout:g}")
+    if cfg.warmup_steps < 0 or cfg.checkpoint_every < 0 or cfg.max_failures < -1 or cfg.eval_windows < 0:
+        raise UserError("warmup_steps, checkpoint_every and eval_windows must be >= 0, max_failures >= -1")
+    if cfg.horizon is not None and cfg.horizon < 1:
+        raise UserError(f"horizon must be at least 1, got {cfg.horizon}")
+    if not 0.0 < cfg.decay_fraction <= 1.0:
+        raise UserError(f"decay_fraction must be in (0, 1], got {cfg.decay_fraction}")
+    if not 0.0 <= cfg.min_lr_ratio <= 1.0:
+        raise UserError(f"min_lr_ratio must be in [0, 1], got {cfg.min_lr_ratio}")
+    if not 0.0 <= m.dropout < 1.0:
+        raise UserError(f"model.dropout must be in [0, 1), got {m.dropout}")
+    if m.n_embd % m.n_head:
+        raise UserError(f"model.n_embd ({m.n_embd}) must be divisible by model.n_head ({m.n_head})")
+    if cfg.seq_len > m.block_size:
+        raise UserError(f"--seq-len {cfg.seq_len} is larger than the model's context "
+                        f"(model.block_size={m.block_size}); lower it or --set model.block_size=...")
+    if cfg.precision not in ("auto", "fp32", "bf16", "fp16"):
+        raise UserError(f"precision must be auto, fp32, bf16 or fp16, got {cfg.precision!r}")
+    check_layout(cfg)
+    if cfg.strategy not in ("ddp", "fsdp"):
+        raise UserError(f"--strategy must be ddp or fsdp, got {cfg.strategy!r}")
+    if cfg.activation_checkpointing not in ("none", "full", "selective"):
+        raise UserError("--activation-checkpointing must be none, full or selective, got "
+                        f"{cfg.activation_checkpointing!r}")
+    if cfg.schedule not in SCHEDULES:
+        raise UserError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {cfg.schedule!r}")
+    if cfg.schedule == "exp_range" and cfg.min_lr_ratio <= 0:
+        raise UserError("the exp_range schedule starts at lr * min_lr_ratio, which must be > 0")
+    if cfg.ref_batch_tokens is not None and cfg.ref_batch_tokens < 1:
+        raise UserError(f"ref_batch_tokens must be at least 1, got {cfg.ref_batch_tokens}")
+    if cfg.model.vocab_size is not None and cfg.model.vocab_size < 1:
+        raise UserError("model.vocab_size must be at least 1")
