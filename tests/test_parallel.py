@@ -113,7 +113,8 @@ def test_built_sharded_no_rank_holds_the_whole_model(ray_address, pydoc_data, st
     run_training(cfg, say=lambda m: None, on_metrics=rows.append, force=True)
     full_replica_gb = 16 * rows[-1]["num_parameters"] / 1e9
     assert rows[-1]["param_fraction"] == pytest.approx(0.5, abs=0.01)
-    assert rows[-1]["build_mem_gb"] < 0.55 * 4 * rows[-1]["num_parameters"] / 1e9  # < the weights
+    # Building it added well under the full fp32 weights (a full build, then sharding: >= 1x).
+    assert rows[-1]["build_mem_gb"] < 0.7 * 4 * rows[-1]["num_parameters"] / 1e9
     assert rows[-1]["mem_above_baseline_gb"] < 0.65 * full_replica_gb
 
 

@@ -47,5 +47,7 @@ class Validation:
     def __iter__(self):
         """(inputs, targets) of this rank's batches."""
         for (x, y), real in zip(_loader(self.cfg, self.dataset, self.indices), self.real):
-            y[real:] = self.IGNORE
+            if real < len(y):
+                y = y.clone()  # x and y are views of one tensor: masking y must not touch x
+                y[real:] = self.IGNORE
             yield x, y
