@@ -32,7 +32,7 @@ def main() -> None:
     args = ap.parse_args()
 
     sets = [f"model.n_layer={args.layers}", f"model.n_embd={args.width}", "model.n_head=8",
-            "batch_size=2", "seq_len=64", "eval_batches=1"]
+            "batch_size=2", "seq_len=64", "eval_windows=4"]
     results = {}
     with tempfile.TemporaryDirectory() as storage:
         for strategy in ("ddp", "fsdp"):

@@ -27,10 +27,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader
 
 from raytrain_lm.config import build_config
 from raytrain_lm.data.manifest import load_manifest
+from raytrain_lm.data.sampler import BatchPlan, BatchStream, eval_batches
 from raytrain_lm.data.windows import TokenWindows, collate_windows
 from raytrain_lm.metrics import StepTimer, gpu_peak_tflops, mfu, peak_memory_gb
 from raytrain_lm.model import GPT, flops_per_token
@@ -57,36 +58,30 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def make_loader(cfg, split, rank, world, shuffle):
-    dataset = TokenWindows(cfg.data, split, cfg.seq_len)
-    sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=shuffle,
-                                 seed=cfg.seed, drop_last=True)
-    loader = DataLoader(dataset, batch_size=cfg.batch_size, sampler=sampler, drop_last=True,
-                        collate_fn=collate_windows, pin_memory=cfg.use_gpu)
-    return loader, sampler
-
-
-def batches(loader, sampler, device):
-    """Endless batches over epochs, a new order each epoch (what BatchStream does for Ray)."""
-    epoch = 0
+def train_batches(cfg, rank, world, device):
+    """Endless batches in the project's global order (data/sampler.py, what the Ray loop reads)."""
+    dataset = TokenWindows(cfg.data, "train", cfg.seq_len)
+    stream = BatchStream(len(dataset), BatchPlan(cfg.batch_size, cfg.grad_accum, rank, world),
+                         cfg.seed, lambda batches: DataLoader(
+                             dataset, batch_sampler=batches, collate_fn=collate_windows,
+                             pin_memory=cfg.use_gpu, generator=torch.Generator().manual_seed(cfg.seed)))
     while True:
-        sampler.set_epoch(epoch)
-        for x, y in loader:
-            yield x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        epoch += 1
+        x, y = stream.next()
+        yield x.to(device, non_blocking=True), y.to(device, non_blocking=True)
 
 
 @torch.no_grad()
-def evaluate(model, loader, cfg, ctx, device) -> float:
+def evaluate(model, cfg, ctx, device, rank, world) -> float:
+    """The fixed validation windows, shared out as the Ray loop does (data/loaders.py)."""
+    dataset = TokenWindows(cfg.data, "val", cfg.seq_len)
+    n = min(len(dataset), cfg.eval_windows or len(dataset))
     model.eval()
-    total = torch.zeros(2, device=device)
-    for i, (x, y) in enumerate(loader):
-        if i >= cfg.eval_batches:
-            break
-        x, y = x.to(device), y.to(device)
+    total = torch.zeros(2, dtype=torch.float64, device=device)
+    for idx, weight in eval_batches(n, cfg.batch_size, rank, world):
+        x, y = collate_windows(dataset.__getitems__(idx))
         with ctx:
-            _, loss = model(x, y)
-        total += torch.stack([loss.detach().float(), torch.ones((), device=device)])
+            _, loss = model(x.to(device), y.to(device))
+        total += torch.tensor([loss.item() * weight, weight], dtype=torch.float64, device=device)
     model.train()
     dist.all_reduce(total)
     return (total[0] / total[1]).item()
@@ -129,9 +124,7 @@ def main(argv=None) -> None:
     model = DDP(model, device_ids=[device.index] if cfg.use_gpu else None, **ddp_kwargs)
     optimizer = build_optimizer(raw_model, cfg, device)
 
-    train_loader, train_sampler = make_loader(cfg, "train", rank, world, shuffle=True)
-    val_loader, _ = make_loader(cfg, "val", rank, world, shuffle=False)
-    stream = batches(train_loader, train_sampler, device)
+    stream = train_batches(cfg, rank, world, device)
     torch.manual_seed(cfg.seed + rank)
 
     amp = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[
@@ -193,7 +186,7 @@ def main(argv=None) -> None:
             "num_parameters": n_params, "torch_threads": torch.get_num_threads(),
         }
         if do_eval:
-            val = evaluate(model, val_loader, cfg, ctx, device)
+            val = evaluate(model, cfg, ctx, device, rank, world)
             metrics.update(val_loss=val, val_ppl=math.exp(min(val, 50.0)))
         if do_ckpt and rank == 0:
             ckpt = out / f"checkpoint_{step:08d}"

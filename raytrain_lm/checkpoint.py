@@ -17,6 +17,7 @@ matches its checksum; the loader skips an invalid one for the one before it.
 from __future__ import annotations
 
 import json
+import pickle
 import random
 import tempfile
 from pathlib import Path
@@ -30,9 +31,16 @@ from raytrain_lm.files import DCP_DIR, META, STATE, rank_record, rng_file
 from raytrain_lm.storage import sha256_file
 
 
+# Version 2: a global data position (data/sampler.py), RNG states as tensors and plain data
+# (loadable with weights_only), the validation loss in meta.json.
+VERSION = 2
+
+
 def rng_state() -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(),
-             "torch": torch.get_rng_state()}
+    """Every RNG state of this process, as tensors and plain Python data only."""
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {"python": random.getstate(), "torch": torch.get_rng_state(),
+             "numpy": [name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached]}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -40,10 +48,25 @@ def rng_state() -> dict[str, Any]:
 
 def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def safe_load(path: Path, map_location: str | torch.device = "cpu") -> Any:
+    """torch.load of tensors and plain data only (`weights_only`): a file that holds anything
+    else (a pickled object can run code when loaded) is refused, not unpickled."""
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as e:
+        if "Weights only load failed" not in str(e):
+            raise UserError(f"{path} is corrupted: {str(e).splitlines()[0]}") from None
+        raise UserError(f"refusing to load {path}: it holds Python objects, not only tensors and "
+                        f"plain data (a raytrain-lm checkpoint never does)") from None
+    except (RuntimeError, EOFError) as e:
+        raise UserError(f"{path} is corrupted: {str(e).splitlines()[0]}") from None
 
 
 # ---------------------------------------------------------------- saving
@@ -70,7 +93,8 @@ def save_checkpoint(folder: Path, rank: int, model: torch.nn.Module, optimizer, 
     record = {str(p.relative_to(folder)): sha256_file(p) for p in written}
     (folder / rank_record(rank)).write_text(json.dumps(record, indent=1))
     if rank == 0:
-        meta = {"step": state["step"], "world_size": state["world_size"], "format": state["format"],
+        meta = {"version": VERSION, "step": state["step"], "world_size": state["world_size"],
+                "format": state["format"],
                 "val_loss": state.get("val_loss"), "config": state["config"],
                 "tokenizer": state["tokenizer"]}
         (folder / META).write_text(json.dumps(meta, indent=2))
@@ -110,7 +134,7 @@ def _full_state_from_dcp(folder: Path) -> dict[str, Any]:
 
     with tempfile.TemporaryDirectory() as tmp:
         dcp_to_torch_save(str(folder / DCP_DIR), f"{tmp}/full.pt")
-        return torch.load(f"{tmp}/full.pt", map_location="cpu", weights_only=False)
+        return safe_load(Path(tmp, "full.pt"))
 
 
 def load_checkpoint(folder: Path, map_location: str | torch.device = "cpu",
@@ -119,7 +143,7 @@ def load_checkpoint(folder: Path, map_location: str | torch.device = "cpu",
     saved it (so generate/export/--init-from work on FSDP checkpoints in one process). `meta`:
     what read_meta already returned for `folder`, so its checksums are not computed twice."""
     meta = meta or read_meta(folder)
-    state = torch.load(folder / STATE, map_location=map_location, weights_only=False)
+    state = safe_load(folder / STATE, map_location)
     if meta.get("format") == "dcp":
         state["model"] = _full_state_from_dcp(folder)["model"]
     return state
@@ -136,10 +160,14 @@ def load_sharded(folder: Path, model: torch.nn.Module, optimizer) -> None:
     set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
 
 
-def load_resume_state(folder: Path, rank: int) -> tuple[dict[str, Any], Optional[dict[str, Any]]]:
+def load_resume_state(folder: Path, meta: dict[str, Any],
+                      rank: int) -> tuple[dict[str, Any], Optional[dict[str, Any]]]:
     """(state.pt, this rank's RNG states or None if the saving run had no such rank) of a
-    checkpoint that read_meta has checked."""
-    state = torch.load(folder / STATE, map_location="cpu", weights_only=False)
+    checkpoint that read_meta has checked (`meta`: what it returned)."""
+    if meta.get("version", 1) < VERSION:
+        raise UserError(f"{folder} was written by an older raytrain-lm, whose data position this "
+                        f"one cannot continue from; start a new run from its weights with "
+                        f"--init-from {folder}")
+    state = safe_load(folder / STATE)
     rng_path = folder / rng_file(rank)
-    rng = torch.load(rng_path, weights_only=False) if rng_path.is_file() else None
-    return state, rng
+    return state, safe_load(rng_path) if rng_path.is_file() else None

@@ -39,18 +39,16 @@ class Checkpointer:
         say = (lambda m: print(f"[checkpoint] {m}", flush=True)) if self.rank == 0 else None
         return latest_checkpoint(self.fs, self.run_path, say=say)
 
-    def restore(self, found: FoundCheckpoint, state: dict, rng: Optional[dict], step_fn,
-                stream) -> tuple[int, int]:
-        """Everything but full-format weights (loaded before parallelizing) from `found`;
-        returns (step, tokens seen)."""
+    def restore(self, found: FoundCheckpoint, state: dict, step_fn, stream) -> tuple[int, int]:
+        """Everything but full-format weights (loaded before parallelizing) and RNG states
+        (restored last: see restore_rng) from `found`; returns (step, tokens seen)."""
         if state["format"] == "dcp":
             ckpt_io.load_sharded(found.path, step_fn.raw, step_fn.optimizer)
         else:
             step_fn.optimizer.load_state_dict(state["optimizer"])
-        step_fn.scaler.load_state_dict(state["scaler"])
+        if step_fn.scaler.is_enabled() and state["scaler"]:
+            step_fn.scaler.load_state_dict(state["scaler"])  # else fp16 starts here: a fresh scale
         stream.load_state_dict(state["data"])
-        if rng is not None:
-            ckpt_io.set_rng_state(rng)
         self.resumed_from = state["step"]
         # The last rows reported before this checkpoint, itself included: the driver may not have
         # received them (its own death or a worker's, while they were in flight in Ray), so they
@@ -88,6 +86,15 @@ class Checkpointer:
         if self.resent is not None:
             ray.train.report({**self.resent[-1], "resumed_from_step": self.resumed_from,
                               "train_start_unix": train_start_unix, "resumed_rows": self.resent[:-1]})
+
+
+def restore_rng(rng: Optional[dict], seed: int, rank: int) -> None:
+    """This rank's saved RNG states. A fresh start, or a rank the saving run did not have (resumed
+    on more workers), gets a dropout stream of its own: seed + rank."""
+    if rng is not None:
+        ckpt_io.set_rng_state(rng)
+    else:
+        torch.manual_seed(seed + rank)
 
 
 def load_weights(model: torch.nn.Module, state: Optional[dict], init_from: Optional[str]) -> None:

@@ -19,6 +19,7 @@ from raytrain_lm.errors import UserError
 from raytrain_lm.files import STORAGE_ENV, default_storage
 
 DEFAULT_DATA = "data/pydoc"  # the built-in corpus, prepared on first use
+SCHEDULES = ("cosine", "wsd", "exp_range")
 
 
 def setting(default: Any = dataclasses.MISSING, *, help: str, factory: Any = dataclasses.MISSING):
@@ -62,8 +63,15 @@ class TrainConfig:
     grad_accum: int = setting(1, help="Micro-steps per optimizer step.")
     lr: float = setting(3e-3, help="Peak learning rate (after warmup).")
     min_lr_ratio: float = setting(0.1, help="The schedule decays to lr x this (exp_range starts there).")
-    schedule: str = setting("cosine", help="cosine: warmup + cosine decay; exp_range: lr-find's "
-                            "exponential ramp.")
+    schedule: str = setting("cosine", help="cosine: warmup, then cosine decay to the end; wsd: "
+                            "warmup, stable, then a linear decay over the last --decay-fraction of "
+                            "the steps (a resumed run can add steps while still stable); "
+                            "exp_range: lr-find's exponential ramp.")
+    decay_fraction: float = setting(0.2, help="wsd: the share of the steps spent decaying.")
+    horizon: Optional[int] = setting(None, help="Step at which the schedule reaches its minimum "
+                                     "[default: max_steps]. A resumed run given more --max-steps "
+                                     "keeps its horizon where moving it would change the learning "
+                                     "rate, and holds the minimum after it.")
     ref_batch_tokens: Optional[int] = setting(None, help="Tokens per step `lr` was chosen at "
                                               "(--scale-lr) [default: the preset's].")
     warmup_steps: int = setting(30, help="Steps of linear warmup.")
@@ -82,7 +90,8 @@ class TrainConfig:
     # cadence
     log_every: int = setting(10, help="Steps between metric reports.")
     eval_every: int = setting(100, help="Steps between validations.")
-    eval_batches: int = setting(8, help="Batches per worker in a validation.")
+    eval_windows: int = setting(256, help="Validation windows (the first ones of the split, the "
+                                "same whatever the worker count); 0: all of them.")
     checkpoint_every: int = setting(100, help="Steps between checkpoints; 0: only at the end.")
     keep_checkpoints: int = setting(2, help="Checkpoints to keep.")
     max_failures: int = setting(0, help="Worker-group restarts allowed.")
@@ -119,16 +128,14 @@ PRESETS: dict[str, dict[str, Any]] = {
     # ~10.7M parameters.
     "small": dict(model=dict(block_size=512, n_layer=6, n_head=6, n_embd=384),
                   batch_size=16, seq_len=256, lr=1e-3, warmup_steps=100),
-    # GPT-2 (124M) and GPT-2 medium (350M) shapes, with GPT-2's padded vocabulary.
-    "gpt2": dict(model=dict(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768,
-                            bias=False),
+    # GPT-2 (124M) and GPT-2 medium (350M) shapes; the vocabulary comes from the dataset's tokenizer
+    # (GPT-2's BPE: 50257, padded to 50304).
+    "gpt2": dict(model=dict(block_size=1024, n_layer=12, n_head=12, n_embd=768, bias=False),
                  batch_size=16, seq_len=1024, lr=6e-4, warmup_steps=700, weight_decay=0.1),
-    "gpt2-medium": dict(model=dict(vocab_size=50304, block_size=1024, n_layer=24, n_head=16,
-                                   n_embd=1024, bias=False),
+    "gpt2-medium": dict(model=dict(block_size=1024, n_layer=24, n_head=16, n_embd=1024, bias=False),
                         batch_size=8, seq_len=1024, lr=3e-4, warmup_steps=700),
     # 69.7B parameters in this GPT's shape: for `plan` (what it takes to train one), not for a laptop.
-    "gpt-70b": dict(model=dict(vocab_size=50304, block_size=4096, n_layer=86, n_head=64,
-                               n_embd=8192, bias=False),
+    "gpt-70b": dict(model=dict(block_size=4096, n_layer=86, n_head=64, n_embd=8192, bias=False),
                     batch_size=1, seq_len=4096, lr=1.5e-4, warmup_steps=2000, strategy="fsdp",
                     activation_checkpointing="full"),
 }
@@ -285,13 +292,23 @@ def build_config(
     apply_overrides(cfg, flags, source="flags")
     apply_overrides(cfg, set_data, source="--set")
     if base is not None:
-        was = TrainConfig.from_dict(base)
-        if cfg.model != was.model or cfg.preset != name or cfg.strategy != was.strategy:
-            raise UserError("a resumed run keeps its model and strategy: drop those settings, or "
-                            "start a new run with --init-from")
+        check_resumable(TrainConfig.from_dict(base), cfg, name)
     cfg.preset = name
     validate(cfg)
     return cfg
+
+
+def check_resumable(was: TrainConfig, cfg: TrainConfig, preset: str) -> None:
+    """Settings a resumed run cannot change, because what its checkpoints hold depends on them."""
+    if cfg.model != was.model or cfg.preset != preset or cfg.strategy != was.strategy:
+        raise UserError("a resumed run keeps its model and strategy: drop those settings, or "
+                        "start a new run with --init-from")
+    for key, why in (("seq_len", "the saved data position counts windows of that many tokens"),
+                     ("seed", "the saved data position is a place in the order this seed shuffles")):
+        if getattr(cfg, key) != getattr(was, key):
+            raise UserError(f"a resumed run keeps its --{key.replace('_', '-')} "
+                            f"({getattr(was, key)}): {why}; drop it, or start a new run with "
+                            f"--init-from")
 
 
 def validate(cfg: TrainConfig) -> None:
@@ -299,7 +316,7 @@ def validate(cfg: TrainConfig) -> None:
     m = cfg.model
     positive = dict(workers=cfg.workers, max_steps=cfg.max_steps, batch_size=cfg.batch_size,
                     seq_len=cfg.seq_len, grad_accum=cfg.grad_accum, log_every=cfg.log_every,
-                    eval_every=cfg.eval_every, eval_batches=cfg.eval_batches,
+                    eval_every=cfg.eval_every,
                     keep_checkpoints=cfg.keep_checkpoints, **{"model.n_layer": m.n_layer,
                     "model.n_head": m.n_head, "model.n_embd": m.n_embd,
                     "model.block_size": m.block_size})
@@ -312,8 +329,12 @@ def validate(cfg: TrainConfig) -> None:
         raise UserError(f"cpus_per_worker must be positive, got {cfg.cpus_per_worker}")
     if cfg.scale_timeout < 0:
         raise UserError(f"--scale-timeout must be >= 0 seconds, got {cfg.scale_timeout:g}")
-    if cfg.warmup_steps < 0 or cfg.checkpoint_every < 0 or cfg.max_failures < -1:
-        raise UserError("warmup_steps and checkpoint_every must be >= 0, max_failures >= -1")
+    if cfg.warmup_steps < 0 or cfg.checkpoint_every < 0 or cfg.max_failures < -1 or cfg.eval_windows < 0:
+        raise UserError("warmup_steps, checkpoint_every and eval_windows must be >= 0, max_failures >= -1")
+    if cfg.horizon is not None and cfg.horizon < 1:
+        raise UserError(f"horizon must be at least 1, got {cfg.horizon}")
+    if not 0.0 < cfg.decay_fraction <= 1.0:
+        raise UserError(f"decay_fraction must be in (0, 1], got {cfg.decay_fraction}")
     if not 0.0 <= cfg.min_lr_ratio <= 1.0:
         raise UserError(f"min_lr_ratio must be in [0, 1], got {cfg.min_lr_ratio}")
     if not 0.0 <= m.dropout < 1.0:
@@ -330,8 +351,8 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.activation_checkpointing not in ("none", "full", "selective"):
         raise UserError("--activation-checkpointing must be none, full or selective, got "
                         f"{cfg.activation_checkpointing!r}")
-    if cfg.schedule not in ("cosine", "exp_range"):
-        raise UserError(f"schedule must be cosine or exp_range, got {cfg.schedule!r}")
+    if cfg.schedule not in SCHEDULES:
+        raise UserError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {cfg.schedule!r}")
     if cfg.schedule == "exp_range" and cfg.min_lr_ratio <= 0:
         raise UserError("the exp_range schedule starts at lr * min_lr_ratio, which must be > 0")
     if cfg.ref_batch_tokens is not None and cfg.ref_batch_tokens < 1:

@@ -15,7 +15,8 @@ from raytrain_lm import files, summary
 from raytrain_lm.config import TrainConfig
 from raytrain_lm.errors import UserError, last_line
 from raytrain_lm.preflight import (check_init_from, check_memory, check_resources,
-                                   default_run_name, prepare_data, worker_memory_gb)
+                                   default_run_name, prepare_data, settle_resume, worker_memory_gb)
+from raytrain_lm.runs import best_val_loss
 from raytrain_lm.storage import MetricsLog, RunFolder
 from raytrain_lm.tb import TensorBoardLog
 
@@ -104,6 +105,8 @@ def run_training(
     t_launch = time.time()
     manifest = prepare_data(cfg, say)
     run = run_folder(cfg, resume)
+    if resume and (step := settle_resume(cfg, run)) is not None:
+        say(f"resuming {cfg.name} from its checkpoint at step {step}")
     if init_from:
         init_from = check_init_from(init_from, cfg, manifest)
     previous = run.read_json(files.SUMMARY) if resume and run.exists(files.SUMMARY) else {}
@@ -113,11 +116,10 @@ def run_training(
         check_memory(cfg, worker_memory_gb(cfg))
 
     metrics_q = Queue(actor_options={"num_cpus": 0})
-    callbacks = [ForwardMetrics(metrics_q), KeepBest(previous.get("best_val_loss"))]
+    callbacks = [ForwardMetrics(metrics_q), KeepBest(best_val_loss(run) if resume else None)]
     trainer = build_trainer(cfg, run, callbacks=callbacks, init_from=init_from,
                             fail_at=os.environ.get(FAULT_ENV), poll_seconds=poll_seconds)
-    if not resume:
-        run.write_json(files.CONFIG, cfg.to_dict())
+    run.write_json(files.CONFIG, cfg.to_dict())  # what a later --resume continues with
     follower = Follower(cfg, run, t_launch, previous.get("restarts", 0) + (1 if resume else 0),
                         say, on_metrics)
     follower.write_summary("running")  # kept current: after a crash of this driver it still tells

@@ -13,7 +13,9 @@ from pathlib import Path
 from typing import Any, Optional
 
 from raytrain_lm.checkpoint import load_checkpoint
+from raytrain_lm.config import TrainConfig
 from raytrain_lm.errors import UserError
+from raytrain_lm.model import GPT
 from raytrain_lm.storage import staged_folder
 
 WEIGHTS, CONFIG = "model.safetensors", "config.json"
@@ -52,7 +54,11 @@ def export_checkpoint(folder: Path, out: Path, source: str, force: bool = False,
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
         raise UserError(f"{out} exists and is not empty; pass --force to overwrite it")
     state = load_checkpoint(folder, meta=meta)
-    weights, tied = _untie(state["model"])
+    # The ties come from the model, not from how a checkpoint stored its tensors: a sharded (FSDP)
+    # checkpoint gathers the tied embedding and output weights as two separate copies.
+    model = GPT(TrainConfig.from_dict(state["config"]).model)
+    model.load_state_dict(state["model"])
+    weights, tied = _untie(model.state_dict())
     config = {
         "format": FORMAT,
         "model": state["config"]["model"],

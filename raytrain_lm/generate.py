@@ -55,8 +55,10 @@ def sample(
     top_k: Optional[int] = 40,
     seed: int = 0,
     on_token: Optional[Callable[[int], None]] = None,
+    vocab_size: Optional[int] = None,
 ) -> list[int]:
-    """Exactly `max_new_tokens` new token ids after `prompt_ids`.
+    """Exactly `max_new_tokens` new token ids after `prompt_ids`, all below `vocab_size` (the
+    tokenizer's: the model's vocabulary may be padded beyond it, ids nothing can decode).
 
     One forward pass of the whole prompt fills the KV cache; every new token then costs one
     single-position pass. When the context reaches the model's block size, the cache is rebuilt
@@ -81,7 +83,7 @@ def sample(
     cache, logits = refill()
     out: list[int] = []
     for i in range(max_new_tokens):
-        logits_last = logits[0, -1].float()
+        logits_last = logits[0, -1, :vocab_size].float()
         if temperature == 0:
             nxt = int(torch.argmax(logits_last))
         else:
@@ -138,7 +140,7 @@ def generate_text(
 
     t0 = time.perf_counter()
     ids = sample(model, prompt_ids, max_new_tokens, temperature, top_k, seed,
-                 on_token=emit)
+                 on_token=emit, vocab_size=tok.vocab_size)
     seconds = time.perf_counter() - t0
     tail = decoder.decode(b"", final=True)
     if tail:

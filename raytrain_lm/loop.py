@@ -16,9 +16,9 @@ import ray.train.torch
 import torch
 
 from raytrain_lm import checkpoint as ckpt_io
-from raytrain_lm.checkpointer import Checkpointer, load_weights
+from raytrain_lm.checkpointer import Checkpointer, load_weights, restore_rng
 from raytrain_lm.config import TrainConfig
-from raytrain_lm.data.loaders import train_stream, val_loader
+from raytrain_lm.data.loaders import Validation, train_stream
 from raytrain_lm.data.manifest import load_manifest
 from raytrain_lm.data.resolve import resolve_dataset
 from raytrain_lm.metrics import Meter, gpu_peak_tflops, peak_memory_gb
@@ -37,7 +37,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         torch.set_float32_matmul_precision("high")  # TF32 for any matmul left in fp32
     checkpointer = Checkpointer(cfg, rank, world, load_manifest(cfg.data)["tokenizer"])
     found = checkpointer.find_latest()  # this run's newest valid checkpoint, or None
-    state, rng = ckpt_io.load_resume_state(found.path, rank) if found else (None, None)
+    state, rng = ckpt_io.load_resume_state(found.path, found.meta, rank) if found else (None, None)
 
     # --- the model, built alike on every rank (DDP also broadcasts rank 0's), then parallelized
     torch.manual_seed(cfg.seed)
@@ -47,13 +47,10 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     n_params = model.num_params()
     fpt = flops_per_token(cfg.model, model.num_params(exclude_position=True), cfg.seq_len)
     step_fn = TrainStep(model, cfg, device)
-    batches, val_batches = train_stream(cfg, rank, world), val_loader(cfg, rank, world)
+    batches, validation = train_stream(cfg, rank, world), Validation(cfg, rank, world)
 
-    step, tokens = 0, 0
-    if found is not None:
-        step, tokens = checkpointer.restore(found, state, rng, step_fn, batches)
-    else:
-        torch.manual_seed(cfg.seed + rank)  # per-rank dropout streams
+    step, tokens = checkpointer.restore(found, state, step_fn, batches) if found else (0, 0)
+    restore_rng(rng, cfg.seed, rank)  # the saved RNG states, else a dropout stream per rank
 
     cadence = Cadence(cfg)
     step_tokens = cfg.batch_size * cfg.seq_len * cfg.grad_accum * world
@@ -70,8 +67,10 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         row = meter.row(step, lr, to_float(grad_norm), step_fn.raw, step_fn.optimizer)
         row.update(tokens=tokens, epoch=batches.epoch)
         if cadence.validates(step):
-            val = step_fn.evaluate(val_batches)
+            val = step_fn.evaluate(validation)
             row.update(val_loss=val, val_ppl=math.exp(min(val, 50.0)))
+        if cadence.checkpoints(step) and not step_fn.sharded:
+            row["replica_spread"] = meter.replica_spread(step_fn.raw)  # 0.0: the replicas agree
         checkpointer.report(row, save=cadence.checkpoints(step), step_fn=step_fn, stream=batches)
         meter.next_interval(exclude_since_row=cadence.validates(step))
     checkpointer.report_final_rows(meter.start_unix)

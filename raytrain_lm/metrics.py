@@ -135,6 +135,15 @@ class Meter:
         self._row_done = time.perf_counter()
         return row
 
+    def replica_spread(self, model: torch.nn.Module) -> float:
+        """Max minus min over ranks of a float64 checksum of this rank's parameters: 0.0 exactly
+        when every data-parallel replica holds the same weights (DDP's promise)."""
+        from raytrain_lm.parallel.mesh import all_reduce
+
+        total = torch.stack([p.detach().double().sum() for p in model.parameters()]).sum()
+        hi_lo = all_reduce(torch.stack([total, -total]), op="max")
+        return (hi_lo[0] + hi_lo[1]).item()
+
     def next_interval(self, exclude_since_row: bool) -> None:
         """Start the next interval. The cost of reporting (a barrier) counts against it; with
         `exclude_since_row`, validation and checkpoint time since the row was built does not."""

@@ -128,8 +128,6 @@ def plan_report(cfg, memory_gb: float, gpu: bool = True) -> dict:
 
     if memory_gb <= 0:
         raise UserError("--gpu-memory-gb must be positive")
-    if cfg.model.vocab_size is None:
-        cfg.model.vocab_size = 256  # the byte-level tokenizer's
     return {"parameters": param_counts(cfg.model)["total"],
             "plans": all_plans(cfg.model, cfg.workers, cfg.batch_size, cfg.seq_len, gpu=gpu),
             "recommendation": recommend(cfg.model, cfg.workers, cfg.batch_size, cfg.grad_accum,

@@ -23,10 +23,19 @@ def ensure_dataset(cfg: TrainConfig, say: Callable[[str], None]) -> dict:
     return load_manifest(cfg.data)
 
 
+VOCAB_MULTIPLE = 64  # embedding and output matmuls run faster on multiples of 64
+
+
+def padded_vocab(vocab: int) -> int:
+    return -(-vocab // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+
+
 def fit_model_to_data(cfg: TrainConfig, manifest: dict) -> None:
+    """The model's vocabulary is the dataset tokenizer's, padded up to a multiple of 64 (the
+    padding ids never occur in the data and are never sampled)."""
     vocab = manifest["vocab_size"]
     if cfg.model.vocab_size is None:
-        cfg.model.vocab_size = vocab
+        cfg.model.vocab_size = padded_vocab(vocab)
     elif vocab > cfg.model.vocab_size:
         raise UserError(f"dataset {cfg.data} has a vocabulary of {vocab} tokens but the model's "
                         f"vocab_size is {cfg.model.vocab_size}; raise model.vocab_size")
@@ -102,6 +111,19 @@ def check_memory(cfg: TrainConfig, memory_gb: Optional[float]) -> None:
                     f"{plan.model_state / GB:.1f}, activations {plan.activations / GB:.1f}, logits "
                     f"{plan.logits / GB:.1f}) but a worker has {memory_gb:.0f} GB; {hint}; "
                     f"see `python cli.py plan`, or pass --force")
+
+
+def settle_resume(cfg: TrainConfig, run) -> Optional[int]:
+    """A resumed run's config against the one it was started with: the schedule keeps the
+    learning rates already used when --max-steps changes (optim.resumed_horizon). Returns the step
+    of the checkpoint it will resume from (None: it has none yet, so it starts over)."""
+    from raytrain_lm.files import CONFIG
+    from raytrain_lm.optim import resumed_horizon
+    from raytrain_lm.runs import newest_step
+
+    step = newest_step(run)
+    resumed_horizon(TrainConfig.from_dict(run.read_json(CONFIG)), cfg, step or 0)
+    return step
 
 
 def check_init_from(path: str, cfg: TrainConfig, manifest: dict) -> str:

@@ -84,6 +84,37 @@ def checkpoint_folders(fs: pafs.FileSystem, run_path: str) -> list[tuple[int, st
     return sorted(out)
 
 
+def read_checkpoint_meta(fs: pafs.FileSystem, path: str) -> Optional[dict]:
+    """A checkpoint's meta.json as written, without checking its files (cheap on object stores);
+    None if it has none or it does not parse."""
+    import json
+
+    try:
+        with fs.open_input_stream(f"{path}/{files.META}") as f:
+            return json.loads(f.read())
+    except (OSError, ValueError):
+        return None
+
+
+def newest_step(run: RunFolder) -> Optional[int]:
+    """The step of the run's newest checkpoint that has a meta.json (None: no checkpoint)."""
+    for step, path in reversed(checkpoint_folders(run.fs, run.path)):
+        if read_checkpoint_meta(run.fs, path) is not None:
+            return step
+    return None
+
+
+def best_val_loss(run: RunFolder) -> Optional[float]:
+    """The validation loss of the run's best_checkpoint/ (None: it has none)."""
+    meta = read_checkpoint_meta(run.fs, f"{run.path}/{files.BEST_DIR}")
+    if meta is None:
+        return None
+    if meta.get("val_loss") is None:  # written before checkpoints recorded it: from the metrics
+        return next((r["val_loss"] for r in run.read_jsonl(files.METRICS)
+                     if r["step"] == meta["step"] and r.get("val_loss") is not None), None)
+    return meta["val_loss"]
+
+
 @dataclass
 class FoundCheckpoint:
     """A checkpoint checked against its commit records, as a local folder."""

@@ -67,16 +67,15 @@ class TrainStep:
         return step_loss, grad_norm, waited
 
     @torch.no_grad()
-    def evaluate(self, loader) -> float:
-        """Mean validation loss over up to `eval_batches` batches per rank, all ranks."""
+    def evaluate(self, validation) -> float:
+        """Mean loss over the validation windows, all ranks together."""
         self.model.eval()
-        total = torch.zeros(2, device=self.device)  # (sum of losses, number of batches)
-        for i, (x, y) in enumerate(loader):
-            if i >= self.cfg.eval_batches:
-                break
+        total = torch.zeros(2, dtype=torch.float64, device=self.device)  # (loss x windows, windows)
+        for (x, y), windows in validation:
             with self.autocast:
                 _, loss = self.model(x, y)
-            total += torch.stack([loss.detach().float(), torch.ones((), device=self.device)])
+            total += torch.stack([loss.detach().double() * windows,
+                                  torch.tensor(float(windows), dtype=torch.float64, device=self.device)])
         self.model.train()
         all_reduce(total)
         return (total[0] / total[1]).item()

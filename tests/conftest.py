@@ -92,14 +92,14 @@ SMALL_SETTINGS = ["model.n_layer=2", "model.n_embd=64", "model.n_head=2", "model
                   "batch_size=8", "seq_len=64", "warmup_steps=5", "keep_checkpoints=2"]
 
 
-def small_config(data, storage, name, **flags):
+def small_config(data, storage, name, sets=SMALL_SETTINGS, **flags):
     """A 2-worker run of a 2-layer model; dropout on, so exact-resume checks cover every RNG."""
     from raytrain_lm.config import build_config
 
     flags = {**dict(workers=2, max_steps=SMALL_STEPS, log_every=5, eval_every=15,
                     checkpoint_every=10, data=str(data), storage=str(storage), name=name, seed=11),
              **flags}
-    return build_config(flags=flags, sets=SMALL_SETTINGS)
+    return build_config(flags=flags, sets=sets)
 
 
 def step_losses(run_dir: Path) -> dict[int, float]:

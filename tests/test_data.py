@@ -9,7 +9,7 @@ from torch.utils.data import DataLoader
 
 from raytrain_lm.data.manifest import load_manifest
 from raytrain_lm.data.prepare import prepare_dataset
-from raytrain_lm.data.sampler import BatchStream, ResumableDistributedSampler
+from raytrain_lm.data.sampler import BatchPlan, BatchStream, eval_batches
 from raytrain_lm.data.windows import TokenWindows, collate_windows
 from raytrain_lm.errors import UserError
 from raytrain_lm.tokenizer import ByteTokenizer
@@ -108,32 +108,65 @@ def test_windows_are_memory_mapped_slices(tmp_path):
     assert ByteTokenizer().decode(ds[0]) == TEXT.encode()[:65].decode()
 
 
-def test_ranks_get_disjoint_windows_covering_the_epoch(pydoc_data):
+def index_stream(num_windows: int, plan: BatchPlan, seed: int = 7) -> BatchStream:
+    """A BatchStream over a dataset whose window i is the number i, through a real DataLoader."""
+    data = torch.arange(num_windows)
+    return BatchStream(num_windows, plan, seed,
+                       lambda batches: DataLoader(data, batch_sampler=batches))
+
+
+def read_steps(stream: BatchStream, steps: int) -> list[list[int]]:
+    """The windows a stream's rank reads in each of `steps` steps."""
+    return [[i for _ in range(stream.plan.accum) for i in stream.next().tolist()] for _ in range(steps)]
+
+
+def test_ranks_take_disjoint_parts_of_each_step_and_the_epoch_once():
+    n, dp = 101, 3
+    plans = [BatchPlan(micro_batch=4, accum=2, dp_rank=r, dp_size=dp) for r in range(dp)]
+    steps = n // plans[0].global_batch  # 4 steps of 24 windows; 5 left over
+    seen = [read_steps(index_stream(n, p), steps + 1) for p in plans]
+    epoch0 = [i for r in range(dp) for step in seen[r][:steps] for i in step]
+    assert len(epoch0) == len(set(epoch0)) == steps * 24  # each window of the epoch once
+    for s in range(steps):
+        assert not set(seen[0][s]) & set(seen[1][s])
+    # the next step starts epoch 1: a new order
+    assert index_stream(n, plans[0]).state_dict() == {"epoch": 0, "consumed": 0}
+    assert seen[0][steps] != seen[0][0]
+
+
+def test_the_position_means_the_same_at_another_worker_count():
+    """2 workers for 3 steps, then 3 workers (the same global batch): every window of the epoch
+    is read exactly once across the change."""
+    n = 240
+    before = [index_stream(n, BatchPlan(12, 1, r, 2)) for r in range(2)]
+    read = [i for s in before for step in read_steps(s, 3) for i in step]
+    state = before[0].state_dict()
+    assert state == {"epoch": 0, "consumed": 72} == before[1].state_dict()
+    after = [index_stream(n, BatchPlan(8, 1, r, 3)) for r in range(3)]
+    for s in after:
+        s.load_state_dict(state)
+    read += [i for s in after for step in read_steps(s, 7) for i in step]
+    assert sorted(read) == list(range(n))
+
+
+def test_accumulation_reads_the_same_windows_per_rank():
+    """--grad-accum 2 --batch-size 8 gives each rank the windows of --batch-size 16 per step."""
+    for rank in range(2):
+        one = read_steps(index_stream(200, BatchPlan(16, 1, rank, 2)), 4)
+        two = read_steps(index_stream(200, BatchPlan(8, 2, rank, 2)), 4)
+        assert one == two
+
+
+def test_a_resumed_stream_reads_the_batches_it_would_have(pydoc_data):
+    plan = BatchPlan(16, 1, dp_rank=1, dp_size=2)
     ds = TokenWindows(pydoc_data, "train", seq_len=128)
-    world = 2
-    per_rank = []
-    for rank in range(world):
-        s = ResumableDistributedSampler(ds, num_replicas=world, rank=rank, seed=7)
-        s.set_epoch(3)
-        per_rank.append(list(s))
-    a, b = set(per_rank[0]), set(per_rank[1])
-    assert len(a) == len(per_rank[0]) and not a & b
-    assert len(a | b) == len(ds) - len(ds) % world  # all but the dropped remainder
-    s = ResumableDistributedSampler(ds, num_replicas=world, rank=0, seed=7)
-    s.set_epoch(4)
-    assert list(s) != per_rank[0]  # a new order each epoch
 
-
-def test_batch_stream_resumes_at_the_same_batch(pydoc_data):
     def stream():
-        ds = TokenWindows(pydoc_data, "train", seq_len=128)
-        sampler = ResumableDistributedSampler(ds, num_replicas=2, rank=1, seed=3)
-        loader = DataLoader(ds, batch_size=16, sampler=sampler, drop_last=True,
-                            collate_fn=collate_windows)
-        return BatchStream(loader, sampler, 16)
+        return BatchStream(len(ds), plan, 3, lambda batches: DataLoader(
+            ds, batch_sampler=batches, collate_fn=collate_windows))
 
+    n = len(ds) // plan.global_batch + 5  # cross an epoch boundary
     full = stream()
-    n = full.batches_per_epoch + 5  # cross an epoch boundary
     reference = [full.next()[0] for _ in range(n + 3)]
     first = stream()
     for _ in range(n):
@@ -144,6 +177,23 @@ def test_batch_stream_resumes_at_the_same_batch(pydoc_data):
     resumed.load_state_dict(state)
     for i in range(3):
         assert torch.equal(resumed.next()[0], reference[n + i])
+
+
+def test_too_few_windows_for_one_global_batch():
+    with pytest.raises(UserError, match="fewer than one global batch"):
+        index_stream(20, BatchPlan(8, 1, 0, 3))
+
+
+@pytest.mark.parametrize("windows,micro", [(23, 16), (183, 16), (5, 2), (1, 4)])
+def test_validation_windows_are_the_same_at_any_worker_count(windows, micro):
+    """Every window once whatever the worker count, and every rank runs as many batches (a
+    rank out of windows runs window 0 counted 0 times), so FSDP's collectives stay in step."""
+    for dp in (1, 2, 3, 8):
+        per_rank = [eval_batches(windows, micro, r, dp) for r in range(dp)]
+        assert len({len(b) for b in per_rank}) == 1
+        counted = [i for b in per_rank for idx, w in b if w for i in idx]
+        assert sorted(counted) == list(range(windows))
+        assert all(w in (0, len(idx)) and len(idx) <= micro for b in per_rank for idx, w in b)
 
 
 def test_not_a_dataset(tmp_path):

@@ -75,3 +75,18 @@ def test_full_activation_checkpointing_gives_the_same_losses(ddp, pydoc_data, st
     losses, _ = train(pydoc_data, storage, "ddp-ac", activation_checkpointing="full")
     for s in ddp[0]:
         assert losses[s] == pytest.approx(ddp[0][s], rel=1e-6, abs=1e-7)
+
+
+def test_an_fsdp_checkpoint_exports_its_tied_embedding_once(fsdp, storage, tmp_path):
+    """A sharded checkpoint gathers the tied embedding and output weights as two tensors; the
+    export stores one and says so in "tied", as the README promises."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from conftest import run_cli
+
+    r = run_cli("export", str(storage / "fsdp"), "--out", str(tmp_path / "e"), "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["tied"] == {"lm_head.weight": "wte.weight"}
+    assert "lm_head.weight" not in load_file(str(tmp_path / "e" / "model.safetensors"))

@@ -49,7 +49,7 @@ def test_exp_range_schedule_rises_exponentially_to_lr():
     assert lrs[50] == pytest.approx(math.sqrt(1e-5))  # halfway in log space
     with pytest.raises(UserError, match="exp_range"):
         build_config(sets=["schedule=exp_range", "min_lr_ratio=0"])
-    with pytest.raises(UserError, match="schedule must be cosine or exp_range"):
+    with pytest.raises(UserError, match="--schedule must be one of cosine, wsd, exp_range"):
         build_config(sets=["schedule=linear"])
 
 

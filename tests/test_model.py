@@ -35,6 +35,7 @@ def test_tied_embeddings_and_gpt2_size():
     model = small_model()
     assert model.lm_head.weight.data_ptr() == model.wte.weight.data_ptr()
     cfg = preset_config("gpt2").model
+    cfg.vocab_size = 50304  # GPT-2's BPE, padded (the vocabulary comes from the dataset)
     with torch.device("meta"):
         gpt2 = GPT(cfg)
     # GPT-2 small: 124M parameters (with the 50304-padded vocabulary).
@@ -52,6 +53,39 @@ def test_kv_cache_matches_full_forward():
         assert torch.allclose(step_logits[:, 0], full[:, t], atol=1e-5)
 
 
-def test_flops_formula():
-    cfg = ModelConfig(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=64)
-    assert flops_per_token(cfg, 1000, 64) == 6 * 1000 + 12 * 2 * 4 * 16 * 64
+def test_flops_of_the_tiny_preset():
+    """Counted by hand: 4 blocks of 12 x 128^2 matmul weights + 1,280 biases + 512 LayerNorm
+    values, the tied 256 x 128 embedding and the final LayerNorm: N = 826,112 (the README's 858,880
+    less the 256 x 128 position embeddings). FLOPs per token at 128 tokens: 6N plus attention's
+    12 x 4 layers x 4 heads x 32 x 128 = 4,956,672 + 786,432."""
+    cfg = preset_config("tiny").model
+    cfg.vocab_size = 256
+    model = GPT(cfg)
+    assert model.num_params() == 858_880
+    assert model.num_params(exclude_position=True) == 826_112
+    assert flops_per_token(cfg, 826_112, 128) == 5_743_104
+
+
+def test_sampling_never_returns_an_id_the_tokenizer_cannot_decode():
+    """The model's vocabulary may be padded beyond the tokenizer's (256 -> 320 here): even when
+    the padding ids have the highest logits, sampling and greedy decoding stay below 256."""
+    from raytrain_lm.generate import sample
+
+    model = GPT(ModelConfig(vocab_size=320, block_size=32, n_layer=1, n_head=2, n_embd=16)).eval()
+    with torch.no_grad():
+        model.lm_head.weight[256:] = 5.0  # tied to wte: the padding rows dominate every logit
+    for temperature, top_k in ((1.0, None), (0.0, None), (0.8, 40)):
+        ids = sample(model, [1, 2, 3], 50, temperature=temperature, top_k=top_k, vocab_size=256)
+        assert len(ids) == 50 and max(ids) < 256
+
+
+def test_the_vocabulary_comes_from_the_dataset_padded_to_64():
+    from raytrain_lm.preflight import fit_model_to_data
+
+    for preset in ("tiny", "gpt2"):
+        cfg = preset_config(preset)
+        fit_model_to_data(cfg, {"vocab_size": 256})
+        assert cfg.model.vocab_size == 256  # no 38M never-trained embedding rows for bytes
+    cfg = preset_config("gpt2")
+    fit_model_to_data(cfg, {"vocab_size": 50257})  # GPT-2's BPE
+    assert cfg.model.vocab_size == 50304

@@ -2,6 +2,7 @@
 gloo workers. Dropout is on, so the per-step losses only match if every RNG state is restored."""
 
 import json
+import math
 import signal
 import subprocess
 import sys
@@ -71,21 +72,100 @@ def test_stopped_driver_resumes_and_matches(reference, pydoc_data, storage, ray_
     assert step_losses(storage / "driver") == reference
 
 
-def test_truncated_checkpoint_is_skipped(reference, pydoc_data, storage):
+def lr_steps(rows: list[dict]) -> list[tuple[int, float]]:
+    return [(r["step"], r["lr"]) for r in rows]
+
+
+def test_truncated_checkpoint_is_skipped_and_a_longer_run_keeps_its_schedule(reference_run, storage):
+    """A torn final checkpoint: the run resumes from the one before, given more --max-steps. The
+    cosine had already decayed, so its horizon stays at the old end and the minimum is held: the
+    resumed steps up to the old end are the reference's, bit for bit (weights, optimizer, data
+    position, every RNG restored, the same learning rates)."""
     import shutil
 
+    reference, reference_rows = reference_run
     shutil.copytree(storage / "reference", storage / "truncated")
     state = storage / "truncated" / f"checkpoint_{STEPS:08d}" / "state.pt"
     state.write_bytes(state.read_bytes()[: state.stat().st_size // 2])  # a torn write
+    rows = []
     cfg = build_config(base=json.loads((storage / "truncated" / "config.json").read_text()),
                        flags={"max_steps": STEPS + 10})
     cfg.name = "truncated"
-    summary = run_training(cfg, resume=True, say=lambda m: None)
+    summary = run_training(cfg, resume=True, say=lambda m: None, on_metrics=rows.append)
     assert summary["resumed_from_step"] == STEPS - 10  # fell back to the previous checkpoint
     assert summary["steps"] == STEPS + 10
     losses = step_losses(storage / "truncated")
-    # Steps up to the fallback point are the reference's; later steps follow a longer schedule.
-    assert all(losses[s] == reference[s] for s in range(1, STEPS - 9))
+    assert all(losses[s] == reference[s] for s in range(STEPS - 9, STEPS + 1))  # the resumed steps
+    # No step-to-step change of the learning rate across the resume is larger than the
+    # schedule's own largest change anywhere else; after the old end the minimum is held.
+    before = lr_steps(reference_rows)
+    after = [(s, lr) for s, lr in lr_steps(rows) if s > STEPS - 10]
+    largest = max(abs(b - a) for (_, a), (_, b) in zip(before, before[1:]))
+    resumed = [lr for s, lr in before if s <= STEPS - 10][-1:] + [lr for _, lr in after]
+    assert max(abs(b - a) for a, b in zip(resumed, resumed[1:])) <= largest
+    assert [lr for s, lr in after if s > STEPS] == [cfg.lr * cfg.min_lr_ratio] * 2
+    saved = json.loads((storage / "truncated" / "config.json").read_text())
+    assert (saved["max_steps"], saved["horizon"]) == (STEPS + 10, STEPS)  # a later --resume keeps it
+
+
+def test_resume_without_storage_uses_the_default(reference_run, storage, ray_address, tmp_path):
+    """--resume with no --storage: RAYTRAIN_LM_STORAGE, else ./runs (the README's own recovery
+    command)."""
+    import shutil
+
+    shared = tmp_path / "shared"
+    shutil.copytree(storage / "reference", shared / "again")
+    r = run_cli("train", "--name", "again", "--resume", "--address", ray_address, "--json",
+                env={"RAYTRAIN_LM_STORAGE": str(shared)})
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["resumed_from_step"] == STEPS
+    # Without the variable: ./runs, read before anything starts (a setting it keeps is refused).
+    shutil.copytree(storage / "reference", tmp_path / "runs" / "here")
+    r = run_cli("train", "--name", "here", "--resume", "--seq-len", "32", cwd=tmp_path,
+                env={"RAYTRAIN_LM_STORAGE": ""})
+    assert r.returncode == 2 and "keeps its --seq-len (64)" in r.stderr, r.stderr
+
+
+def test_fp16_resume_of_an_fp32_run_and_more_workers(reference_run, storage):
+    """--precision fp16 on a run saved without a gradient scaler starts a fresh scale instead of
+    crashing every worker; 3 workers continue the 2 workers' data position."""
+    import shutil
+
+    shutil.copytree(storage / "reference", storage / "fp16")
+    cfg = build_config(base=json.loads((storage / "fp16" / "config.json").read_text()),
+                       flags={"max_steps": STEPS + 10, "precision": "fp16", "workers": 3,
+                              "cpus_per_worker": 0.5})
+    cfg.name = "fp16"
+    rows = []
+    summary = run_training(cfg, resume=True, say=lambda m: None, on_metrics=rows.append)
+    assert summary["status"] == "completed" and summary["steps"] == STEPS + 10
+    assert all(math.isfinite(r["loss"]) for r in rows) and rows[-1]["replica_spread"] == 0.0
+    state = torch.load(storage / "fp16" / f"checkpoint_{STEPS + 10:08d}" / "state.pt", weights_only=True)
+    assert state["scaler"]["scale"] > 0 and state["world_size"] == 3
+    window = cfg.batch_size * cfg.grad_accum
+    assert state["data"]["consumed"] == STEPS * 2 * window + 10 * 3 * window  # on from 2 workers'
+
+
+def test_best_checkpoint_after_a_resume_is_the_best_checkpoint(reference_run, storage):
+    """The best checkpoint is the checkpoint with the lowest validation loss. A resumed run
+    compares against best_checkpoint/'s own loss, not against a better evaluation that was never
+    a checkpoint (here: a summary claiming 0.0001)."""
+    import shutil
+
+    shutil.copytree(storage / "reference", storage / "better")
+    summary_path = storage / "better" / "summary.json"
+    summary_path.write_text(json.dumps({**json.loads(summary_path.read_text()), "best_val_loss": 1e-4}))
+    before = json.loads((storage / "better" / "best_checkpoint" / "meta.json").read_text())
+    cfg = build_config(base=json.loads((storage / "better" / "config.json").read_text()),
+                       flags={"max_steps": STEPS + 20, "eval_every": 10})
+    cfg.name = "better"
+    rows = []
+    run_training(cfg, resume=True, say=lambda m: None, on_metrics=rows.append)
+    vals = {r["step"]: r["val_loss"] for r in rows if r.get("checkpoint")}
+    after = json.loads((storage / "better" / "best_checkpoint" / "meta.json").read_text())
+    best_step = min([before["step"], *vals], key=lambda s: vals.get(s, before["val_loss"]))
+    assert min(vals.values()) < before["val_loss"]  # the longer run found a better checkpoint ...
+    assert after["step"] == best_step and after["val_loss"] == vals[best_step]  # ... and kept it
 
 
 def test_resuming_from_the_final_checkpoint_brings_back_lost_rows(reference_run, storage):
@@ -123,16 +203,20 @@ def test_init_from_loads_weights_and_restarts_schedule(reference, pydoc_data, st
     assert rows[0]["loss"] < reference[STEPS] + 0.3
 
 
-def test_checkpoint_contents_and_best_copy(reference, storage):
+def test_checkpoint_contents_and_best_copy(reference_run, storage):
+    reference_rows = reference_run[1]
     run = storage / "reference"
     kept = sorted(p.name for p in run.glob("checkpoint_*") if p.is_dir())
     assert kept == [f"checkpoint_{STEPS - 10:08d}", f"checkpoint_{STEPS:08d}"]  # last 2 kept
-    state = torch.load(run / kept[-1] / "state.pt", weights_only=False)
+    state = torch.load(run / kept[-1] / "state.pt", weights_only=True)  # tensors and plain data only
     assert {"model", "optimizer", "scaler", "step", "tokens", "data", "config", "tokenizer"} <= state.keys()
     assert not any(k.startswith(("module.", "_orig_mod.")) for k in state["model"])
     best = json.loads((run / "best_checkpoint" / "meta.json").read_text())
     summary = json.loads((run / "summary.json").read_text())
-    assert best["step"] in (10, 20, 30) and summary["best_checkpoint"].endswith("best_checkpoint")
+    vals = {r["step"]: r["val_loss"] for r in reference_rows if r.get("checkpoint")}
+    assert set(vals) == {10, 20, 30}
+    assert best["step"] == min(vals, key=vals.get) and best["val_loss"] == min(vals.values())
+    assert summary["best_checkpoint"].endswith("best_checkpoint")
 
 
 def test_bad_resume_and_init_inputs(reference, pydoc_data, storage, tmp_path):

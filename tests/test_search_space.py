@@ -59,8 +59,16 @@ def test_flags_override_the_file_and_space_args(base, tmp_path):
     assert dims(space)["lr"].values == [5e-3, 6e-3] and dims(space)["beta2"].values == [0.95, 0.99]
 
 
+def test_no_space_given_searches_the_learning_rate_around_the_presets(base):
+    space = parse_space({}, [], None, base)
+    (lr,) = space.dims
+    assert (lr.key, lr.kind) == ("lr", "loguniform") and space.chosen
+    assert (lr.low, lr.high) == (pytest.approx(base.lr / 10), pytest.approx(base.lr * 3))
+    assert "the default" in space.describe()
+    assert not parse_space({"lr": "1e-3,2e-3"}, [], None, base).chosen
+
+
 @pytest.mark.parametrize("specs,space_args,message", [
-    ({}, [], "empty search space"),
     ({"lr": "fast"}, [], "lr must be float"),
     ({"lr": "1e-2:1e-4"}, [], "LOW must be below HIGH"),
     ({"lr": "0:1e-2"}, [], "needs LOW > 0"),

@@ -24,7 +24,7 @@ from raytrain_lm.tune.space import parse_space
 from raytrain_lm.tune.sweep import SweepSettings, check_settings, run_sweep
 
 # A smaller model and batch than the tiny preset, so a trial is mostly Ray start-up (~15 s here).
-SMALL = ["model.n_layer=2", "model.n_embd=64", "batch_size=8", "seq_len=64", "eval_batches=4",
+SMALL = ["model.n_layer=2", "model.n_embd=64", "batch_size=8", "seq_len=64", "eval_windows=64",
          "warmup_steps=5", "checkpoint_every=20"]
 BAD_LR = 0.5  # AdamW at 0.5: the loss goes to ~15 nats/token and stays there
 

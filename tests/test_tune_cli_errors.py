@@ -11,7 +11,7 @@ NO_RAY = {"RAY_ADDRESS": "127.0.0.1:1"}
 
 
 @pytest.mark.parametrize("args,expected", [
-    ([], "empty search space"),
+    ([], "no Ray cluster answers"),  # no space given is fine: the default one; then Ray
     (["--lr", "fast"], "lr must be float"),
     (["--lr", "1e-2:1e-4"], "LOW must be below HIGH"),
     (["--lr", "1e-3", "--grace-steps", "500", "--max-steps", "100"],

@@ -90,6 +90,8 @@ def plan(
     preset: str = typer.Option("gpt2", help="Model preset (any field overridable with --set)."),
     workers: int = typer.Option(8, help="Data-parallel workers."),
     gpu_memory_gb: float = typer.Option(80.0, help="Memory per GPU, GB."),
+    vocab_size: int = typer.Option(50304, help="The tokenizer's vocabulary, padded: GPT-2's BPE is "
+                                   "50304, the byte tokenizer 256."),
     cpu: bool = typer.Option(False, help="Plan for CPU workers (fp32 activations)."),
     set_: SetList = SET,
     as_json: bool = JSON,
@@ -100,7 +102,8 @@ def plan(
     from raytrain_lm.config import build_config
     from raytrain_lm.plan import describe_plans, plan_report
 
-    cfg = build_config(preset=preset, flags={**settings, "workers": workers}, sets=set_)
+    cfg = build_config(preset=preset, sets=set_,
+                       flags={**settings, "workers": workers, "model": {"vocab_size": vocab_size}})
     report = plan_report(cfg, gpu_memory_gb, gpu=not cpu)
     if as_json:
         best = report["recommendation"]

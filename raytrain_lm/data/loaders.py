@@ -1,4 +1,5 @@
-"""The per-worker data loaders: this rank's windows of a split, moved to the worker's device."""
+"""The per-worker data: this rank's training micro-batches (a global order, data/sampler.py) and
+its share of the fixed validation windows, moved to the worker's device by Ray Train."""
 
 from __future__ import annotations
 
@@ -6,31 +7,40 @@ import torch
 from torch.utils.data import DataLoader
 
 from raytrain_lm.config import TrainConfig
-from raytrain_lm.data.sampler import BatchStream, ResumableDistributedSampler
+from raytrain_lm.data.sampler import BatchPlan, BatchStream, eval_batches
 from raytrain_lm.data.windows import TokenWindows, collate_windows
 
 
-def split_loader(cfg: TrainConfig, split: str, rank: int, world: int, shuffle: bool):
-    """(loader, sampler) over this rank's windows of `split`."""
+def _loader(cfg: TrainConfig, dataset: TokenWindows, batch_sampler):
     import ray.train.torch
 
-    dataset = TokenWindows(cfg.data, split, cfg.seq_len)
-    sampler = ResumableDistributedSampler(dataset, num_replicas=world, rank=rank, seed=cfg.seed,
-                                          shuffle=shuffle)
-    # Its own generator: creating a loader iterator must not draw from the global RNG, or a
-    # resumed run's dropout masks would differ from an uninterrupted run's.
-    loader = DataLoader(dataset, batch_size=cfg.batch_size, sampler=sampler, drop_last=True,
-                        collate_fn=collate_windows, pin_memory=cfg.use_gpu,
-                        generator=torch.Generator().manual_seed(cfg.seed))
-    # The sampler is already a DistributedSampler, so Ray only adds the move to the device.
-    return ray.train.torch.prepare_data_loader(loader), sampler
+    # Its own generator: creating a loader iterator draws a seed, which must not come from the
+    # global RNG, or a resumed run's dropout masks would differ from an uninterrupted run's.
+    loader = DataLoader(dataset, batch_sampler=batch_sampler, collate_fn=collate_windows,
+                        pin_memory=cfg.use_gpu, generator=torch.Generator().manual_seed(cfg.seed))
+    # The order is ours (no DistributedSampler); Ray adds the move to the worker's device.
+    return ray.train.torch.prepare_data_loader(loader, add_dist_sampler=False)
 
 
-def train_stream(cfg: TrainConfig, rank: int, world: int) -> BatchStream:
-    """The endless, resumable stream of this rank's training batches."""
-    loader, sampler = split_loader(cfg, "train", rank, world, shuffle=True)
-    return BatchStream(loader, sampler, cfg.batch_size)
+def train_stream(cfg: TrainConfig, dp_rank: int, dp_size: int) -> BatchStream:
+    """The endless, resumable stream of this rank's training micro-batches."""
+    dataset = TokenWindows(cfg.data, "train", cfg.seq_len)
+    plan = BatchPlan(cfg.batch_size, cfg.grad_accum, dp_rank, dp_size)
+    return BatchStream(len(dataset), plan, cfg.seed, lambda batches: _loader(cfg, dataset, batches))
 
 
-def val_loader(cfg: TrainConfig, rank: int, world: int):
-    return split_loader(cfg, "val", rank, world, shuffle=False)[0]
+class Validation:
+    """The validation set: the first `eval_windows` windows of the split (all if 0), the same
+    windows whatever the number of workers, shared out among the data-parallel ranks."""
+
+    def __init__(self, cfg: TrainConfig, dp_rank: int, dp_size: int):
+        self.cfg = cfg
+        self.dataset = TokenWindows(cfg.data, "val", cfg.seq_len)
+        self.num_windows = min(len(self.dataset), cfg.eval_windows or len(self.dataset))
+        batches = eval_batches(self.num_windows, cfg.batch_size, dp_rank, dp_size)
+        self.weights = [w for _, w in batches]
+        self.indices = [idx for idx, _ in batches]
+
+    def __iter__(self):
+        """((inputs, targets), number of windows the batch counts for)."""
+        return zip(_loader(self.cfg, self.dataset, self.indices), self.weights)

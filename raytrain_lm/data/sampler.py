@@ -1,59 +1,114 @@
-"""Which windows each rank reads, in which order, and where a run is in that order (saved in every
-checkpoint, so a resumed run reads exactly the batches it would have)."""
+"""Which windows each rank reads, in which order, and where a run is in that order.
+
+The order is global: every epoch is one seeded permutation of all the training windows, and every
+optimizer step takes the next `global batch` of it (micro-batch x accumulation x data-parallel
+ranks). Within a step's windows, data-parallel rank r reads the r-th contiguous part, one
+micro-batch after another. The position saved in a checkpoint is (epoch, windows consumed in the
+epoch): it means the same at any number of workers, so a run resumed at another size reads on
+from exactly where it stopped, and a run resumed at the same size reads exactly the batches it
+would have. Windows left over at the end of an epoch (fewer than a global batch) are skipped.
+"""
 
 from __future__ import annotations
 
-from torch.utils.data import DistributedSampler
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
 
 from raytrain_lm.errors import UserError
 
 
-class ResumableDistributedSampler(DistributedSampler):
-    """A DistributedSampler (ranks get disjoint slices of one seeded permutation per epoch) that
-    can start part-way into an epoch, so a resumed run sees exactly the batches it would have."""
+@dataclass(frozen=True)
+class BatchPlan:
+    """How a step's windows are laid out over ranks and micro-steps."""
 
-    def __init__(self, dataset, num_replicas: int, rank: int, seed: int, shuffle: bool = True):
-        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle,
-                         seed=seed, drop_last=True)
-        self.start_index = 0
+    micro_batch: int  # windows per rank per micro-step
+    accum: int  # micro-steps per optimizer step
+    dp_rank: int
+    dp_size: int
 
-    def set_start(self, index: int) -> None:
-        self.start_index = index
+    @property
+    def global_batch(self) -> int:
+        return self.micro_batch * self.accum * self.dp_size
 
-    def __iter__(self):
-        indices = list(super().__iter__())
-        return iter(indices[self.start_index:])
+    def micro_slices(self, step_start: int) -> Iterator[tuple[int, int]]:
+        """(start, end) positions in the epoch's permutation of this rank's micro-batches of the
+        step whose windows start at `step_start`."""
+        part = step_start + self.dp_rank * self.micro_batch * self.accum
+        for m in range(self.accum):
+            yield part + m * self.micro_batch, part + (m + 1) * self.micro_batch
+
+
+def epoch_order(num_windows: int, seed: int, epoch: int) -> torch.Tensor:
+    """The permutation of an epoch: the same on every rank and every run with this seed."""
+    return torch.randperm(num_windows, generator=torch.Generator().manual_seed(seed + epoch))
+
+
+class _RankBatches:
+    """This rank's micro-batches (lists of window indices) from one position to the epoch's end:
+    a DataLoader's batch_sampler."""
+
+    def __init__(self, order: torch.Tensor, start: int, plan: BatchPlan):
+        self.order, self.start, self.plan = order, start, plan
+        self.steps = (len(order) - start) // plan.global_batch
 
     def __len__(self) -> int:
-        return self.num_samples - self.start_index
+        return self.steps * self.plan.accum
+
+    def __iter__(self):
+        for s in range(self.steps):
+            for a, b in self.plan.micro_slices(self.start + s * self.plan.global_batch):
+                yield self.order[a:b].tolist()
 
 
 class BatchStream:
-    """An endless stream of batches over epochs, whose position (epoch, batch) can be saved."""
+    """An endless stream of this rank's micro-batches over epochs; its position is global."""
 
-    def __init__(self, loader, sampler: ResumableDistributedSampler, batch_size: int):
-        self.loader, self.sampler, self.batch_size = loader, sampler, batch_size
-        self.batches_per_epoch = sampler.num_samples // batch_size
-        if self.batches_per_epoch == 0:
-            raise UserError(f"the training split has fewer than batch_size={batch_size} windows per "
-                            f"worker; lower --batch-size or --seq-len, or use a larger corpus")
-        self.epoch, self.batch_in_epoch = 0, 0
+    def __init__(self, num_windows: int, plan: BatchPlan, seed: int, make_loader):
+        """`make_loader(batch_sampler)`: a DataLoader over the windows with that batch sampler."""
+        if num_windows < plan.global_batch:
+            raise UserError(f"the training split has {num_windows} windows, fewer than one global "
+                            f"batch ({plan.micro_batch} x {plan.accum} x {plan.dp_size} workers); "
+                            f"lower --batch-size, --grad-accum or --seq-len, or use a larger corpus")
+        self.num_windows, self.plan, self.seed, self.make_loader = num_windows, plan, seed, make_loader
+        self.epoch, self.consumed = 0, 0  # windows of this epoch taken by the steps so far
+        self._micro = 0  # micro-batches of the current step already read
         self._it = None
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch}
+        """The position, at a step boundary."""
+        return {"epoch": self.epoch, "consumed": self.consumed}
 
     def load_state_dict(self, state: dict) -> None:
-        self.epoch, self.batch_in_epoch = state["epoch"], state["batch_in_epoch"]
-        self._it = None
+        self.epoch, self.consumed, self._micro, self._it = state["epoch"], state["consumed"], 0, None
 
     def next(self):
-        if self.batch_in_epoch >= self.batches_per_epoch:
-            self.epoch, self.batch_in_epoch, self._it = self.epoch + 1, 0, None
+        """The next micro-batch; the position moves on by a global batch after the last one of a
+        step."""
         if self._it is None:
-            self.sampler.set_epoch(self.epoch)
-            self.sampler.set_start(self.batch_in_epoch * self.batch_size)
-            self._it = iter(self.loader)
+            if self.consumed + self.plan.global_batch > self.num_windows:  # the epoch is spent
+                self.epoch, self.consumed = self.epoch + 1, 0
+            order = epoch_order(self.num_windows, self.seed, self.epoch)
+            self._it = iter(self.make_loader(_RankBatches(order, self.consumed, self.plan)))
         batch = next(self._it)
-        self.batch_in_epoch += 1
+        self._micro += 1
+        if self._micro == self.plan.accum:
+            self._micro = 0
+            self.consumed += self.plan.global_batch
+            if self.consumed + self.plan.global_batch > self.num_windows:
+                self._it = None  # the next step starts the next epoch
         return batch
+
+
+def eval_batches(num_windows: int, micro_batch: int, dp_rank: int,
+                 dp_size: int) -> list[tuple[list[int], int]]:
+    """This rank's batches of the validation windows 0..num_windows-1 (window i belongs to rank
+    i % dp_size), each with the number of windows it counts for. Every rank gets the same number
+    of batches, so collectives (FSDP's gathers) stay in step: a rank that runs out of windows
+    evaluates window 0 with weight 0."""
+    mine = list(range(dp_rank, num_windows, dp_size))
+    batches = [(mine[i:i + micro_batch], len(mine[i:i + micro_batch]))
+               for i in range(0, len(mine), micro_batch)]
+    most = -(-(-(-num_windows // dp_size)) // micro_batch)  # ceil(ceil(n / dp) / micro)
+    return batches + [([0], 0)] * (most - len(batches))

@@ -25,12 +25,13 @@ from raytrain_lm.errors import UserError
 # Settings a trial may not change: they decide where a trial runs, how big it is in resources, or
 # what ASHA measures.
 NOT_TUNABLE = {"preset", "data", "name", "storage", "address", "workers", "use_gpu",
-               "cpus_per_worker", "max_steps", "log_every", "eval_every", "eval_batches",
+               "cpus_per_worker", "max_steps", "log_every", "eval_every", "eval_windows",
                "checkpoint_every", "keep_checkpoints", "max_failures", "schedule", "ref_batch_tokens",
                "peak_tflops", "model.vocab_size"}
 DIST_KINDS = ("loguniform", "uniform", "randint", "choice", "grid")
 LOG_BY_DEFAULT = {"lr"}  # ranges of these keys are log-uniform without saying `log:`
 MAX_GRID = 10_000
+DEFAULT_LR_RANGE = (0.1, 3.0)  # with no space given: lr log-uniform from a tenth to 3x the base
 
 
 @dataclass
@@ -53,8 +54,13 @@ class Dim:
 
 
 class SearchSpace:
-    def __init__(self, dims: list[Dim]):
+    def __init__(self, dims: list[Dim], chosen: bool = False):
         self.dims = dims
+        self.chosen = chosen  # the default space, picked because none was given
+
+    def describe(self) -> str:
+        return ", ".join(f"{d.key} {d.kind} {d.describe()}" for d in self.dims) + \
+            (" (the default: pass --lr, --space, ... to choose)" if self.chosen else "")
 
     @property
     def keys(self) -> list[str]:
@@ -231,11 +237,10 @@ def parse_space(flag_specs: dict[str, Optional[str]], space_args: list[str], spa
         key, spec = item.split("=", 1)
         raw[key.strip()] = spec
     raw.update({k: v for k, v in flag_specs.items() if v is not None})
-    if not raw:
-        raise UserError("empty search space: give at least one of --lr, --warmup, --weight-decay, "
-                        "--batch-size, --grad-accum, --dropout, --n-layer, --n-embd, --space or "
-                        "--space-file")
-    space = SearchSpace([_finish_dim(_parse_spec(k, v), base) for k, v in raw.items()])
+    chosen = not raw
+    if chosen:  # a first sweep needs no search-space lesson: the learning rate around the preset's
+        raw = {"lr": f"log:{base.lr * DEFAULT_LR_RANGE[0]:.3g}:{base.lr * DEFAULT_LR_RANGE[1]:.3g}"}
+    space = SearchSpace([_finish_dim(_parse_spec(k, v), base) for k, v in raw.items()], chosen)
     check_space_against_config(space, base)
     return space
 

@@ -323,6 +323,7 @@ def run_sweep(
         tuner = Tuner.restore(folder.display_path(), trainable=trainable, resume_unfinished=True,
                               resume_errored=True)
     else:
+        say(f"search space: {space.describe()}")
         folder.write_json(SWEEP, {"base": cfg.to_dict(), "space": space.to_json(),
                                         "settings": asdict(settings)})
         tuner = tune.Tuner(

@@ -1,0 +1,87 @@
+"""The checkpoint format in one process (no Ray): what a loader trusts and what it refuses."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from conftest import run_cli
+from raytrain_lm.checkpoint import load_checkpoint, save_checkpoint
+from raytrain_lm.checkpointer import restore_rng
+from raytrain_lm.config import build_config
+from raytrain_lm.model import GPT
+from raytrain_lm.optim import build_optimizer
+from raytrain_lm.storage import sha256_file
+from test_cli_errors import assert_clean_error
+
+
+def write_checkpoint(folder):
+    cfg = build_config(sets=["model.n_layer=1", "model.n_embd=32", "model.n_head=2"])
+    cfg.model.vocab_size = 256
+    model = GPT(cfg.model)
+    opt = build_optimizer(model, cfg, torch.device("cpu"))
+    state = {"scaler": {}, "step": 3, "tokens": 96, "data": {"epoch": 0, "consumed": 48},
+             "world_size": 1, "val_loss": 4.0, "recent_metrics": [], "config": cfg.to_dict(),
+             "tokenizer": {"type": "byte", "vocab_size": 256}}
+    save_checkpoint(folder, 0, model, opt, sharded=False, state=state)
+    return model
+
+
+class Payload:
+    """What a malicious checkpoint could hold: unpickling it runs a command."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_checkpoint_that_would_run_code_is_refused(tmp_path):
+    folder = tmp_path / "ckpt"
+    write_checkpoint(folder)
+    marker = tmp_path / "pwned"
+    state = torch.load(folder / "state.pt", weights_only=True)
+    state["config"] = Payload(marker)
+    torch.save(state, folder / "state.pt")
+    # Whoever made it could also make its commit record match: the checksums pass.
+    record = json.loads((folder / "rank0.json").read_text())
+    record["state.pt"] = sha256_file(folder / "state.pt")
+    (folder / "rank0.json").write_text(json.dumps(record))
+    for command in (["generate", str(folder), "-n", "3", "-q"], ["export", str(folder), "--out", str(tmp_path / "x")]):
+        assert_clean_error(run_cli(*command), "refusing to load")
+    assert not marker.exists()  # the payload never ran
+    assert not (tmp_path / "x").exists()
+
+
+def test_a_checkpoint_loads_as_tensors_and_plain_data(tmp_path):
+    model = write_checkpoint(tmp_path / "ckpt")
+    state = load_checkpoint(tmp_path / "ckpt")
+    assert all(torch.equal(state["model"][k], v) for k, v in model.state_dict().items())
+    rng = torch.load(tmp_path / "ckpt" / "rng-rank0.pt", weights_only=True)  # numpy's state too
+    assert {"python", "numpy", "torch"} <= rng.keys()
+
+
+def test_each_rank_draws_its_own_dropout_masks_after_any_restore():
+    """A rank the saving run did not have (resumed on more workers) gets its own stream, as at a
+    fresh start; without one it would draw rank 0's masks."""
+    draws = []
+    for rank in range(3):
+        torch.manual_seed(1337)  # every rank builds the model from the same seed
+        restore_rng(None, 1337, rank)
+        draws.append(torch.rand(4))
+    assert not torch.equal(draws[0], draws[1]) and not torch.equal(draws[1], draws[2])
+    torch.manual_seed(5)
+    saved = torch.get_rng_state()
+    restore_rng({"python": __import__("random").getstate(), "torch": saved,
+                 "numpy": _numpy_state()}, 1337, 2)
+    assert torch.equal(torch.get_rng_state(), saved)  # a saved state wins
+
+
+def _numpy_state():
+    from raytrain_lm.checkpoint import rng_state
+
+    return rng_state()["numpy"]
