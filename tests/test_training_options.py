@@ -10,11 +10,13 @@ import pytest
 from conftest import SMALL_SETTINGS, small_config, step_losses
 from raytrain_lm.driver import run_training
 
-NO_DROPOUT = [s for s in SMALL_SETTINGS if not s.startswith("model.dropout")] + ["model.dropout=0"]
+# The small model without dropout; batch and sequence length are flags here (a --set would win).
+NO_DROPOUT = [s for s in SMALL_SETTINGS if not s.startswith(("model.dropout", "batch_size", "seq_len"))] + \
+    ["model.dropout=0"]
 
 
 def train(data, storage, name, sets=NO_DROPOUT, **flags):
-    cfg = small_config(data, storage, name, sets=sets, **flags)
+    cfg = small_config(data, storage, name, sets=sets, **{"batch_size": 8, "seq_len": 64, **flags})
     rows = []
     summary = run_training(cfg, say=lambda m: None, on_metrics=rows.append)
     assert summary["status"] == "completed"

@@ -45,7 +45,10 @@ def train(
     from raytrain_lm.report import progress_line, results_table
     from raytrain_lm.tune.lr_scaling import apply_lr_scaling
 
-    base = saved_config(settings["storage"] or default_storage(), settings["name"]) if resume else None
+    base = None
+    if resume:  # the run continues where it is found: --storage, else the default storage
+        settings = {**settings, "storage": settings["storage"] or default_storage()}
+        base = saved_config(settings["storage"], settings["name"])
     cfg = build_config(config_file=str(config) if config else None, flags=settings, sets=set_,
                        base=base)
     say = say_for(quiet, as_json)
