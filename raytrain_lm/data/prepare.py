@@ -9,7 +9,7 @@ import datetime as _dt
 import json
 import tempfile
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import numpy as np
 import pyarrow as pa
@@ -96,6 +96,16 @@ def prepare_dataset(
     return manifest
 
 
+def _token_pieces(source: str, text_field: str, tok: ByteTokenizer) -> Iterator[np.ndarray]:
+    """The corpus as a stream of token arrays: "\n\n" between documents, nothing inside one."""
+    sep = tok.encode("\n\n")
+    for i, doc in enumerate(iter_documents(source, text_field)):
+        if i:
+            yield sep
+        for text in doc:
+            yield tok.encode(text)
+
+
 def _write_shards(source: str, out: Path, *, text_field: str, val_every: int, block_tokens: int,
                   shard_tokens: int, progress: Optional[Callable[[int], None]]) -> dict:
     tok = ByteTokenizer()
@@ -103,18 +113,14 @@ def _write_shards(source: str, out: Path, *, text_field: str, val_every: int, bl
     pending = np.empty(0, dtype=tok.dtype)
     block_idx = 0
     total = 0
-    sep = tok.encode("\n\n")
 
     def route(block: np.ndarray) -> None:
         nonlocal block_idx
         writers["val" if block_idx % val_every == 1 else "train"].add(block)
         block_idx += 1
 
-    first = True
-    for doc in iter_documents(source, text_field):
-        ids = tok.encode(doc)
-        pending = np.concatenate([pending] + ([] if first else [sep]) + [ids])
-        first = False
+    for ids in _token_pieces(source, text_field, tok):
+        pending = np.concatenate([pending, ids])
         total += len(ids)
         while len(pending) >= block_tokens:
             route(pending[:block_tokens])
