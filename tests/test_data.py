@@ -7,6 +7,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
+from conftest import run_cli
+
 from raytrain_lm.data.manifest import load_manifest
 from raytrain_lm.data.prepare import prepare_dataset
 from raytrain_lm.data.sampler import BatchStream, ResumableDistributedSampler
@@ -68,6 +70,22 @@ def test_a_large_file_is_one_document(tmp_path):
     f.write_text("".join(f"{i:07d} Ünïcödé line of a large corpus ✓\n" for i in range(66_000)))
     assert f.stat().st_size > 3_000_000
     check_dataset(prepare_dataset(str(f), tmp_path / "out") and tmp_path / "out", f.read_text())
+
+
+def test_prepare_several_inputs_in_the_order_given(tmp_path):
+    """`--input` repeated: files and folders, one corpus in the order given; the default --out
+    is named after the first."""
+    (tmp_path / "intro.md").write_text("# Intro\n" + TEXT)
+    (tmp_path / "chapters").mkdir()
+    (tmp_path / "chapters" / "1.txt").write_text(TEXT[:9000])
+    (tmp_path / "chapters" / "2.txt").write_text(TEXT[9000:])
+    (tmp_path / "notes.jsonl").write_text(json.dumps({"text": "a note"}) + "\n")
+    result = run_cli("prepare", "--input", "intro.md", "--input", "chapters", "--input",
+                     "notes.jsonl", "--json", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["source"] == ["intro.md", "chapters", "notes.jsonl"]
+    check_dataset(tmp_path / "data" / "intro", "\n\n".join(
+        ["# Intro\n" + TEXT, TEXT[:9000], TEXT[9000:], "a note"]))
 
 
 def test_prepare_jsonl(tmp_path):

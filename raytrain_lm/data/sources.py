@@ -101,16 +101,15 @@ def check_source(source: str) -> list[Path]:
     return _files_under(path)
 
 
-def corpus_source(corpus: str, inputs: list[str]) -> tuple[str, str]:
-    """(source, default output folder) of `prepare`: the --input path, else a built-in corpus."""
+def corpus_source(corpus: str, inputs: list[str]) -> tuple[list[str], str]:
+    """(sources, default output folder) of `prepare`: the --input paths in the order given (the
+    folder is named after the first), else a built-in corpus."""
     if inputs:
-        if len(inputs) > 1:
-            raise UserError("give one --input path (a folder may hold many files)")
-        return inputs[0], str(Path("data") / Path(inputs[0]).stem)
+        return list(inputs), str(Path("data") / Path(inputs[0]).stem)
     if corpus not in BUILTIN_CORPORA:
         raise UserError(f"unknown corpus {corpus!r}; choose one of: {', '.join(BUILTIN_CORPORA)}, "
                         f"or pass --input PATH")
-    return corpus, str(Path("data") / corpus)
+    return [corpus], str(Path("data") / corpus)
 
 
 def iter_documents(source: str, text_field: str = "text") -> Iterator[Iterable[str]]:
