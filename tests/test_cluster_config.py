@@ -1,6 +1,8 @@
 """cluster.yaml against Ray's own launcher validation, and the bad inputs of `cluster` / `submit`
 / `jobs` that need no running cluster."""
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,6 +13,7 @@ from test_cli_errors import assert_clean_error
 
 from raytrain_lm.cluster.jobs import job_train_args
 from raytrain_lm.cluster.launcher import load_cluster_config
+from raytrain_lm.cluster.local import cluster_processes, local_temp_dir
 from raytrain_lm.errors import UserError
 
 
@@ -150,3 +153,21 @@ def test_local_up_refuses_a_busy_or_bad_port():
 def test_local_down_without_a_cluster_says_so():
     result = run_cli("cluster", "local-down", "--port", "6399")
     assert result.returncode == 0 and "no local Ray cluster was running on port 6399" in result.stdout
+
+
+def test_local_down_finds_only_the_processes_of_its_own_temp_dir():
+    """Real processes whose command lines name the cluster's temp dir (as Ray's do) are its own;
+    one of the cluster on port 63790 is not the cluster on port 6379's."""
+    mine, other = local_temp_dir(6379), local_temp_dir(63790)
+    args = {"own": [f"--temp-dir={mine}", f"{mine}/session_latest/logs"],
+            "other": [f"--temp-dir={other}", str(other), f"{other}/session_latest", f"--x={mine}0"]}
+    procs = {(who, arg): subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", arg])
+             for who, names in args.items() for arg in names}
+    try:
+        found = {p.pid for p in cluster_processes(mine)}
+        for (who, arg), proc in procs.items():
+            assert (proc.pid in found) == (who == "own"), arg
+    finally:
+        for proc in procs.values():
+            proc.kill()
+            proc.wait()
