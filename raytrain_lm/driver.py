@@ -55,9 +55,9 @@ def build_summary(cfg: TrainConfig, rows: list[dict], status: str, wall: float, 
 
 def build_trainer(cfg: TrainConfig, run: RunFolder, callbacks: Optional[list] = None,
                   init_from: Optional[str] = None, fail_at: Optional[str] = None,
-                  poll_seconds: Optional[str] = None):
+                  poll_seconds: Optional[str] = None, force: bool = False):
     """The TorchTrainer for `cfg`, writing into `run`'s folder. Used by `train` and by each Tune
-    trial. `poll_seconds`: see report_poll_seconds."""
+    trial. `poll_seconds`: see report_poll_seconds. `force`: workers skip their memory check."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
@@ -68,7 +68,7 @@ def build_trainer(cfg: TrainConfig, run: RunFolder, callbacks: Optional[list] = 
     return TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"train": cfg.to_dict(), "run_name": cfg.name, "init_from": init_from,
-                           "fail_at": fail_at},
+                           "fail_at": fail_at, "force": force},
         scaling_config=ScalingConfig(num_workers=cfg.workers, use_gpu=cfg.use_gpu,
                                      resources_per_worker=resources),
         run_config=RunConfig(
@@ -115,7 +115,8 @@ def run_training(
     metrics_q = Queue(actor_options={"num_cpus": 0})
     callbacks = [ForwardMetrics(metrics_q), KeepBest(previous.get("best_val_loss"))]
     trainer = build_trainer(cfg, run, callbacks=callbacks, init_from=init_from,
-                            fail_at=os.environ.get(FAULT_ENV), poll_seconds=poll_seconds)
+                            fail_at=os.environ.get(FAULT_ENV), poll_seconds=poll_seconds,
+                            force=force)
     if not resume:
         run.write_json(files.CONFIG, cfg.to_dict())
     follower = Follower(cfg, run, t_launch, previous.get("restarts", 0) + (1 if resume else 0),
