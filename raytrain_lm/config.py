@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from raytrain_lm.errors import UserError
-from raytrain_lm.files import STORAGE_ENV, default_storage
+from raytrain_lm.files import NAME_RULE, STORAGE_ENV, default_storage, is_plain_name
 
 DEFAULT_DATA = "data/pydoc"  # the built-in corpus, prepared on first use
 
@@ -294,8 +294,15 @@ def build_config(
     return cfg
 
 
+def check_name(name: Optional[str]) -> None:
+    """A run or sweep name is a folder inside --storage, never a path out of it."""
+    if name is not None and not is_plain_name(name):
+        raise UserError(f"--name {name!r} is not a valid name: use {NAME_RULE}")
+
+
 def validate(cfg: TrainConfig) -> None:
     """Checks that need no cluster and no dataset."""
+    check_name(cfg.name)
     m = cfg.model
     positive = dict(workers=cfg.workers, max_steps=cfg.max_steps, batch_size=cfg.batch_size,
                     seq_len=cfg.seq_len, grad_accum=cfg.grad_accum, log_every=cfg.log_every,

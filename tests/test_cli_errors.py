@@ -73,3 +73,49 @@ def test_prepare_json_output_parses(tmp_path):
     result = run_cli("prepare", "--input", str(f), "--out", str(tmp_path / "d"), "--json")
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["vocab_size"] == 256
+
+
+BAD_NAMES = ["../../escape", "a/b", "/abs", ".hidden", "..", "x" * 129, "two words", "a;b", ""]
+
+
+@pytest.mark.parametrize("command,name", [(["train"], name) for name in BAD_NAMES] + [
+    (command, name) for command in (["lr-find"], ["tune", "--lr", "1e-4:1e-2"])
+    for name in ("../../escape", "")])
+def test_names_that_are_not_one_plain_folder_are_refused(tmp_path, pydoc_data, command, name):
+    """A run or sweep name cannot lead out of --storage; refused before anything is written
+    (RAY_ADDRESS is a closed port: input let through fails as "no Ray cluster answers")."""
+    storage = tmp_path / "a" / "b" / "runs"
+    result = run_cli(*command, "--name", name, "--data", str(pydoc_data), "--storage", str(storage),
+                     env={"RAY_ADDRESS": "127.0.0.1:1"})
+    assert_clean_error(result, f"--name {name!r} is not a valid name: use letters, digits")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_tune_resume_refuses_a_name_out_of_storage(tmp_path):
+    result = run_cli("tune", "--resume", "--name", "../elsewhere", "--storage", str(tmp_path / "runs"),
+                     env={"RAY_ADDRESS": "127.0.0.1:1"})
+    assert_clean_error(result, "--name '../elsewhere' is not a valid name")
+
+
+def test_names_of_letters_digits_dots_dashes_underscores_are_fine():
+    from raytrain_lm.config import build_config
+
+    for name in ["run-1.v2_final", "A" * 128, "0"]:
+        assert build_config(flags=dict(name=name)).name == name
+
+
+def test_a_manifest_cannot_name_a_shard_outside_its_folder(tmp_path):
+    """A crafted manifest.json listing "../evil.arrow" (which exists) is not a dataset."""
+    from raytrain_lm.data.prepare import prepare_dataset
+
+    data = tmp_path / "data"
+    manifest = prepare_dataset("pydoc", data)
+    shard = manifest["val"]["shards"][0]
+    (data / shard["file"]).rename(tmp_path / "evil.arrow")
+    shard["file"] = "../evil.arrow"
+    (data / "manifest.json").write_text(json.dumps(manifest))
+    result = run_cli("train", "--data", str(data), "--storage", str(tmp_path / "runs"),
+                     env={"RAY_ADDRESS": "127.0.0.1:1"})
+    assert_clean_error(result, "is not a valid dataset: shard file name '../evil.arrow' is not a "
+                               "plain file name")
+    assert not (tmp_path / "runs").exists()

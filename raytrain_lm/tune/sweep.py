@@ -20,7 +20,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Optional
 
-from raytrain_lm.config import TrainConfig, apply_overrides, validate
+from raytrain_lm.config import TrainConfig, apply_overrides, check_name, validate
 from raytrain_lm.errors import UserError
 from raytrain_lm.files import SWEEP, TRIAL_CONFIG
 from raytrain_lm.storage import RunFolder
@@ -103,6 +103,7 @@ def resumed_sweep(settings: dict, others_given: list[str]) -> TrainConfig:
                             if v is not None and k not in ("name", "storage", "address")]
     if given:
         raise UserError(f"--resume continues the sweep as it was started; drop {', '.join(given)}")
+    check_name(settings.get("name"))
     return TrainConfig.from_dict({k: settings[k] for k in ("name", "storage", "address")
                                   if settings.get(k) is not None})
 
