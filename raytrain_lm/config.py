@@ -235,10 +235,15 @@ def parse_set_args(items: list[str]) -> dict[str, Any]:
 def load_config_file(path: str | Path) -> dict[str, Any]:
     """Read a YAML, TOML or JSON config file into a dict (validated when applied)."""
     p = Path(path)
+    if p.is_dir():
+        raise UserError(f"config file {p} is a folder, not a file")
     if not p.is_file():
         raise UserError(f"config file not found: {p}")
     try:
         text = p.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"cannot read config file {p}: {getattr(e, 'strerror', None) or e}") from None
+    try:
         if p.suffix in (".yaml", ".yml"):
             import yaml
 

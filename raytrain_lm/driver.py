@@ -102,8 +102,8 @@ def run_training(
     from raytrain_lm.cluster.connect import connect_ray
 
     t_launch = time.time()
-    manifest = prepare_data(cfg, say)
     run = run_folder(cfg, resume)
+    manifest = prepare_data(cfg, say)
     if init_from:
         init_from = check_init_from(init_from, cfg, manifest)
     previous = run.read_json(files.SUMMARY) if resume and run.exists(files.SUMMARY) else {}
@@ -148,6 +148,8 @@ def run_folder(cfg: TrainConfig, resume: bool) -> RunFolder:
     if not resume and run.exists():
         raise UserError(f"a run named {cfg.name!r} already exists in {cfg.storage}; "
                         f"pass --resume to continue it or choose another --name")
+    if not resume:
+        run.check_can_create()
     return run
 
 

@@ -56,6 +56,8 @@ def load_manifest(data: str | Path, verify: bool = False) -> dict:
     d = Path(data)
     if not d.exists():
         raise UserError(f"dataset not found: {d} (create one with `python cli.py prepare`)")
+    if not d.is_dir():
+        raise UserError(f"dataset {d} is a file; a dataset is the folder `python cli.py prepare` writes")
     if not (d / MANIFEST).is_file():
         raise UserError(f"{d} is not a prepared dataset (no {MANIFEST}); "
                         f"create one with `python cli.py prepare --out {d}`")

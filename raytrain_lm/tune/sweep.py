@@ -279,12 +279,13 @@ def run_sweep(
         space = SearchSpace.from_json(saved["space"])
         settings = SweepSettings(**saved["settings"])
     else:
-        prepare_data(cfg, say)
         cfg.name = cfg.name or default_sweep_name(cfg)
         folder = RunFolder(cfg.storage, cfg.name)
         if folder.exists():
             raise UserError(f"a sweep or run named {cfg.name!r} already exists in {cfg.storage}; "
                             f"pass --resume to continue it or choose another --name")
+        folder.check_can_create()
+        prepare_data(cfg, say)
     assert space is not None and settings is not None
 
     connect_ray(cfg.address, cfg.workers * cfg.cpus_per_worker + TRIAL_CPUS, verbose)
