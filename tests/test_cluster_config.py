@@ -1,6 +1,8 @@
 """cluster.yaml against Ray's own launcher validation, and the bad inputs of `cluster` / `submit`
 / `jobs` that need no running cluster."""
 
+import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -62,6 +64,48 @@ def test_token_auth_on_and_dashboard_only_on_localhost(filled):
     assert "RAY_AUTH_MODE=token ray start --address" in worker
     assert "--dashboard-host=127.0.0.1" in head and "0.0.0.0" not in head
     assert "--autoscaling-config=~/ray_bootstrap_config.yaml" in head
+
+
+def _statements(policy_file: str) -> list[dict]:
+    statements = json.loads((ROOT / "docs" / "aws" / policy_file).read_text())["Statement"]
+    for s in statements:  # one shape for every statement: lists of actions and resources
+        s["Action"] = [s["Action"]] if isinstance(s["Action"], str) else s["Action"]
+        s["Resource"] = [s["Resource"]] if isinstance(s.get("Resource"), str) else s.get("Resource", [])
+    return statements
+
+
+def test_gpu_workers_get_a_least_privilege_role_and_the_head_keeps_rays(filled):
+    """Training code runs on the workers: their role may touch only the project's S3 prefixes.
+    The head keeps Ray's default role (the launcher's EC2 rights), which Ray gives it only when
+    its node type names none (ray/autoscaler/_private/aws/config.py: _configure_iam_role)."""
+    from ray.autoscaler._private.aws.config import DEFAULT_RAY_INSTANCE_PROFILE
+
+    types = filled["available_node_types"]
+    assert "IamInstanceProfile" not in types[filled["head_node_type"]]["node_config"]
+    profile = types["gpu_worker"]["node_config"]["IamInstanceProfile"]
+    assert profile == {"Name": "raytrain-lm-worker"} and profile["Name"] != DEFAULT_RAY_INSTANCE_PROFILE
+
+    setup = "\n".join(filled["setup_commands"])
+    bucket, runs = re.search(r"RAYTRAIN_LM_STORAGE=s3://([^/]+)/(\S+?)'", setup).groups()
+    datasets = set(re.findall(rf"s3://{bucket}/(\S+?)/", (ROOT / "README.md").read_text())) - {"raytrain-lm"}
+    assert runs.startswith("raytrain-lm/") and datasets == {"data"}
+    allowed = {"raytrain-lm": {"s3:GetObject", "s3:PutObject", "s3:DeleteObject",
+                               "s3:AbortMultipartUpload", "s3:ListMultipartUploadParts"},
+               "data": {"s3:GetObject"}}
+    for s in _statements("worker-policy.json"):
+        assert s["Effect"] == "Allow" and all(a.startswith("s3:") and "*" not in a for a in s["Action"])
+        if s["Resource"] == [f"arn:aws:s3:::{bucket}"]:  # listing, only under the two prefixes
+            assert s["Action"] == ["s3:ListBucket"]
+            assert {p.split("/")[0] for p in s["Condition"]["StringLike"]["s3:prefix"]} == set(allowed)
+            continue
+        for resource in s["Resource"]:
+            prefix = re.fullmatch(rf"arn:aws:s3:::{bucket}/([^/*]+)/\*", resource).group(1)
+            assert set(s["Action"]) <= allowed[prefix], (prefix, s["Action"])
+    trust = _statements("worker-trust-policy.json")
+    assert [(s["Principal"], s["Action"]) for s in trust] == [({"Service": "ec2.amazonaws.com"}, ["sts:AssumeRole"])]
+    passing = _statements("head-pass-worker-role.json")
+    assert [(s["Action"], s["Resource"]) for s in passing] == \
+        [(["iam:PassRole"], ["arn:aws:iam::YOUR-ACCOUNT-ID:role/raytrain-lm-worker"])]
 
 
 def test_a_broken_config_is_refused_with_the_schema_error(tmp_path):
