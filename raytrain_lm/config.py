@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from raytrain_lm.errors import UserError
-from raytrain_lm.files import STORAGE_ENV, default_storage
+from raytrain_lm.files import NAME_RULE, STORAGE_ENV, default_storage, is_plain_name
 
 DEFAULT_DATA = "data/pydoc"  # the built-in corpus, prepared on first use
 SCHEDULES = ("cosine", "wsd", "exp_range")
@@ -242,10 +242,15 @@ def parse_set_args(items: list[str]) -> dict[str, Any]:
 def load_config_file(path: str | Path) -> dict[str, Any]:
     """Read a YAML, TOML or JSON config file into a dict (validated when applied)."""
     p = Path(path)
+    if p.is_dir():
+        raise UserError(f"config file {p} is a folder, not a file")
     if not p.is_file():
         raise UserError(f"config file not found: {p}")
     try:
         text = p.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"cannot read config file {p}: {getattr(e, 'strerror', None) or e}") from None
+    try:
         if p.suffix in (".yaml", ".yml"):
             import yaml
 
@@ -311,8 +316,15 @@ def check_resumable(was: TrainConfig, cfg: TrainConfig, preset: str) -> None:
                             f"--init-from")
 
 
+def check_name(name: Optional[str]) -> None:
+    """A run or sweep name is a folder inside --storage, never a path out of it."""
+    if name is not None and not is_plain_name(name):
+        raise UserError(f"--name {name!r} is not a valid name: use {NAME_RULE}")
+
+
 def validate(cfg: TrainConfig) -> None:
     """Checks that need no cluster and no dataset."""
+    check_name(cfg.name)
     m = cfg.model
     positive = dict(workers=cfg.workers, max_steps=cfg.max_steps, batch_size=cfg.batch_size,
                     seq_len=cfg.seq_len, grad_accum=cfg.grad_accum, log_every=cfg.log_every,

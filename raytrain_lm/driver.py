@@ -56,9 +56,9 @@ def build_summary(cfg: TrainConfig, rows: list[dict], status: str, wall: float, 
 
 def build_trainer(cfg: TrainConfig, run: RunFolder, callbacks: Optional[list] = None,
                   init_from: Optional[str] = None, fail_at: Optional[str] = None,
-                  poll_seconds: Optional[str] = None):
+                  poll_seconds: Optional[str] = None, force: bool = False):
     """The TorchTrainer for `cfg`, writing into `run`'s folder. Used by `train` and by each Tune
-    trial. `poll_seconds`: see report_poll_seconds."""
+    trial. `poll_seconds`: see report_poll_seconds. `force`: workers skip their memory check."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
@@ -69,7 +69,7 @@ def build_trainer(cfg: TrainConfig, run: RunFolder, callbacks: Optional[list] = 
     return TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"train": cfg.to_dict(), "run_name": cfg.name, "init_from": init_from,
-                           "fail_at": fail_at},
+                           "fail_at": fail_at, "force": force},
         scaling_config=ScalingConfig(num_workers=cfg.workers, use_gpu=cfg.use_gpu,
                                      resources_per_worker=resources),
         run_config=RunConfig(
@@ -103,8 +103,8 @@ def run_training(
     from raytrain_lm.cluster.connect import connect_ray
 
     t_launch = time.time()
-    manifest = prepare_data(cfg, say)
     run = run_folder(cfg, resume)
+    manifest = prepare_data(cfg, say)
     if resume and (step := settle_resume(cfg, run)) is not None:
         say(f"resuming {cfg.name} from its checkpoint at step {step}")
     if init_from:
@@ -118,7 +118,8 @@ def run_training(
     metrics_q = Queue(actor_options={"num_cpus": 0})
     callbacks = [ForwardMetrics(metrics_q), KeepBest(best_val_loss(run) if resume else None)]
     trainer = build_trainer(cfg, run, callbacks=callbacks, init_from=init_from,
-                            fail_at=os.environ.get(FAULT_ENV), poll_seconds=poll_seconds)
+                            fail_at=os.environ.get(FAULT_ENV), poll_seconds=poll_seconds,
+                            force=force)
     run.write_json(files.CONFIG, cfg.to_dict())  # what a later --resume continues with
     follower = Follower(cfg, run, t_launch, previous.get("restarts", 0) + (1 if resume else 0),
                         say, on_metrics)
@@ -149,6 +150,8 @@ def run_folder(cfg: TrainConfig, resume: bool) -> RunFolder:
     if not resume and run.exists():
         raise UserError(f"a run named {cfg.name!r} already exists in {cfg.storage}; "
                         f"pass --resume to continue it or choose another --name")
+    if not resume:
+        run.check_can_create()
     return run
 
 

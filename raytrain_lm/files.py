@@ -12,6 +12,7 @@ dataset's folder. Everything that reads or writes these files takes the names fr
 from __future__ import annotations
 
 import os
+import re
 from typing import Optional
 
 # ---------------------------------------------------------------- a run's folder
@@ -28,6 +29,16 @@ DCP_DIR = "dcp"  # sharded model and optimizer (torch.distributed.checkpoint)
 
 # ---------------------------------------------------------------- a dataset's folder
 MANIFEST = "manifest.json"
+
+# A run's, a sweep's or a shard's name is one plain entry of its folder: never `..`, `/` or a
+# hidden name, so neither a flag nor a crafted manifest can reach outside that folder.
+NAME_RULE = "letters, digits, '.', '_' and '-', not starting with '.', at most 128 characters"
+_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")
+
+
+def is_plain_name(name: object) -> bool:
+    return isinstance(name, str) and _NAME.fullmatch(name) is not None
+
 
 # Where runs live when --storage is not given: a cluster sets RAYTRAIN_LM_STORAGE on every node
 # (cluster.yaml: s3://...), so the driver, the workers and the read commands agree.

@@ -24,6 +24,7 @@ from raytrain_lm.data.resolve import resolve_dataset
 from raytrain_lm.metrics import Meter, gpu_peak_tflops, peak_memory_gb
 from raytrain_lm.model import GPT, flops_per_token
 from raytrain_lm.optim import lr_at
+from raytrain_lm.preflight import check_device_memory
 from raytrain_lm.parallel.fsdp import to_float
 from raytrain_lm.step import TrainStep
 
@@ -33,6 +34,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     cfg.data = resolve_dataset(cfg.data)  # s3://... -> verified local cache on this node
     ctx = ray.train.get_context()
     rank, world, device = ctx.get_world_rank(), ctx.get_world_size(), ray.train.torch.get_device()
+    check_device_memory(cfg, device, loop_config.get("force", False))  # the GPU's real memory
     if device.type == "cuda":
         torch.set_float32_matmul_precision("high")  # TF32 for any matmul left in fp32
     checkpointer = Checkpointer(cfg, rank, world, load_manifest(cfg.data)["tokenizer"])

@@ -9,33 +9,17 @@ from typing import Optional
 
 import torch
 
-# Dense bf16 tensor-core peaks (TFLOP/s, no sparsity), from the vendors' datasheets.
-PEAK_BF16_TFLOPS = {
-    "H200": 989.0,
-    "H100 SXM": 989.0,
-    "H100 80GB HBM3": 989.0,
-    "H100 NVL": 835.0,
-    "H100 PCIe": 756.0,
-    "A100": 312.0,
-    "L40S": 362.0,
-    "L4": 121.0,
-}
-
 
 def gpu_peak_tflops(device: torch.device, override: Optional[float] = None) -> Optional[float]:
-    """The peak used for MFU: `override`, else the table's entry for this GPU, else None (no MFU)."""
+    """The peak used for MFU: `override`, else the dense bf16 peak of this GPU's model
+    (gpus.GPUS), else None (no MFU)."""
+    from raytrain_lm.gpus import peak_tflops
+
     if override:
         return override
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    # Longest key first, so "H100 PCIe" wins over a bare "H100".
-    for key in sorted(PEAK_BF16_TFLOPS, key=len, reverse=True):
-        if key in name:
-            return PEAK_BF16_TFLOPS[key]
-    if "H100" in name:
-        return PEAK_BF16_TFLOPS["H100 SXM"]
-    return None
+    return peak_tflops(torch.cuda.get_device_name(device))
 
 
 def mfu(tokens_per_second: float, flops_per_token: float, num_devices: int,

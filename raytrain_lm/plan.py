@@ -27,10 +27,6 @@ GB = 1e9
 USABLE_FRACTION = 0.9
 AC_ELEMENTS = {"none": 17, "selective": 11}
 
-# Memory per GPU by Ray's accelerator_type label, GB (as sold).
-GPU_MEMORY_GB = {"H200": 141, "H100": 80, "A100": 40, "A100-80G": 80, "L40S": 48, "L4": 24,
-                 "A10G": 24, "V100": 16, "T4": 16}
-
 
 def param_counts(m: ModelConfig) -> dict[str, int]:
     h, V, L = m.n_embd, m.vocab_size or 256, m.n_layer

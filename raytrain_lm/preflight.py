@@ -77,16 +77,17 @@ def check_resources(cfg: TrainConfig, say: Callable[[str], None] = print) -> Non
 
 def worker_memory_gb(cfg: TrainConfig) -> Optional[float]:
     """Memory one worker may use: its GPU's (from --set gpu_memory_gb or Ray's accelerator
-    label), or on CPU the cluster's memory resource split among the workers. None: unknown."""
+    label, when the label determines it), or on CPU the cluster's memory resource split among
+    the workers. None: unknown (a GPU worker then checks its device's own memory)."""
     import ray
 
-    from raytrain_lm.plan import GPU_MEMORY_GB
+    from raytrain_lm.gpus import label_memory_gb
 
     if cfg.use_gpu:
         if cfg.gpu_memory_gb:
             return cfg.gpu_memory_gb
         labels = [k.split(":", 1)[1] for k in ray.cluster_resources() if k.startswith("accelerator_type:")]
-        sizes = [GPU_MEMORY_GB[label] for label in labels if label in GPU_MEMORY_GB]
+        sizes = [size for size in map(label_memory_gb, labels) if size]
         return min(sizes) if sizes else None
     return ray.cluster_resources().get("memory", 0) / 1e9 / cfg.workers or None
 
@@ -124,6 +125,16 @@ def settle_resume(cfg: TrainConfig, run) -> Optional[int]:
     step = newest_step(run)
     resumed_horizon(TrainConfig.from_dict(run.read_json(CONFIG)), cfg, step or 0)
     return step
+
+
+def check_device_memory(cfg: TrainConfig, device, force: bool) -> None:
+    """On a GPU worker, before anything is built: check_memory against the memory the device
+    reports (the driver knows only what Ray's label implies, often nothing), unless --force."""
+    import torch
+
+    if force or device.type != "cuda":
+        return
+    check_memory(cfg, torch.cuda.get_device_properties(device).total_memory / 1e9)
 
 
 def check_init_from(path: str, cfg: TrainConfig, manifest: dict) -> str:

@@ -137,6 +137,7 @@ def build_report(refs: list[str], storage: str, out: Optional[str] = None) -> di
     {"runs": [summary, ...], "plot": where the PNG went}."""
     from raytrain_lm.plots import plot_runs
     from raytrain_lm.runs import open_run, summary_of
+    from raytrain_lm.storage import path_error
 
     runs = [open_run(r, storage) for r in refs]
     curves = [(run.name, run.read_jsonl(files.METRICS)) for run in runs]
@@ -145,9 +146,12 @@ def build_report(refs: list[str], storage: str, out: Optional[str] = None) -> di
         raise UserError(f"run {empty[0]!r} has no metrics yet (it never logged a step)")
     png = plot_runs(curves)
     if out:
-        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-        with open(out, "wb") as f:
-            f.write(png)
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+            with open(out, "wb") as f:
+                f.write(png)
+        except OSError as e:
+            raise path_error(out, e) from None
         where = out
     else:
         rel = "report.png" if len(runs) == 1 else "compare.png"

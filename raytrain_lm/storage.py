@@ -4,9 +4,11 @@ or a folder so that readers never see half of it, and a run's folder `<storage>/
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
+import tempfile
 import uuid
 from pathlib import Path
 from typing import Any, Iterator, Optional
@@ -50,6 +52,39 @@ def resolve_storage(storage: str) -> tuple[pafs.FileSystem, str, str]:
     return pafs.LocalFileSystem(), path, path
 
 
+def path_error(path: str, e: OSError, doing: str = "write") -> UserError:
+    """The user's error for a path that cannot be created, read or written: which path and why
+    (a file where a folder must be, a folder where a file must be, /proc, a read-only disk)."""
+    blocker = None if is_remote(path) else _file_in_the_way(path)
+    why = (f"{blocker} is a file, not a folder" if blocker else
+           os.strerror(e.errno) if e.errno else str(e).splitlines()[0])
+    return UserError(f"cannot {doing} {path}: {why}")
+
+
+def _file_in_the_way(path: str) -> Optional[str]:
+    """The nearest existing ancestor of local `path` if it is a file: nothing can go under it."""
+    for parent in Path(path).absolute().parents:
+        if parent.exists():
+            return None if parent.is_dir() else str(parent)
+    return None
+
+
+def check_can_create(path: str) -> None:
+    """UserError naming `path` unless a folder can be created there, checked by creating and
+    removing a probe folder in its nearest existing ancestor: nothing is left behind. Local
+    paths only (object stores have no folders in the way; they answer at the first write)."""
+    if is_remote(path):
+        return
+    target = Path(path).absolute()
+    nearest = next(p for p in (target, *target.parents) if p.exists())
+    try:
+        if not nearest.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR))
+        os.rmdir(tempfile.mkdtemp(prefix=".raytrain-lm-probe-", dir=nearest))
+    except OSError as e:
+        raise path_error(path, e, "create") from None
+
+
 def _exists(fs: pafs.FileSystem, path: str) -> bool:
     return fs.get_file_info(path).type != pafs.FileType.NotFound
 
@@ -66,7 +101,10 @@ def staged_folder(target: str | Path, fs: Optional[pafs.FileSystem] = None) -> I
     parent, name = target.rsplit("/", 1)
     tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp, old = f"{parent}/.{name}.tmp-{tag}", f"{parent}/.{name}.old-{tag}"
-    fs.create_dir(tmp, recursive=True)
+    try:
+        fs.create_dir(tmp, recursive=True)
+    except OSError as e:
+        raise path_error(target, e, "create") from None
     try:
         yield tmp
         if _exists(fs, target):
@@ -102,13 +140,21 @@ class RunFolder:
         with self.fs.open_input_stream(f"{self.path}/{rel}") as f:
             return f.read().decode()
 
+    def check_can_create(self) -> None:
+        """Before a new run or sweep starts: UserError unless its folder can be created."""
+        if self.local:
+            check_can_create(self.path)
+
     def write_bytes(self, rel: str, data: bytes) -> None:
         """Write whole, then move into place: readers never see half a file."""
-        self.fs.create_dir(self.path, recursive=True)
         tmp = f"{self.path}/.{rel}.tmp-{os.getpid()}"
-        with self.fs.open_output_stream(tmp) as f:
-            f.write(data)
-        self.fs.move(tmp, f"{self.path}/{rel}")
+        try:
+            self.fs.create_dir(self.path, recursive=True)
+            with self.fs.open_output_stream(tmp) as f:
+                f.write(data)
+            self.fs.move(tmp, f"{self.path}/{rel}")
+        except OSError as e:
+            raise path_error(self.display_path(rel), e) from None
 
     def write_text(self, rel: str, text: str) -> None:
         self.write_bytes(rel, text.encode())

@@ -73,3 +73,98 @@ def test_prepare_json_output_parses(tmp_path):
     result = run_cli("prepare", "--input", str(f), "--out", str(tmp_path / "d"), "--json")
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["vocab_size"] == 256
+
+
+BAD_NAMES = ["../../escape", "a/b", "/abs", ".hidden", "..", "x" * 129, "two words", "a;b", ""]
+
+
+@pytest.mark.parametrize("command,name", [(["train"], name) for name in BAD_NAMES] + [
+    (command, name) for command in (["lr-find"], ["tune", "--lr", "1e-4:1e-2"])
+    for name in ("../../escape", "")])
+def test_names_that_are_not_one_plain_folder_are_refused(tmp_path, pydoc_data, command, name):
+    """A run or sweep name cannot lead out of --storage; refused before anything is written
+    (RAY_ADDRESS is a closed port: input let through fails as "no Ray cluster answers")."""
+    storage = tmp_path / "a" / "b" / "runs"
+    result = run_cli(*command, "--name", name, "--data", str(pydoc_data), "--storage", str(storage),
+                     env={"RAY_ADDRESS": "127.0.0.1:1"})
+    assert_clean_error(result, f"--name {name!r} is not a valid name: use letters, digits")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_tune_resume_refuses_a_name_out_of_storage(tmp_path):
+    result = run_cli("tune", "--resume", "--name", "../elsewhere", "--storage", str(tmp_path / "runs"),
+                     env={"RAY_ADDRESS": "127.0.0.1:1"})
+    assert_clean_error(result, "--name '../elsewhere' is not a valid name")
+
+
+def test_names_of_letters_digits_dots_dashes_underscores_are_fine():
+    from raytrain_lm.config import build_config
+
+    for name in ["run-1.v2_final", "A" * 128, "0"]:
+        assert build_config(flags=dict(name=name)).name == name
+
+
+def test_a_manifest_cannot_name_a_shard_outside_its_folder(tmp_path):
+    """A crafted manifest.json listing "../evil.arrow" (which exists) is not a dataset."""
+    from raytrain_lm.data.prepare import prepare_dataset
+
+    data = tmp_path / "data"
+    manifest = prepare_dataset("pydoc", data)
+    shard = manifest["val"]["shards"][0]
+    (data / shard["file"]).rename(tmp_path / "evil.arrow")
+    shard["file"] = "../evil.arrow"
+    (data / "manifest.json").write_text(json.dumps(manifest))
+    result = run_cli("train", "--data", str(data), "--storage", str(tmp_path / "runs"),
+                     env={"RAY_ADDRESS": "127.0.0.1:1"})
+    assert_clean_error(result, "is not a valid dataset: shard file name '../evil.arrow' is not a "
+                               "plain file name")
+    assert not (tmp_path / "runs").exists()
+
+
+BAD_PATHS = [  # (command line, expected); {tmp}: a folder holding afile (a file), folder/, runs/r1
+    ("prepare --out {tmp}/afile/sub", "cannot create {tmp}/afile/sub: {tmp}/afile is a file, not a folder"),
+    ("prepare --out /proc/raytrain-lm-x", "cannot create /proc/raytrain-lm-x: No such file or directory"),
+    ("train --storage {tmp}/afile --name r", "cannot create {tmp}/afile/r: {tmp}/afile is a file"),
+    ("train --storage {tmp}/afile/runs --name r", "cannot create {tmp}/afile/runs/r: {tmp}/afile is a file"),
+    ("train --storage /proc/runs --name r", "cannot create /proc/runs/r: No such file or directory"),
+    ("lr-find --storage {tmp}/afile/runs --name r", "cannot create {tmp}/afile/runs/r: {tmp}/afile is a file"),
+    ("tune --lr 1e-4:1e-2 --storage {tmp}/afile --name s", "cannot create {tmp}/afile/s: {tmp}/afile is a file"),
+    ("train --config {tmp}/folder", "config file {tmp}/folder is a folder, not a file"),
+    ("train --config {tmp}/mem.json", "cannot read config file {tmp}/mem.json: Input/output error"),
+    ("train --data {tmp}/afile", "dataset {tmp}/afile is a file"),
+    ("report r1 --storage {tmp}/runs --out {tmp}/afile/r.png", "cannot write {tmp}/afile/r.png: {tmp}/afile is a file"),
+    ("report r1 --storage {tmp}/runs --out {tmp}/folder", "cannot write {tmp}/folder: Is a directory"),
+    ("report r1 --storage {tmp}/runs --out /proc/r.png", "cannot write /proc/r.png: No such file or directory"),
+]
+
+
+@pytest.mark.parametrize("command,expected", BAD_PATHS)
+def test_paths_that_cannot_be_created_read_or_written(tmp_path, pydoc_data, command, expected):
+    """A path that is no place for what goes there is the user's mistake: one line naming it and
+    why, exit code 2, nothing written (tests run as root: files as parents and /proc stand in
+    for permissions)."""
+    (tmp_path / "afile").write_text("a file")
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "mem.json").symlink_to("/proc/self/mem")  # a file that cannot be read
+    (tmp_path / "runs" / "r1").mkdir(parents=True)
+    (tmp_path / "runs" / "r1" / "metrics.jsonl").write_text("".join(
+        json.dumps({"step": s, "loss": 3 - s / 100, "lr": 1e-3, "tokens_per_second": 1e3}) + "\n"
+        for s in (10, 20, 30)))
+    before = sorted(tmp_path.rglob("*"))
+    args = command.format(tmp=tmp_path).split()
+    if args[0] in ("train", "lr-find", "tune") and "--data" not in args:
+        args += ["--data", str(pydoc_data)]
+    result = run_cli(*args, env={"RAY_ADDRESS": "127.0.0.1:1"})
+    assert_clean_error(result, expected.format(tmp=tmp_path))
+    assert sorted(tmp_path.rglob("*")) == before
+
+
+def test_run_folder_writes_that_fail_say_which_path(tmp_path):
+    """Every file the driver, tune and lr-find keep in a run's folder goes through RunFolder."""
+    from raytrain_lm.errors import UserError
+    from raytrain_lm.storage import RunFolder
+
+    (tmp_path / "afile").write_text("a file")
+    with pytest.raises(UserError, match=f"cannot write {tmp_path}/afile/r/summary.json: "
+                                        f"{tmp_path}/afile is a file, not a folder"):
+        RunFolder(str(tmp_path / "afile"), "r").write_json("summary.json", {})

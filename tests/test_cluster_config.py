@@ -1,6 +1,10 @@
 """cluster.yaml against Ray's own launcher validation, and the bad inputs of `cluster` / `submit`
 / `jobs` that need no running cluster."""
 
+import json
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,6 +15,7 @@ from test_cli_errors import assert_clean_error
 
 from raytrain_lm.cluster.jobs import job_train_args
 from raytrain_lm.cluster.launcher import load_cluster_config
+from raytrain_lm.cluster.local import cluster_processes, local_temp_dir
 from raytrain_lm.errors import UserError
 
 
@@ -59,6 +64,48 @@ def test_token_auth_on_and_dashboard_only_on_localhost(filled):
     assert "RAY_AUTH_MODE=token ray start --address" in worker
     assert "--dashboard-host=127.0.0.1" in head and "0.0.0.0" not in head
     assert "--autoscaling-config=~/ray_bootstrap_config.yaml" in head
+
+
+def _statements(policy_file: str) -> list[dict]:
+    statements = json.loads((ROOT / "docs" / "aws" / policy_file).read_text())["Statement"]
+    for s in statements:  # one shape for every statement: lists of actions and resources
+        s["Action"] = [s["Action"]] if isinstance(s["Action"], str) else s["Action"]
+        s["Resource"] = [s["Resource"]] if isinstance(s.get("Resource"), str) else s.get("Resource", [])
+    return statements
+
+
+def test_gpu_workers_get_a_least_privilege_role_and_the_head_keeps_rays(filled):
+    """Training code runs on the workers: their role may touch only the project's S3 prefixes.
+    The head keeps Ray's default role (the launcher's EC2 rights), which Ray gives it only when
+    its node type names none (ray/autoscaler/_private/aws/config.py: _configure_iam_role)."""
+    from ray.autoscaler._private.aws.config import DEFAULT_RAY_INSTANCE_PROFILE
+
+    types = filled["available_node_types"]
+    assert "IamInstanceProfile" not in types[filled["head_node_type"]]["node_config"]
+    profile = types["gpu_worker"]["node_config"]["IamInstanceProfile"]
+    assert profile == {"Name": "raytrain-lm-worker"} and profile["Name"] != DEFAULT_RAY_INSTANCE_PROFILE
+
+    setup = "\n".join(filled["setup_commands"])
+    bucket, runs = re.search(r"RAYTRAIN_LM_STORAGE=s3://([^/]+)/(\S+?)'", setup).groups()
+    datasets = set(re.findall(rf"s3://{bucket}/(\S+?)/", (ROOT / "README.md").read_text())) - {"raytrain-lm"}
+    assert runs.startswith("raytrain-lm/") and datasets == {"data"}
+    allowed = {"raytrain-lm": {"s3:GetObject", "s3:PutObject", "s3:DeleteObject",
+                               "s3:AbortMultipartUpload", "s3:ListMultipartUploadParts"},
+               "data": {"s3:GetObject"}}
+    for s in _statements("worker-policy.json"):
+        assert s["Effect"] == "Allow" and all(a.startswith("s3:") and "*" not in a for a in s["Action"])
+        if s["Resource"] == [f"arn:aws:s3:::{bucket}"]:  # listing, only under the two prefixes
+            assert s["Action"] == ["s3:ListBucket"]
+            assert {p.split("/")[0] for p in s["Condition"]["StringLike"]["s3:prefix"]} == set(allowed)
+            continue
+        for resource in s["Resource"]:
+            prefix = re.fullmatch(rf"arn:aws:s3:::{bucket}/([^/*]+)/\*", resource).group(1)
+            assert set(s["Action"]) <= allowed[prefix], (prefix, s["Action"])
+    trust = _statements("worker-trust-policy.json")
+    assert [(s["Principal"], s["Action"]) for s in trust] == [({"Service": "ec2.amazonaws.com"}, ["sts:AssumeRole"])]
+    passing = _statements("head-pass-worker-role.json")
+    assert [(s["Action"], s["Resource"]) for s in passing] == \
+        [(["iam:PassRole"], ["arn:aws:iam::YOUR-ACCOUNT-ID:role/raytrain-lm-worker"])]
 
 
 def test_a_broken_config_is_refused_with_the_schema_error(tmp_path):
@@ -150,3 +197,21 @@ def test_local_up_refuses_a_busy_or_bad_port():
 def test_local_down_without_a_cluster_says_so():
     result = run_cli("cluster", "local-down", "--port", "6399")
     assert result.returncode == 0 and "no local Ray cluster was running on port 6399" in result.stdout
+
+
+def test_local_down_finds_only_the_processes_of_its_own_temp_dir():
+    """Real processes whose command lines name the cluster's temp dir (as Ray's do) are its own;
+    one of the cluster on port 63790 is not the cluster on port 6379's."""
+    mine, other = local_temp_dir(6379), local_temp_dir(63790)
+    args = {"own": [f"--temp-dir={mine}", f"{mine}/session_latest/logs"],
+            "other": [f"--temp-dir={other}", str(other), f"{other}/session_latest", f"--x={mine}0"]}
+    procs = {(who, arg): subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", arg])
+             for who, names in args.items() for arg in names}
+    try:
+        found = {p.pid for p in cluster_processes(mine)}
+        for (who, arg), proc in procs.items():
+            assert (proc.pid in found) == (who == "own"), arg
+    finally:
+        for proc in procs.values():
+            proc.kill()
+            proc.wait()

@@ -7,6 +7,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
+from conftest import run_cli
+
 from raytrain_lm.data.manifest import load_manifest
 from raytrain_lm.data.prepare import prepare_dataset
 from raytrain_lm.data.sampler import BatchPlan, BatchStream, eval_batches
@@ -26,13 +28,29 @@ def tokens_of(data_dir, split):
     return np.concatenate(arrays)
 
 
+def corpus_bytes(data_dir) -> bytes:
+    """The dataset's tokens in corpus order: block k of the token stream went to validation when
+    k % val_every == 1, to train otherwise; put the blocks back in that order."""
+    split = load_manifest(data_dir)["split"]
+    size, every = split["block_tokens"], split["val_every"]
+    blocks = {s: [a[i: i + size] for i in range(0, len(a), size)]
+              for s, a in (("train", tokens_of(data_dir, "train")), ("val", tokens_of(data_dir, "val")))}
+    taken = {"train": 0, "val": 0}
+    out = []
+    for k in range(len(blocks["train"]) + len(blocks["val"])):
+        s = "val" if k % every == 1 else "train"
+        out.append(blocks[s][taken[s]])
+        taken[s] += 1
+    return np.concatenate(out).astype(np.uint8).tobytes()
+
+
 def check_dataset(out, expected_text):
     m = load_manifest(out, verify=True)
     assert m["tokenizer"] == {"type": "byte", "vocab_size": 256} and m["vocab_size"] == 256
     train, val = tokens_of(out, "train"), tokens_of(out, "val")
     assert m["train"]["tokens"] == len(train) and m["val"]["tokens"] == len(val) and len(val) > 0
-    # Every token lands in exactly one split: the counts add up to the corpus.
-    assert len(train) + len(val) == len(expected_text.encode())
+    # Every token lands in exactly one split, in order: the blocks put back are the corpus.
+    assert corpus_bytes(out) == expected_text.encode()
     return m
 
 
@@ -44,6 +62,30 @@ def test_prepare_txt_and_md_folder(tmp_path):
     (src / "ignored.bin").write_bytes(b"\x00\x01")
     check_dataset(prepare_dataset(str(src), tmp_path / "out") and tmp_path / "out",
                   TEXT + "\n\n" + "# Title\n" + TEXT)
+
+
+def test_a_large_file_is_one_document(tmp_path):
+    """A file larger than the reader's chunks comes out byte for byte: no separator inside it."""
+    f = tmp_path / "big.txt"
+    f.write_text("".join(f"{i:07d} Ünïcödé line of a large corpus ✓\n" for i in range(66_000)))
+    assert f.stat().st_size > 3_000_000
+    check_dataset(prepare_dataset(str(f), tmp_path / "out") and tmp_path / "out", f.read_text())
+
+
+def test_prepare_several_inputs_in_the_order_given(tmp_path):
+    """`--input` repeated: files and folders, one corpus in the order given; the default --out
+    is named after the first."""
+    (tmp_path / "intro.md").write_text("# Intro\n" + TEXT)
+    (tmp_path / "chapters").mkdir()
+    (tmp_path / "chapters" / "1.txt").write_text(TEXT[:9000])
+    (tmp_path / "chapters" / "2.txt").write_text(TEXT[9000:])
+    (tmp_path / "notes.jsonl").write_text(json.dumps({"text": "a note"}) + "\n")
+    result = run_cli("prepare", "--input", "intro.md", "--input", "chapters", "--input",
+                     "notes.jsonl", "--json", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["source"] == ["intro.md", "chapters", "notes.jsonl"]
+    check_dataset(tmp_path / "data" / "intro", "\n\n".join(
+        ["# Intro\n" + TEXT, TEXT[:9000], TEXT[9000:], "a note"]))
 
 
 def test_prepare_jsonl(tmp_path):

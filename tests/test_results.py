@@ -376,6 +376,18 @@ def test_export_round_trips_the_weights_bit_exactly(trained, tmp_path):
     assert "exported step" in best.stdout
 
 
+@pytest.mark.parametrize("out,expected", [
+    ("{tmp}/afile/export", "cannot create {tmp}/afile/export: {tmp}/afile is a file, not a folder"),
+    ("/proc/raytrain-lm-export", "cannot create /proc/raytrain-lm-export: No such file or directory"),
+])
+def test_export_to_a_place_that_cannot_hold_it(trained, tmp_path, out, expected):
+    storage, _ = trained
+    (tmp_path / "afile").write_text("a file")
+    res = run_cli("export", "looked-at", "--storage", str(storage), "--out", out.format(tmp=tmp_path))
+    clean_error(res, expected.format(tmp=tmp_path))
+    assert [p.name for p in tmp_path.iterdir()] == ["afile"]
+
+
 def test_export_needs_out_and_a_run(tmp_path):
     res = run_cli("export", "missing", "--storage", str(tmp_path))
     assert res.returncode == 2 and res.stderr.startswith("error: Missing option '--out'")

@@ -67,6 +67,23 @@ def test_a_corrupted_shard_is_refused(uploaded, cache, tmp_path):
     assert not cache_dir_for(uri).exists()  # nothing half-downloaded is left to be used
 
 
+def test_a_crafted_manifest_cannot_write_outside_the_cache(uploaded, cache):
+    """A remote manifest naming "../evil.arrow" is refused before anything is downloaded."""
+    import json
+
+    uri = f"s3://{BUCKET}/data/crafted"
+    manifest = json.loads(json.dumps(uploaded))
+    shard = manifest["train"]["shards"][0]
+    body = boto3.client("s3").get_object(Bucket=BUCKET, Key=f"data/pydoc/{shard['file']}")["Body"].read()
+    boto3.client("s3").put_object(Bucket=BUCKET, Key="data/evil.arrow", Body=body)
+    shard["file"] = "../evil.arrow"
+    boto3.client("s3").put_object(Bucket=BUCKET, Key="data/crafted/manifest.json",
+                                  Body=json.dumps(manifest).encode())
+    with pytest.raises(UserError, match="shard file name '../evil.arrow' is not a plain file name"):
+        fetch_dataset(uri)
+    assert not cache.exists()  # nothing written on this node, in the cache or beside it
+
+
 def test_missing_and_existing_remote_datasets(uploaded):
     with pytest.raises(UserError, match=f"dataset not found: s3://{BUCKET}/data/nothing"):
         load_manifest(f"s3://{BUCKET}/data/nothing")

@@ -16,13 +16,15 @@ from raytrain_lm.console import Progress
 @app.command(epilog=examples("python cli.py prepare",
                              "python cli.py prepare --corpus stdlib --out data/stdlib",
                              "python cli.py prepare --input my_texts/ --out data/mine",
+                             "python cli.py prepare --input intro.md --input chapters/ --out data/book",
                              "python cli.py prepare --out s3://my-bucket/data/pydoc"))
 def prepare(
     corpus: str = typer.Option("pydoc", help="Built-in corpus: pydoc (Python's docs topics, "
                                "~0.47 MB) or stdlib (the standard library's sources, ~30 MB)."),
     input: Optional[List[Path]] = typer.Option(None, "--input", "-i", help="Your own corpus "
                                                "instead: a .txt/.md/.jsonl/.parquet file or a folder "
-                                               "of them. Repeat for several."),
+                                               "of them. Repeat for several: read in the order "
+                                               "given; the default --out is named after the first."),
     out: Optional[str] = typer.Option(None, help="Dataset folder, or s3://... / gs://... to upload "
                                      "it to shared storage [default: data/<corpus>]."),
     text_column: str = typer.Option("text", help="Field of .jsonl rows / column of Parquet files."),
@@ -35,10 +37,10 @@ def prepare(
     from raytrain_lm.data.prepare import prepare_dataset
     from raytrain_lm.data.sources import corpus_source
 
-    source, default_out = corpus_source(corpus, [str(p) for p in input or []])
+    sources, default_out = corpus_source(corpus, [str(p) for p in input or []])
     out = out or default_out
     progress = Progress(enabled=not (quiet or as_json))
-    manifest = prepare_dataset(source, out, text_field=text_column, val_every=val_every,
+    manifest = prepare_dataset(sources, out, text_field=text_column, val_every=val_every,
                                force=force, progress=lambda n: progress.show(
                                    f"tokenized {n / 1e6:.1f}M tokens"))
     progress.done()

@@ -85,6 +85,13 @@ def _psutil():
     return psutil
 
 
+def names_dir(arg: str, folder: Path) -> bool:
+    """Whether a command-line argument names `folder` or a path inside it, alone or as an option's
+    value (`--temp-dir=/tmp/x`): /tmp/raytrain-lm-ray-63790 is not inside .../raytrain-lm-ray-6379."""
+    value = arg.split("=", 1)[1] if arg.startswith("-") and "=" in arg else arg
+    return value == str(folder) or value.startswith(f"{folder}/")
+
+
 def cluster_processes(temp_dir: Path) -> list:
     """The processes of the local cluster whose temp dir is `temp_dir`: those started with it
     (their command line names it, or they inherited MARKER_ENV) and all their descendants
@@ -97,7 +104,7 @@ def cluster_processes(temp_dir: Path) -> list:
         if p.pid in me:
             continue
         try:
-            if any(str(temp_dir) in part for part in (p.info["cmdline"] or [])) or \
+            if any(names_dir(arg, temp_dir) for arg in (p.info["cmdline"] or [])) or \
                     p.environ().get(MARKER_ENV) == str(temp_dir):
                 roots.append(p)
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):

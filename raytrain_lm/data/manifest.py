@@ -17,7 +17,7 @@ from typing import Callable
 import pyarrow.fs as pafs
 
 from raytrain_lm.errors import UserError
-from raytrain_lm.files import MANIFEST
+from raytrain_lm.files import MANIFEST, is_plain_name
 from raytrain_lm.storage import is_remote, open_uri, sha256_file
 from raytrain_lm.tokenizer import tokenizer_from_spec
 
@@ -37,6 +37,8 @@ def check_manifest(manifest: dict, where: str, shard_ok: Callable[[dict], bool])
             raise ValueError(f"format {manifest.get('format')!r}")
         tokenizer_from_spec(manifest["tokenizer"])
         for shard in shard_files(manifest):
+            if not is_plain_name(shard["file"]):  # never a path out of the dataset's folder
+                raise ValueError(f"shard file name {shard['file']!r} is not a plain file name")
             if not shard_ok(shard):
                 raise ValueError(f"missing or damaged shard {shard['file']}")
     except UserError:
@@ -54,6 +56,8 @@ def load_manifest(data: str | Path, verify: bool = False) -> dict:
     d = Path(data)
     if not d.exists():
         raise UserError(f"dataset not found: {d} (create one with `python cli.py prepare`)")
+    if not d.is_dir():
+        raise UserError(f"dataset {d} is a file; a dataset is the folder `python cli.py prepare` writes")
     if not (d / MANIFEST).is_file():
         raise UserError(f"{d} is not a prepared dataset (no {MANIFEST}); "
                         f"create one with `python cli.py prepare --out {d}`")

@@ -9,7 +9,7 @@ import datetime as _dt
 import json
 import tempfile
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -59,7 +59,7 @@ class _ShardWriter:
 
 
 def prepare_dataset(
-    source: str,
+    source: str | Sequence[str],
     out_dir: str | Path,
     *,
     text_field: str = "text",
@@ -69,7 +69,8 @@ def prepare_dataset(
     force: bool = False,
     progress: Optional[Callable[[int], None]] = None,
 ) -> dict:
-    """Tokenize `source` into train/val shards under `out_dir`; returns the manifest.
+    """Tokenize `source` (a corpus, or several one after the other) into train/val shards under
+    `out_dir`; returns the manifest.
 
     The token stream is cut into blocks of `block_tokens`; block k goes to validation when
     k % val_every == 1, so even a small corpus gets a validation split spread over its length.
@@ -78,43 +79,52 @@ def prepare_dataset(
     """
     if val_every < 2:
         raise UserError(f"--val-every must be at least 2, got {val_every}")
-    check_source(source)
+    sources = [source] if isinstance(source, str) else list(source)
+    for s in sources:
+        check_source(s)
     settings = dict(text_field=text_field, val_every=val_every, block_tokens=block_tokens,
                     shard_tokens=shard_tokens, progress=progress)
     if is_remote(out_dir):  # prepare locally, then upload
         if remote_exists(str(out_dir)) and not force:
             raise UserError(f"{out_dir} already exists; pass --force to overwrite it")
         with tempfile.TemporaryDirectory(prefix="raytrain-lm-prepare-") as tmp:
-            manifest = prepare_dataset(source, Path(tmp) / "dataset", **settings)
+            manifest = prepare_dataset(sources, Path(tmp) / "dataset", **settings)
             upload_dataset(Path(tmp) / "dataset", str(out_dir))
         return manifest
     out = Path(out_dir)
     if out.exists() and not force:
         raise UserError(f"{out} already exists; pass --force to overwrite it")
     with staged_folder(out) as tmp:
-        manifest = _write_shards(source, Path(tmp), **settings)
+        manifest = _write_shards(sources, Path(tmp), **settings)
     return manifest
 
 
-def _write_shards(source: str, out: Path, *, text_field: str, val_every: int, block_tokens: int,
+def _token_pieces(sources: list[str], text_field: str, tok: ByteTokenizer) -> Iterator[np.ndarray]:
+    """The corpora as a stream of token arrays: "\n\n" between documents, nothing inside one."""
+    sep = tok.encode("\n\n")
+    docs = (doc for source in sources for doc in iter_documents(source, text_field))
+    for i, doc in enumerate(docs):
+        if i:
+            yield sep
+        for text in doc:
+            yield tok.encode(text)
+
+
+def _write_shards(sources: list[str], out: Path, *, text_field: str, val_every: int, block_tokens: int,
                   shard_tokens: int, progress: Optional[Callable[[int], None]]) -> dict:
     tok = ByteTokenizer()
     writers = {s: _ShardWriter(out, s, tok.dtype, shard_tokens) for s in ("train", "val")}
     pending = np.empty(0, dtype=tok.dtype)
     block_idx = 0
     total = 0
-    sep = tok.encode("\n\n")
 
     def route(block: np.ndarray) -> None:
         nonlocal block_idx
         writers["val" if block_idx % val_every == 1 else "train"].add(block)
         block_idx += 1
 
-    first = True
-    for doc in iter_documents(source, text_field):
-        ids = tok.encode(doc)
-        pending = np.concatenate([pending] + ([] if first else [sep]) + [ids])
-        first = False
+    for ids in _token_pieces(sources, text_field, tok):
+        pending = np.concatenate([pending, ids])
         total += len(ids)
         while len(pending) >= block_tokens:
             route(pending[:block_tokens])
@@ -125,11 +135,11 @@ def _write_shards(source: str, out: Path, *, text_field: str, val_every: int, bl
         route(pending)
     splits = {s: w.close() for s, w in writers.items()}
     if splits["val"]["tokens"] < 2 or splits["train"]["tokens"] < 2:
-        raise UserError(f"corpus {source} is too small ({total} tokens): it needs at least "
+        raise UserError(f"corpus {', '.join(sources)} is too small ({total} tokens): it needs at least "
                         f"{2 * block_tokens} tokens for a train and a validation split")
     manifest = {
         "format": FORMAT,
-        "source": source,
+        "source": sources[0] if len(sources) == 1 else sources,
         "tokenizer": tok.spec(),
         "vocab_size": tok.vocab_size,
         "dtype": np.dtype(tok.dtype).name,

@@ -1,12 +1,15 @@
 """Where documents come from: the built-in corpora (CPython's own docs and sources, on every
-machine) or the user's files (.txt/.md, .jsonl, Parquet), streamed one document at a time."""
+machine) or the user's files (.txt/.md, .jsonl, Parquet), streamed one document at a time.
+
+A document is an iterable of text pieces: a large text file is one document read in chunks, so it
+never has to fit in memory and nothing is put between its chunks."""
 
 from __future__ import annotations
 
 import json
 import sysconfig
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import pyarrow as pa
 
@@ -43,7 +46,7 @@ def _read_text_file(path: Path, chunk_chars: int = 1 << 20) -> Iterator[str]:
         raise UserError(f"cannot read corpus file {path}: {e}") from None
 
 
-def _read_jsonl(path: Path, text_field: str) -> Iterator[str]:
+def _read_jsonl(path: Path, text_field: str) -> Iterator[str]:  # one document per row
     try:
         with open(path, encoding="utf-8") as f:
             for lineno, line in enumerate(f, 1):
@@ -98,32 +101,32 @@ def check_source(source: str) -> list[Path]:
     return _files_under(path)
 
 
-def corpus_source(corpus: str, inputs: list[str]) -> tuple[str, str]:
-    """(source, default output folder) of `prepare`: the --input path, else a built-in corpus."""
+def corpus_source(corpus: str, inputs: list[str]) -> tuple[list[str], str]:
+    """(sources, default output folder) of `prepare`: the --input paths in the order given (the
+    folder is named after the first), else a built-in corpus."""
     if inputs:
-        if len(inputs) > 1:
-            raise UserError("give one --input path (a folder may hold many files)")
-        return inputs[0], str(Path("data") / Path(inputs[0]).stem)
+        return list(inputs), str(Path("data") / Path(inputs[0]).stem)
     if corpus not in BUILTIN_CORPORA:
         raise UserError(f"unknown corpus {corpus!r}; choose one of: {', '.join(BUILTIN_CORPORA)}, "
                         f"or pass --input PATH")
-    return corpus, str(Path("data") / corpus)
+    return [corpus], str(Path("data") / corpus)
 
 
-def iter_documents(source: str, text_field: str = "text") -> Iterator[str]:
-    """Documents of a built-in corpus ('pydoc', 'stdlib') or of a file/folder path."""
+def iter_documents(source: str, text_field: str = "text") -> Iterator[Iterable[str]]:
+    """Documents of a built-in corpus ('pydoc', 'stdlib') or of a file/folder path, each an
+    iterable of its text pieces."""
     if source == "pydoc":
-        yield from _pydoc_documents()
+        yield from ((doc,) for doc in _pydoc_documents())
         return
     if source == "stdlib":
-        yield from _stdlib_documents()
+        yield from ((doc,) for doc in _stdlib_documents())
         return
     for f in check_source(source):
         if f.suffix in TEXT_SUFFIXES:
-            yield from _read_text_file(f)
+            yield _read_text_file(f)
         elif f.suffix == ".jsonl":
-            yield from _read_jsonl(f, text_field)
+            yield from ((doc,) for doc in _read_jsonl(f, text_field))
         elif f.suffix == ".parquet":
-            yield from _read_parquet(f, text_field)
+            yield from ((doc,) for doc in _read_parquet(f, text_field))
         else:
             raise UserError(f"unsupported corpus file {f}: use .txt, .md, .jsonl or .parquet")

@@ -20,7 +20,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Optional
 
-from raytrain_lm.config import TrainConfig, apply_overrides, validate
+from raytrain_lm.config import TrainConfig, apply_overrides, check_name, validate
 from raytrain_lm.errors import UserError
 from raytrain_lm.files import SWEEP, TRIAL_CONFIG
 from raytrain_lm.storage import RunFolder
@@ -103,6 +103,7 @@ def resumed_sweep(settings: dict, others_given: list[str]) -> TrainConfig:
                             if v is not None and k not in ("name", "storage", "address")]
     if given:
         raise UserError(f"--resume continues the sweep as it was started; drop {', '.join(given)}")
+    check_name(settings.get("name"))
     return TrainConfig.from_dict({k: settings[k] for k in ("name", "storage", "address")
                                   if settings.get(k) is not None})
 
@@ -278,12 +279,13 @@ def run_sweep(
         space = SearchSpace.from_json(saved["space"])
         settings = SweepSettings(**saved["settings"])
     else:
-        prepare_data(cfg, say)
         cfg.name = cfg.name or default_sweep_name(cfg)
         folder = RunFolder(cfg.storage, cfg.name)
         if folder.exists():
             raise UserError(f"a sweep or run named {cfg.name!r} already exists in {cfg.storage}; "
                             f"pass --resume to continue it or choose another --name")
+        folder.check_can_create()
+        prepare_data(cfg, say)
     assert space is not None and settings is not None
 
     connect_ray(cfg.address, cfg.workers * cfg.cpus_per_worker + TRIAL_CPUS, verbose)

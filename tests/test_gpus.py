@@ -1,0 +1,88 @@
+"""GPU models from real device names (as torch and NVML report them) and from Ray's accelerator
+labels: exact matches only, and no memory figure a label does not determine. No GPU needed,
+except for the last test."""
+
+import pytest
+import torch
+from ray._private.accelerators.nvidia_gpu import NvidiaGPUAcceleratorManager
+
+from raytrain_lm.config import build_config
+from raytrain_lm.errors import UserError
+from raytrain_lm.gpus import GPUS, gpu_model, label_memory_gb, peak_tflops
+
+# torch.cuda.get_device_name() of real cards -> (model, dense bf16 peak, memory GB)
+DEVICES = [
+    ("NVIDIA H200", "H200", 989.0, 141),
+    ("NVIDIA H200 NVL", "H200 NVL", 835.0, 141),
+    ("NVIDIA H100 80GB HBM3", "H100 80GB", 989.0, 80),
+    ("NVIDIA H100 PCIe", "H100 PCIe", 756.0, 80),
+    ("NVIDIA H100 NVL", "H100 NVL", 835.0, 94),
+    ("NVIDIA A100-SXM4-80GB", "A100 80GB", 312.0, 80),
+    ("NVIDIA A100 80GB PCIe", "A100 80GB", 312.0, 80),
+    ("NVIDIA A100-SXM4-40GB", "A100 40GB", 312.0, 40),
+    ("NVIDIA A100-PCIE-40GB", "A100 40GB", 312.0, 40),
+    ("NVIDIA L40S", "L40S", 362.0, 48),
+    ("NVIDIA L40", "L40", 181.0, 48),
+    ("NVIDIA L4", "L4", 121.0, 24),
+    ("NVIDIA A10", "A10", 125.0, 24),
+    ("NVIDIA A10G", "A10G", None, 24),
+    ("Tesla V100-SXM2-16GB", "V100 16GB", None, 16),
+    ("Tesla V100-PCIE-32GB", "V100 32GB", None, 32),
+    ("Tesla T4", "T4", None, 16),
+]
+
+
+@pytest.mark.parametrize("name,model,peak,memory", DEVICES)
+def test_device_names_name_exactly_one_model(name, model, peak, memory):
+    assert gpu_model(name) == model
+    assert peak_tflops(name) == peak and GPUS[model][1] == memory
+
+
+@pytest.mark.parametrize("name", ["NVIDIA H100 80GB HBM3 MIG 3g.40gb", "NVIDIA GeForce RTX 4090",
+                                  "NVIDIA RTX 6000 Ada Generation", "NVIDIA B200", "NVIDIA L4000",
+                                  "NVIDIA A1000", ""])
+def test_unknown_models_and_mig_slices_have_no_peak(name):
+    assert gpu_model(name) is None and peak_tflops(name) is None
+
+
+@pytest.mark.parametrize("label,memory", [
+    ("A100", None), ("H100", None), ("V100", None),  # models of different memory share these
+    ("A100-80G", 80), ("A100-40G", 40),  # the labels Ray documents for adding by hand
+    ("H200", 141), ("L40S", 48), ("L40", 48), ("L4", 24), ("A10G", 24), ("T4", 16),
+    ("RTX-PRO-6000", None), ("B200", None), ("GeForce-RTX-5090", None),
+])
+def test_ray_labels_give_memory_only_when_they_determine_it(label, memory):
+    assert label_memory_gb(label) == memory
+
+
+@pytest.mark.parametrize("name,model,peak,memory", DEVICES)
+def test_the_label_ray_derives_never_overstates_or_understates_memory(name, model, peak, memory):
+    """Whatever label Ray gives a node with this device, the driver's figure is its memory or
+    none at all (then the worker checks the device itself)."""
+    label = NvidiaGPUAcceleratorManager._gpu_name_to_accelerator_type(name)
+    assert label_memory_gb(label) in (memory, None)
+
+
+def test_force_reaches_the_workers(tmp_path):
+    """The workers' memory check reads --force from the trainer's train_loop_config."""
+    from raytrain_lm.driver import build_trainer
+    from raytrain_lm.storage import RunFolder
+
+    cfg = build_config(flags=dict(storage=str(tmp_path), name="r"))
+    for force in (False, True):
+        trainer = build_trainer(cfg, RunFolder(cfg.storage, cfg.name), force=force)
+        assert trainer.train_loop_config["force"] is force
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_a_gpu_worker_refuses_a_plan_beyond_its_device_memory():
+    from raytrain_lm.preflight import check_device_memory
+
+    cfg = build_config(flags=dict(use_gpu=True, workers=1, batch_size=64, seq_len=1024),
+                       sets=["model.n_layer=48", "model.n_embd=4096", "model.n_head=32",
+                             "model.block_size=1024", "model.vocab_size=50304"])
+    device = torch.device("cuda", 0)
+    with pytest.raises(UserError, match=r"GB per worker .* but a worker has \d+ GB; .*--force"):
+        check_device_memory(cfg, device, force=False)
+    check_device_memory(cfg, device, force=True)
+    check_device_memory(build_config(flags=dict(use_gpu=True, workers=1)), device, force=False)
