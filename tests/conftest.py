@@ -53,6 +53,21 @@ def ray_address():
 
 
 @pytest.fixture(scope="session")
+def pydoc_docs() -> list[str]:
+    from pydoc_data.topics import topics
+
+    return [topics[k] for k in sorted(topics)]
+
+
+@pytest.fixture(scope="session")
+def bpe_pydoc(pydoc_docs):
+    """A 2048-token byte-level BPE trained on the pydoc corpus (a fraction of a second)."""
+    from raytrain_lm.tokenizer import train_bpe
+
+    return train_bpe(pydoc_docs, 2048)
+
+
+@pytest.fixture(scope="session")
 def pydoc_data(tmp_path_factory) -> Path:
     from raytrain_lm.data.prepare import prepare_dataset
 
