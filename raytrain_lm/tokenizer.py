@@ -15,11 +15,10 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import random
 from abc import ABC, abstractmethod
 from functools import lru_cache
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Optional
+from typing import Callable, Iterable, Optional
 
 import numpy as np
 
@@ -242,26 +241,6 @@ def _check_byte_level(config: dict, path: Path) -> None:
 # ---------------------------------------------------------------- training
 
 
-def sample_documents(documents: Iterable[str], sample_bytes: Optional[int],
-                     total_bytes: Optional[int] = None, seed: int = 0) -> Iterator[str]:
-    """At most `sample_bytes` of UTF-8 text from `documents`, streamed. Knowing the corpus size,
-    documents are kept at random (seeded) in the proportion that spreads the sample over the
-    whole corpus instead of its first files; otherwise the first `sample_bytes` are taken."""
-    if sample_bytes is None:
-        yield from documents
-        return
-    keep = 1.0 if not total_bytes else min(1.0, sample_bytes / total_bytes)
-    rng = random.Random(seed)
-    taken = 0
-    for doc in documents:
-        if keep < 1.0 and rng.random() >= keep:
-            continue
-        yield doc
-        taken += len(doc.encode("utf-8"))
-        if taken >= sample_bytes:
-            return
-
-
 def train_bpe(documents: Iterable[str], vocab_size: int, min_frequency: int = 2) -> BPETokenizer:
     """Train a byte-level BPE on `documents` (any iterable, streamed) in GPT-2's tokenizer.json
     format. What the dataset is tokenized with is exactly the JSON that ships with it (`raw`).
@@ -316,23 +295,20 @@ def check_choice(kind: str, vocab_size: Optional[int], sample_mb: float) -> None
             raise UserError(f"--tokenizer must be byte, bpe or a tokenizer.json file; {kind} is none")
 
 
-def make_tokenizer(kind: str, documents: Optional[Callable[[], Iterable[str]]] = None, *,
-                   vocab_size: Optional[int] = None, sample_mb: float = DEFAULT_SAMPLE_MB,
-                   corpus_bytes: Optional[int] = None) -> Tokenizer:
+def make_tokenizer(kind: str, sample: Optional[Callable[[], Iterable[str]]] = None, *,
+                   vocab_size: Optional[int] = None) -> Tokenizer:
     """The tokenizer of a new dataset, from `--tokenizer`:
     - "byte": UTF-8 bytes;
-    - "bpe": a byte-level BPE of `vocab_size` trained on a `sample_mb` MB sample of
-      `documents()` (a callable returning a fresh iterator of texts), spread over the corpus
-      when its size `corpus_bytes` is known;
+    - "bpe": a byte-level BPE of `vocab_size` trained on the texts of `sample()` (called only
+      then: reading a sample of a large corpus takes a while);
     - a path to a tokenizer.json (or a folder holding one: a dataset, checkpoint or export):
       checked, and used byte for byte.
     The caller writes `raw` (None for bytes) into the dataset as tokenizer.json."""
-    check_choice(kind, vocab_size, sample_mb)
+    check_choice(kind, vocab_size, DEFAULT_SAMPLE_MB)
     if kind == "byte":
         return ByteTokenizer()
     if kind == "bpe":
-        docs = sample_documents(documents(), int(sample_mb * 1e6), corpus_bytes)
-        return train_bpe(docs, vocab_size or DEFAULT_BPE_VOCAB)
+        return train_bpe(sample(), vocab_size or DEFAULT_BPE_VOCAB)
     path = Path(kind)
     return BPETokenizer(path / TOKENIZER_FILE if path.is_dir() else path)
 

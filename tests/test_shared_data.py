@@ -97,3 +97,28 @@ def test_local_datasets_resolve_in_place_or_explain(tmp_path):
     assert load_manifest(builtin)["source"] == "pydoc"
     with pytest.raises(UserError, match="is not on node .*--data s3://BUCKET/data/NAME"):
         resolve_dataset(str(tmp_path / "data" / "mine"))
+
+
+def test_a_bpe_dataset_written_straight_to_s3_and_fetched_with_its_tokenizer(s3, cache, tmp_path):
+    """`prepare --out s3://...` writes the shards, tokenizer.json and (last) the manifest there;
+    a node's cached copy has the same tokenizer file, checked against the manifest."""
+    uri = f"s3://{BUCKET}/data/bpe"
+    m = prepare_dataset("pydoc", uri, tokenizer="bpe", vocab_size=512)
+    keys = {k.rsplit("/", 1)[-1] for k in s3_keys(BUCKET, "data/bpe/") if not k.endswith("/")}
+    assert keys == {s["file"] for s in m["train"]["shards"] + m["val"]["shards"]} | \
+        {"tokenizer.json", "manifest.json"}
+    local = fetch_dataset(uri)
+    from raytrain_lm.data.manifest import dataset_tokenizer
+
+    assert dataset_tokenizer(local).sha256 == m["tokenizer"]["sha256"]
+    # a damaged tokenizer.json on the storage is refused like a damaged shard
+    boto3.client("s3").put_object(Bucket=BUCKET, Key="data/bpe/tokenizer.json", Body=b"{}")
+    import shutil
+
+    shutil.rmtree(local)
+    with pytest.raises(UserError, match="tokenizer.json does not match the sha256"):
+        fetch_dataset(uri)
+    # overwriting (--force) replaces the whole dataset: no file of the old one is left over
+    prepare_dataset("pydoc", uri, force=True)
+    keys = {k.rsplit("/", 1)[-1] for k in s3_keys(BUCKET, "data/bpe/") if not k.endswith("/")}
+    assert "tokenizer.json" not in keys and load_manifest(uri)["tokenizer"]["type"] == "byte"

@@ -9,7 +9,7 @@ import pytest
 
 from raytrain_lm.errors import UserError
 from raytrain_lm.tokenizer import (EOT, BPETokenizer, ByteTokenizer, dtype_for_vocab,
-                                   make_tokenizer, sample_documents, tokenizer_from_spec,
+                                   make_tokenizer, tokenizer_from_spec,
                                    train_bpe)
 
 EDGE_CASES = [
@@ -188,15 +188,6 @@ def test_gpt2_format_tokenizer_json_by_path(tmp_path, pydoc_docs):
         assert tok.decode(tok.encode(d)) == d
     one_line_user_error(lambda: make_tokenizer(str(tmp_path / "gpt2-like.json"), vocab_size=500),
                         "--vocab-size")
-
-
-def test_training_sample_is_capped_and_spread():
-    docs = [f"doc{i:04d} " + "x" * 92 for i in range(1000)]  # 100 kB, 100 B each
-    sample = list(sample_documents(iter(docs), 10_000, total_bytes=100_000))
-    assert 95 <= len(sample) <= 101
-    first, last = int(sample[0][3:7]), int(sample[-1][3:7])
-    assert first < 100 and last > 800  # spread over the corpus, not its first 100 documents
-    assert list(sample_documents(iter(docs), 10_000)) == docs[:100]  # size unknown: the first ones
 
 
 def test_byte_round_trip_of_any_text():

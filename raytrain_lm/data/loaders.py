@@ -3,6 +3,7 @@ its share of the fixed validation windows, moved to the worker's device by Ray T
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
@@ -31,15 +32,23 @@ def train_stream(cfg: TrainConfig, dp_rank: int, dp_size: int) -> BatchStream:
 
 class Validation:
     """The validation set: the first `eval_windows` windows of the split (all if 0), the same
-    windows whatever the number of workers, shared out among the data-parallel ranks."""
+    windows whatever the number of workers, shared out among the data-parallel ranks.
 
-    def __init__(self, cfg: TrainConfig, dp_rank: int, dp_size: int):
+    For bits per byte it also counts, once, the targets of this rank's windows and the bytes of
+    text they stand for (`byte_lengths[token]`: 1 per byte token; a BPE token's length, 0 for
+    <|endoftext|>). Summed over the ranks these are exactly the targets evaluated, so val_bpb is
+    the loss of exactly the evaluated text per byte of it, not a split-wide approximation."""
+
+    def __init__(self, cfg: TrainConfig, dp_rank: int, dp_size: int, byte_lengths: np.ndarray):
         self.cfg = cfg
         self.dataset = TokenWindows(cfg.data, "val", cfg.seq_len)
         self.num_windows = min(len(self.dataset), cfg.eval_windows or len(self.dataset))
         batches = eval_batches(self.num_windows, cfg.batch_size, dp_rank, dp_size)
         self.weights = [w for _, w in batches]
         self.indices = [idx for idx, _ in batches]
+        mine = [i for idx, w in batches if w for i in idx]
+        self.targets = len(mine) * cfg.seq_len
+        self.text_bytes = sum(int(byte_lengths[self.dataset.window(i)[1:]].sum()) for i in mine)
 
     def __iter__(self):
         """((inputs, targets), number of windows the batch counts for)."""

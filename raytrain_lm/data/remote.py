@@ -1,9 +1,10 @@
 """Prepared datasets on shared storage (s3://, gs://, any pyarrow filesystem URI).
 
 The choice: a dataset on shared storage is *downloaded once per node* into a local cache, every
-shard checked against the sha256 in its manifest, and then memory-mapped exactly like a local
-dataset. Training never reads tokens over the network, so a remote dataset trains as fast as a
-local one after the first download, and a corrupted or half-written download is never used.
+shard (and a BPE's tokenizer.json) checked against the sha256 in its manifest, and then
+memory-mapped exactly like a local dataset. Training never reads tokens over the network, so a
+remote dataset trains as fast as a local one after the first download, and a corrupted or
+half-written download is never used.
 
 Cache: `$RAYTRAIN_LM_CACHE/datasets/<hash of the URI>/` (default `~/.cache/raytrain-lm`). The
 workers of one node share it; a file lock lets one of them download while the others wait.
@@ -21,36 +22,13 @@ import shutil
 from pathlib import Path
 from typing import Iterator
 
-import pyarrow.fs as pafs
 
-from raytrain_lm.data.manifest import load_manifest, shard_files
+from raytrain_lm.data.manifest import dataset_files, load_manifest
 from raytrain_lm.errors import UserError
 from raytrain_lm.files import MANIFEST
 from raytrain_lm.storage import open_uri, sha256_file, staged_folder
 
 CACHE_ENV = "RAYTRAIN_LM_CACHE"
-
-
-def upload_dataset(local_dir: str | Path, uri: str) -> None:
-    """Copy a prepared dataset folder to `uri`; the manifest goes last, so a reader never sees a
-    manifest whose shards are still on their way."""
-    fs, root = open_uri(uri, "dataset")
-    local = Path(local_dir)
-    try:
-        fs.create_dir(root, recursive=True)
-        for f in sorted(local.iterdir(), key=lambda p: p.name == MANIFEST):
-            with open(f, "rb") as src, fs.open_output_stream(f"{root}/{f.name}") as dst:
-                shutil.copyfileobj(src, dst, 1 << 22)
-    except OSError as e:
-        raise UserError(f"cannot write dataset to {uri}: {str(e).splitlines()[0]}") from None
-
-
-def remote_exists(uri: str) -> bool:
-    fs, root = open_uri(uri, "dataset")
-    try:
-        return fs.get_file_info(root).type != pafs.FileType.NotFound
-    except OSError as e:
-        raise UserError(f"cannot reach {uri}: {str(e).splitlines()[0]}") from None
 
 
 def cache_dir_for(uri: str) -> Path:
@@ -74,8 +52,8 @@ def file_lock(path: Path) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _same_shards(a: dict, b: dict) -> bool:
-    return [s["sha256"] for s in shard_files(a)] == [s["sha256"] for s in shard_files(b)]
+def _same_files(a: dict, b: dict) -> bool:
+    return [s["sha256"] for s in dataset_files(a)] == [s["sha256"] for s in dataset_files(b)]
 
 
 def fetch_dataset(uri: str) -> str:
@@ -85,17 +63,17 @@ def fetch_dataset(uri: str) -> str:
     with file_lock(local.parent / f".{local.name}.lock"):
         if (local / MANIFEST).is_file():
             with contextlib.suppress(UserError):  # a damaged cache entry: download again
-                if _same_shards(load_manifest(local), remote):
+                if _same_files(load_manifest(local), remote):
                     return str(local)
         fs, root = open_uri(uri, "dataset")
         try:
             with staged_folder(local) as tmp:
-                for shard in shard_files(remote):
-                    dst = Path(tmp) / shard["file"]
-                    with fs.open_input_stream(f"{root}/{shard['file']}") as src, open(dst, "wb") as out:
+                for entry in dataset_files(remote):  # the shards and a BPE's tokenizer.json
+                    dst = Path(tmp) / entry["file"]
+                    with fs.open_input_stream(f"{root}/{entry['file']}") as src, open(dst, "wb") as out:
                         shutil.copyfileobj(src, out, 1 << 22)
-                    if sha256_file(dst) != shard["sha256"]:
-                        raise UserError(f"{uri}/{shard['file']} does not match the sha256 in its "
+                    if sha256_file(dst) != entry["sha256"]:
+                        raise UserError(f"{uri}/{entry['file']} does not match the sha256 in its "
                                         f"manifest; prepare and upload the dataset again")
                 (Path(tmp) / MANIFEST).write_text(json.dumps(remote, indent=2))
         except OSError as e:

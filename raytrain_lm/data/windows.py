@@ -50,17 +50,18 @@ class TokenWindows(Dataset):
             self._arrays = arrays
         return self._arrays
 
-    def _window(self, i: int) -> np.ndarray:
+    def window(self, i: int) -> np.ndarray:
+        """Window i's tokens (a memory-mapped view)."""
         s = int(np.searchsorted(self.offsets, i, side="right")) - 1
         start = (i - int(self.offsets[s])) * self.seq_len
         return self._shards()[s][start: start + self.seq_len + 1]
 
     def __getitem__(self, i: int) -> torch.Tensor:
-        return torch.from_numpy(self._window(i).astype(np.int64))
+        return torch.from_numpy(self.window(i).astype(np.int64))
 
     def __getitems__(self, indices: list[int]) -> torch.Tensor:
         # One (B, T+1) int64 array per batch: the DataLoader calls this instead of B __getitem__s.
-        return torch.from_numpy(np.stack([self._window(i) for i in indices]).astype(np.int64))
+        return torch.from_numpy(np.stack([self.window(i) for i in indices]).astype(np.int64))
 
 
 def collate_windows(batch):
