@@ -8,6 +8,8 @@ Each rank writes into its own local folder and Ray merges them in the run's stor
                       (every rank writes its shard; loadable at any world size, or in one process)
     rng-rank{R}.pt    every RNG state of rank R
     rank{R}.json      rank R's commit record: sha256 of every file it wrote
+    tokenizer.json    rank 0, BPE runs: the dataset's tokenizer file, byte for byte, so generate
+                      and export need nothing but the checkpoint (its sha256 is in the spec)
     meta.json         rank 0's commit record, written last: step, world size, format, config
 
 A checkpoint is valid only if meta.json and every rank's record are present and every file
@@ -27,7 +29,7 @@ import numpy as np
 import torch
 
 from raytrain_lm.errors import UserError
-from raytrain_lm.files import DCP_DIR, META, STATE, rank_record, rng_file
+from raytrain_lm.files import DCP_DIR, META, STATE, TOKENIZER, rank_record, rng_file
 from raytrain_lm.storage import sha256_file
 
 
@@ -73,8 +75,9 @@ def safe_load(path: Path, map_location: str | torch.device = "cpu") -> Any:
 
 
 def save_checkpoint(folder: Path, rank: int, model: torch.nn.Module, optimizer, sharded: bool,
-                    state: Optional[dict[str, Any]]) -> None:
-    """Called on every rank (a collective when `sharded`). Rank 0 passes the training `state`."""
+                    state: Optional[dict[str, Any]], tokenizer_raw: Optional[bytes] = None) -> None:
+    """Called on every rank (a collective when `sharded`). Rank 0 passes the training `state`
+    and, for a BPE, its tokenizer.json (`Tokenizer.raw`)."""
     folder.mkdir(parents=True, exist_ok=True)
     torch.save(rng_state(), folder / rng_file(rank))
     if sharded:
@@ -89,6 +92,8 @@ def save_checkpoint(folder: Path, rank: int, model: torch.nn.Module, optimizer, 
         if not sharded:
             state.update(model=model.state_dict(), optimizer=optimizer.state_dict())
         torch.save(state, folder / STATE)
+        if tokenizer_raw is not None:
+            (folder / TOKENIZER).write_bytes(tokenizer_raw)
     written = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != META)
     record = {str(p.relative_to(folder)): sha256_file(p) for p in written}
     (folder / rank_record(rank)).write_text(json.dumps(record, indent=1))

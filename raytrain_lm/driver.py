@@ -105,7 +105,7 @@ def run_training(
     t_launch = time.time()
     run = run_folder(cfg, resume)
     manifest = prepare_data(cfg, say)
-    if resume and (step := settle_resume(cfg, run)) is not None:
+    if resume and (step := settle_resume(cfg, run, manifest)) is not None:
         say(f"resuming {cfg.name} from its checkpoint at step {step}")
     if init_from:
         init_from = check_init_from(init_from, cfg, manifest)

@@ -19,7 +19,7 @@ from raytrain_lm import checkpoint as ckpt_io
 from raytrain_lm.checkpointer import Checkpointer, load_weights, restore_rng
 from raytrain_lm.config import TrainConfig
 from raytrain_lm.data.loaders import Validation, train_stream
-from raytrain_lm.data.manifest import load_manifest
+from raytrain_lm.data.manifest import dataset_tokenizer
 from raytrain_lm.data.resolve import resolve_dataset
 from raytrain_lm.metrics import Meter, gpu_peak_tflops, peak_memory_gb
 from raytrain_lm.model import GPT, flops_per_token
@@ -37,7 +37,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     check_device_memory(cfg, device, loop_config.get("force", False))  # the GPU's real memory
     if device.type == "cuda":
         torch.set_float32_matmul_precision("high")  # TF32 for any matmul left in fp32
-    checkpointer = Checkpointer(cfg, rank, world, load_manifest(cfg.data)["tokenizer"])
+    tokenizer = dataset_tokenizer(cfg.data)  # a BPE's file travels into every checkpoint
+    checkpointer = Checkpointer(cfg, rank, world, tokenizer)
     found = checkpointer.find_latest()  # this run's newest valid checkpoint, or None
     state, rng = ckpt_io.load_resume_state(found.path, found.meta, rank) if found else (None, None)
 
@@ -49,7 +50,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     n_params = model.num_params()
     fpt = flops_per_token(cfg.model, model.num_params(exclude_position=True), cfg.seq_len)
     step_fn = TrainStep(model, cfg, device)
-    batches, validation = train_stream(cfg, rank, world), Validation(cfg, rank, world)
+    batches = train_stream(cfg, rank, world)
+    validation = Validation(cfg, rank, world, tokenizer.text_byte_lengths())
 
     step, tokens = checkpointer.restore(found, state, step_fn, batches) if found else (0, 0)
     restore_rng(rng, cfg.seed, rank)  # the saved RNG states, else a dropout stream per rank
@@ -69,8 +71,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         row = meter.row(step, lr, to_float(grad_norm), step_fn.raw, step_fn.optimizer)
         row.update(tokens=tokens, epoch=batches.epoch)
         if cadence.validates(step):
-            val = step_fn.evaluate(validation)
-            row.update(val_loss=val, val_ppl=math.exp(min(val, 50.0)))
+            val, bpb = step_fn.evaluate(validation)
+            row.update(val_loss=val, val_ppl=math.exp(min(val, 50.0)), val_bpb=bpb)
         if cadence.checkpoints(step) and not step_fn.sharded:
             row["replica_spread"] = meter.replica_spread(step_fn.raw)  # 0.0: the replicas agree
         checkpointer.report(row, save=cadence.checkpoints(step), step_fn=step_fn, stream=batches)

@@ -114,15 +114,18 @@ def check_memory(cfg: TrainConfig, memory_gb: Optional[float]) -> None:
                     f"see `python cli.py plan`, or pass --force")
 
 
-def settle_resume(cfg: TrainConfig, run) -> Optional[int]:
+def settle_resume(cfg: TrainConfig, run, manifest: dict) -> Optional[int]:
     """A resumed run's config against the one it was started with: the schedule keeps the
-    learning rates already used when --max-steps changes (optim.resumed_horizon). Returns the step
-    of the checkpoint it will resume from (None: it has none yet, so it starts over)."""
+    learning rates already used when --max-steps changes (optim.resumed_horizon), and the dataset
+    must have the checkpoints' tokenizer. Returns the step of the checkpoint it will resume from
+    (None: it has none yet, so it starts over)."""
     from raytrain_lm.files import CONFIG
     from raytrain_lm.optim import resumed_horizon
-    from raytrain_lm.runs import newest_step
+    from raytrain_lm.runs import newest_checkpoint_meta
 
-    step = newest_step(run)
+    step, meta = newest_checkpoint_meta(run)
+    if meta is not None and "tokenizer" in meta:
+        check_same_tokenizer(meta["tokenizer"], manifest, f"run {cfg.name!r}", cfg.data)
     resumed_horizon(TrainConfig.from_dict(run.read_json(CONFIG)), cfg, step or 0)
     return step
 
@@ -143,12 +146,27 @@ def check_init_from(path: str, cfg: TrainConfig, manifest: dict) -> str:
     from raytrain_lm.runs import find_checkpoint
 
     found = find_checkpoint(path, cfg.storage, best_else_latest=True)
+    # the tokenizer first: another tokenizer usually means another vocabulary size as well, and
+    # it is the cause to name
+    check_same_tokenizer(found.meta["tokenizer"], manifest, f"checkpoint {found.source}", cfg.data)
     theirs = TrainConfig.from_dict(found.meta["config"]).model
     if theirs != cfg.model:
         diff = ", ".join(f"{k}: {getattr(theirs, k)} vs {getattr(cfg.model, k)}"
                          for k in vars(theirs) if getattr(theirs, k) != getattr(cfg.model, k))
         raise UserError(f"checkpoint {found.source} is for another model shape ({diff})")
-    if found.meta["tokenizer"] != manifest["tokenizer"]:
-        raise UserError(f"checkpoint {found.source} used tokenizer {found.meta['tokenizer']} but "
-                        f"dataset {cfg.data} uses {manifest['tokenizer']}")
     return str(found.path.resolve())
+
+
+def describe_tokenizer(spec: dict) -> str:
+    if spec.get("type") == "bpe":
+        return f"a BPE of {spec['vocab_size']} tokens (tokenizer.json sha256 {spec['sha256'][:12]})"
+    return f"the {spec.get('type')} tokenizer"
+
+
+def check_same_tokenizer(spec: dict, manifest: dict, what: str, data: str) -> None:
+    """A model's token ids mean what its tokenizer says: weights trained on one tokenizer's ids
+    cannot continue on another's data (same vocabulary size or not)."""
+    if spec != manifest["tokenizer"]:
+        raise UserError(f"{what} was trained with {describe_tokenizer(spec)} but dataset {data} "
+                        f"uses {describe_tokenizer(manifest['tokenizer'])}; use a dataset prepared "
+                        f"with the same tokenizer (prepare --tokenizer CHECKPOINT_FOLDER)")

@@ -20,6 +20,7 @@ from raytrain_lm.parallel import parallelize
 from raytrain_lm.parallel.ddp import no_sync
 from raytrain_lm.parallel.fsdp import is_sharded
 from raytrain_lm.parallel.mesh import all_reduce
+from raytrain_lm.tokenizer import bits_per_byte
 
 
 def autocast_dtype(cfg: TrainConfig, device: torch.device) -> Optional[torch.dtype]:
@@ -67,15 +68,19 @@ class TrainStep:
         return step_loss, grad_norm, waited
 
     @torch.no_grad()
-    def evaluate(self, validation) -> float:
-        """Mean loss over the validation windows, all ranks together."""
+    def evaluate(self, validation) -> tuple[float, float]:
+        """(mean loss over the validation windows, all ranks together, in nats per token; the
+        same loss in bits per byte of the text those targets stand for: tokenizer-independent)."""
         self.model.eval()
-        total = torch.zeros(2, dtype=torch.float64, device=self.device)  # (loss x windows, windows)
+        # (loss x windows, windows, targets, text bytes), summed over batches and ranks
+        total = torch.tensor([0.0, 0.0, validation.targets, validation.text_bytes],
+                             dtype=torch.float64, device=self.device)
         for (x, y), windows in validation:
             with self.autocast:
                 _, loss = self.model(x, y)
-            total += torch.stack([loss.detach().double() * windows,
-                                  torch.tensor(float(windows), dtype=torch.float64, device=self.device)])
+            total[0] += loss.detach().double() * windows
+            total[1] += windows
         self.model.train()
         all_reduce(total)
-        return (total[0] / total[1]).item()
+        val_loss = (total[0] / total[1]).item()
+        return val_loss, bits_per_byte(val_loss, total[2].item(), total[3].item())
