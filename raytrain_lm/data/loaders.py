@@ -27,7 +27,8 @@ def train_stream(cfg: TrainConfig, dp_rank: int, dp_size: int) -> BatchStream:
     """The endless, resumable stream of this rank's training micro-batches."""
     dataset = TokenWindows(cfg.data, "train", cfg.seq_len)
     plan = BatchPlan(cfg.batch_size, cfg.grad_accum, dp_rank, dp_size)
-    return BatchStream(len(dataset), plan, cfg.seed, lambda batches: _loader(cfg, dataset, batches))
+    return BatchStream(dataset.shard_windows, plan, cfg.seed,
+                       lambda batches: _loader(cfg, dataset, batches))
 
 
 class Validation:

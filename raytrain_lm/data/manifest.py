@@ -19,7 +19,7 @@ from typing import Callable
 import pyarrow.fs as pafs
 
 from raytrain_lm.errors import UserError
-from raytrain_lm.files import MANIFEST, is_plain_name
+from raytrain_lm.files import MANIFEST, REMOTE_SOURCE, is_plain_name
 from raytrain_lm.storage import is_remote, open_uri, sha256_file
 from raytrain_lm.tokenizer import check_spec, tokenizer_from_spec
 
@@ -76,9 +76,15 @@ def load_manifest(data: str | Path, verify: bool = False) -> dict:
     except (OSError, ValueError) as e:
         raise UserError(f"{d} is not a valid dataset: {MANIFEST}: {e}") from None
 
-    def ok(shard: dict) -> bool:
-        path = d / shard["file"]
-        return path.is_file() and (not verify or sha256_file(path) == shard["sha256"])
+    # A node's cache of a dataset on shared storage (data/remote.py) fetches shards when first
+    # read, verifying each then: only its tokenizer.json must be there already.
+    partial = (d / REMOTE_SOURCE).is_file()
+
+    def ok(entry: dict) -> bool:
+        path = d / entry["file"]
+        if not path.is_file():
+            return partial and entry is not manifest["tokenizer"]
+        return not verify or sha256_file(path) == entry["sha256"]
 
     return check_manifest(manifest, str(d), ok)
 
