@@ -6,7 +6,6 @@ import json
 import math
 import shutil
 
-import pytest
 
 from conftest import run_cli
 
@@ -24,7 +23,7 @@ def test_a_byte_runs_val_bpb_is_its_val_loss_over_ln2(tiny_run):
     listed = run_cli("runs", "--storage", str(storage))
     assert "val bpb" in listed.stdout.splitlines()[0] and f"{evals[-1]['val_bpb']:.4f}" in listed.stdout
     report = run_cli("report", "looked-at", "--storage", str(storage), "--out", str(storage / "r.png"))
-    assert f"val bits/byte" in report.stdout
+    assert "val bits/byte" in report.stdout
 
 
 def corpus(root):
