@@ -159,3 +159,21 @@ def test_a_dataset_larger_than_the_cache_trains_a_group_of_shards_at_a_time(s3, 
     assert len(ds._mapped) <= ds.MAX_MAPPED
     x, y = stream.next()  # the next epoch starts: shards come back, verified again
     assert x.shape == (8, 128) and torch.equal(x[:, 1:], y[:, :-1])
+
+
+def test_prepare_reads_its_inputs_from_s3(s3, tmp_path):
+    """`--input s3://...` (a folder of files there): the same dataset as from local copies."""
+    import json
+
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.txt").write_text("alpha beta\n" * 3000)
+    (tmp_path / "in" / "b.jsonl").write_text("".join(json.dumps({"text": f"row {i} " * 50}) + "\n"
+                                                     for i in range(200)))
+    for f in ("a.txt", "b.jsonl"):
+        boto3.client("s3").upload_file(str(tmp_path / "in" / f), BUCKET, f"raw/in/{f}")
+    remote = prepare_dataset(f"s3://{BUCKET}/raw/in", tmp_path / "from-s3", tokenizer="bpe",
+                             vocab_size=300, block_tokens=256, piece_bytes=4096)
+    local = prepare_dataset(str(tmp_path / "in"), tmp_path / "from-disk", tokenizer="bpe",
+                            vocab_size=300, block_tokens=256, piece_bytes=4096)
+    assert remote["train"]["shards"] == local["train"]["shards"]
+    assert remote["source"] == f"s3://{BUCKET}/raw/in"
