@@ -84,6 +84,10 @@ def tokenize_on_ray(units: list[Unit], tok: Tokenizer,
     ctx.execution_options.preserve_order = True  # results in the units' order: the same shards
     ctx.enable_progress_bars = False  # `prepare` shows its own progress line
     ctx.print_on_execution_start = False
+    # Ray Data reserves part of the cluster for each operator's outputs; with one operator on a
+    # small cluster that kept a CPU idle (measured on 2 CPUs: 9-10 s with it, 7.8 s without, for
+    # the stdlib corpus). There is nothing downstream to reserve for: the writer is this process.
+    ctx.op_resource_reservation_enabled = False
     logging.getLogger("ray.data").setLevel(logging.ERROR)  # its start/finish notices
     tasks = min(cpus or max(1, int(ray.cluster_resources().get("CPU", 1))), len(units))
     # The tokenizer's JSON (up to megabytes) is put once; tasks get a reference inside a list,
