@@ -61,7 +61,7 @@ def parse_args(argv=None):
 def train_batches(cfg, rank, world, device):
     """Endless batches in the project's global order (data/sampler.py, what the Ray loop reads)."""
     dataset = TokenWindows(cfg.data, "train", cfg.seq_len)
-    stream = BatchStream(len(dataset), BatchPlan(cfg.batch_size, cfg.grad_accum, rank, world),
+    stream = BatchStream(dataset.shard_windows, BatchPlan(cfg.batch_size, cfg.grad_accum, rank, world),
                          cfg.seed, lambda batches: DataLoader(
                              dataset, batch_sampler=batches, collate_fn=collate_windows,
                              pin_memory=cfg.use_gpu, generator=torch.Generator().manual_seed(cfg.seed)))

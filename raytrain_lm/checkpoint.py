@@ -9,6 +9,8 @@ Each rank writes into its own local folder and Ray merges them in the run's stor
                       process (generate, export, --init-from)
     rng-rank{R}.pt    every RNG state of rank R
     rank{R}.json      rank R's commit record: sha256 of every file it wrote
+    tokenizer.json    rank 0, BPE runs: the dataset's tokenizer file, byte for byte, so generate
+                      and export need nothing but the checkpoint (its sha256 is in the spec)
     meta.json         rank 0's commit record, written last: step, world size, format, config
 
 A checkpoint is valid only if meta.json and every rank's record are present and every file
@@ -29,7 +31,7 @@ import numpy as np
 import torch
 
 from raytrain_lm.errors import UserError
-from raytrain_lm.files import DCP_DIR, META, STATE, rank_record, rng_file
+from raytrain_lm.files import DCP_DIR, META, STATE, TOKENIZER, rank_record, rng_file
 from raytrain_lm.storage import sha256_file
 
 
@@ -169,8 +171,10 @@ def _state_dicts(parallel) -> list[tuple[dict, dict]]:
             for part, opt in zip(parallel.parts, parallel.optimizers)]
 
 
-def save_checkpoint(folder: Path, rank: int, parallel, state: Optional[dict[str, Any]]) -> None:
-    """Called on every rank (a collective). Rank 0 passes the training `state`."""
+def save_checkpoint(folder: Path, rank: int, parallel, state: Optional[dict[str, Any]],
+                    tokenizer_raw: Optional[bytes] = None) -> None:
+    """Called on every rank (a collective). Rank 0 passes the training `state` and, for a BPE,
+    its tokenizer.json (`Tokenizer.raw`)."""
     import torch.distributed.checkpoint as dcp
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -184,6 +188,8 @@ def save_checkpoint(folder: Path, rank: int, parallel, state: Optional[dict[str,
         assert state is not None
         state = {**state, "format": "dcp"}
         torch.save(state, folder / STATE)
+        if tokenizer_raw is not None:
+            (folder / TOKENIZER).write_bytes(tokenizer_raw)
     written = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != META)
     record = {str(p.relative_to(folder)): sha256_file(p) for p in written}
     (folder / rank_record(rank)).write_text(json.dumps(record, indent=1))

@@ -21,6 +21,7 @@ from raytrain_lm.config import TrainConfig
 from raytrain_lm.files import checkpoint_name
 from raytrain_lm.optim import resumed_horizon
 from raytrain_lm.runs import FoundCheckpoint, latest_checkpoint
+from raytrain_lm.tokenizer import Tokenizer
 
 # Reported rows each checkpoint carries, to be re-sent after a resume: more than can be in flight
 # in Ray (a worker holds one uncollected report) when the driver or a worker dies.
@@ -28,7 +29,7 @@ RECENT_ROWS = 8
 
 
 class Checkpointer:
-    def __init__(self, cfg: TrainConfig, rank: int, world: int, tokenizer: dict):
+    def __init__(self, cfg: TrainConfig, rank: int, world: int, tokenizer: Tokenizer):
         storage = ray.train.get_context().get_storage()
         self.fs, self.run_path = storage.storage_filesystem, storage.experiment_fs_path
         self.cfg, self.rank, self.world, self.tokenizer = cfg, rank, world, tokenizer
@@ -74,9 +75,10 @@ class Checkpointer:
             state = {"scaler": step_fn.scaler.state_dict(), "step": step, "tokens": row["tokens"],
                      "data": stream.state_dict(), "world_size": self.world,
                      "val_loss": row.get("val_loss"), "recent_metrics": list(self.recent),
-                     "config": self.cfg.to_dict(), "tokenizer": self.tokenizer}
+                     "config": self.cfg.to_dict(), "tokenizer": self.tokenizer.spec()}
         with tempfile.TemporaryDirectory(prefix="raytrain-lm-ckpt-") as tmp:
-            ckpt_io.save_checkpoint(Path(tmp), self.rank, step_fn.parallel, state=state)
+            ckpt_io.save_checkpoint(Path(tmp), self.rank, step_fn.parallel, state=state,
+                                    tokenizer_raw=self.tokenizer.raw if self.rank == 0 else None)
             ray.train.report(row, checkpoint=ray.train.Checkpoint.from_directory(tmp),
                              checkpoint_dir_name=checkpoint_name(step))
 

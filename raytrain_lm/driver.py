@@ -110,7 +110,7 @@ def run_training(
     t_launch = time.time()
     run = run_folder(cfg, resume)
     manifest = prepare_data(cfg, say)
-    if resume and (step := resume_step(run)) is not None:
+    if resume and (step := resume_step(cfg, run, manifest)) is not None:
         say(f"resuming {cfg.name} from its newest checkpoint, step {step}")
     if init_from:
         init_from = check_init_from(init_from, cfg, manifest)

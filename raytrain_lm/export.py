@@ -1,8 +1,12 @@
-"""Export a checkpoint's weights as safetensors plus a config JSON: the model without the
-training state (optimizer, data position, RNG), in a format any framework can read.
+"""Export a checkpoint's model without the training state (optimizer, data position, RNG):
 
-Tied weights (the output projection shares the token embedding) are stored once; config.json's
-"tied" says which names to point at which, so loading restores the tie and nothing is stored twice.
+- `native` (the default): safetensors plus a config JSON in this project's names, for plain
+  PyTorch with model.py. Tied weights (the output projection shares the token embedding) are
+  stored once; config.json's "tied" says which names to point at which.
+- `hf`: a Hugging Face GPT-2 model folder (config.json, model.safetensors under GPT-2's names,
+  the tokenizer files), which transformers' Auto classes load without this project.
+
+Either way a BPE's tokenizer.json goes along, byte for byte the dataset's and the checkpoint's.
 """
 
 from __future__ import annotations
@@ -13,15 +17,18 @@ from pathlib import Path
 from typing import Any, Optional
 
 from raytrain_lm.checkpoint import load_checkpoint
-from raytrain_lm.config import TrainConfig
+from raytrain_lm.config import ModelConfig, TrainConfig
 from raytrain_lm.errors import UserError
-from raytrain_lm.model import GPT
+from raytrain_lm.files import TOKENIZER
+from raytrain_lm.model import GPT, qkv_interleaved_to_gpt2
 from raytrain_lm.storage import staged_folder
+from raytrain_lm.tokenizer import Tokenizer, byte_tokenizer_json, tokenizer_from_spec
 
 WEIGHTS, CONFIG = "model.safetensors", "config.json"
 # gpt-2: c_attn's rows are head-interleaved ([h0 q, h0 k, h0 v, h1 q, ...], model.py), which
 # raytrain_lm.model.GPT reads as is; model.qkv_interleaved_to_gpt2 gives GPT-2's [q; k; v].
 FORMAT = "raytrain-lm/gpt-2"
+FORMATS = ("native", "hf")
 
 
 def _untie(state: dict) -> tuple[dict, dict[str, str]]:
@@ -52,10 +59,9 @@ def export_checkpoint(folder: Path, out: Path, source: str, force: bool = False,
     load_checkpoint."""
     from safetensors.torch import save_file
 
-    out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
-        raise UserError(f"{out} exists and is not empty; pass --force to overwrite it")
+    check_out(out, force)
     state = load_checkpoint(folder, meta=meta)
+    tok = tokenizer_from_spec(state["tokenizer"], folder)
     # The ties come from the model, not from how a checkpoint stored its tensors: a sharded (FSDP)
     # checkpoint gathers the tied embedding and output weights as two separate copies.
     model = GPT.from_state_dict(TrainConfig.from_dict(state["config"]).model, state["model"])
@@ -77,4 +83,130 @@ def export_checkpoint(folder: Path, out: Path, source: str, force: bool = False,
         save_file(weights, f"{tmp}/{WEIGHTS}", metadata={"format": "pt", "source": FORMAT})
         Path(tmp, CONFIG).write_text(json.dumps(config, indent=2) + "\n")
         os.chmod(f"{tmp}/{WEIGHTS}", 0o666 & ~_umask())  # safetensors creates it owner-only
+        if tok.raw is not None:
+            Path(tmp, TOKENIZER).write_bytes(tok.raw)
     return config
+
+
+def check_out(out: Path, force: bool) -> None:
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
+        raise UserError(f"{out} exists and is not empty; pass --force to overwrite it")
+
+
+# ---------------------------------------------------------------- Hugging Face (GPT-2) format
+#
+# Our GPT is GPT-2's architecture (pre-LayerNorm, tanh GELU, learned positions, tied embeddings,
+# fused qkv), so it exports as transformers' GPT2LMHeadModel. Writing it needs safetensors and
+# tokenizers, not transformers.
+
+HF_TOKENIZER_CONFIG = "tokenizer_config.json"
+HF_GENERATION_CONFIG = "generation_config.json"
+# nn.Linear weights (out, in) that GPT-2 keeps in its Conv1D modules as (in, out)
+_CONV1D = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+
+
+def c_attn_to_gpt2(t, n_head: int):
+    """c_attn's weight (3C, C) or bias (3C,) with its output rows in GPT-2's order: [q | k | v],
+    each split by head. Ours are head-interleaved ([h0: q,k,v][h1: q,k,v]..., model.py: so that
+    tensor parallelism's contiguous row split hands each rank whole heads); GPT-2 reads the same
+    rows as q, k, v one after another, so without this permutation transformers would load the
+    weights silently (same shapes) and compute something else."""
+    return qkv_interleaved_to_gpt2(t, n_head)
+
+
+def gpt2_state_dict(state: dict, cfg: ModelConfig, vocab_size: int) -> dict:
+    """Our GPT's state dict under transformers' GPT2LMHeadModel names ({name: contiguous
+    tensor}); the embedding keeps its first `vocab_size` rows (the tokenizer's: the padding rows
+    are never a token). The head is tied to the embedding, so it is not stored."""
+    import torch
+
+    C = cfg.n_embd
+    zeros = lambda n: torch.zeros(n, dtype=state["wte.weight"].dtype)  # noqa: E731
+    out = {"transformer.wte.weight": state["wte.weight"][:vocab_size],
+           "transformer.wpe.weight": state["wpe.weight"]}
+    for i in range(cfg.n_layer):
+        p = f"h.{i}."
+        for ln in ("ln_1", "ln_2"):
+            out[f"transformer.{p}{ln}.weight"] = state[p + ln + ".weight"]
+            # GPT-2 always has biases: a bias=False model's are zero (exactly what it computes)
+            out[f"transformer.{p}{ln}.bias"] = state.get(p + ln + ".bias", zeros(C))
+        for mod in _CONV1D:
+            w = state[p + mod + ".weight"]
+            b = state.get(p + mod + ".bias", zeros(w.shape[0]))
+            if mod == "attn.c_attn":
+                w, b = c_attn_to_gpt2(w, cfg.n_head), c_attn_to_gpt2(b, cfg.n_head)
+            out[f"transformer.{p}{mod}.weight"] = w.t()  # Conv1D: (in, out)
+            out[f"transformer.{p}{mod}.bias"] = b
+    out["transformer.ln_f.weight"] = state["ln_f.weight"]
+    out["transformer.ln_f.bias"] = state.get("ln_f.bias", zeros(C))
+    return {k: v.detach().contiguous() for k, v in out.items()}
+
+
+def export_hf(state_dict: dict, cfg: ModelConfig, tok: Tokenizer, out: Path,
+              force: bool = False) -> dict[str, Any]:
+    """Write `out` as a Hugging Face GPT-2 model folder; returns config.json's content. The
+    vocabulary is the tokenizer's (the model's padding rows are dropped), so every id of the
+    exported model is a token and the real tokens' logits are unchanged."""
+    from safetensors.torch import save_file
+
+    from raytrain_lm.tokenizer import EOT
+
+    check_out(out, force)
+    if cfg.vocab_size < tok.vocab_size:
+        raise UserError(f"the model has {cfg.vocab_size} token embeddings but its tokenizer "
+                        f"{tok.vocab_size} tokens")
+    weights = gpt2_state_dict(state_dict, cfg, tok.vocab_size)
+    eot = tok.eot_id
+    config = {
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "vocab_size": tok.vocab_size,
+        "n_positions": cfg.block_size,
+        "n_embd": cfg.n_embd,
+        "n_layer": cfg.n_layer,
+        "n_head": cfg.n_head,
+        "n_inner": None,  # 4 * n_embd, as our MLP
+        "activation_function": "gelu_new",  # GPT-2's tanh GELU = F.gelu(approximate="tanh")
+        "layer_norm_epsilon": 1e-5,  # torch.nn.LayerNorm's default, which our model uses
+        "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.dropout,
+        "scale_attn_weights": True,  # 1/sqrt(head_dim), as scaled_dot_product_attention
+        "tie_word_embeddings": True,
+        # GPT2Config defaults both to 50256 (GPT-2's <|endoftext|>): wrong for any other
+        # vocabulary, and generate() would stop on it. None where the tokenizer has no EOT.
+        "bos_token_id": eot, "eos_token_id": eot,
+        "dtype": str(weights["transformer.wte.weight"].dtype).removeprefix("torch."),
+    }
+    generation = {"bos_token_id": eot, "eos_token_id": eot}
+    # PreTrainedTokenizerFast (transformers' tokenizer.json-as-is class): without a
+    # tokenizer_config.json AutoTokenizer would pick GPT2Tokenizer from config.json, which
+    # rebuilds the pipeline from vocab and merges with its own pre-tokenizer settings.
+    # clean_up_tokenization_spaces=False: True rewrites " ." to "." on decode.
+    tok_config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": cfg.block_size,
+                  "clean_up_tokenization_spaces": False, "add_prefix_space": False}
+    if eot is not None:
+        tok_config.update(bos_token=EOT, eos_token=EOT)
+    with staged_folder(out) as tmp:
+        # metadata format=pt: transformers refuses a safetensors file without it
+        save_file(weights, f"{tmp}/{WEIGHTS}", metadata={"format": "pt"})
+        os.chmod(f"{tmp}/{WEIGHTS}", 0o666 & ~_umask())  # safetensors creates it owner-only
+        Path(tmp, CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+        Path(tmp, HF_GENERATION_CONFIG).write_text(json.dumps(generation, indent=2) + "\n")
+        Path(tmp, HF_TOKENIZER_CONFIG).write_text(json.dumps(tok_config, indent=2) + "\n")
+        # a BPE: the dataset's file itself; bytes: an equivalent tokenizer.json (id i = byte i)
+        Path(tmp, TOKENIZER).write_bytes(tok.raw if tok.raw is not None else
+                                         byte_tokenizer_json().encode())
+    return config
+
+
+def export_checkpoint_hf(folder: Path, out: Path, force: bool = False,
+                         meta: Optional[dict] = None) -> dict[str, Any]:
+    """`export --format hf`: a checkpoint folder -> a Hugging Face model folder."""
+    check_out(out, force)
+    state = load_checkpoint(folder, meta=meta)
+    cfg = TrainConfig.from_dict(state["config"])
+    tok = tokenizer_from_spec(state["tokenizer"], folder)
+    # through the model: a sharded checkpoint gathers the tied weights as two copies
+    model = GPT.from_state_dict(cfg.model, state["model"])
+    config = export_hf(model.state_dict(), cfg.model, tok, out, force=force)
+    return {**config, "step": state["step"]}

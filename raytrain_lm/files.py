@@ -29,6 +29,11 @@ DCP_DIR = "dcp"  # sharded model and optimizer (torch.distributed.checkpoint)
 
 # ---------------------------------------------------------------- a dataset's folder
 MANIFEST = "manifest.json"
+# A BPE's vocabulary and merges (Hugging Face's format). The same file, byte for byte, goes into
+# every checkpoint of a run on that dataset and into an export, so each is usable on its own.
+TOKENIZER = "tokenizer.json"
+# In a node's cache of a dataset on shared storage: where the shards come from when first read.
+REMOTE_SOURCE = "source.json"
 
 # A run's, a sweep's or a shard's name is one plain entry of its folder: never `..`, `/` or a
 # hidden name, so neither a flag nor a crafted manifest can reach outside that folder.

@@ -33,7 +33,8 @@ def load_model(folder: Path, device: torch.device, meta: Optional[dict] = None):
     state = load_checkpoint(folder, map_location="cpu", meta=meta)
     cfg = TrainConfig.from_dict(state["config"])
     model = GPT.from_state_dict(cfg.model, state["model"])
-    return model.to(device).eval(), tokenizer_from_spec(state["tokenizer"]), cfg
+    # a BPE's tokenizer.json travels in the checkpoint (its sha256 checked against the spec)
+    return model.to(device).eval(), tokenizer_from_spec(state["tokenizer"], folder), cfg
 
 
 def check_sampling(max_new_tokens: int, temperature: float, top_k: Optional[int]) -> None:
@@ -121,17 +122,19 @@ def generate_text(
     check_sampling(max_new_tokens, temperature, top_k)
     dev = pick_device(device)
     model, tok, _ = load_model(folder, dev, meta)
-    # A byte-level model has no start token: an empty prompt starts after a newline.
-    prompt_ids = [int(i) for i in tok.encode(prompt)] or [int(i) for i in tok.encode("\n")]
-    if max(prompt_ids) >= model.cfg.vocab_size:
+    # An empty prompt starts a new document: after <|endoftext|> where the tokenizer has one,
+    # else after a newline (the byte tokenizer has no start token).
+    prompt_ids = [int(i) for i in tok.encode(prompt)] or (
+        [tok.eot_id] if tok.eot_id is not None else [int(i) for i in tok.encode("\n")])
+    if max(prompt_ids) >= min(model.cfg.vocab_size, tok.vocab_size):
         raise UserError("the prompt holds tokens outside this model's vocabulary")
-    # Tokens are bytes (the only tokenizer so far), and the bytes of one character can arrive in
-    # different steps: decode incrementally so the stream never shows half a character.
+    # A token is a byte string that can end inside a character (every byte-level tokenizer):
+    # decode incrementally so the stream never shows half a character.
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     pieces: list[str] = []
 
     def emit(token: int) -> None:
-        text = decoder.decode(bytes([token]))
+        text = decoder.decode(tok.token_bytes(token))
         if text:
             pieces.append(text)
             if on_text:

@@ -20,7 +20,7 @@ from raytrain_lm import checkpoint as ckpt_io
 from raytrain_lm.checkpointer import Checkpointer, restore_rng
 from raytrain_lm.config import TrainConfig
 from raytrain_lm.data.loaders import Validation, train_stream
-from raytrain_lm.data.manifest import load_manifest
+from raytrain_lm.data.manifest import dataset_tokenizer
 from raytrain_lm.data.resolve import resolve_dataset
 from raytrain_lm.metrics import Meter, gpu_peak_tflops, peak_memory_gb
 from raytrain_lm.model import flops_per_token
@@ -40,7 +40,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     check_device_memory(cfg, device, loop_config.get("force", False))  # the GPU's real memory
     if device.type == "cuda":
         torch.set_float32_matmul_precision("high")  # TF32 for any matmul left in fp32
-    checkpointer = Checkpointer(cfg, rank, world, load_manifest(cfg.data)["tokenizer"])
+    tokenizer = dataset_tokenizer(cfg.data)  # a BPE's file travels into every checkpoint
+    checkpointer = Checkpointer(cfg, rank, world, tokenizer)
     found = checkpointer.find_latest()  # this run's newest valid checkpoint, or None
     state, rng = ckpt_io.load_resume_state(found.path, found.meta, rank) if found else (None, None)
     coords = rank_coords(rank, world, cfg.tp, cfg.pp)
@@ -51,7 +52,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     step_fn = TrainStep(cfg, device)
     build_mem = peak_memory_gb(device) - baseline_mem  # built sharded: only this rank's shards
     batches = train_stream(cfg, coords.dp, step_fn.parallel.dp)  # tp and pp peers: the same rows
-    validation = Validation(cfg, coords.dp, step_fn.parallel.dp)
+    validation = Validation(cfg, coords.dp, step_fn.parallel.dp, tokenizer.text_byte_lengths())
     if found is not None:
         step, tokens = checkpointer.restore(found, state, step_fn, batches)
     else:
@@ -79,8 +80,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         row = meter.row(step, lr, to_float(grad_norm), step_fn.parallel)
         row.update(tokens=tokens, epoch=batches.epoch)
         if cadence.validates(step):
-            val = step_fn.evaluate(validation)
-            row.update(val_loss=val, val_ppl=math.exp(min(val, 50.0)))
+            val, bpb = step_fn.evaluate(validation)
+            row.update(val_loss=val, val_ppl=math.exp(min(val, 50.0)), val_bpb=bpb)
         if cadence.checkpoints(step) and step_fn.parallel.replicated:
             row["replica_spread"] = meter.replica_spread(step_fn.parallel.parts[0])  # 0.0: they agree
         checkpointer.report(row, save=cadence.checkpoints(step), step_fn=step_fn, stream=batches)

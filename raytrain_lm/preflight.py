@@ -134,12 +134,17 @@ def _better_layout(cfg: TrainConfig, cluster, layout) -> str:
     return f"try {best.layout.flags()} (~{best.memory.total / GB:.1f} GB per worker)"
 
 
-def resume_step(run) -> Optional[int]:
-    """The step of the run's newest checkpoint, for the message (a worker falls back to an older
-    one if it proves incomplete; the schedule's horizon is decided there: optim.resumed_horizon)."""
-    from raytrain_lm.runs import newest_step
+def resume_step(cfg: TrainConfig, run, manifest: dict) -> Optional[int]:
+    """The step of the run's newest checkpoint, for the message (None: it has none yet, so it
+    starts over), after checking that the dataset has the checkpoints' tokenizer. A worker falls
+    back to an older checkpoint if the newest proves incomplete, and decides the schedule's
+    horizon from the one it resumes from (optim.resumed_horizon)."""
+    from raytrain_lm.runs import newest_checkpoint_meta
 
-    return newest_step(run)
+    step, meta = newest_checkpoint_meta(run)
+    if meta is not None and "tokenizer" in meta:
+        check_same_tokenizer(meta["tokenizer"], manifest, f"run {cfg.name!r}", cfg.data)
+    return step
 
 
 def check_device_memory(cfg: TrainConfig, device, force: bool) -> None:
@@ -158,12 +163,27 @@ def check_init_from(path: str, cfg: TrainConfig, manifest: dict) -> str:
     from raytrain_lm.runs import find_checkpoint
 
     found = find_checkpoint(path, cfg.storage, best_else_latest=True)
+    # the tokenizer first: another tokenizer usually means another vocabulary size as well, and
+    # it is the cause to name
+    check_same_tokenizer(found.meta["tokenizer"], manifest, f"checkpoint {found.source}", cfg.data)
     theirs = TrainConfig.from_dict(found.meta["config"]).model
     if theirs != cfg.model:
         diff = ", ".join(f"{k}: {getattr(theirs, k)} vs {getattr(cfg.model, k)}"
                          for k in vars(theirs) if getattr(theirs, k) != getattr(cfg.model, k))
         raise UserError(f"checkpoint {found.source} is for another model shape ({diff})")
-    if found.meta["tokenizer"] != manifest["tokenizer"]:
-        raise UserError(f"checkpoint {found.source} used tokenizer {found.meta['tokenizer']} but "
-                        f"dataset {cfg.data} uses {manifest['tokenizer']}")
     return str(found.path.resolve())
+
+
+def describe_tokenizer(spec: dict) -> str:
+    if spec.get("type") == "bpe":
+        return f"a BPE of {spec['vocab_size']} tokens (tokenizer.json sha256 {spec['sha256'][:12]})"
+    return f"the {spec.get('type')} tokenizer"
+
+
+def check_same_tokenizer(spec: dict, manifest: dict, what: str, data: str) -> None:
+    """A model's token ids mean what its tokenizer says: weights trained on one tokenizer's ids
+    cannot continue on another's data (same vocabulary size or not)."""
+    if spec != manifest["tokenizer"]:
+        raise UserError(f"{what} was trained with {describe_tokenizer(spec)} but dataset {data} "
+                        f"uses {describe_tokenizer(manifest['tokenizer'])}; use a dataset prepared "
+                        f"with the same tokenizer (prepare --tokenizer CHECKPOINT_FOLDER)")

@@ -32,6 +32,7 @@ def progress_line(row: dict[str, Any], max_steps: int) -> str:
         f"step {step:>{len(str(max_steps))}}/{max_steps}",
         f"loss {row['loss']:.4f}",
         f"val {row['val_loss']:.4f}" if row.get("val_loss") is not None else None,
+        f"{row['val_bpb']:.3f} bpb" if row.get("val_bpb") is not None else None,
         f"lr {row['lr']:.2e}",
         f"{_fmt_rate(row['tokens_per_second'])} tok/s",
         f"mfu {row['mfu'] * 100:.1f}%" if row.get("mfu") is not None else None,
@@ -65,7 +66,7 @@ TABLE_KEYS = [
     ("name", "run"), ("status", "status"), ("preset", "preset"), ("num_parameters", "parameters"),
     ("workers", "workers"), ("use_gpu", "gpu"), ("steps", "steps"), ("tokens", "tokens"),
     ("final_train_loss", "train loss"), ("final_val_loss", "val loss"),
-    ("val_perplexity", "val perplexity"), ("tokens_per_second", "tokens/s (median)"),
+    ("val_perplexity", "val perplexity"), ("final_val_bpb", "val bits/byte"), ("tokens_per_second", "tokens/s (median)"),
     ("mfu", "MFU"), ("data_wait_frac", "data wait"), ("peak_mem_gb", "peak memory / worker"),
     ("time_to_first_step", "time to first step"), ("wall_seconds", "wall time"),
     ("restarts", "restarts"), ("resumed_from_step", "resumed from step"),
@@ -121,10 +122,11 @@ def text_table(header, rows, paint_cell=None) -> str:
 
 def runs_table(runs: list[dict[str, Any]], paint=lambda text, color: text) -> str:
     """`runs`: one line per run. `paint(text, color)` colours the status (or leaves it plain)."""
-    header = ("run", "status", "steps", "val loss", "tokens/s", "ckpts", "date")
+    header = ("run", "status", "steps", "val loss", "val bpb", "tokens/s", "ckpts", "date")
     table = [(r["name"], r.get("status", "-"),
               f"{r.get('steps', 0)}/{r['max_steps']}" if r.get("max_steps") else str(r.get("steps", 0)),
               f"{r['final_val_loss']:.4f}" if r.get("final_val_loss") is not None else "-",
+              f"{r['final_val_bpb']:.4f}" if r.get("final_val_bpb") is not None else "-",
               f"{r['tokens_per_second']:,.0f}" if r.get("tokens_per_second") else "-",
               str(r.get("checkpoints", 0)), _local_time(r.get("finished"))) for r in runs]
     return text_table(header, table, lambda i, cell, raw:

@@ -96,12 +96,14 @@ def read_checkpoint_meta(fs: pafs.FileSystem, path: str) -> Optional[dict]:
         return None
 
 
-def newest_step(run: RunFolder) -> Optional[int]:
-    """The step of the run's newest checkpoint that has a meta.json (None: no checkpoint)."""
+def newest_checkpoint_meta(run: RunFolder) -> tuple[Optional[int], Optional[dict]]:
+    """(step, meta.json) of the run's newest checkpoint that has a meta.json ((None, None): no
+    checkpoint)."""
     for step, path in reversed(checkpoint_folders(run.fs, run.path)):
-        if read_checkpoint_meta(run.fs, path) is not None:
-            return step
-    return None
+        meta = read_checkpoint_meta(run.fs, path)
+        if meta is not None:
+            return step, meta
+    return None, None
 
 
 def best_val_loss(run: RunFolder) -> Optional[float]:

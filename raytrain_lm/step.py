@@ -11,6 +11,7 @@ import torch
 
 from raytrain_lm.config import TrainConfig
 from raytrain_lm.parallel import Parallelized
+from raytrain_lm.tokenizer import bits_per_byte
 
 
 def autocast_dtype(cfg: TrainConfig, device: torch.device) -> Optional[torch.dtype]:
@@ -52,5 +53,10 @@ class TrainStep:
             return nullcontext()
         return CommCounter(self.parallel.mesh)
 
-    def evaluate(self, validation) -> float:
-        return self.parallel.evaluate(validation, self.autocast)
+    def evaluate(self, validation) -> tuple[float, float]:
+        """(mean loss over the validation windows' targets, all ranks together, in nats per
+        token; the same loss in bits per byte of the text those targets stand for:
+        tokenizer-independent)."""
+        loss_sum, tokens, text_bytes = self.parallel.evaluate(validation, self.autocast)
+        val_loss = loss_sum / tokens
+        return val_loss, bits_per_byte(val_loss, tokens, text_bytes)

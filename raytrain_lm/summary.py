@@ -24,6 +24,8 @@ def from_metrics(rows: list[dict]) -> dict[str, Any]:
         "final_val_loss": evals[-1]["val_loss"] if evals else None,
         "val_perplexity": evals[-1]["val_ppl"] if evals else None,
         "best_val_loss": min(r["val_loss"] for r in evals) if evals else None,
+        # bits per byte of validation text: comparable between runs of different tokenizers
+        "final_val_bpb": evals[-1].get("val_bpb") if evals else None,
         "tokens_per_second": _median([r["tokens_per_second"] for r in steady]),
         "mfu": _median([r["mfu"] for r in steady if r.get("mfu") is not None]),
         "data_wait_frac": _median([r["data_wait_frac"] for r in steady if "data_wait_frac" in r]),

@@ -21,6 +21,7 @@ TAGS = {
     "loss": "loss/train",
     "val_loss": "loss/val",
     "val_ppl": "loss/val_perplexity",
+    "val_bpb": "loss/val_bits_per_byte",
     "lr": "optim/lr",
     "grad_norm": "optim/grad_norm",
     "tokens_per_second": "perf/tokens_per_second",

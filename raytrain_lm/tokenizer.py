@@ -1,35 +1,371 @@
-"""Tokenizers. Byte-level is the default: no vocabulary file, every text round-trips exactly.
+"""Tokenizers: UTF-8 bytes (the default), or a byte-level BPE backed by Hugging Face `tokenizers`,
+either trained on the corpus or read from an existing GPT-2-format tokenizer.json.
 
 A tokenizer is described by a small dict (`spec()`) stored in the dataset manifest and in every
-checkpoint, so training, resuming and generation can never disagree about what a token means.
+checkpoint, so training, resuming and generation can never disagree about what a token means. A
+BPE's vocabulary lives in a tokenizer.json beside the manifest (and, byte for byte, in every
+checkpoint and export); the spec carries its sha256, and loading refuses a file that differs.
+
+Both kinds are byte-level: every token stands for a fixed byte string, so any text round-trips
+exactly and "bytes of text per token" is well defined (what bits-per-byte needs).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import math
+from abc import ABC, abstractmethod
+from functools import lru_cache
+from pathlib import Path
+from typing import Callable, Iterable, Optional
+
 import numpy as np
 
-from raytrain_lm.errors import UserError
+from raytrain_lm.errors import UserError, last_line
+from raytrain_lm.files import TOKENIZER as TOKENIZER_FILE  # in a dataset, checkpoint or export
+EOT = "<|endoftext|>"  # GPT-2's document separator; id assigned by the trainer (0 for ours)
+MIN_BPE_VOCAB = 257  # 256 byte tokens + <|endoftext|>
+DEFAULT_BPE_VOCAB = 8192
+DEFAULT_SAMPLE_MB = 100.0
+
+# Encoding a probe must give it back unchanged: catches a loaded tokenizer.json with a normalizer,
+# add_prefix_space, or an incomplete byte alphabet. Runs of spaces/newlines, CRLF, NUL, a zero-width
+# space, astral-plane emoji and the literal EOT string (which must stay text, not become the token).
+_PROBE = ("Hello,  world!\n\n\tTabs\r\nand  runs   of spaces  \n  \u00fcn\u00efc\u00f6d\u00e9 "
+          "\u65e5\u672c\u8a9e \U0001F642\u200b\x00 " + EOT + "\n")
 
 
-class ByteTokenizer:
-    """UTF-8 bytes as tokens: vocab of 256."""
+def dtype_for_vocab(vocab_size: int):
+    """The smallest unsigned dtype that holds every token id (shards are stored in it)."""
+    if vocab_size <= 1 << 8:
+        return np.uint8
+    if vocab_size <= 1 << 16:
+        return np.uint16
+    if vocab_size <= 1 << 32:
+        return np.uint32
+    raise UserError(f"a vocabulary of {vocab_size} tokens does not fit in uint32")
+
+
+@lru_cache(maxsize=1)
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table, which ByteLevel pre-tokenizers and tokenizer.json
+    vocabularies are written in: printable Latin-1 bytes map to themselves, the other 68 bytes
+    to U+0100 onwards."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("\u00a1"), ord("\u00ac") + 1)) + \
+        list(range(ord("\u00ae"), ord("\u00ff") + 1))
+    table, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+class Tokenizer(ABC):
+    """What the project needs of a tokenizer. Ids are 0..vocab_size-1; each id stands for a fixed
+    byte string (`token_bytes`), so decoding is joining bytes."""
+
+    name: str
+    vocab_size: int
+    # The token placed between documents, or None when documents are joined by "\n\n" as text.
+    eot_id: Optional[int] = None
+    # The tokenizer.json that travels with the data, its checkpoints and exports, byte for byte
+    # (None: nothing to ship).
+    raw: Optional[bytes] = None
+
+    @property
+    def dtype(self):
+        return dtype_for_vocab(self.vocab_size)
+
+    @abstractmethod
+    def encode(self, text: str) -> np.ndarray: ...
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        return [self.encode(t) for t in texts]
+
+    @abstractmethod
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes token `token_id` decodes to; a special token gives its literal text."""
+
+    @abstractmethod
+    def text_byte_lengths(self) -> np.ndarray:
+        """int64 array of vocab_size: UTF-8 bytes of *text* each token stands for (0 for special
+        tokens). Summed over a split's tokens it gives the split's bytes, for bits per byte."""
+
+    def decode(self, ids) -> str:
+        # errors="replace": a sampled sequence can cut a multi-byte character in half.
+        return b"".join(self.token_bytes(int(i)) for i in ids).decode("utf-8", errors="replace")
+
+    def separator(self) -> np.ndarray:
+        """Token ids placed between two documents of one stream."""
+        if self.eot_id is not None:
+            return np.array([self.eot_id], dtype=self.dtype)
+        return self.encode("\n\n")
+
+    @abstractmethod
+    def spec(self) -> dict: ...
+
+
+class ByteTokenizer(Tokenizer):
+    """UTF-8 bytes as tokens: vocab of 256. Documents are joined by "\\n\\n": a 257th id for an
+    end-of-text token would double the shards (uint16) and change existing datasets."""
 
     name = "byte"
     vocab_size = 256
-    dtype = np.uint8  # smallest dtype that holds every token id
 
     def encode(self, text: str) -> np.ndarray:
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        return bytes([token_id])
+
     def decode(self, ids) -> str:
-        # errors="replace": a sampled sequence can cut a multi-byte character in half.
         return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
+
+    def text_byte_lengths(self) -> np.ndarray:
+        return np.ones(256, dtype=np.int64)
 
     def spec(self) -> dict:
         return {"type": self.name, "vocab_size": self.vocab_size}
 
 
-def tokenizer_from_spec(spec: dict) -> ByteTokenizer:
-    if spec.get("type") == "byte":
+class BPETokenizer(Tokenizer):
+    """A byte-level BPE read from a tokenizer.json (GPT-2's format: ByteLevel pre-tokenizer and
+    decoder, no normalizer). Documents are separated by <|endoftext|> when the vocabulary has it."""
+
+    name = "bpe"
+
+    def __init__(self, path: str | Path, sha256: Optional[str] = None, raw: Optional[bytes] = None):
+        """The tokenizer.json at `path` (or its content `raw`, e.g. shipped to a Ray task on
+        another node; `path` then only names it in messages)."""
+        from tokenizers import Tokenizer as HFTokenizer
+
+        self.path = Path(path)
+        if raw is None:
+            if not self.path.is_file():
+                raise UserError(f"tokenizer file not found: {self.path}")
+            try:
+                raw = self.path.read_bytes()
+            except OSError as e:
+                raise UserError(f"cannot read tokenizer file {self.path}: {e.strerror}") from None
+        self.raw = raw
+        self.sha256 = hashlib.sha256(raw).hexdigest()
+        if sha256 is not None and self.sha256 != sha256:
+            raise UserError(f"{self.path} does not match the sha256 its dataset or checkpoint "
+                            f"recorded (the file was changed or replaced)")
+        try:
+            config = json.loads(raw)
+            if not isinstance(config, dict):
+                raise ValueError("not a JSON object")
+            self._tok = HFTokenizer.from_str(raw.decode("utf-8"))
+        except Exception as e:  # json, UTF-8 and the Rust parser's own exception
+            raise UserError(f"{self.path} is not a valid tokenizer.json: {last_line(e)}") from None
+        _check_byte_level(config, self.path)
+        # tokenizers matches special tokens' text inside ordinary input by default, so a document
+        # quoting "<|endoftext|>" would get a document break in the middle. Only the dataset
+        # writer may place that token. (A runtime flag: tokenizer.json does not store it.)
+        self._tok.encode_special_tokens = True
+        vocab = self._tok.get_vocab(with_added_tokens=True)
+        self.vocab_size = max(vocab.values()) + 1
+        self.eot_id = vocab.get(EOT)
+        special = {i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
+        decoder = {c: b for b, c in bytes_to_unicode().items()}
+        self._bytes: list[bytes] = [b""] * self.vocab_size
+        self._lengths = np.zeros(self.vocab_size, dtype=np.int64)
+        for token, i in vocab.items():
+            if i in special or any(c not in decoder for c in token):
+                # special (or added, not byte-level) tokens stand for their literal text on
+                # display, and for no bytes of the corpus
+                self._bytes[i] = token.encode("utf-8")
+            else:
+                self._bytes[i] = bytes(decoder[c] for c in token)
+                self._lengths[i] = len(self._bytes[i])
+        present = set(self._bytes)
+        missing = [b for b in range(256) if bytes([b]) not in present]
+        if missing:
+            raise UserError(f"{self.path}: the vocabulary lacks {len(missing)} of the 256 byte "
+                            f"tokens, so some text cannot be encoded")
+        if self.decode(self.encode(_PROBE)) != _PROBE:
+            raise UserError(f"{self.path} does not give text back exactly (a normalizer or "
+                            f"add_prefix_space?); only lossless byte-level BPE is supported")
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.array(self._tok.encode(text, add_special_tokens=False).ids, dtype=self.dtype)
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        # encode_batch_fast: no offsets computed; Rust threads (RAYON_NUM_THREADS) across texts
+        encs = self._tok.encode_batch_fast(texts, add_special_tokens=False)
+        return [np.array(e.ids, dtype=self.dtype) for e in encs]
+
+    def token_bytes(self, token_id: int) -> bytes:
+        # Our own table, not tokenizers' decode(): that one skips special tokens by default and
+        # cannot decode one token of a multi-byte character on its own (streaming needs that).
+        return self._bytes[token_id]
+
+    def text_byte_lengths(self) -> np.ndarray:
+        return self._lengths
+
+    def spec(self) -> dict:
+        return {"type": self.name, "vocab_size": self.vocab_size, "file": TOKENIZER_FILE,
+                "sha256": self.sha256, "eot_id": self.eot_id}
+
+
+def _check_byte_level(config: dict, path: Path) -> None:
+    """Refuse tokenizer.json files whose tokens are not byte strings (SentencePiece/Metaspace,
+    WordPiece) or that rewrite text (normalizers): bits per byte, exact round trips and streaming
+    all rest on every token being a fixed byte string."""
+
+    def has_byte_level(node) -> bool:
+        if not node:
+            return False
+        if node.get("type") == "ByteLevel":
+            return True
+        return any(has_byte_level(n) for n in node.get("pretokenizers", node.get("decoders", [])))
+
+    model = config.get("model") or {}
+    problems = []
+    if model.get("type") != "BPE":
+        problems.append(f"model {model.get('type')!r} is not BPE")
+    if config.get("normalizer"):
+        problems.append(f"it has a {config['normalizer'].get('type')} normalizer")
+    if not has_byte_level(config.get("pre_tokenizer")) or not has_byte_level(config.get("decoder")):
+        problems.append("its pre-tokenizer and decoder are not ByteLevel")
+    if problems:
+        raise UserError(f"{path} is not a byte-level BPE tokenizer ({'; '.join(problems)}); use "
+                        f"GPT-2's tokenizer.json format")
+
+
+# ---------------------------------------------------------------- training
+
+
+def train_bpe(documents: Iterable[str], vocab_size: int, min_frequency: int = 2) -> BPETokenizer:
+    """Train a byte-level BPE on `documents` (any iterable, streamed) in GPT-2's tokenizer.json
+    format. What the dataset is tokenized with is exactly the JSON that ships with it (`raw`).
+
+    min_frequency=2: a pair seen once is noise, not a token worth a vocabulary slot. The vocabulary
+    may come out smaller than `vocab_size` when the corpus runs out of pairs; the spec records the
+    real size. Training is deterministic (the same sample gives the same file at any thread count)."""
+    from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
+
+    check_bpe_vocab(vocab_size)
+    tok = HFTokenizer(models.BPE())
+    # add_prefix_space=False: the default (True) puts a space before every text, which then
+    # comes back on decoding. use_regex=True: GPT-2's split, so merges never cross word classes.
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, min_frequency=min_frequency, show_progress=False,
+        # all 256 bytes, seen in the sample or not: nothing is ever out of vocabulary
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=[EOT])
+    tok.train_from_iterator(documents, trainer)
+    if tok.get_vocab_size() < MIN_BPE_VOCAB:
+        raise UserError("the BPE training corpus is empty")
+    return BPETokenizer(TOKENIZER_FILE, raw=tok.to_str(pretty=True).encode("utf-8"))
+
+
+def check_bpe_vocab(vocab_size: int) -> None:
+    if vocab_size < MIN_BPE_VOCAB:
+        raise UserError(f"--vocab-size must be at least {MIN_BPE_VOCAB} for a BPE tokenizer (256 "
+                        f"bytes + {EOT}), got {vocab_size}")
+    dtype_for_vocab(vocab_size)  # raises if too large
+
+
+# ---------------------------------------------------------------- choosing and loading
+
+
+def check_choice(kind: str, vocab_size: Optional[int], sample_mb: float) -> None:
+    """`--tokenizer`, `--vocab-size` and `--tokenizer-sample-mb` before anything is read."""
+    if kind == "byte":
+        if vocab_size not in (None, 256):
+            raise UserError(f"the byte tokenizer has a vocabulary of 256, not {vocab_size}; "
+                            f"for another size use --tokenizer bpe")
+    elif kind == "bpe":
+        check_bpe_vocab(vocab_size or DEFAULT_BPE_VOCAB)
+        if not sample_mb > 0:
+            raise UserError(f"--tokenizer-sample-mb must be positive, got {sample_mb:g}")
+    else:
+        if vocab_size is not None:
+            raise UserError("--vocab-size is for a trained BPE; a tokenizer.json has its own")
+        path = Path(kind)
+        if not path.is_file() and not (path / TOKENIZER_FILE).is_file():
+            raise UserError(f"--tokenizer must be byte, bpe or a tokenizer.json file; {kind} is none")
+
+
+def make_tokenizer(kind: str, sample: Optional[Callable[[], Iterable[str]]] = None, *,
+                   vocab_size: Optional[int] = None) -> Tokenizer:
+    """The tokenizer of a new dataset, from `--tokenizer`:
+    - "byte": UTF-8 bytes;
+    - "bpe": a byte-level BPE of `vocab_size` trained on the texts of `sample()` (called only
+      then: reading a sample of a large corpus takes a while);
+    - a path to a tokenizer.json (or a folder holding one: a dataset, checkpoint or export):
+      checked, and used byte for byte.
+    The caller writes `raw` (None for bytes) into the dataset as tokenizer.json."""
+    check_choice(kind, vocab_size, DEFAULT_SAMPLE_MB)
+    if kind == "byte":
         return ByteTokenizer()
-    raise UserError(f"unknown tokenizer {spec.get('type')!r} in dataset or checkpoint")
+    if kind == "bpe":
+        return train_bpe(sample(), vocab_size or DEFAULT_BPE_VOCAB)
+    path = Path(kind)
+    return BPETokenizer(path / TOKENIZER_FILE if path.is_dir() else path)
+
+
+def check_spec(spec: dict, folder: Optional[str | Path] = None, verify: bool = False) -> None:
+    """Cheap check of a manifest's or checkpoint's tokenizer spec (no vocabulary parsed):
+    a known type, and for a BPE its file present in `folder` (and its sha256, with `verify`)."""
+    kind = spec.get("type")
+    if kind == "byte":
+        return
+    if kind != "bpe":
+        raise UserError(f"unknown tokenizer {kind!r} in dataset or checkpoint")
+    # Always this one name: a crafted spec cannot point outside the folder.
+    if spec.get("file") != TOKENIZER_FILE or not isinstance(spec.get("sha256"), str):
+        raise UserError(f"the BPE tokenizer spec {spec} does not name {TOKENIZER_FILE} and its sha256")
+    if folder is None:
+        return
+    path = Path(folder) / TOKENIZER_FILE
+    if not path.is_file():
+        raise UserError(f"{folder} has no {TOKENIZER_FILE} (its BPE tokenizer's vocabulary)")
+    if verify:
+        h = hashlib.sha256(path.read_bytes()).hexdigest()
+        if h != spec["sha256"]:
+            raise UserError(f"{path} does not match the sha256 its dataset or checkpoint recorded")
+
+
+def tokenizer_from_spec(spec: dict, folder: Optional[str | Path] = None) -> Tokenizer:
+    """The tokenizer a spec describes; a BPE's file is read from `folder` and its hash checked."""
+    check_spec(spec, folder)
+    if spec["type"] == "byte":
+        return ByteTokenizer()
+    if folder is None:
+        raise UserError("a BPE tokenizer needs the folder that holds its tokenizer.json")
+    tok = BPETokenizer(Path(folder) / TOKENIZER_FILE, sha256=spec["sha256"])
+    if tok.vocab_size != spec["vocab_size"]:
+        raise UserError(f"{tok.path} has {tok.vocab_size} tokens, its spec says {spec['vocab_size']}")
+    return tok
+
+
+# ---------------------------------------------------------------- Hugging Face interop
+
+
+def byte_tokenizer_json() -> str:
+    """A tokenizer.json equivalent to ByteTokenizer, for exports: id i is byte i. A BPE with an
+    empty merge list over GPT-2's byte alphabet splits every text into single bytes; use_regex=False
+    since there is nothing to keep merges from crossing."""
+    from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+
+    vocab = {ch: b for b, ch in bytes_to_unicode().items()}
+    tok = HFTokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return tok.to_str(pretty=True)
+
+
+def bits_per_byte(loss_nats_per_token: float, tokens: float, nbytes: float) -> float:
+    """Loss in bits per UTF-8 byte of text: comparable across tokenizers (a loss per token is
+    not). `tokens` targets stood for `nbytes` bytes of text; for the byte tokenizer they are
+    equal, so the ratio is exactly 1.0 and this is loss / ln 2 exactly."""
+    return loss_nats_per_token * (tokens / nbytes) / math.log(2)

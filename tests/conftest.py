@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -60,6 +61,21 @@ def ray_address():
 
     yield start_session_ray()
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def pydoc_docs() -> list[str]:
+    from pydoc_data.topics import topics
+
+    return [topics[k] for k in sorted(topics)]
+
+
+@pytest.fixture(scope="session")
+def bpe_pydoc(pydoc_docs):
+    """A 2048-token byte-level BPE trained on the pydoc corpus (a fraction of a second)."""
+    from raytrain_lm.tokenizer import train_bpe
+
+    return train_bpe(pydoc_docs, 2048)
 
 
 @pytest.fixture(scope="session")
@@ -158,3 +174,57 @@ def tiny_run(ray_address, pydoc_data, tmp_path_factory):
     summary = run_training(cfg, say=lambda m: None)
     assert summary["status"] == "completed"
     return storage, storage / "looked-at"
+
+
+# ---------------------------------------------------------------- models trained without Ray
+
+class TrainedHere:
+    """A tiny model trained in this process on the pydoc corpus with one tokenizer and saved as a
+    checkpoint beside its dataset: for export, generate and --init-from tests that need a model
+    whose predictions are not noise but need no Ray."""
+
+    def __init__(self, root: Path, tokenizer: str, vocab_size, bias: bool, steps: int = 150):
+        import torch
+
+        from raytrain_lm.checkpoint import save_checkpoint
+        from raytrain_lm.config import build_config
+        from raytrain_lm.data.manifest import dataset_tokenizer
+        from raytrain_lm.data.prepare import prepare_dataset
+        from raytrain_lm.data.windows import TokenWindows
+        from raytrain_lm.model import GPT
+        from raytrain_lm.preflight import fit_model_to_data
+
+        self.data, self.ckpt = root / "data", root / "ckpt"
+        self.manifest = prepare_dataset("pydoc", self.data, tokenizer=tokenizer, vocab_size=vocab_size,
+                                        block_tokens=1024)
+        self.tok = dataset_tokenizer(self.data)
+        self.cfg = build_config(flags=dict(data=str(self.data), seq_len=64, batch_size=16),
+                                sets=["model.n_layer=2", "model.n_head=4", "model.n_embd=64",
+                                      "model.block_size=128", f"model.bias={bias}"])
+        fit_model_to_data(self.cfg, self.manifest)  # vocabulary padded to a multiple of 64
+        torch.manual_seed(0)
+        self.model = GPT(self.cfg.model)
+        opt = torch.optim.AdamW(self.model.parameters(), lr=3e-3)
+        train = TokenWindows(self.data, "train", 64)
+        g = torch.Generator().manual_seed(0)
+        for _ in range(steps):
+            batch = train.__getitems__(torch.randint(len(train), (16,), generator=g).tolist())
+            _, loss = self.model(batch[:, :-1], batch[:, 1:])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        self.model.eval()
+        state = {"step": steps, "tokens": steps * 16 * 64, "world_size": 1, "config": self.cfg.to_dict(),
+                 "tokenizer": self.tok.spec(), "scaler": {}, "data": {"epoch": 0, "consumed": 0}}
+        # save_checkpoint takes the model as Parallelized holds it: parts and their optimizers
+        save_checkpoint(self.ckpt, 0, SimpleNamespace(parts=[self.model], optimizers=[opt]),
+                        state=state, tokenizer_raw=self.tok.raw)
+
+
+@pytest.fixture(scope="session")
+def trained_here(tmp_path_factory) -> dict:
+    """{"byte": a byte model (vocabulary 256, biases), "bpe": a BPE model (1000 tokens padded to
+    1024, bias=False as the gpt2 preset)}."""
+    root = tmp_path_factory.mktemp("trained-here")
+    return {"byte": TrainedHere(root / "byte", "byte", None, bias=True),
+            "bpe": TrainedHere(root / "bpe", "bpe", 1000, bias=False)}

@@ -150,11 +150,14 @@ def test_windows_are_memory_mapped_slices(tmp_path):
     assert ByteTokenizer().decode(ds[0]) == TEXT.encode()[:65].decode()
 
 
-def index_stream(num_windows: int, plan: BatchPlan, seed: int = 7) -> BatchStream:
-    """A BatchStream over a dataset whose window i is the number i, through a real DataLoader."""
-    data = torch.arange(num_windows)
-    return BatchStream(num_windows, plan, seed,
-                       lambda batches: DataLoader(data, batch_sampler=batches))
+def index_stream(windows, plan: BatchPlan, seed: int = 7) -> BatchStream:
+    """A BatchStream over a dataset whose window i is the number i, through a real DataLoader.
+    `windows`: how many, or each shard's count (more than SHARD_GROUP shards: grouped order)."""
+    data = torch.arange(windows if isinstance(windows, int) else sum(windows))
+    return BatchStream(windows, plan, seed, lambda batches: DataLoader(data, batch_sampler=batches))
+
+
+SHARDED = [20] * 30  # 30 shards of 20 windows: shuffled in groups of SHARD_GROUP shards
 
 
 def read_steps(stream: BatchStream, steps: int) -> list[list[int]]:
@@ -162,11 +165,12 @@ def read_steps(stream: BatchStream, steps: int) -> list[list[int]]:
     return [[i for _ in range(stream.plan.accum) for i in stream.next().tolist()] for _ in range(steps)]
 
 
-def test_ranks_take_disjoint_parts_of_each_step_and_the_epoch_once():
+@pytest.mark.parametrize("windows", [101, [11] * 9 + [2]])
+def test_ranks_take_disjoint_parts_of_each_step_and_the_epoch_once(windows):
     n, dp = 101, 3
     plans = [BatchPlan(micro_batch=4, accum=2, dp_rank=r, dp_size=dp) for r in range(dp)]
     steps = n // plans[0].global_batch  # 4 steps of 24 windows; 5 left over
-    seen = [read_steps(index_stream(n, p), steps + 1) for p in plans]
+    seen = [read_steps(index_stream(windows, p), steps + 1) for p in plans]
     epoch0 = [i for r in range(dp) for step in seen[r][:steps] for i in step]
     assert len(epoch0) == len(set(epoch0)) == steps * 24  # each window of the epoch once
     for s in range(steps):
@@ -176,27 +180,56 @@ def test_ranks_take_disjoint_parts_of_each_step_and_the_epoch_once():
     assert seen[0][steps] != seen[0][0]
 
 
-def test_the_position_means_the_same_at_another_worker_count():
+@pytest.mark.parametrize("windows", [240, [20] * 12])  # all shuffled together; in groups
+def test_the_position_means_the_same_at_another_worker_count(windows):
     """2 workers for 3 steps, then 3 workers (the same global batch): every window of the epoch
     is read exactly once across the change."""
     n = 240
-    before = [index_stream(n, BatchPlan(12, 1, r, 2)) for r in range(2)]
+    before = [index_stream(windows, BatchPlan(12, 1, r, 2)) for r in range(2)]
     read = [i for s in before for step in read_steps(s, 3) for i in step]
     state = before[0].state_dict()
     assert state == {"epoch": 0, "consumed": 72} == before[1].state_dict()
-    after = [index_stream(n, BatchPlan(8, 1, r, 3)) for r in range(3)]
+    after = [index_stream(windows, BatchPlan(8, 1, r, 3)) for r in range(3)]
     for s in after:
         s.load_state_dict(state)
     read += [i for s in after for step in read_steps(s, 7) for i in step]
     assert sorted(read) == list(range(n))
 
 
-def test_accumulation_reads_the_same_windows_per_rank():
+@pytest.mark.parametrize("windows", [200, [10] * 20])
+def test_accumulation_reads_the_same_windows_per_rank(windows):
     """--grad-accum 2 --batch-size 8 gives each rank the windows of --batch-size 16 per step."""
     for rank in range(2):
-        one = read_steps(index_stream(200, BatchPlan(16, 1, rank, 2)), 4)
-        two = read_steps(index_stream(200, BatchPlan(8, 2, rank, 2)), 4)
+        one = read_steps(index_stream(windows, BatchPlan(16, 1, rank, 2)), 4)
+        two = read_steps(index_stream(windows, BatchPlan(8, 2, rank, 2)), 4)
         assert one == two
+
+
+def test_a_few_shards_keep_the_full_permutation():
+    """Up to SHARD_GROUP shards the order is a permutation of all windows, as it always was."""
+    from raytrain_lm.data.sampler import SHARD_GROUP, epoch_order
+
+    counts = [37, 5, 90][:SHARD_GROUP]
+    assert torch.equal(epoch_order(counts, 11, 2),
+                       torch.randperm(132, generator=torch.Generator().manual_seed(13)))
+
+
+def test_many_shards_are_read_a_group_at_a_time():
+    """More than SHARD_GROUP shards: each step's windows come from at most two groups of shards
+    (so a node needs only those), each epoch still reads every window once, in a new order."""
+    from raytrain_lm.data.sampler import SHARD_GROUP, epoch_order
+
+    order = epoch_order(SHARDED, 7, 0)
+    assert sorted(order.tolist()) == list(range(600)) and not torch.equal(order, epoch_order(SHARDED, 7, 1))
+    shard_of = lambda i: i // 20  # noqa: E731
+    group = 20 * SHARD_GROUP  # windows in a full group
+    for k in range(0, 600, group):  # a group's windows are consecutive in the order
+        assert len({shard_of(i) for i in order[k:k + group].tolist()}) <= SHARD_GROUP
+    plans = [BatchPlan(6, 2, r, 2) for r in range(2)]  # global batch 24
+    streams = [index_stream(SHARDED, p) for p in plans]
+    for _ in range(600 // 24):
+        step = [i for s in streams for i in read_steps(s, 1)[0]]
+        assert len({shard_of(i) for i in step}) <= 2 * SHARD_GROUP
 
 
 def test_a_resumed_stream_reads_the_batches_it_would_have(pydoc_data):
@@ -237,6 +270,27 @@ def test_validation_windows_are_the_same_at_any_worker_count(windows, micro):
         assert all(len(idx) == micro and 0 <= real <= micro for b in per_rank for idx, real in b)
         counted = [i for b in per_rank for idx, real in b for i in idx[:real]]
         assert sorted(counted) == list(range(windows))
+
+
+def test_validation_counts_the_bytes_of_real_windows_only(trained_here):
+    """val_bpb's byte count (Validation.text_bytes, summed over the data-parallel ranks) is that
+    of exactly the windows evaluated, whatever the worker count: the padding windows that fill a
+    rank's last batch (their targets ignored by the loss) count no bytes. A BPE dataset, so that
+    windows differ in bytes."""
+    from raytrain_lm.data.loaders import Validation
+
+    run = trained_here["bpe"]
+    lengths = run.tok.text_byte_lengths()
+    ds = TokenWindows(run.data, "val", run.cfg.seq_len)
+    n = min(len(ds), run.cfg.eval_windows)
+    expected = sum(int(lengths[ds.window(i)[1:]].sum()) for i in range(n))
+    assert expected != n * run.cfg.seq_len  # BPE tokens stand for varying numbers of bytes
+    padded = False
+    for dp in (1, 2, 3, 5):
+        ranks = [Validation(run.cfg, r, dp, lengths) for r in range(dp)]
+        padded |= any(real < run.cfg.batch_size for v in ranks for real in v.real)
+        assert sum(v.text_bytes for v in ranks) == expected, dp
+    assert padded  # the case that matters was exercised
 
 
 def test_not_a_dataset(tmp_path):

@@ -4,6 +4,7 @@ worker does, step for step; models are built sharded; checkpoints move between l
 from __future__ import annotations
 
 import json
+import math
 import shutil
 
 import pytest
@@ -68,6 +69,9 @@ def test_every_layout_trains_the_one_worker_model(runs, layout):
         assert losses[step] == pytest.approx(reference[step], rel=1e-4), step
     rows, one = runs[layout][1], runs["one"][1]
     assert rows[-1]["val_loss"] == pytest.approx(one[-1]["val_loss"], rel=1e-4)
+    # bits per byte counts each data-parallel group's text once, not once per tp rank or stage
+    # (bytes: exactly val_loss / ln 2)
+    assert rows[-1]["val_bpb"] == pytest.approx(rows[-1]["val_loss"] / math.log(2), rel=1e-9)
 
 
 def test_the_layouts_report_what_they_hold_and_move(runs):

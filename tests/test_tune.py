@@ -37,7 +37,8 @@ def sweep(ray_address, pydoc_data, tmp_path_factory):
     # Grid order is the order given and the cluster holds one trial at a time, so the bad lr runs
     # last: ASHA can only cut a trial at a rung where others have been recorded.
     space = parse_space({"lr": f"3e-3,1e-2,{BAD_LR}"}, [], None, cfg)
-    settings = SweepSettings(search="grid", concurrent=2, grace_steps=20)
+    # ASHA on bits per byte (the other sweeps here use the default, val_loss)
+    settings = SweepSettings(search="grid", concurrent=2, grace_steps=20, metric="val_bpb")
     check_settings(cfg, space, settings, eval_every_given=False)
     said, tables = [], []
     summary = run_sweep(cfg, space, settings, say=said.append, live=tables.append, live_interval=1)
@@ -123,7 +124,13 @@ def test_results_plot_and_trial_folders(sweep):
     for t in summary["trials"]:  # each trial's Train run (checkpoints) lives in its trial folder
         last = f"checkpoint_{t['steps']:08d}"
         assert (sweep_dir / t["dir"] / "train" / last / "state.pt").is_file()
-    assert "val loss" in summary["table"].splitlines()[0]
+    assert "val loss" in summary["table"].splitlines()[0] and "val bpb" in summary["table"].splitlines()[0]
+    # ranked by val_bpb, the metric ASHA compared; a byte dataset's is its val_loss / ln 2
+    assert saved["metric"] == "val_bpb" and all(t["metric"] == "val_bpb" for t in saved["trials"])
+    done = [t for t in summary["trials"] if t["final_val_bpb"] is not None]
+    assert [t["final_val_bpb"] for t in done] == sorted(t["final_val_bpb"] for t in done)
+    for t in done:
+        assert abs(t["final_val_bpb"] - t["final_val_loss"] / math.log(2)) < 1e-9
 
 
 def _experiment_state(sweep_dir: Path) -> dict[str, str]:

@@ -21,6 +21,7 @@ NO_RAY = {"RAY_ADDRESS": "127.0.0.1:1"}
     (["--n-embd", "100,130"], "must be divisible by model.n_head"),
     (["--lr", "1e-3", "--eval-every", "7", "--grace-steps", "20"], "must be a multiple of --eval-every"),
     (["--lr", "1e-3", "--concurrent", "0"], "--concurrent must be at least 1"),
+    (["--lr", "1e-3", "--metric", "loss"], "--metric must be one of val_loss, val_bpb"),
     (["--lr", "1e-3,3e-3", "--warmup", "0,10"], "--trials 8 random samples of a space of 4 points"),
     (["--space-file", "no/such.yaml"], "config file not found"),
     (["--resume"], "--resume needs --name"),

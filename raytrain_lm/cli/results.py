@@ -122,28 +122,42 @@ def generate(
 
 @app.command(epilog=examples("python cli.py export tiny-20261130-075850 --out export/tiny",
                              "python cli.py export my-run --best --out export/best --force",
+                             "python cli.py export my-run --format hf --out hf/my-run   # transformers",
                              "python cli.py export runs/my-run/checkpoint_00000200 --out export/step200 --json"))
 def export(
     model: str = MODEL_ARG,
-    out: Path = typer.Option(..., help="Folder to write model.safetensors and config.json into."),
+    out: Path = typer.Option(..., help="Folder to write the model into."),
+    format: str = typer.Option("native", "--format", help="native: model.safetensors + "
+                               "config.json for plain PyTorch and model.py; hf: a Hugging Face "
+                               "GPT-2 folder (AutoModelForCausalLM / AutoTokenizer load it)."),
     best: bool = BEST,
     force: bool = typer.Option(False, help="Replace --out if it exists."),
     storage: str = STORAGE,
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Print nothing on success."),
     as_json: bool = typer.Option(False, "--json", help="Print config.json's content and the files as JSON."),
 ) -> None:
-    """Write a checkpoint's weights as safetensors plus a config JSON (loadable with plain PyTorch)."""
-    from raytrain_lm.export import CONFIG, WEIGHTS, export_checkpoint
+    """Write a checkpoint's weights: safetensors + config JSON (plain PyTorch), or `--format hf`
+    for Hugging Face transformers. A BPE's tokenizer.json goes along."""
+    from raytrain_lm.errors import UserError
+    from raytrain_lm.export import FORMATS, check_out, export_checkpoint, export_checkpoint_hf
     from raytrain_lm.runs import find_checkpoint
 
+    if format not in FORMATS:
+        raise UserError(f"--format must be one of {', '.join(FORMATS)}, got {format!r}")
+    check_out(out, force)  # before a checkpoint is looked for or copied
     found = find_checkpoint(model, storage, best=best)
     try:
-        config = export_checkpoint(found.path, out, source=found.source, force=force, meta=found.meta)
+        if format == "hf":
+            config = export_checkpoint_hf(found.path, out, force=force, meta=found.meta)
+        else:
+            config = export_checkpoint(found.path, out, source=found.source, force=force, meta=found.meta)
     finally:
         found.cleanup()
-    files = {"weights": str(out / WEIGHTS), "config": str(out / CONFIG)}
+    files = sorted(str(p) for p in out.iterdir())
     if as_json:
-        typer.echo(json.dumps({**files, **{k: v for k, v in config.items() if k != "train_config"}}, indent=2))
+        typer.echo(json.dumps({"files": files, **{k: v for k, v in config.items() if k != "train_config"}},
+                              indent=2))
     elif not quiet:
-        typer.echo(f"exported step {config['step']} of {found.source} ({config['num_parameters']:,} "
-                   f"parameters, {config['dtype']}) to {files['weights']} and {files['config']}")
+        params = f"{config['num_parameters']:,} parameters, " if "num_parameters" in config else ""
+        typer.echo(f"exported step {config['step']} of {found.source} ({params}{config['dtype']}, "
+                   f"{format} format) to {out}: {', '.join(Path(f).name for f in files)}")

@@ -50,6 +50,9 @@ def tune(
     grace_steps: Optional[int] = typer.Option(None, help="Steps before ASHA may stop a trial [default: max-steps/10]."),
     reduction_factor: int = typer.Option(2, help="ASHA keeps the best 1/N of trials at each rung."),
     seed: Optional[int] = typer.Option(None, help="Seed of the random searcher."),
+    metric: str = typer.Option("val_loss", help="What ASHA compares and trials are ranked by: "
+                               "val_loss (nats/token) or val_bpb (bits per byte: the same order "
+                               "within a sweep, and comparable with sweeps on other tokenizers)."),
     config: ConfigPath = typer.Option(None, help="YAML/TOML/JSON file of fixed settings for every trial."),
     set_: SetList = typer.Option(None, "--set", help="Fixed setting for every trial: key=value."),
     resume: bool = typer.Option(False, help="Continue the sweep --name after its driver died."),
@@ -71,7 +74,8 @@ def tune(
         sweep_space = sweep = None
     else:
         sweep = SweepSettings(search=search, trials=trials, concurrent=concurrent,
-                              grace_steps=grace_steps, reduction_factor=reduction_factor, seed=seed)
+                              grace_steps=grace_steps, reduction_factor=reduction_factor, seed=seed,
+                              metric=metric)
         cfg, sweep_space = new_sweep(settings, specs, space or [], str(space_file) if space_file else None,
                                      str(config) if config else None, set_, sweep)
     table = LiveTable()

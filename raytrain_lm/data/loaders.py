@@ -3,6 +3,7 @@ its share of the fixed validation windows, moved to the worker's device by Ray T
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
@@ -26,23 +27,32 @@ def train_stream(cfg: TrainConfig, dp_rank: int, dp_size: int) -> BatchStream:
     """The endless, resumable stream of this rank's training micro-batches."""
     dataset = TokenWindows(cfg.data, "train", cfg.seq_len)
     plan = BatchPlan(cfg.batch_size, cfg.grad_accum, dp_rank, dp_size)
-    return BatchStream(len(dataset), plan, cfg.seed, lambda batches: _loader(cfg, dataset, batches))
+    return BatchStream(dataset.shard_windows, plan, cfg.seed,
+                       lambda batches: _loader(cfg, dataset, batches))
 
 
 class Validation:
     """The validation set: the first `eval_windows` windows of the split (all if 0), the same
     windows whatever the number of workers, shared out among the data-parallel ranks. Batches
-    are full size; the padding windows' targets are IGNORE (cross-entropy skips them)."""
+    are full size; the padding windows' targets are IGNORE (cross-entropy skips them).
+
+    For bits per byte it also counts, once, the bytes of text that this rank's real windows'
+    targets stand for (`byte_lengths[token]`: 1 per byte token; a BPE token's length, 0 for
+    <|endoftext|>); padding windows count for nothing, as their targets are ignored. Summed over
+    the data-parallel ranks these are the bytes of exactly the targets evaluated, so val_bpb is
+    the loss of exactly the evaluated text per byte of it, not a split-wide approximation."""
 
     IGNORE = -100  # F.cross_entropy's ignore_index
 
-    def __init__(self, cfg: TrainConfig, dp_rank: int, dp_size: int):
+    def __init__(self, cfg: TrainConfig, dp_rank: int, dp_size: int, byte_lengths: np.ndarray):
         self.cfg = cfg
         self.dataset = TokenWindows(cfg.data, "val", cfg.seq_len)
         self.num_windows = min(len(self.dataset), cfg.eval_windows or len(self.dataset))
         batches = eval_batches(self.num_windows, cfg.batch_size, dp_rank, dp_size)
         self.real = [n for _, n in batches]
         self.indices = [idx for idx, _ in batches]
+        mine = [i for idx, real in batches for i in idx[:real]]  # not the padding
+        self.text_bytes = sum(int(byte_lengths[self.dataset.window(i)[1:]].sum()) for i in mine)
 
     def __iter__(self):
         """(inputs, targets) of this rank's batches."""

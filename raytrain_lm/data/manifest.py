@@ -1,11 +1,13 @@
 """A prepared dataset's manifest.json: what its shards are and how to check them.
 
-    manifest.json           tokenizer, vocab, dtype, source, token counts, sha256 of every shard
+    manifest.json           tokenizer spec (a BPE's with the sha256 of its file), vocab, dtype,
+                            source, token and text-byte counts, sha256 of every shard
+    tokenizer.json          a BPE's vocabulary and merges (none for the byte tokenizer)
     train-00000.arrow ...   one uint8/uint16/uint32 column `tokens`, one record batch per file
     val-00000.arrow ...
 
 One reader for a dataset folder on this machine and one on shared storage (s3://, gs://), with
-the same checks: the format, the tokenizer, and every listed shard present.
+the same checks: the format, the tokenizer, and every listed file present.
 """
 
 from __future__ import annotations
@@ -17,9 +19,9 @@ from typing import Callable
 import pyarrow.fs as pafs
 
 from raytrain_lm.errors import UserError
-from raytrain_lm.files import MANIFEST, is_plain_name
+from raytrain_lm.files import MANIFEST, REMOTE_SOURCE, is_plain_name
 from raytrain_lm.storage import is_remote, open_uri, sha256_file
-from raytrain_lm.tokenizer import tokenizer_from_spec
+from raytrain_lm.tokenizer import check_spec, tokenizer_from_spec
 
 FORMAT = "raytrain-lm-tokens/1"
 SPLITS = ("train", "val")
@@ -30,17 +32,25 @@ def shard_files(manifest: dict) -> list[dict]:
     return [s for split in SPLITS for s in manifest[split]["shards"]]
 
 
-def check_manifest(manifest: dict, where: str, shard_ok: Callable[[dict], bool]) -> dict:
-    """Raise a UserError unless `manifest` is ours and every shard passes `shard_ok`."""
+def dataset_files(manifest: dict) -> list[dict]:
+    """Every file a dataset's manifest vouches for, {"file", "sha256", ...}: the shards, and a
+    BPE's tokenizer.json (its spec names it and holds its sha256)."""
+    spec = manifest["tokenizer"]
+    return shard_files(manifest) + ([spec] if spec.get("type") != "byte" else [])
+
+
+def check_manifest(manifest: dict, where: str, file_ok: Callable[[dict], bool]) -> dict:
+    """Raise a UserError unless `manifest` is ours and every file passes `file_ok`."""
     try:
         if manifest.get("format") != FORMAT:
             raise ValueError(f"format {manifest.get('format')!r}")
-        tokenizer_from_spec(manifest["tokenizer"])
-        for shard in shard_files(manifest):
-            if not is_plain_name(shard["file"]):  # never a path out of the dataset's folder
-                raise ValueError(f"shard file name {shard['file']!r} is not a plain file name")
-            if not shard_ok(shard):
-                raise ValueError(f"missing or damaged shard {shard['file']}")
+        check_spec(manifest["tokenizer"])
+        for entry in dataset_files(manifest):
+            if not is_plain_name(entry["file"]):  # never a path out of the dataset's folder
+                raise ValueError(f"shard file name {entry['file']!r} is not a plain file name")
+            if not file_ok(entry):
+                what = "tokenizer file" if entry is manifest["tokenizer"] else "shard"
+                raise ValueError(f"missing or damaged {what} {entry['file']}")
     except UserError:
         raise
     except (ValueError, KeyError, TypeError, AttributeError) as e:
@@ -66,11 +76,23 @@ def load_manifest(data: str | Path, verify: bool = False) -> dict:
     except (OSError, ValueError) as e:
         raise UserError(f"{d} is not a valid dataset: {MANIFEST}: {e}") from None
 
-    def ok(shard: dict) -> bool:
-        path = d / shard["file"]
-        return path.is_file() and (not verify or sha256_file(path) == shard["sha256"])
+    # A node's cache of a dataset on shared storage (data/remote.py) fetches shards when first
+    # read, verifying each then: only its tokenizer.json must be there already.
+    partial = (d / REMOTE_SOURCE).is_file()
+
+    def ok(entry: dict) -> bool:
+        path = d / entry["file"]
+        if not path.is_file():
+            return partial and entry is not manifest["tokenizer"]
+        return not verify or sha256_file(path) == entry["sha256"]
 
     return check_manifest(manifest, str(d), ok)
+
+
+def dataset_tokenizer(data_dir: str | Path):
+    """The tokenizer of a local dataset folder (a BPE's tokenizer.json read from it, its sha256
+    checked against the manifest)."""
+    return tokenizer_from_spec(load_manifest(data_dir)["tokenizer"], data_dir)
 
 
 def _load_remote(uri: str) -> dict:

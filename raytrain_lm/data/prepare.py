@@ -1,37 +1,50 @@
-"""Corpus -> token shards (Arrow IPC) + manifest.json, written whole or not at all.
+"""Corpus -> token shards (Arrow IPC) + tokenizer.json + manifest.json, written whole or not at all.
+
+    plan the corpus into units (data/sources.py) -> the tokenizer (byte, a BPE trained on a
+    sample, or a given tokenizer.json) -> tokenize the units, here or on Ray Data
+    (data/tokenize.py), in order -> one token stream, documents separated -> blocks routed to
+    train/val -> fixed-size shards, each hashed as written -> the manifest last.
 
 Training memory-maps the shards (zero-copy numpy views), so a corpus larger than RAM is fine.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
+import hashlib
 import json
-import tempfile
 from pathlib import Path
 from typing import Callable, Iterator, Optional, Sequence
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.fs as pafs
 
 from raytrain_lm.data.manifest import FORMAT
-from raytrain_lm.data.remote import remote_exists, upload_dataset
-from raytrain_lm.data.sources import check_source, iter_documents
+from raytrain_lm.data.sources import PIECE_BYTES, check_source, plan_units, read_unit, sample_units
 from raytrain_lm.errors import UserError
-from raytrain_lm.files import MANIFEST
-from raytrain_lm.storage import is_remote, sha256_file, staged_folder
-from raytrain_lm.tokenizer import ByteTokenizer
+from raytrain_lm.files import MANIFEST, TOKENIZER
+from raytrain_lm.storage import check_can_create, is_remote, open_uri, path_error, staged_folder
+from raytrain_lm.tokenizer import DEFAULT_SAMPLE_MB, Tokenizer, check_choice, make_tokenizer
+
+DEFAULT_SHARD_TOKENS = 1 << 24
 
 
 class _ShardWriter:
-    """Buffers tokens of one split and writes fixed-size Arrow IPC shards."""
+    """Buffers tokens of one split and writes fixed-size Arrow IPC shards into a folder of any
+    pyarrow filesystem, hashing each as it is written. Counts, per shard and in all, the UTF-8
+    bytes of text the tokens stand for (`byte_lengths[token]`): bits per byte needs them."""
 
-    def __init__(self, out: Path, split: str, dtype, shard_tokens: int):
-        self.out, self.split, self.dtype, self.shard_tokens = out, split, dtype, shard_tokens
+    def __init__(self, fs: pafs.FileSystem, root: str, split: str, dtype, shard_tokens: int,
+                 byte_lengths: np.ndarray):
+        self.fs, self.root, self.split, self.dtype = fs, root, split, dtype
+        self.shard_tokens, self.byte_lengths = shard_tokens, byte_lengths
         self.buf: list[np.ndarray] = []
         self.buffered = 0
         self.shards: list[dict] = []
         self.tokens = 0
+        self.bytes = 0
 
     def add(self, tokens: np.ndarray) -> None:
         self.buf.append(tokens)
@@ -46,94 +59,162 @@ class _ShardWriter:
         if self.buffered:
             self._write(np.concatenate(self.buf))
             self.buf, self.buffered = [], 0
-        return {"tokens": self.tokens, "shards": self.shards}
+        return {"tokens": self.tokens, "bytes": self.bytes, "shards": self.shards}
 
     def _write(self, tokens: np.ndarray) -> None:
         name = f"{self.split}-{len(self.shards):05d}.arrow"
-        path = self.out / name
         table = pa.table({"tokens": pa.array(tokens.astype(self.dtype, copy=False))})
-        with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_file(sink, table.schema) as writer:
             writer.write_table(table, max_chunksize=len(tokens))  # one batch: zero-copy mmap reads
-        self.shards.append({"file": name, "tokens": int(len(tokens)), "sha256": sha256_file(path)})
+        data = sink.getvalue()
+        with self.fs.open_output_stream(f"{self.root}/{name}") as out:
+            out.write(data)
+        nbytes = int(self.byte_lengths[tokens].sum())
+        self.shards.append({"file": name, "tokens": int(len(tokens)), "bytes": nbytes,
+                            "sha256": hashlib.sha256(data).hexdigest()})
         self.tokens += int(len(tokens))
+        self.bytes += nbytes
 
 
 def prepare_dataset(
     source: str | Sequence[str],
     out_dir: str | Path,
     *,
+    tokenizer: str = "byte",
+    vocab_size: Optional[int] = None,
+    tokenizer_sample_mb: float = DEFAULT_SAMPLE_MB,
     text_field: str = "text",
     val_every: int = 20,
     block_tokens: int = 2048,
-    shard_tokens: int = 1 << 24,
+    shard_tokens: int = DEFAULT_SHARD_TOKENS,
     force: bool = False,
+    use_ray: bool = False,
+    cpus: Optional[int] = None,
     progress: Optional[Callable[[int], None]] = None,
+    piece_bytes: int = PIECE_BYTES,
 ) -> dict:
     """Tokenize `source` (a corpus, or several one after the other) into train/val shards under
-    `out_dir`; returns the manifest.
+    `out_dir` (a folder, or s3://... / gs://...); returns the manifest.
 
+    `tokenizer`: "byte", "bpe" (trained here on a `tokenizer_sample_mb` MB sample, `vocab_size`
+    tokens) or a tokenizer.json path (stored in the dataset byte for byte). Documents are joined
+    by the tokenizer's separator: "\\n\\n" for bytes, <|endoftext|> for a BPE that has it.
+    `use_ray`: tokenize in parallel Ray Data tasks (`cpus` at once; Ray must be initialized),
+    each a unit of about `piece_bytes` of the corpus.
     The token stream is cut into blocks of `block_tokens`; block k goes to validation when
     k % val_every == 1, so even a small corpus gets a validation split spread over its length.
-    Everything is written into a temporary sibling folder that takes `out_dir`'s place only when
-    complete: a crash never leaves a folder that looks like a dataset.
+    A local dataset is written into a temporary sibling folder that takes `out_dir`'s place only
+    when complete; on shared storage the manifest is written last (readers look for it) and a
+    failure removes what was written.
     """
+    sources = [source] if isinstance(source, str) else list(source)
+    check_prepare(sources, out_dir, tokenizer=tokenizer, vocab_size=vocab_size,
+                  tokenizer_sample_mb=tokenizer_sample_mb, val_every=val_every,
+                  shard_tokens=shard_tokens, force=force)
+    units = plan_units(sources, text_field, piece_bytes)
+    tok = make_tokenizer(tokenizer, lambda: _texts(sample_units(units, int(tokenizer_sample_mb * 1e6))),
+                         vocab_size=vocab_size)
+    if use_ray:
+        from raytrain_lm.data.tokenize import tokenize_on_ray
+
+        stream = tokenize_on_ray(units, tok, cpus)
+    else:
+        from raytrain_lm.data.tokenize import tokenize_here
+
+        stream = tokenize_here(units, tok)
+    write = lambda fs, root: _write_dataset(  # noqa: E731
+        stream, tok, fs, root, sources=sources, val_every=val_every, block_tokens=block_tokens,
+        shard_tokens=shard_tokens, progress=progress)
+    if is_remote(out_dir):
+        fs, root = open_uri(str(out_dir), "dataset")
+        with _written_in_place(fs, root, str(out_dir)):
+            return write(fs, root)
+    with staged_folder(out_dir) as tmp:
+        return write(pafs.LocalFileSystem(), tmp)
+
+
+def check_prepare(sources: list[str], out_dir: str | Path, *, tokenizer: str, vocab_size: Optional[int],
+                  tokenizer_sample_mb: float, val_every: int, shard_tokens: int, force: bool) -> None:
+    """The checks that need nothing read: UserError before anything is tokenized or written."""
     if val_every < 2:
         raise UserError(f"--val-every must be at least 2, got {val_every}")
-    sources = [source] if isinstance(source, str) else list(source)
+    if shard_tokens < 2:
+        raise UserError(f"--shard-tokens must be at least 2, got {shard_tokens}")
+    check_choice(tokenizer, vocab_size, tokenizer_sample_mb)
     for s in sources:
         check_source(s)
-    settings = dict(text_field=text_field, val_every=val_every, block_tokens=block_tokens,
-                    shard_tokens=shard_tokens, progress=progress)
-    if is_remote(out_dir):  # prepare locally, then upload
-        if remote_exists(str(out_dir)) and not force:
-            raise UserError(f"{out_dir} already exists; pass --force to overwrite it")
-        with tempfile.TemporaryDirectory(prefix="raytrain-lm-prepare-") as tmp:
-            manifest = prepare_dataset(sources, Path(tmp) / "dataset", **settings)
-            upload_dataset(Path(tmp) / "dataset", str(out_dir))
-        return manifest
-    out = Path(out_dir)
-    if out.exists() and not force:
-        raise UserError(f"{out} already exists; pass --force to overwrite it")
-    with staged_folder(out) as tmp:
-        manifest = _write_shards(sources, Path(tmp), **settings)
-    return manifest
+    if _exists(out_dir) and not force:
+        raise UserError(f"{out_dir} already exists; pass --force to overwrite it")
+    check_can_create(str(out_dir))
 
 
-def _token_pieces(sources: list[str], text_field: str, tok: ByteTokenizer) -> Iterator[np.ndarray]:
-    """The corpora as a stream of token arrays: "\n\n" between documents, nothing inside one."""
-    sep = tok.encode("\n\n")
-    docs = (doc for source in sources for doc in iter_documents(source, text_field))
-    for i, doc in enumerate(docs):
-        if i:
-            yield sep
-        for text in doc:
-            yield tok.encode(text)
+def _texts(units) -> Iterator[str]:
+    for unit in units:
+        yield from read_unit(unit)
 
 
-def _write_shards(sources: list[str], out: Path, *, text_field: str, val_every: int, block_tokens: int,
-                  shard_tokens: int, progress: Optional[Callable[[int], None]]) -> dict:
-    tok = ByteTokenizer()
-    writers = {s: _ShardWriter(out, s, tok.dtype, shard_tokens) for s in ("train", "val")}
+def _exists(out_dir: str | Path) -> bool:
+    if not is_remote(out_dir):
+        return Path(out_dir).exists()
+    fs, root = open_uri(str(out_dir), "dataset")
+    try:
+        return fs.get_file_info(root).type != pafs.FileType.NotFound
+    except OSError as e:
+        raise UserError(f"cannot reach {out_dir}: {str(e).splitlines()[0]}") from None
+
+
+@contextlib.contextmanager
+def _written_in_place(fs: pafs.FileSystem, root: str, uri: str):
+    """Object stores cannot rename a folder, so a dataset on shared storage is written in place:
+    an old one is removed first (its manifest before its shards: no reader ever sees a manifest
+    whose shards are gone), the manifest goes last, and on any error what was written goes."""
+    try:
+        if fs.get_file_info(root).type != pafs.FileType.NotFound:
+            with contextlib.suppress(FileNotFoundError):
+                fs.delete_file(f"{root}/{MANIFEST}")
+            fs.delete_dir(root)
+        fs.create_dir(root, recursive=True)
+    except OSError as e:
+        raise path_error(uri, e) from None
+    try:
+        yield
+    except BaseException:
+        with contextlib.suppress(Exception):
+            fs.delete_dir(root)
+        raise
+
+
+def _write_dataset(stream: Iterator[tuple[np.ndarray, bool]], tok: Tokenizer, fs: pafs.FileSystem,
+                   root: str, *, sources: list[str], val_every: int, block_tokens: int,
+                   shard_tokens: int, progress: Optional[Callable[[int], None]]) -> dict:
+    writers = {s: _ShardWriter(fs, root, s, tok.dtype, shard_tokens, tok.text_byte_lengths())
+               for s in ("train", "val")}
     pending = np.empty(0, dtype=tok.dtype)
-    block_idx = 0
-    total = 0
+    block_idx, total, started = 0, 0, False
+    sep = tok.separator()
 
     def route(block: np.ndarray) -> None:
         nonlocal block_idx
         writers["val" if block_idx % val_every == 1 else "train"].add(block)
         block_idx += 1
 
-    for ids in _token_pieces(sources, text_field, tok):
-        pending = np.concatenate([pending, ids])
-        total += len(ids)
-        while len(pending) >= block_tokens:
-            route(pending[:block_tokens])
-            pending = pending[block_tokens:]
-        if progress:
-            progress(total)
-    if len(pending):
-        route(pending)
-    splits = {s: w.close() for s, w in writers.items()}
+    try:
+        for ids, opens in stream:
+            parts = [pending, sep, ids] if opens and started else [pending, ids]
+            started = started or opens
+            pending = np.concatenate(parts)
+            total += len(ids)
+            while len(pending) >= block_tokens:
+                route(pending[:block_tokens])
+                pending = pending[block_tokens:]
+            if progress:
+                progress(total)
+        if len(pending):
+            route(pending)
+        splits = {s: w.close() for s, w in writers.items()}
+    except OSError as e:
+        raise path_error(root, e) from None
     if splits["val"]["tokens"] < 2 or splits["train"]["tokens"] < 2:
         raise UserError(f"corpus {', '.join(sources)} is too small ({total} tokens): it needs at least "
                         f"{2 * block_tokens} tokens for a train and a validation split")
@@ -143,10 +224,15 @@ def _write_shards(sources: list[str], out: Path, *, text_field: str, val_every: 
         "tokenizer": tok.spec(),
         "vocab_size": tok.vocab_size,
         "dtype": np.dtype(tok.dtype).name,
+        "separator": "eot" if tok.eot_id is not None else "\n\n",
         "split": {"block_tokens": block_tokens, "val_every": val_every},
         "train": splits["train"],
         "val": splits["val"],
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
     }
-    (out / MANIFEST).write_text(json.dumps(manifest, indent=2))
+    if tok.raw is not None:  # the BPE's own file, byte for byte: its sha256 is in the spec
+        with fs.open_output_stream(f"{root}/{TOKENIZER}") as out:
+            out.write(tok.raw)
+    with fs.open_output_stream(f"{root}/{MANIFEST}") as out:  # last: it makes this a dataset
+        out.write(json.dumps(manifest, indent=2).encode())
     return manifest

@@ -6,7 +6,7 @@ import socket
 from pathlib import Path
 
 from raytrain_lm.data.prepare import prepare_dataset
-from raytrain_lm.data.remote import fetch_dataset, file_lock
+from raytrain_lm.data.remote import file_lock, open_remote
 from raytrain_lm.data.sources import BUILTIN_CORPORA
 from raytrain_lm.errors import UserError
 from raytrain_lm.files import MANIFEST
@@ -16,15 +16,15 @@ from raytrain_lm.storage import is_remote
 def resolve_dataset(data: str) -> str:
     """The local folder this node memory-maps for `data`:
 
-    - a URI (s3://, gs://, ...): downloaded once per node into a cache, each shard verified
-      against its manifest's sha256 (remote.fetch_dataset);
+    - a URI (s3://, gs://, ...): this node's cache of it, each shard downloaded when first read
+      and verified against its manifest's sha256 (data/remote.py);
     - a local folder that exists: itself (the fast path, nothing copied);
     - a built-in corpus folder (`.../data/pydoc`, `.../data/stdlib`) missing on this node, as on
       the other nodes of a cluster: tokenized here (deterministic, the same shards everywhere);
     - anything else missing: a UserError that says how to share the dataset.
     """
     if is_remote(data):
-        return fetch_dataset(data)
+        return open_remote(data)
     path = Path(data)
     if (path / MANIFEST).is_file():
         return data

@@ -7,12 +7,20 @@ micro-batch after another. The position saved in a checkpoint is (epoch, windows
 epoch): it means the same at any number of workers, so a run resumed at another size reads on
 from exactly where it stopped, and a run resumed at the same size reads exactly the batches it
 would have. Windows left over at the end of an epoch (fewer than a global batch) are skipped.
+
+A dataset of more than SHARD_GROUP shards is shuffled in groups, so that a node never needs all of
+it at once: the epoch's order is a seeded permutation of the shards, cut into groups of
+SHARD_GROUP, each group's windows shuffled together. Consecutive steps then read the shards of
+one group (two where groups meet), and a node fetches and keeps only those (data/remote.py),
+however large the dataset. It is still one global order, a function of the shard sizes, the seed
+and the epoch alone, so every property above holds. Datasets of at most SHARD_GROUP shards
+(16M tokens each by default) keep a full permutation of all their windows.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import torch
 
@@ -40,9 +48,26 @@ class BatchPlan:
             yield part + m * self.micro_batch, part + (m + 1) * self.micro_batch
 
 
-def epoch_order(num_windows: int, seed: int, epoch: int) -> torch.Tensor:
-    """The permutation of an epoch: the same on every rank and every run with this seed."""
-    return torch.randperm(num_windows, generator=torch.Generator().manual_seed(seed + epoch))
+SHARD_GROUP = 8  # shards whose windows are shuffled together (see the module's docstring)
+
+
+def epoch_order(windows: int | Sequence[int], seed: int, epoch: int,
+                group: int = SHARD_GROUP) -> torch.Tensor:
+    """The permutation of an epoch: the same on every rank and every run with this seed.
+    `windows`: the number of windows, or each shard's (windows are numbered shard by shard)."""
+    counts = [windows] if isinstance(windows, int) else list(windows)
+    gen = torch.Generator().manual_seed(seed + epoch)
+    if len(counts) <= group:
+        return torch.randperm(sum(counts), generator=gen)
+    starts = [0]
+    for c in counts[:-1]:
+        starts.append(starts[-1] + c)
+    shards = torch.randperm(len(counts), generator=gen).tolist()
+    parts = []
+    for k in range(0, len(shards), group):
+        members = torch.cat([torch.arange(starts[s], starts[s] + counts[s]) for s in shards[k:k + group]])
+        parts.append(members[torch.randperm(len(members), generator=gen)])
+    return torch.cat(parts)
 
 
 class _RankBatches:
@@ -65,8 +90,11 @@ class _RankBatches:
 class BatchStream:
     """An endless stream of this rank's micro-batches over epochs; its position is global."""
 
-    def __init__(self, num_windows: int, plan: BatchPlan, seed: int, make_loader):
-        """`make_loader(batch_sampler)`: a DataLoader over the windows with that batch sampler."""
+    def __init__(self, windows: int | Sequence[int], plan: BatchPlan, seed: int, make_loader):
+        """`windows`: how many there are, or each shard's count (see epoch_order).
+        `make_loader(batch_sampler)`: a DataLoader over the windows with that batch sampler."""
+        self.windows = windows
+        num_windows = windows if isinstance(windows, int) else sum(windows)
         if num_windows < plan.global_batch:
             raise UserError(f"the training split has {num_windows} windows, fewer than one global "
                             f"batch ({plan.micro_batch} x {plan.accum} x {plan.dp_size} workers); "
@@ -89,7 +117,7 @@ class BatchStream:
         if self._it is None:
             if self.consumed + self.plan.global_batch > self.num_windows:  # the epoch is spent
                 self.epoch, self.consumed = self.epoch + 1, 0
-            order = epoch_order(self.num_windows, self.seed, self.epoch)
+            order = epoch_order(self.windows, self.seed, self.epoch)
             self._it = iter(self.make_loader(_RankBatches(order, self.consumed, self.plan)))
         batch = next(self._it)
         self._micro += 1

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import os
+from collections import OrderedDict
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
 import pyarrow as pa
@@ -12,55 +12,77 @@ import torch
 from torch.utils.data import Dataset
 
 from raytrain_lm.data.manifest import load_manifest
+from raytrain_lm.data.remote import fetch_shard
+from raytrain_lm.data.sampler import SHARD_GROUP
 from raytrain_lm.errors import UserError
+from raytrain_lm.files import REMOTE_SOURCE
 
 
 class TokenWindows(Dataset):
     """Fixed-length windows over memory-mapped token shards.
 
     Item i is `seq_len + 1` consecutive tokens (inputs and shifted targets); windows start every
-    `seq_len` tokens and never cross a shard boundary. Shards are mapped lazily so the dataset
-    pickles cheaply into DataLoader worker processes.
+    `seq_len` tokens and never cross a shard boundary. Shards are mapped when first read, so the
+    dataset pickles cheaply into DataLoader worker processes. In a node's cache of a dataset on
+    shared storage a shard is downloaded when first read, and only the MAX_MAPPED most recently
+    read stay mapped (the cache may delete the others to stay within its bound).
     """
+
+    MAX_MAPPED = 2 * SHARD_GROUP  # the groups the sampler reads at once (two where they meet)
 
     def __init__(self, data_dir: str | Path, split: str, seq_len: int):
         self.data_dir, self.split, self.seq_len = str(data_dir), split, seq_len
         manifest = load_manifest(data_dir)
-        self.shard_files = [s["file"] for s in manifest[split]["shards"]]
+        self.shards = manifest[split]["shards"]
+        self.remote = (Path(data_dir) / REMOTE_SOURCE).is_file()
         counts = [max(0, (s["tokens"] - 1) // seq_len) for s in manifest[split]["shards"]]
+        self.shard_windows = counts  # windows of each shard, in order (the sampler's groups)
         self.offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         if self.offsets[-1] == 0:
             raise UserError(f"the {split} split of {data_dir} is shorter than one window of "
                             f"{seq_len + 1} tokens; lower --seq-len or use a larger corpus")
-        self._arrays: Optional[list[np.ndarray]] = None
+        self._mapped: OrderedDict[int, np.ndarray] = OrderedDict()  # shard -> tokens, LRU order
 
     def __len__(self) -> int:
         return int(self.offsets[-1])
 
     def __getstate__(self):
-        return {**self.__dict__, "_arrays": None}
+        return {**self.__dict__, "_mapped": OrderedDict()}
 
-    def _shards(self) -> list[np.ndarray]:
-        if self._arrays is None:
-            arrays = []
-            for f in self.shard_files:
-                source = pa.memory_map(os.path.join(self.data_dir, f), "r")
-                batch = pa.ipc.open_file(source).get_batch(0)
-                arrays.append(batch.column(0).to_numpy(zero_copy_only=True))
-            self._arrays = arrays
-        return self._arrays
+    def _shard(self, s: int) -> np.ndarray:
+        tokens = self._mapped.pop(s, None)
+        if tokens is None:
+            tokens = self._map(s)
+        self._mapped[s] = tokens  # the most recently read last
+        if self.remote and len(self._mapped) > self.MAX_MAPPED:
+            self._mapped.popitem(last=False)
+        return tokens
 
-    def _window(self, i: int) -> np.ndarray:
+    def _map(self, s: int) -> np.ndarray:
+        for attempt in range(3):
+            path = (fetch_shard(Path(self.data_dir), self.shards[s]) if self.remote
+                    else os.path.join(self.data_dir, self.shards[s]["file"]))
+            try:
+                source = pa.memory_map(str(path), "r")
+            except FileNotFoundError:
+                if not self.remote or attempt == 2:
+                    raise
+                continue  # another worker's cache eviction came between: fetch it again
+            return pa.ipc.open_file(source).get_batch(0).column(0).to_numpy(zero_copy_only=True)
+        raise AssertionError("unreachable")
+
+    def window(self, i: int) -> np.ndarray:
+        """Window i's tokens (a memory-mapped view)."""
         s = int(np.searchsorted(self.offsets, i, side="right")) - 1
         start = (i - int(self.offsets[s])) * self.seq_len
-        return self._shards()[s][start: start + self.seq_len + 1]
+        return self._shard(s)[start: start + self.seq_len + 1]
 
     def __getitem__(self, i: int) -> torch.Tensor:
-        return torch.from_numpy(self._window(i).astype(np.int64))
+        return torch.from_numpy(self.window(i).astype(np.int64))
 
     def __getitems__(self, indices: list[int]) -> torch.Tensor:
         # One (B, T+1) int64 array per batch: the DataLoader calls this instead of B __getitem__s.
-        return torch.from_numpy(np.stack([self._window(i) for i in indices]).astype(np.int64))
+        return torch.from_numpy(np.stack([self.window(i) for i in indices]).astype(np.int64))
 
 
 def collate_windows(batch):

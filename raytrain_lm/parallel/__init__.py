@@ -192,11 +192,16 @@ class Parallelized:
     # ---------------------------------------------------------------- validation
 
     @torch.no_grad()
-    def evaluate(self, validation, autocast) -> float:
-        """Mean token loss over the validation windows, all ranks together. Padding windows
-        (a rank with fewer windows runs full batches all the same) carry ignored targets."""
+    def evaluate(self, validation, autocast) -> tuple[float, float, float]:
+        """(summed token loss in nats, targets, bytes of text those targets stand for) over the
+        validation windows, all ranks together. Padding windows (a rank with fewer windows runs
+        full batches all the same) carry ignored targets and count for no bytes (Validation).
+        Each data-parallel group counts once: its loss-reporting rank adds its sums."""
         self.train(False)
-        total = torch.zeros(2, dtype=torch.float64, device=self.device)  # (loss sum, tokens)
+        # (loss sum, tokens, text bytes)
+        total = torch.zeros(3, dtype=torch.float64, device=self.device)
+        if self.reports_loss:
+            total[2] = float(validation.text_bytes)
         for x, y in validation:
             tokens = int((y != validation.IGNORE).sum())
             if self.schedule is not None:
@@ -206,11 +211,12 @@ class Parallelized:
                     _, loss = self.modules[0](x, y)
                 loss_sum = _local(loss).double() * tokens if tokens else torch.zeros((), dtype=torch.float64)
             if self.reports_loss:
-                total += torch.stack([loss_sum.to(total), torch.tensor(float(tokens), dtype=torch.float64,
-                                                                     device=self.device)])
+                total[0] += loss_sum.to(total)
+                total[1] += tokens
         self.train(True)
         all_reduce(total)
-        return (total[0] / total[1]).item()
+        loss_sum, tokens, text_bytes = total.tolist()
+        return loss_sum, tokens, text_bytes
 
     def _pipeline_eval(self, x, y, autocast) -> torch.Tensor:
         losses: list[torch.Tensor] = []

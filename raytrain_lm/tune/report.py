@@ -107,19 +107,22 @@ class LiveTable(tune.Callback):
 # ---------------------------------------------------------------- after the sweep
 
 
-def collect_trials(grid, max_steps: int, keys: list[str]) -> list[dict]:
-    """One dict per trial from Tune's ResultGrid, ranked by final validation loss."""
+def collect_trials(grid, max_steps: int, keys: list[str], metric: str = "val_loss") -> list[dict]:
+    """One dict per trial from Tune's ResultGrid, ranked by the final value of `metric`
+    (val_loss or val_bpb); `val_curve` is that metric's curve."""
     trials = []
     for res in grid:
         m = res.metrics or {}
         df = res.metrics_dataframe
-        curve: list[tuple[int, float]] = []
+        curves: dict[str, list[tuple[int, float]]] = {"val_loss": [], "val_bpb": []}
         losses: list[float] = []
         if df is not None and "step" in df:
-            if "val_loss" in df:
-                evals = df[df["val_loss"].notna()]
-                curve = [(int(s), float(v)) for s, v in zip(evals["step"], evals["val_loss"])]
+            for key in curves:
+                if key in df:
+                    evals = df[df[key].notna()]
+                    curves[key] = [(int(s), float(v)) for s, v in zip(evals["step"], evals[key])]
             losses = [float(v) for v in df["loss"].dropna()] if "loss" in df else []
+        curve = curves[metric]
         steps = int(df["step"].max()) if df is not None and "step" in df and len(df) else 0
         status = "error" if res.error else "done" if steps >= max_steps else "stopped"
         trials.append({
@@ -127,29 +130,32 @@ def collect_trials(grid, max_steps: int, keys: list[str]) -> list[dict]:
             "dir": res.path.rstrip("/").rsplit("/", 1)[-1],
             "status": status,
             "steps": steps,
-            "final_val_loss": curve[-1][1] if curve else None,
-            "best_val_loss": min(v for _, v in curve) if curve else None,
+            "metric": metric,
+            **{f"final_{k}": c[-1][1] if c else None for k, c in curves.items()},
+            **{f"best_{k}": min(v for _, v in c) if c else None for k, c in curves.items()},
             "final_train_loss": losses[-1] if losses else None,
             "params": {k: res.config.get(k) for k in keys},
             "val_curve": curve,
             "wall_seconds": m.get("time_total_s"),
             "error": last_line(res.error) if res.error else None,
         })
-    trials.sort(key=lambda t: (t["status"] == "error", t["final_val_loss"] is None,
-                               t["final_val_loss"] if t["final_val_loss"] is not None else 0.0))
+    final = f"final_{metric}"
+    trials.sort(key=lambda t: (t["status"] == "error", t[final] is None,
+                               t[final] if t[final] is not None else 0.0))
     for i, t in enumerate(trials, 1):
         t["rank"] = i
     return trials
 
 
 def ranked_table(trials: list[dict], keys: list[str], max_steps: int) -> str:
-    header = ["rank", "trial", "status", "steps", "val loss", "train loss"]
+    header = ["rank", "trial", "status", "steps", "val loss", "val bpb", "train loss"]
     header += [PARAM_LABELS.get(k, k) for k in keys] + ["time"]
     rows = []
     for t in trials:
         wall = t.get("wall_seconds")
         rows.append([str(t["rank"]), t["trial"], t["status"], f"{t['steps']}/{max_steps}",
-                     _fmt(t["final_val_loss"], "val_loss"), _fmt(t["final_train_loss"], "loss")]
+                     _fmt(t["final_val_loss"], "val_loss"), _fmt(t.get("final_val_bpb"), "val_loss"),
+                     _fmt(t["final_train_loss"], "loss")]
                     + [_fmt(t["params"].get(k), k) for k in keys]
                     + [f"{wall:.0f}s" if wall is not None else "-"])
     return text_table(header, rows)
@@ -160,14 +166,15 @@ def best_config_yaml(trial_cfg: dict, trial: dict, sweep: str) -> str:
     import yaml
 
     cfg = {k: v for k, v in trial_cfg.items() if k not in ("name", "storage", "address")}
-    head = (f"# best trial of sweep {sweep}: {trial['trial']}, val_loss {trial['final_val_loss']:.4f} "
+    metric = trial.get("metric", "val_loss")
+    head = (f"# best trial of sweep {sweep}: {trial['trial']}, {metric} {trial['final_' + metric]:.4f} "
             f"after {trial['steps']} steps\n"
             f"# tuned: {json.dumps(trial['params'])}\n"
             f"# use: python cli.py train --config best.yaml  (add --scale-lr sqrt if --workers changes)\n")
     return head + yaml.safe_dump(cfg, sort_keys=False)
 
 
-def plot_curves(trials: list[dict], keys: list[str], title: str) -> bytes:
+def plot_curves(trials: list[dict], keys: list[str], title: str, metric: str = "val_loss") -> bytes:
     from raytrain_lm.plots import plt, png_bytes
 
     fig, ax = plt.subplots(figsize=(8, 5), dpi=110)
@@ -193,7 +200,7 @@ def plot_curves(trials: list[dict], keys: list[str], title: str) -> bytes:
     pad = 0.05 * (top - low + 1e-9)
     ax.set_ylim(low - pad, top + pad)
     ax.set_xlabel("step")
-    ax.set_ylabel("validation loss (nats/token)")
+    ax.set_ylabel("validation bits per byte" if metric == "val_bpb" else "validation loss (nats/token)")
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
@@ -203,10 +210,12 @@ def plot_curves(trials: list[dict], keys: list[str], title: str) -> bytes:
 
 def write_outputs(folder: RunFolder, cfg, space, settings, trials: list[dict], wall: float) -> dict:
     keys = space.keys
-    best = trials[0] if trials and trials[0]["final_val_loss"] is not None else None
+    metric = settings.metric
+    best = trials[0] if trials and trials[0][f"final_{metric}"] is not None else None
     summary: dict[str, Any] = {
         "name": cfg.name, "dir": folder.display_path(), "search": settings.search,
         "grace_steps": settings.grace_steps, "reduction_factor": settings.reduction_factor,
+        "metric": metric,
         "max_steps": cfg.max_steps, "workers_per_trial": cfg.workers, "wall_seconds": wall,
         "space": {d.key: d.describe() for d in space.dims}, "trials": trials,
         "best": best, "best_config": None, "plot": None,
@@ -216,7 +225,8 @@ def write_outputs(folder: RunFolder, cfg, space, settings, trials: list[dict], w
         folder.write_text(BEST_CONFIG, best_config_yaml(trial_cfg, best, cfg.name))
         summary["best_config"] = folder.display_path(BEST_CONFIG)
     if any(t["val_curve"] for t in trials):
-        folder.write_bytes(VAL_CURVES, plot_curves(trials, keys, f"sweep {cfg.name}: validation loss"))
+        what = "validation bits per byte" if metric == "val_bpb" else "validation loss"
+        folder.write_bytes(VAL_CURVES, plot_curves(trials, keys, f"sweep {cfg.name}: {what}", metric))
         summary["plot"] = folder.display_path(VAL_CURVES)
     folder.write_json(SWEEP_RESULTS, summary)
     summary["table"] = ranked_table(trials, keys, cfg.max_steps)

@@ -29,7 +29,10 @@ from raytrain_lm.tune.space import SearchSpace, nest, parse_space
 # What the trial function itself asks for. Its workers get their own placement group from Ray Train,
 # so the trial needs next to nothing; Tune refuses a request of exactly zero.
 TRIAL_CPUS = 0.01
-METRIC = "val_loss"
+# What ASHA compares and the sweep ranks by: the validation loss, or the same in bits per byte.
+# Within a sweep both give the same order (every trial evaluates the same windows of the same
+# dataset); bits per byte also compares with sweeps on data of other tokenizers.
+METRICS = ("val_loss", "val_bpb")
 DIVERGED = 1e4  # stands in for a NaN/inf loss: ASHA's cutoffs ignore NaN, so a NaN trial would never stop
 
 
@@ -41,6 +44,7 @@ class SweepSettings:
     grace_steps: Optional[int] = None  # default: max_steps // 10
     reduction_factor: int = 2
     seed: Optional[int] = None  # random searcher's seed
+    metric: str = "val_loss"  # val_loss | val_bpb
 
 
 def check_settings(cfg: TrainConfig, space: SearchSpace, s: SweepSettings,
@@ -48,6 +52,8 @@ def check_settings(cfg: TrainConfig, space: SearchSpace, s: SweepSettings,
     """Fill defaults and refuse bad combinations, in place. Needs no cluster."""
     if s.search not in ("random", "grid"):
         raise UserError(f"--search must be random or grid, got {s.search!r}")
+    if s.metric not in METRICS:
+        raise UserError(f"--metric must be one of {', '.join(METRICS)}, got {s.metric!r}")
     space.check_searcher(s.search)
     if s.search == "grid":
         if s.trials is not None and s.trials != space.grid_size():
@@ -133,7 +139,7 @@ def _forward_to_tune_callback(controllers, trial_id: str):
             for m in metrics:
                 m = dict(m)
                 m.pop("resumed_rows", None)  # for `train`'s metrics.jsonl; Tune has its own log
-                for key in ("loss", "val_loss"):
+                for key in ("loss", *METRICS):
                     if m.get(key) is not None and not math.isfinite(m[key]):
                         m[key] = DIVERGED
                         m["diverged"] = True
@@ -333,7 +339,7 @@ def run_sweep(
             trainable,
             param_space=space.param_space(settings.search),
             tune_config=tune.TuneConfig(
-                metric=METRIC, mode="min",
+                metric=settings.metric, mode="min",
                 # stop_last_trials=False: a trial that reaches max_steps ends on its own, cleanly.
                 scheduler=ASHAScheduler(time_attr="step", max_t=cfg.max_steps,
                                         grace_period=settings.grace_steps,
@@ -356,5 +362,5 @@ def run_sweep(
     finally:
         watch(None, live_interval)
         _CONTROLLERS["queue"], _CONTROLLERS["handles"] = None, {}
-    trials = collect_trials(grid, cfg.max_steps, space.keys)
+    trials = collect_trials(grid, cfg.max_steps, space.keys, settings.metric)
     return write_outputs(folder, cfg, space, settings, trials, wall=time.time() - t0)

@@ -1,0 +1,125 @@
+"""How fast does `prepare` tokenize with a BPE: Ray Data on 2 CPUs against the same tokenizer in
+one process, side by side in one run, alternating order each repetition.
+
+The tokenizer is trained once (an 8k BPE on a 10 MB sample of the corpus) and both sides are
+given its tokenizer.json (`--tokenizer PATH`), so only what differs is timed: planning, reading,
+tokenizing, writing the shards and the manifest. The Ray side runs on a local Ray of 2 CPUs
+started once before the repetitions (its start-up, ~5-10 s, is timed separately and reported).
+Both sides must write byte-identical shards (checked).
+
+Ray runs its worker processes at nice 15 (RAY_worker_niceness). On a machine shared with other
+work at nice 0 that alone decides who gets the cores, so the one-process side runs in a child
+process at nice 15 as well: both sides tokenize at the same priority. It starts its own local
+Ray, so run it alone:
+
+    flock /tmp/ray.lock python bench/prepare.py --corpus stdlib --reps 3
+
+Prints a table and writes JSON to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+RAY_WORKER_NICENESS = 15  # Ray's default for its worker processes
+
+
+def one_process_run(corpus: str, tokenizer: str, out: Path) -> dict:
+    """one_run(use_ray=False) in a child process at Ray's worker niceness."""
+    import subprocess
+
+    res = subprocess.run([sys.executable, __file__, "--one-process-run", corpus, tokenizer, str(out)],
+                         capture_output=True, text=True, check=True)
+    return json.loads(res.stdout)
+
+
+def one_run(corpus: str, tokenizer: str, out: Path, use_ray: bool, cpus: int) -> dict:
+    from raytrain_lm.data.prepare import prepare_dataset
+
+    load = os.getloadavg()[0]
+    t0 = time.perf_counter()
+    m = prepare_dataset(corpus, out, tokenizer=tokenizer, use_ray=use_ray, cpus=cpus, force=True)
+    wall = time.perf_counter() - t0
+    text_mb = (m["train"]["bytes"] + m["val"]["bytes"]) / 1e6
+    return {"side": "ray_data" if use_ray else "one_process", "wall_s": wall, "text_mb": text_mb,
+            "mb_per_s": text_mb / wall, "tokens": m["train"]["tokens"] + m["val"]["tokens"],
+            "shards": [s["sha256"] for s in m["train"]["shards"] + m["val"]["shards"]],
+            "loadavg_1m_at_start": load}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--corpus", default="stdlib")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--cpus", type=int, default=2)
+    p.add_argument("--vocab-size", type=int, default=8192)
+    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "prepare.json"))
+    p.add_argument("--one-process-run", nargs=3, metavar=("CORPUS", "TOKENIZER", "OUT"),
+                   help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.one_process_run:
+        os.nice(RAY_WORKER_NICENESS)
+        corpus, tokenizer, out = args.one_process_run
+        print(json.dumps(one_run(corpus, tokenizer, Path(out), use_ray=False, cpus=1)))
+        return
+
+    import ray
+
+    from raytrain_lm.data.sources import plan_units, read_unit, sample_units
+    from raytrain_lm.tokenizer import train_bpe
+
+    with tempfile.TemporaryDirectory(prefix="bench-prepare-") as tmp:
+        t0 = time.perf_counter()
+        units = plan_units([args.corpus])
+        tok = train_bpe((t for u in sample_units(units, 10_000_000) for t in read_unit(u)),
+                        args.vocab_size)
+        train_s = time.perf_counter() - t0
+        tok_path = Path(tmp) / "tokenizer.json"
+        tok_path.write_bytes(tok.raw)
+        t0 = time.perf_counter()
+        ray.init(num_cpus=args.cpus, include_dashboard=False, log_to_driver=False)
+        ray_start_s = time.perf_counter() - t0
+        rows = []
+        for rep in range(args.reps):
+            order = [False, True] if rep % 2 == 0 else [True, False]
+            for use_ray in order:
+                row = (one_run(args.corpus, str(tok_path), Path(tmp) / "out", True, args.cpus) if use_ray
+                       else one_process_run(args.corpus, str(tok_path), Path(tmp) / "out"))
+                row["rep"] = rep
+                rows.append(row)
+                print(f"rep {rep} {row['side']:<12} {row['wall_s']:6.1f} s  {row['mb_per_s']:5.2f} MB/s  "
+                      f"load {row['loadavg_1m_at_start']:.1f}", flush=True)
+        ray.shutdown()
+    assert len({tuple(r["shards"]) for r in rows}) == 1, "the two sides wrote different shards"
+    by = {side: [r for r in rows if r["side"] == side] for side in ("one_process", "ray_data")}
+    med = {side: statistics.median(r["mb_per_s"] for r in rs) for side, rs in by.items()}
+    ratios = [b["mb_per_s"] / a["mb_per_s"] for a, b in zip(by["one_process"], by["ray_data"])]
+    result = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "command": " ".join(["python", "bench/prepare.py", *sys.argv[1:]]),
+        "corpus": args.corpus, "text_mb": rows[0]["text_mb"], "tokens": rows[0]["tokens"],
+        "tokenizer": f"BPE {tok.vocab_size}", "bpe_train_s": train_s, "ray_cpus": args.cpus,
+        "ray_start_s": ray_start_s, "one_process_niceness": RAY_WORKER_NICENESS,
+        "median_mb_per_s": med,
+        "speedup_per_rep": ratios, "median_speedup": statistics.median(ratios),
+        "runs": [{k: v for k, v in r.items() if k != "shards"} for r in rows],
+    }
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(f"one process {med['one_process']:.2f} MB/s, Ray Data on {args.cpus} CPUs "
+          f"{med['ray_data']:.2f} MB/s: {result['median_speedup']:.2f}x (median of per-rep ratios "
+          f"{', '.join(f'{r:.2f}' for r in ratios)}); Ray start {ray_start_s:.1f} s")
+
+
+if __name__ == "__main__":
+    main()
