@@ -215,3 +215,33 @@ def test_local_down_finds_only_the_processes_of_its_own_temp_dir():
         for proc in procs.values():
             proc.kill()
             proc.wait()
+
+
+def test_a_job_uploads_every_module_and_leaves_results_and_datasets_behind(tmp_path):
+    """The job's working_dir as Ray's own packaging walks it (excludes and .gitignore): every
+    module of the package goes, raytrain_lm/data/ included, while the project's runs/ and data/
+    (results, prepared datasets) stay here."""
+    from ray._private.runtime_env.packaging import _dir_travel, _get_excludes
+
+    from raytrain_lm.cluster.jobs import JOB_EXCLUDES
+
+    def uploaded(root: Path) -> set[str]:
+        seen: set[str] = set()
+        def add(p: Path) -> None:
+            if p.is_file():  # the files go into the zip (an excluded folder's files are matched one by one)
+                seen.add(p.relative_to(root).as_posix())
+
+        _dir_travel(root, [_get_excludes(root, JOB_EXCLUDES)], add, include_gitignore=True)
+        return seen
+
+    shipped = uploaded(ROOT)
+    modules = {p.relative_to(ROOT).as_posix() for p in (ROOT / "raytrain_lm").rglob("*.py")
+               if "__pycache__" not in p.parts}
+    assert "raytrain_lm/data/loaders.py" in modules and modules <= shipped, sorted(modules - shipped)
+    for rel in ("raytrain_lm/data/x.py", "data/pydoc/manifest.json", "runs/r/summary.json",
+                "raytrain_lm/__pycache__/x.pyc"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("x")
+    got = uploaded(tmp_path)
+    assert "raytrain_lm/data/x.py" in got
+    assert got == {"raytrain_lm/data/x.py"}

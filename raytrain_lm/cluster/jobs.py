@@ -20,8 +20,11 @@ from raytrain_lm.files import default_storage
 ROOT = Path(__file__).resolve().parents[2]  # the project: the working dir of a job
 DEFAULT_DASHBOARD_PORT = 8265  # the dashboard serves the jobs API
 DEFAULT_JOBS_ADDRESS = f"http://127.0.0.1:{DEFAULT_DASHBOARD_PORT}"
-# Not uploaded with a job: results, prepared datasets and caches, VCS and tool folders.
-JOB_EXCLUDES = ["runs/", "data/", ".cache/", ".git/", ".hg/", ".svn/", "__pycache__/",
+# Not uploaded with a job: results, prepared datasets and caches, VCS and tool folders. Ray reads
+# these as .gitignore lines: the project's own runs/ and data/ are anchored at its root ("/"), or
+# "data/" would also drop the package raytrain_lm/data/ (the job then fails to import it, or on a
+# machine with the project pip-installed silently imports that other copy).
+JOB_EXCLUDES = ["/runs/", "/data/", ".cache/", ".git/", ".hg/", ".svn/", "__pycache__/",
                 ".pytest_cache/", ".venv/", "venv/", "*.egg-info/", ".ipynb_checkpoints/"]
 # Forwarded to a job so that its driver and workers reach the same S3-compatible endpoint (no
 # secrets: credentials come from the cluster's own environment or instance role).
