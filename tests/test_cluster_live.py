@@ -237,7 +237,11 @@ def test_the_dataset_on_s3_trained_from_a_verified_local_cache(s3_run, multinode
     manifest = json.loads((local / "manifest.json").read_text())
     assert manifest["source"] == "pydoc"
     assert json.loads(s3_read(BUCKET, "runs/s3-run/summary.json"))["config"]["data"] == DATA_URI
-    assert s3_run["final_val_loss"] < 3.2  # it learned from those shards (unigram: ~3.27)
+    # It learned from those shards: below the byte unigram entropy of the text (~3.27 nats; an
+    # untrained model is at ln 256 = 5.55). 20 steps, all in warmup, reach 3.243 with the
+    # layout-independent initialisation (model.init_region_); the earlier bound 3.2 held only for
+    # the initialisation before it.
+    assert s3_run["final_val_loss"] < 3.27
 
 
 def test_one_rank_on_each_worker_node(s3_run, multinode):
