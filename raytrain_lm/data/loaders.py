@@ -47,5 +47,16 @@ class Validation:
     def __iter__(self):
         """(inputs, targets) of this rank's batches."""
         for (x, y), real in zip(_loader(self.cfg, self.dataset, self.indices), self.real):
-            y[real:] = self.IGNORE
-            yield x, y
+            yield x, self.targets(y, real)
+
+    @classmethod
+    def targets(cls, y: torch.Tensor, real: int) -> torch.Tensor:
+        """`y` with the targets of the padding rows (after the first `real`) ignored. A copy: the
+        targets share their storage with the inputs (collate_windows slices one tensor), and
+        masking them in place turned the padding rows' inputs into -100 (an IndexError in the
+        embedding) wherever the batch is not moved to another device, as on CPU workers."""
+        if real == len(y):
+            return y
+        y = y.clone()
+        y[real:] = cls.IGNORE
+        return y
