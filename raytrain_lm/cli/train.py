@@ -9,7 +9,8 @@ from typing import Optional
 import typer
 
 from raytrain_lm.cli.app import app, examples
-from raytrain_lm.cli.options import CONFIG, JSON, QUIET, SET, VERBOSE, ConfigPath, SetList, say_for, settings
+from raytrain_lm.cli.options import (CONFIG, JSON, QUIET, SET, VERBOSE, ConfigPath, SetList,
+                                     only_json_on_stdout, say_for, settings)
 from raytrain_lm.plan import COMPUTE_EFFICIENCY, H100_NVLINK_GBPS, H100_TFLOPS, IB_400_GBPS
 
 TRAIN_SETTINGS = ("workers", "use_gpu", "preset", "data", "max_steps", "batch_size", "seq_len", "lr",
@@ -61,11 +62,13 @@ def train(
     if scaled:
         say(scaled)
     show = None if quiet or as_json else lambda row: typer.echo(progress_line(row, cfg.max_steps))
-    summary = run_training(cfg, resume=resume, init_from=str(init_from) if init_from else None,
-                           verbose=verbose, force=force, say=say, on_metrics=show)
-    if as_json:
-        typer.echo(json.dumps({k: v for k, v in summary.items() if k != "config"}, indent=2))
-        return
+    with only_json_on_stdout(as_json) as stdout:
+        summary = run_training(cfg, resume=resume, init_from=str(init_from) if init_from else None,
+                               verbose=verbose, force=force, say=say, on_metrics=show)
+        if as_json:
+            typer.echo(json.dumps({k: v for k, v in summary.items() if k != "config"}, indent=2),
+                       file=stdout)
+            return
     typer.echo(results_table(summary))
     typer.echo(f"results: {summary['run_dir']}/summary.json, metrics.jsonl")
 
