@@ -22,11 +22,13 @@ def _loader(cfg: TrainConfig, dataset: TokenWindows, batch_sampler):
     return ray.train.torch.prepare_data_loader(loader, add_dist_sampler=False)
 
 
-def train_stream(cfg: TrainConfig, dp_rank: int, dp_size: int) -> BatchStream:
-    """The endless, resumable stream of this rank's training micro-batches."""
+def train_stream(cfg: TrainConfig, dp_rank: int, dp_size: int, log=None) -> BatchStream:
+    """The endless, resumable stream of this rank's training micro-batches (`log`: see
+    drills.WindowLog)."""
     dataset = TokenWindows(cfg.data, "train", cfg.seq_len)
     plan = BatchPlan(cfg.batch_size, cfg.grad_accum, dp_rank, dp_size)
-    return BatchStream(len(dataset), plan, cfg.seed, lambda batches: _loader(cfg, dataset, batches))
+    return BatchStream(len(dataset), plan, cfg.seed, lambda batches: _loader(cfg, dataset, batches),
+                       log=log)
 
 
 class Validation:
