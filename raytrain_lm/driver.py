@@ -59,9 +59,11 @@ def build_summary(cfg: TrainConfig, rows: list[dict], status: str, wall: float, 
 
 def build_trainer(cfg: TrainConfig, run: RunFolder, callbacks: Optional[list] = None,
                   init_from: Optional[str] = None, fail_at: Optional[str] = None,
-                  poll_seconds: Optional[str] = None, force: bool = False):
+                  poll_seconds: Optional[str] = None, force: bool = False,
+                  worker_env: Optional[dict[str, str]] = None):
     """The TorchTrainer for `cfg`, writing into `run`'s folder. Used by `train` and by each Tune
-    trial. `poll_seconds`: see report_poll_seconds. `force`: workers skip their memory check."""
+    trial. `poll_seconds`: see report_poll_seconds. `force`: workers skip their memory check.
+    `worker_env`: environment variables of the worker processes (--worker-env)."""
     from ray.train import CheckpointConfig, RunConfig
 
     from raytrain_lm.loop import train_loop_per_worker
@@ -83,6 +85,7 @@ def build_trainer(cfg: TrainConfig, run: RunFolder, callbacks: Optional[list] = 
             failure_config=failure_config(cfg),
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.keep_checkpoints),
             callbacks=callbacks or [],
+            worker_runtime_env={"env_vars": dict(worker_env)} if worker_env else None,
         ),
     )
 
@@ -97,6 +100,7 @@ def run_training(
     say: Callable[[str], None] = print,
     on_metrics: Optional[Callable[[dict], None]] = None,
     poll_seconds: Optional[str] = None,
+    worker_env: Optional[dict[str, str]] = None,
 ) -> dict:
     """Train `cfg` on a Ray cluster; returns the summary (also written to summary.json).
 
@@ -127,7 +131,7 @@ def run_training(
     callbacks = [ForwardMetrics(metrics_q), KeepBest(best_val_loss(run) if resume else None)]
     trainer = build_trainer(cfg, run, callbacks=callbacks, init_from=init_from,
                             fail_at=os.environ.get(FAULT_ENV), poll_seconds=poll_seconds,
-                            force=force)
+                            force=force, worker_env=worker_env)
     run.write_json(files.CONFIG, cfg.to_dict())  # what a later --resume continues with
     if is_elastic(cfg):
         say(sizes_line(cfg))

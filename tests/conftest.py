@@ -41,14 +41,24 @@ def _session_ray_stopped_for_own_cluster(request):
     yield
 
 
-@pytest.fixture(scope="session")
-def ray_address():
-    """Start the session's Ray cluster; yields its address for subprocesses (`--address`)."""
+def start_session_ray() -> str:
+    """Start this test session's own Ray cluster; returns its address."""
     import ray
 
     # 4 logical CPUs on a 2-core machine: 2 training workers plus room for Ray's own tasks.
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield ray.get_runtime_context().gcs_address
+    # address="local": always a fresh cluster of our own. Without it ray.init joins whatever
+    # /tmp/ray/ray_current_cluster or RAY_ADDRESS names (a head left by another run) and refuses
+    # num_cpus there.
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    return ray.get_runtime_context().gcs_address
+
+
+@pytest.fixture(scope="session")
+def ray_address():
+    """The session's Ray cluster, started once; its address is for subprocesses (`--address`)."""
+    import ray
+
+    yield start_session_ray()
     ray.shutdown()
 
 

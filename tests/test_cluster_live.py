@@ -95,6 +95,20 @@ def submitted(local_cluster, pydoc_data, tmp_path_factory):
     return result, storage
 
 
+def test_the_test_session_starts_its_own_cluster_beside_a_running_one(local_cluster):
+    """CI once found a head left running: the session fixture joined it and every Ray test
+    errored ("num_cpus ... must not be provided"). With RAY_ADDRESS naming a live head, the
+    session cluster is still a fresh one of 4 CPUs."""
+    probe = ("import ray, conftest; address = conftest.start_session_ray(); "
+             "print(address, int(ray.cluster_resources()['CPU'])); ray.shutdown()")
+    result = subprocess.run([sys.executable, "-c", probe], cwd=ROOT / "tests", capture_output=True,
+                            text=True, timeout=120,
+                            env={**os.environ, "RAY_ADDRESS": local_cluster["address"]})
+    assert result.returncode == 0, result.stderr[-2000:]
+    address, cpus = result.stdout.split()[-2:]
+    assert address != local_cluster["address"] and cpus == "4"
+
+
 def test_local_up_prints_the_addresses(local_cluster):
     out = local_cluster["stdout"]
     assert f"dashboard and jobs API: {DASHBOARD}" in out and "token auth on" in out

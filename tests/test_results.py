@@ -355,7 +355,9 @@ def test_export_round_trips_the_weights_bit_exactly(trained, tmp_path):
     for name, source in config["tied"].items():
         weights[name] = weights[source]
 
-    state = torch.load(run_dir / f"checkpoint_{STEPS:08d}" / "state.pt", weights_only=True)["model"]
+    from raytrain_lm.checkpoint import load_checkpoint
+
+    state = load_checkpoint(run_dir / f"checkpoint_{STEPS:08d}")["model"]
     assert set(weights) == set(state)
     for name, tensor in state.items():
         assert weights[name].dtype == tensor.dtype and torch.equal(weights[name], tensor), name

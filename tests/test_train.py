@@ -51,15 +51,15 @@ def test_summary_and_metrics_files_complete(finished_run):
 
 def test_ranks_trained_one_model(finished_run):
     """Both DDP replicas hold the same weights at every checkpoint (a float64 checksum of each
-    rank's parameters, compared across ranks), and rank 0's checkpoint holds the unwrapped
-    model; both ranks committed their part."""
-    import torch
-
+    rank's parameters, compared across ranks), and the checkpoint holds the unwrapped model;
+    both ranks committed their part."""
     _, rows, run_dir = finished_run
     spreads = [r["replica_spread"] for r in rows if r.get("checkpoint")]
     assert spreads == [0.0, 0.0]  # steps 60 and 120
     folder = run_dir / f"checkpoint_{TINY_STEPS:08d}"
-    state = torch.load(folder / "state.pt", weights_only=True)
+    from raytrain_lm.checkpoint import load_checkpoint
+
+    state = load_checkpoint(folder)  # state.pt, with the model gathered from dcp/
     assert state["step"] == TINY_STEPS and state["world_size"] == 2
     assert not any(k.startswith(("module.", "_orig_mod.")) for k in state["model"])
     assert {"rng-rank0.pt", "rng-rank1.pt", "rank0.json", "rank1.json", "meta.json"} <= {

@@ -61,6 +61,8 @@ def train(
                                              "checkpoint, or a run: its best) with a fresh optimizer."),
     scale_lr: str = typer.Option("none", help="Scale lr to this run's global batch from the one it was "
                                  "chosen at (ref_batch_tokens): none, linear or sqrt (recommended for AdamW)."),
+    worker_env: SetList = typer.Option(None, "--worker-env", help="An environment variable of the "
+                                       "worker processes, KEY=VALUE (e.g. NCCL_DEBUG=INFO); repeat for several."),
     verbose: bool = VERBOSE,
     quiet: bool = QUIET,
     as_json: bool = JSON,
@@ -87,13 +89,27 @@ def train(
     show = None if quiet or as_json else lambda row: typer.echo(progress_line(row, cfg.max_steps))
     with only_json_on_stdout(as_json) as stdout:
         summary = run_training(cfg, resume=resume, init_from=str(init_from) if init_from else None,
-                               verbose=verbose, force=force, say=say, on_metrics=show)
+                               verbose=verbose, force=force, say=say, on_metrics=show,
+                               worker_env=parse_env(worker_env or []))
         if as_json:
             typer.echo(json.dumps({k: v for k, v in summary.items() if k != "config"}, indent=2),
                        file=stdout)
             return
     typer.echo(results_table(summary))
     typer.echo(f"results: {summary['run_dir']}/summary.json, metrics.jsonl")
+
+
+def parse_env(items: list[str]) -> dict[str, str]:
+    """["KEY=VALUE", ...] -> {KEY: VALUE}."""
+    from raytrain_lm.errors import UserError
+
+    env = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip() or not key.replace("_", "").isalnum():
+            raise UserError(f"--worker-env expects KEY=VALUE, got {item!r}")
+        env[key.strip()] = value
+    return env
 
 
 def parse_train_args(args: list[str]) -> dict:
