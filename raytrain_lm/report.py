@@ -48,7 +48,7 @@ def _fmt_value(key: str, v: Any) -> str:
     if v is None:
         return "-"
     if key == "resizes":
-        return ", ".join(f"{r['from']} -> {r['to']} at step {r['step']}" for r in v) or "none"
+        return "; ".join(f"{r['from']} -> {r['to']} at step {r['step']} ({r['why']})" for r in v) or "none"
     if key in ("mfu", "data_wait_frac"):
         return f"{v * 100:.2f}%"
     if key in ("wall_seconds", "time_to_first_step"):

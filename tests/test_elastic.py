@@ -176,3 +176,15 @@ def test_uploads_are_async_where_storage_is_remote():
         CheckpointUploadMode.ASYNC
     with pytest.raises(UserError, match="--checkpoint-upload must be one of auto, sync, async"):
         sized({"checkpoint_upload": "later"})
+
+
+def test_the_progress_line_and_the_table_show_the_size_and_the_resizes():
+    from raytrain_lm.report import progress_line, results_table
+
+    row = {"step": 40, "workers": 3, "loss": 2.5, "lr": 1e-3, "tokens_per_second": 5e3,
+           "data_wait_frac": 0.0, "peak_mem_gb": 0.1, "step_time": 0.1}
+    assert progress_line(row, 100).startswith("step  40/100 | 3 workers | loss 2.5000")
+    table = results_table({"resizes": [{"step": 20, "from": 2, "to": 3, "why": "the cluster grew"},
+                                       {"step": 30, "from": 3, "to": 2, "why": "preemption of 1 node"}]})
+    assert "2 -> 3 at step 20 (the cluster grew); 3 -> 2 at step 30 (preemption of 1 node)" in table
+    assert "resizes" in results_table({"resizes": []}) and "none" in results_table({"resizes": []})
