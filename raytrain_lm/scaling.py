@@ -9,11 +9,17 @@ controller a policy that rounds each count down to the largest size of `elastic.
 (Ray has no public hook for this; the policy is passed where TorchTrainer.fit passes its own.)
 
 The policy also asks Ray's autoscaling coordinator to look at the cluster afresh each time it
-counts (`recompute=True`), and leaves nodes being drained out of a restart's count. By default the
-coordinator answers from a view refreshed every 20 s: after a preemption (seen here, Ray 2.60) the
-restart asked for the workers of the drained node too and waited out Ray's 60 s worker-group
-start timeout before trying again at the size that was left, and a new node went unnoticed for up
-to 20 s.
+counts (`recompute=True`), and never counts nodes being drained: they take no new workers, yet
+Ray's coordinator counts them while their raylet lives, which is until the cloud takes the node
+(with `ray drain-node` alone: for good). Seen here (Ray 2.60): counted, a restart after a preemption
+asked for the drained node's workers too; and once restarted at the size that was left, the
+running group "grew" back onto the drained node, waited out Ray's 60 s worker-group start
+timeout, fell back, and grew again, forever. By default the coordinator also answers from a view
+refreshed every 20 s, so a new node went unnoticed for up to 20 s.
+
+A running group never *shrinks* because of a drain, though: the preemption path (a checkpoint at
+once, then Ray's restart at the deadline, counted against --max-preemptions) does that, and a
+resize would instead restart at once from an older checkpoint.
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ import ray
 from ray.train import FailureConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 from ray.train.v2._internal.execution.scaling_policy import ElasticScalingPolicy
+from ray.train.v2._internal.execution.scaling_policy.scaling_policy import (NoopDecision,
+                                                                            ResizeDecision)
 from ray.train.v2._internal.execution.scaling_policy.autoscaling_coordinator_client import (
     AUTOSCALING_REQUESTS_GET_TIMEOUT_S,
 )
@@ -49,20 +57,25 @@ def failure_config(cfg: TrainConfig) -> FailureConfig:
 
 class SizedElasticPolicy(ElasticScalingPolicy):
     """Ray's elastic policy, at the run's allowed sizes only, counting on a fresh view of the
-    cluster; a restart counts only nodes that can take workers (not those being drained)."""
+    cluster and never counting nodes being drained."""
 
     def __init__(self, scaling: ScalingConfig, counts: list[int]):
         super().__init__(scaling)
         self.counts = counts
         self._restarting = False
+        self._draining: set[str] = set()  # nodes being drained at the last count
 
     def _count_possible_workers(self, reserved_resources) -> int:
         return usable_workers(self.counts, super()._count_possible_workers(reserved_resources))
 
     def make_decision_for_running_worker_group(self, worker_group_state, worker_group_status):
         self._restarting = False
-        return super().make_decision_for_running_worker_group(worker_group_state,
-                                                              worker_group_status)
+        decision = super().make_decision_for_running_worker_group(worker_group_state,
+                                                                  worker_group_status)
+        if (isinstance(decision, ResizeDecision) and self._draining
+                and decision.num_workers < worker_group_state.num_workers):
+            return NoopDecision()  # a drain: the preemption path checkpoints, then restarts
+        return decision
 
     def make_decision_for_non_running_worker_group(self):
         if not self._restarting:  # the group just stopped: do not size it on an older answer
@@ -72,11 +85,7 @@ class SizedElasticPolicy(ElasticScalingPolicy):
 
     def _get_reserved_resources(self):
         """Ray's own, with the coordinator's view of the nodes refreshed first (at most once a
-        second: the policy keeps an answer that long). For a restart, nodes being drained are
-        left out: they take no new workers, and Ray's coordinator still counts them until they
-        are gone, which after a preemption made the restart wait out the 60 s start timeout.
-        (A running group keeps counting them, so a drain never resizes it before the
-        preemption's own checkpoint and restart.)"""
+        second: the policy keeps an answer that long), less the nodes being drained."""
         now = time_monotonic()
         if now - self._latest_reserved_resources_query_time < self.GET_RESERVED_RESOURCES_INTERVAL_S:
             return self._latest_reserved_resources  # the answer of less than a second ago
@@ -85,9 +94,8 @@ class SizedElasticPolicy(ElasticScalingPolicy):
                 self._autoscaling_coordinator.get_reserved_resources.remote(self._requester_id,
                                                                             recompute=True),
                 timeout=AUTOSCALING_REQUESTS_GET_TIMEOUT_S)
-            if self._restarting:
-                draining = ray._private.state.state.get_draining_nodes() or {}
-                reserved = {node: r for node, r in reserved.items() if node not in draining}
+            self._draining = set(ray._private.state.state.get_draining_nodes() or {})
+            reserved = {node: r for node, r in reserved.items() if node not in self._draining}
         except Exception as e:  # as Ray's: keep the size until the coordinator answers again
             logger.warning(f"could not get the cluster's resources for {self._requester_id}: {e}")
             reserved = None
