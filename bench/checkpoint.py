@@ -107,10 +107,10 @@ def part_uploads(args, data: str) -> dict:
                 print(f"{mode:5s} rep {rep}: waits {['%.2f' % w for w in waits]} s, "
                       f"{summary['tokens_per_second']:,.0f} tok/s, wall {summary['wall_seconds']:.0f} s",
                       flush=True)
+        size = checkpoint_bytes("bench", "runs/" + runs[-1]["name"])  # while the server runs
     finally:
         ray.shutdown()
         server.stop()
-    size = checkpoint_bytes("bench", "runs/" + runs[-1]["name"])
     by = {m: [w for r in runs if r["mode"] == m for w in r["checkpoint_waits_s"]] for m in ("sync", "async")}
     return {"runs": runs, "checkpoint_mb": size / 1e6,
             "median_wait_s": {m: statistics.median(v) for m, v in by.items()},
