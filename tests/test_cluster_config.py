@@ -215,3 +215,16 @@ def test_local_down_finds_only_the_processes_of_its_own_temp_dir():
         for proc in procs.values():
             proc.kill()
             proc.wait()
+
+
+def test_a_job_uploads_the_whole_package_but_not_the_datasets():
+    """Ray's own matcher for runtime_env excludes (gitignore rules): an unanchored "data/" also
+    dropped raytrain_lm/data/, and a submitted job imported that package from elsewhere."""
+    from ray._private.runtime_env.packaging import _get_excludes
+
+    from raytrain_lm.cluster.jobs import JOB_EXCLUDES, ROOT
+
+    excluded = _get_excludes(ROOT, JOB_EXCLUDES)
+    assert not any(excluded(p) for p in (ROOT / "raytrain_lm").rglob("*.py"))
+    assert excluded(ROOT / "data" / "pydoc" / "manifest.json")
+    assert excluded(ROOT / "runs" / "run" / "summary.json")

@@ -21,7 +21,9 @@ ROOT = Path(__file__).resolve().parents[2]  # the project: the working dir of a 
 DEFAULT_DASHBOARD_PORT = 8265  # the dashboard serves the jobs API
 DEFAULT_JOBS_ADDRESS = f"http://127.0.0.1:{DEFAULT_DASHBOARD_PORT}"
 # Not uploaded with a job: results, prepared datasets and caches, VCS and tool folders.
-JOB_EXCLUDES = ["runs/", "data/", ".cache/", ".git/", ".hg/", ".svn/", "__pycache__/",
+# "/data/" anchored: an unanchored "data/" also dropped the package raytrain_lm/data/ (gitignore
+# rules), and the job then imported it from wherever else it could, or failed to.
+JOB_EXCLUDES = ["runs/", "/data/", ".cache/", ".git/", ".hg/", ".svn/", "__pycache__/",
                 ".pytest_cache/", ".venv/", "venv/", "*.egg-info/", ".ipynb_checkpoints/"]
 # Forwarded to a job so that its driver and workers reach the same S3-compatible endpoint (no
 # secrets: credentials come from the cluster's own environment or instance role).
