@@ -51,6 +51,7 @@ def parse_args(argv=None):
                    help="settings for every run; the defaults keep a CPU step short (the "
                         "checkpoint's size depends on the model only)")
     p.add_argument("--skip-resize", action="store_true", help="part 1 only")
+    p.add_argument("--skip-uploads", action="store_true", help="part 2 only")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "checkpoint.json"))
     return p.parse_args(argv)
 
@@ -191,11 +192,12 @@ def main(argv=None) -> None:
     ensure_dataset(build_config(flags={"data": data}), print)
     started = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     result = {"started": started, "machine": platform.processor() or platform.machine(),
-              "cpus": os.cpu_count(), "args": vars(args), "uploads": part_uploads(args, data)}
-    u = result["uploads"]
-    print(f"checkpoint {u['checkpoint_mb']:.0f} MB; median seconds blocked per checkpoint: sync "
-          f"{u['median_wait_s']['sync']:.2f}, async {u['median_wait_s']['async']:.2f} "
-          f"(async/sync {u['async_over_sync']:.2f})", flush=True)
+              "cpus": os.cpu_count(), "args": vars(args), "load_at_start": os.getloadavg()[0]}
+    if not args.skip_uploads:
+        result["uploads"] = u = part_uploads(args, data)
+        print(f"checkpoint {u['checkpoint_mb']:.0f} MB; median seconds blocked per checkpoint: "
+              f"sync {u['median_wait_s']['sync']:.2f}, async {u['median_wait_s']['async']:.2f} "
+              f"(async/sync {u['async_over_sync']:.2f})", flush=True)
     if not args.skip_resize:
         result["resize"] = part_resize(data)
         r = result["resize"]
