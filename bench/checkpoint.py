@@ -13,8 +13,8 @@ Part 2, the cost of a resize: a `--workers 1-2` run of the tiny preset on a mult
 this machine (`ray.cluster_utils.Cluster`: a head without CPUs, two 1-CPU worker nodes). One node is
 removed (its raylet and workers killed); figure: seconds from the removal to the first step the
 one-worker group finishes (its rows' `first_step_unix`). Then a node is added back; figure: seconds
-from the addition to the first step at two workers (this includes Ray noticing the new node: its
-autoscaling coordinator refreshes the cluster's resources every 20 s).
+from the addition to the first step at two workers (this includes Ray noticing the new node: the
+policy counts every `--resize-interval`, 1 s here, on a fresh view of the cluster, scaling.py).
 
 Run it under the shared Ray lock:
 
