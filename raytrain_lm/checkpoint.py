@@ -172,9 +172,11 @@ def _state_dicts(parallel) -> list[tuple[dict, dict]]:
 
 
 def save_checkpoint(folder: Path, rank: int, parallel, state: Optional[dict[str, Any]],
-                    tokenizer_raw: Optional[bytes] = None) -> None:
+                    tokenizer_raw: Optional[bytes] = None, commit: bool = True) -> None:
     """Called on every rank (a collective). Rank 0 passes the training `state` and, for a BPE,
-    its tokenizer.json (`Tokenizer.raw`)."""
+    its tokenizer.json (`Tokenizer.raw`). With `commit`, the commit records are written at once;
+    else `commit_checkpoint` writes them later (where a checkpoint is uploaded: in the
+    background, with asynchronous uploads)."""
     import torch.distributed.checkpoint as dcp
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -186,18 +188,28 @@ def save_checkpoint(folder: Path, rank: int, parallel, state: Optional[dict[str,
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(folder / DCP_DIR))
     if rank == 0:
         assert state is not None
-        state = {**state, "format": "dcp"}
-        torch.save(state, folder / STATE)
+        torch.save({**state, "format": "dcp"}, folder / STATE)
         if tokenizer_raw is not None:
             (folder / TOKENIZER).write_bytes(tokenizer_raw)
+    if commit:
+        commit_checkpoint(folder, rank, state)
+
+
+def commit_checkpoint(folder: Path, rank: int, state: Optional[dict[str, Any]]) -> list[Path]:
+    """This rank's commit record (the sha256 of every file it wrote) and, on rank 0 (`state`),
+    meta.json. Returns the rank's files in the order to copy them anywhere: its data files, then
+    its record, then meta.json, so a copy cut short lacks a record and never loads."""
     written = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != META)
     record = {str(p.relative_to(folder)): sha256_file(p) for p in written}
     (folder / rank_record(rank)).write_text(json.dumps(record, indent=1))
+    order = [*written, folder / rank_record(rank)]
     if rank == 0:
         meta = {"version": VERSION, "step": state["step"], "world_size": state["world_size"],
-                "format": state["format"], "val_loss": state.get("val_loss"),
+                "format": "dcp", "val_loss": state.get("val_loss"),
                 "config": state["config"], "tokenizer": state["tokenizer"]}
         (folder / META).write_text(json.dumps(meta, indent=2))
+        order.append(folder / META)
+    return order
 
 
 def load_state(folder: Path, parallel, optimizer: bool = True) -> None:

@@ -4,20 +4,31 @@ from it, and save a new one with the report that registers it in Ray.
 We scan the run's folder rather than trust only `ray.train.get_checkpoint()`: Ray's controller
 registers a reported checkpoint when it next polls the workers, so a worker that dies right after
 a checkpoint was uploaded would otherwise lose it.
+
+Uploads (`--checkpoint-upload`): training is blocked only while each rank writes its files to a
+local folder (a collective); hashing them into the commit record and copying them to the run's
+storage is `_upload`, which Ray runs either before `report` returns (sync) or in a background
+thread while training goes on (async). `_upload` copies the data files first, then the rank's
+record, then (rank 0) meta.json: until the last of them lands the checkpoint is incomplete and
+every reader skips it, so a worker that dies mid-upload leaves nothing half-loadable behind.
 """
 
 from __future__ import annotations
 
 import tempfile
+import time
 from collections import deque
 from pathlib import Path
 from typing import Any, Optional
 
+import pyarrow.fs as pafs
 import ray.train
 import torch
+from ray.train import CheckpointUploadMode
 
 from raytrain_lm import checkpoint as ckpt_io
 from raytrain_lm.config import TrainConfig
+from raytrain_lm.drills import fault_drill
 from raytrain_lm.files import checkpoint_name
 from raytrain_lm.optim import resumed_horizon
 from raytrain_lm.runs import FoundCheckpoint, latest_checkpoint
@@ -28,11 +39,24 @@ from raytrain_lm.tokenizer import Tokenizer
 RECENT_ROWS = 8
 
 
+def upload_mode(cfg: TrainConfig, fs: pafs.FileSystem) -> CheckpointUploadMode:
+    """--checkpoint-upload; auto: async where the storage is remote (local copies are quick)."""
+    mode = cfg.checkpoint_upload
+    if mode == "auto":
+        mode = "sync" if isinstance(fs, pafs.LocalFileSystem) else "async"
+    return CheckpointUploadMode.ASYNC if mode == "async" else CheckpointUploadMode.SYNC
+
+
 class Checkpointer:
-    def __init__(self, cfg: TrainConfig, rank: int, world: int, tokenizer: Tokenizer):
-        storage = ray.train.get_context().get_storage()
-        self.fs, self.run_path = storage.storage_filesystem, storage.experiment_fs_path
+    def __init__(self, cfg: TrainConfig, rank: int, world: int, tokenizer: Tokenizer,
+                 fail_at: Optional[str] = None, run_name: str = ""):
+        """`fail_at`, `run_name`: the fault drill (drills.py), for a death during an upload."""
+        self.storage = ray.train.get_context().get_storage()
+        self.fs, self.run_path = self.storage.storage_filesystem, self.storage.experiment_fs_path
         self.cfg, self.rank, self.world, self.tokenizer = cfg, rank, world, tokenizer
+        self.mode = upload_mode(cfg, self.fs)
+        self.fail_at, self.run_name = fail_at, run_name
+        self.waited: Optional[float] = None  # seconds training stood still for the last checkpoint
         self.recent: deque[dict] = deque(maxlen=RECENT_ROWS)  # the rows each checkpoint carries
         self.resent: Optional[list[dict]] = None  # rows to send again with the first report
         self.resumed_from: Optional[int] = None
@@ -64,11 +88,13 @@ class Checkpointer:
         """`ray.train.report` (a barrier: every rank calls it), with a checkpoint if `save`."""
         step = row["step"]
         row["resumed_from_step"] = self.resumed_from
+        if self.waited is not None:  # the previous checkpoint's, measured after its report
+            row["checkpoint_wait_s"], self.waited = self.waited, None
         self.recent.append({**row, "checkpoint": checkpoint_name(step)} if save else dict(row))
         if self.resent is not None:
             row["resumed_rows"], self.resent = self.resent, None
-        if not save:
-            ray.train.report(row)
+        if not save:  # async: a report queues behind an upload in flight instead of waiting
+            ray.train.report(row, checkpoint_upload_mode=self.mode)
             return
         state = None
         if self.rank == 0:
@@ -76,11 +102,32 @@ class Checkpointer:
                      "data": stream.state_dict(), "world_size": self.world,
                      "val_loss": row.get("val_loss"), "recent_metrics": list(self.recent),
                      "config": self.cfg.to_dict(), "tokenizer": self.tokenizer.spec()}
-        with tempfile.TemporaryDirectory(prefix="raytrain-lm-ckpt-") as tmp:
-            ckpt_io.save_checkpoint(Path(tmp), self.rank, step_fn.parallel, state=state,
-                                    tokenizer_raw=self.tokenizer.raw if self.rank == 0 else None)
-            ray.train.report(row, checkpoint=ray.train.Checkpoint.from_directory(tmp),
-                             checkpoint_dir_name=checkpoint_name(step))
+        started = time.perf_counter()
+        tmp = tempfile.mkdtemp(prefix="raytrain-lm-ckpt-")  # Ray deletes it once uploaded
+        ckpt_io.save_checkpoint(Path(tmp), self.rank, step_fn.parallel, state=state,
+                                tokenizer_raw=self.tokenizer.raw if self.rank == 0 else None,
+                                commit=False)
+        ray.train.report(row, checkpoint=ray.train.Checkpoint.from_directory(tmp),
+                         checkpoint_dir_name=checkpoint_name(step), checkpoint_upload_mode=self.mode,
+                         checkpoint_upload_fn=lambda ckpt, name: self._upload(ckpt, name, state, step),
+                         delete_local_checkpoint_after_upload=True)
+        self.waited = time.perf_counter() - started
+
+    def _upload(self, checkpoint, dir_name: str, state: Optional[dict], step: int):
+        """Commit records, then every file into the run's storage, records last (see above)."""
+        local = Path(checkpoint.path)
+        files = ckpt_io.commit_checkpoint(local, self.rank, state)
+        dest = self.storage.build_checkpoint_path_from_name(dir_name)
+        self.fs.create_dir(dest, recursive=True)
+        for i, path in enumerate(files):
+            if i == len(files) // 2:
+                fault_drill(self.fail_at, step, self.rank, self.run_name, phase="upload")
+            rel = path.relative_to(local).as_posix()
+            if "/" in rel:
+                self.fs.create_dir(f"{dest}/{rel.rsplit('/', 1)[0]}", recursive=True)
+            pafs.copy_files(str(path), f"{dest}/{rel}", source_filesystem=pafs.LocalFileSystem(),
+                            destination_filesystem=self.fs)
+        return ray.train.Checkpoint(dest, filesystem=self.fs)
 
     def report_final_rows(self, train_start_unix: float) -> None:
         """After resuming from the final checkpoint (the run stopped after writing it, before Ray

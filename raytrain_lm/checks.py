@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Optional
 
+from raytrain_lm.elastic import check_elastic
 from raytrain_lm.errors import UserError
 from raytrain_lm.files import NAME_RULE, is_plain_name
 
@@ -14,6 +15,7 @@ if TYPE_CHECKING:
     from raytrain_lm.config import TrainConfig
 
 SCHEDULES = ("cosine", "wsd", "exp_range")  # of the learning rate (optim.lr_at)
+UPLOAD_MODES = ("auto", "sync", "async")  # of checkpoints (checkpointer.py)
 
 
 def check_resumable(was: TrainConfig, cfg: TrainConfig, preset: str) -> None:
@@ -128,6 +130,11 @@ def validate(cfg: TrainConfig) -> None:
         raise UserError(f"--scale-timeout must be >= 0 seconds, got {cfg.scale_timeout:g}")
     if cfg.warmup_steps < 0 or cfg.checkpoint_every < 0 or cfg.max_failures < -1 or cfg.eval_windows < 0:
         raise UserError("warmup_steps, checkpoint_every and eval_windows must be >= 0, max_failures >= -1")
+    if cfg.max_preemptions < -1 or cfg.resize_interval < 0:
+        raise UserError("max_preemptions must be >= -1 and resize_interval >= 0")
+    if cfg.checkpoint_upload not in UPLOAD_MODES:
+        raise UserError(f"--checkpoint-upload must be one of {', '.join(UPLOAD_MODES)}, got "
+                        f"{cfg.checkpoint_upload!r}")
     if cfg.horizon is not None and cfg.horizon < 1:
         raise UserError(f"horizon must be at least 1, got {cfg.horizon}")
     if not 0.0 < cfg.decay_fraction <= 1.0:
@@ -144,6 +151,7 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.precision not in ("auto", "fp32", "bf16", "fp16"):
         raise UserError(f"precision must be auto, fp32, bf16 or fp16, got {cfg.precision!r}")
     check_layout(cfg)
+    check_elastic(cfg)
     if cfg.strategy not in ("ddp", "fsdp"):
         raise UserError(f"--strategy must be ddp or fsdp, got {cfg.strategy!r}")
     if cfg.activation_checkpointing not in ("none", "full", "selective"):

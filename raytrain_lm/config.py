@@ -50,7 +50,14 @@ class TrainConfig:
     address: Optional[str] = setting(None, help="Ray cluster to use [default: RAY_ADDRESS, else start "
                                      "a local one].")
     # scaling
-    workers: int = setting(2, help="Ray Train workers (one process each).")
+    workers: int = setting(2, help="Ray Train workers (one process each); MIN-MAX: elastic, "
+                           "from MIN up to MAX as the cluster allows (see min_workers).")
+    min_workers: Optional[int] = setting(None, help="Elastic: the fewest workers the run trains "
+                                         "on (`--workers MIN-MAX` sets it); it starts when MIN "
+                                         "fit and grows and shrinks with the cluster. None or "
+                                         "--workers: a fixed size.")
+    resize_interval: float = setting(60.0, help="Elastic: seconds between checks whether the "
+                                     "cluster holds more (or fewer) workers than are training.")
     use_gpu: bool = setting(False, help="One GPU per worker, NCCL.")
     cpus_per_worker: float = setting(1.0, help="CPUs Ray reserves for each worker.")
     scale_timeout: float = setting(900.0, help="Seconds to wait for an autoscaler to add the nodes "
@@ -103,7 +110,12 @@ class TrainConfig:
                                 "same whatever the worker count); 0: all of them.")
     checkpoint_every: int = setting(100, help="Steps between checkpoints; 0: only at the end.")
     keep_checkpoints: int = setting(2, help="Checkpoints to keep.")
-    max_failures: int = setting(0, help="Worker-group restarts allowed.")
+    checkpoint_upload: str = setting("auto", help="sync: training waits while a checkpoint "
+                                     "uploads; async: it trains on while it uploads; auto: async "
+                                     "where --storage is remote (s3://, gs://).")
+    max_failures: int = setting(0, help="Worker-group restarts after failures allowed (-1: any).")
+    max_preemptions: int = setting(-1, help="Worker-group restarts after node preemptions "
+                                   "(spot reclaims) allowed, apart from --max-failures; -1: any.")
     # metrics
     peak_tflops: Optional[float] = setting(None, help="GPU peak TFLOP/s for MFU [default: from the "
                                            "GPU's name].")

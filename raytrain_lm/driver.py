@@ -13,7 +13,10 @@ from typing import Any, Callable, Optional
 
 from raytrain_lm import files, summary
 from raytrain_lm.config import TrainConfig
+from raytrain_lm.drills import FAULT_ENV, WINDOWS_ENV
+from raytrain_lm.elastic import is_elastic, sizes_line, workers_text
 from raytrain_lm.errors import UserError, last_line
+from raytrain_lm.groups import WorkerGroups
 from raytrain_lm.preflight import (check_init_from, check_memory, check_resources,
                                    configured_memory_gb, default_run_name, prepare_data,
                                    resume_step, worker_memory_gb)
@@ -21,7 +24,6 @@ from raytrain_lm.runs import best_val_loss
 from raytrain_lm.storage import MetricsLog, RunFolder
 from raytrain_lm.tb import TensorBoardLog
 
-FAULT_ENV = "RAYTRAIN_LM_FAIL_AT"  # fault drill: "RANK:STEP" makes that rank's process exit there
 # Ray Train's controller collects reports when it polls the workers (default every 2 s) and a
 # worker holds one report at a time, so reports more frequent than the poll stall training. Ray
 # passes this variable from the driver to the controller; a value the user set always wins.
@@ -45,7 +47,7 @@ def build_summary(cfg: TrainConfig, rows: list[dict], status: str, wall: float, 
         "max_steps": cfg.max_steps,
         "time_to_first_step": (last["train_start_unix"] - t_launch) if last.get("train_start_unix") else None,
         "wall_seconds": wall,
-        "workers": cfg.workers,
+        "workers": workers_text(cfg) if is_elastic(cfg) else cfg.workers,
         "use_gpu": cfg.use_gpu,
         "preset": cfg.preset,
         "checkpoint": checkpoint,
@@ -62,23 +64,25 @@ def build_trainer(cfg: TrainConfig, run: RunFolder, callbacks: Optional[list] = 
     """The TorchTrainer for `cfg`, writing into `run`'s folder. Used by `train` and by each Tune
     trial. `poll_seconds`: see report_poll_seconds. `force`: workers skip their memory check.
     `worker_env`: environment variables of the worker processes (--worker-env)."""
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
+    from ray.train import CheckpointConfig, RunConfig
 
     from raytrain_lm.loop import train_loop_per_worker
+    from raytrain_lm.preemption import DEFAULT_POLL_S, POLL_ENV as PREEMPTION_POLL_ENV
+    from raytrain_lm.scaling import ElasticTrainer, failure_config, scaling_config
 
     os.environ[POLL_ENV] = poll_seconds or report_poll_seconds()  # read when the controller starts
-    resources = {"CPU": cfg.cpus_per_worker, **({"GPU": 1} if cfg.use_gpu else {})}
-    return TorchTrainer(
+    os.environ.setdefault(PREEMPTION_POLL_ENV, str(DEFAULT_POLL_S))  # Ray passes it on, too
+    return ElasticTrainer(
         train_loop_per_worker,
+        cfg=cfg,
         train_loop_config={"train": cfg.to_dict(), "run_name": cfg.name, "init_from": init_from,
-                           "fail_at": fail_at, "force": force},
-        scaling_config=ScalingConfig(num_workers=cfg.workers, use_gpu=cfg.use_gpu,
-                                     resources_per_worker=resources),
+                           "fail_at": fail_at, "force": force,
+                           "log_windows": bool(os.environ.get(WINDOWS_ENV))},
+        scaling_config=scaling_config(cfg),
         run_config=RunConfig(
             name=cfg.name,
             storage_path=run.storage_uri,
-            failure_config=FailureConfig(max_failures=cfg.max_failures),
+            failure_config=failure_config(cfg),
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.keep_checkpoints),
             callbacks=callbacks or [],
             worker_runtime_env={"env_vars": dict(worker_env)} if worker_env else None,
@@ -129,8 +133,9 @@ def run_training(
                             fail_at=os.environ.get(FAULT_ENV), poll_seconds=poll_seconds,
                             force=force, worker_env=worker_env)
     run.write_json(files.CONFIG, cfg.to_dict())  # what a later --resume continues with
-    follower = Follower(cfg, run, t_launch, previous.get("restarts", 0) + (1 if resume else 0),
-                        say, on_metrics)
+    if is_elastic(cfg):
+        say(sizes_line(cfg))
+    follower = Follower(cfg, run, t_launch, previous, resume, say, on_metrics)
     follower.write_summary("running")  # kept current: after a crash of this driver it still tells
     result, error = follower.follow(trainer, metrics_q)
 
@@ -165,21 +170,26 @@ def run_folder(cfg: TrainConfig, resume: bool) -> RunFolder:
 
 class Follower:
     """Follows a run from the driver: rows from the workers (through the controller's callback and
-    a Ray queue) go to metrics.jsonl, TensorBoard and the caller's progress display, and
-    summary.json is rewritten at every checkpoint and failure."""
+    a Ray queue) go to metrics.jsonl, TensorBoard and the caller's progress display, restarts and
+    resizes to `groups`, and summary.json is rewritten at every checkpoint, failure and resize."""
 
-    def __init__(self, cfg: TrainConfig, run: RunFolder, t_launch: float, restarts: int,
-                 say: Callable[[str], None], on_metrics: Optional[Callable[[dict], None]]):
-        self.cfg, self.run, self.t_launch, self.restarts = cfg, run, t_launch, restarts
+    def __init__(self, cfg: TrainConfig, run: RunFolder, t_launch: float, previous: dict,
+                 resume: bool, say: Callable[[str], None],
+                 on_metrics: Optional[Callable[[dict], None]]):
+        """`previous`: a resumed run's summary.json so far ({} for a new run)."""
+        self.cfg, self.run, self.t_launch = cfg, run, t_launch
         self.say, self.on_metrics = say, on_metrics
         self.log = MetricsLog(run)
-        self.failures_seen = 0
+        last = self.log.rows[-1] if self.log.rows else {}
+        self.groups = WorkerGroups(previous.get("restarts", 0) + (1 if resume else 0),
+                                   previous.get("resizes"), last.get("workers"),
+                                   "resumed by the driver" if resume else None)
 
     def write_summary(self, status: str, checkpoint: Optional[str] = None,
                       error: Optional[str] = None) -> dict:
         out = build_summary(self.cfg, self.log.rows, status, time.time() - self.t_launch,
                             self.t_launch, checkpoint, error)
-        out["restarts"] = self.restarts
+        out["restarts"], out["resizes"] = self.groups.restarts, self.groups.resizes
         out["best_checkpoint"] = (self.run.display_path(files.BEST_DIR)
                                   if self.run.exists(files.BEST_DIR) else None)
         self.run.write_json(files.SUMMARY, out)
@@ -208,22 +218,23 @@ class Follower:
             self._take(row, tb)
         thread.join()
         tb.close()
-        if outcome.get("error") is not None and self.failures_seen:
-            self.restarts -= 1  # the last failure ended the run: it was not followed by a restart
         return outcome.get("result"), outcome.get("error")
 
     def _take(self, row: dict, tb: TensorBoardLog) -> None:
         if row.get("event") == "worker_failure":
-            self.restarts, self.failures_seen = self.restarts + 1, self.failures_seen + 1
+            self.groups.failure(row["error"])
             self.say(f"worker failure: {row['error']}; restarting from the latest checkpoint")
             self.write_summary("running")
             return
+        resized = self.groups.row(row)  # a new worker group: a restart, perhaps a resize
+        if resized:
+            self.say(resized)
         for r in [*(row.pop("resumed_rows", None) or []), row]:  # rows Ray may have lost
             if r.get("checkpoint"):
                 r["checkpoint"] = checkpoint_uri(self.run, r["checkpoint"])
             self.log.add(r)
             tb.add(r)
-        if row.get("checkpoint"):
+        if row.get("checkpoint") or resized:
             self.write_summary("running")
         if self.on_metrics:
             self.on_metrics(row)

@@ -2,15 +2,17 @@
 
 restore (if this run has a checkpoint) -> model -> parallelize + optimizer -> data -> steps, with a
 `ray.train.report` every few steps. A report is a barrier across ranks, so every rank follows the
-same deterministic cadence (`Cadence`) of reports, validations and checkpoints.
+same deterministic cadence (`Cadence`) of reports, validations and checkpoints, plus a checkpoint
+at once when a node of the run is about to be preempted (`PreemptionWatch`, the same on every
+rank). The worker group may be any of the run's sizes (elastic.py): every size takes the same
+global batch per step.
 """
 
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import ray.train
 import ray.train.torch
@@ -22,6 +24,9 @@ from raytrain_lm.config import TrainConfig
 from raytrain_lm.data.loaders import Validation, train_stream
 from raytrain_lm.data.manifest import dataset_tokenizer
 from raytrain_lm.data.resolve import resolve_dataset
+from raytrain_lm.drills import WindowLog, fault_drill
+from raytrain_lm.elastic import fit_to_world
+from raytrain_lm.errors import UserError
 from raytrain_lm.metrics import Meter, gpu_peak_tflops, peak_memory_gb
 from raytrain_lm.model import flops_per_token
 from raytrain_lm.optim import lr_at
@@ -29,6 +34,7 @@ from raytrain_lm.preflight import check_device_memory
 from raytrain_lm.parallel.fsdp import to_float
 from raytrain_lm.parallel.mesh import rank_coords
 from raytrain_lm.plan import param_counts
+from raytrain_lm.preemption import PreemptionWatch
 from raytrain_lm.step import TrainStep
 
 
@@ -37,11 +43,15 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     cfg.data = resolve_dataset(cfg.data)  # s3://... -> verified local cache on this node
     ctx = ray.train.get_context()
     rank, world, device = ctx.get_world_rank(), ctx.get_world_size(), ray.train.torch.get_device()
-    check_device_memory(cfg, device, loop_config.get("force", False))  # the GPU's real memory
+    sized = fit_to_world(cfg, world)  # this size's micro-batches: the same global batch
+    if sized is None:  # the trainer starts only sizes that can (scaling.py)
+        raise UserError(f"a group of {world} workers cannot split this run's global batch evenly")
+    check_device_memory(sized, device, loop_config.get("force", False))  # the GPU's real memory
     if device.type == "cuda":
         torch.set_float32_matmul_precision("high")  # TF32 for any matmul left in fp32
     tokenizer = dataset_tokenizer(cfg.data)  # a BPE's file travels into every checkpoint
-    checkpointer = Checkpointer(cfg, rank, world, tokenizer)
+    checkpointer = Checkpointer(cfg, rank, world, tokenizer, loop_config.get("fail_at"),
+                                loop_config["run_name"])
     found = checkpointer.find_latest()  # this run's newest valid checkpoint, or None
     state, rng = ckpt_io.load_resume_state(found.path, found.meta, rank) if found else (None, None)
     coords = rank_coords(rank, world, cfg.tp, cfg.pp)
@@ -49,10 +59,12 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     # --- the model as this rank holds it (built sharded where the layout shards it), then its
     # state: a resumed run's own, else --init-from's weights, else the initial values
     baseline_mem = peak_memory_gb(device)
-    step_fn = TrainStep(cfg, device)
+    step_fn = TrainStep(sized, device)
     build_mem = peak_memory_gb(device) - baseline_mem  # built sharded: only this rank's shards
-    batches = train_stream(cfg, coords.dp, step_fn.parallel.dp)  # tp and pp peers: the same rows
-    validation = Validation(cfg, coords.dp, step_fn.parallel.dp, tokenizer.text_byte_lengths())
+    logs = loop_config.get("log_windows")  # drills.py: which windows each rank reads
+    log = WindowLog.for_group(checkpointer.fs, checkpointer.run_path, rank, world) if logs else None
+    batches = train_stream(sized, coords.dp, step_fn.parallel.dp, log)  # tp, pp peers: same rows
+    validation = Validation(sized, coords.dp, step_fn.parallel.dp, tokenizer.text_byte_lengths())
     if found is not None:
         step, tokens = checkpointer.restore(found, state, step_fn, batches)
     else:
@@ -64,8 +76,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
 
     n_params = param_counts(cfg.model)["total"]
     fpt = flops_per_token(cfg.model, n_params - cfg.model.block_size * cfg.model.n_embd, cfg.seq_len)
-    cadence = Cadence(cfg)
-    step_tokens = cfg.batch_size * cfg.seq_len * cfg.grad_accum * step_fn.parallel.dp
+    cadence, preemption = Cadence(cfg), PreemptionWatch()
+    step_tokens = sized.batch_size * cfg.seq_len * sized.grad_accum * step_fn.parallel.dp
     meter = Meter(device, world, fpt, gpu_peak_tflops(device, cfg.peak_tflops), n_params, baseline_mem,
                   build_mem, loss_ranks=step_fn.parallel.dp)
     step_fn.parallel.train()
@@ -75,17 +87,21 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         step, tokens = step + 1, tokens + step_tokens
         meter.add_step(loss, step_tokens, waited)
         fault_drill(loop_config.get("fail_at"), step, rank, loop_config["run_name"])
-        if not cadence.reports(step):
+        preempted = preemption.check(step)  # a node of the run is going: checkpoint now
+        if not (cadence.reports(step) or preempted):
             continue
         row = meter.row(step, lr, to_float(grad_norm), step_fn.parallel)
-        row.update(tokens=tokens, epoch=batches.epoch)
+        row.update(tokens=tokens, epoch=batches.epoch, workers=world)
+        if preempted:
+            row["preemption"] = preempted  # the driver names it as the reason of the restart
         if cadence.validates(step):
             val, bpb = step_fn.evaluate(validation)
             row.update(val_loss=val, val_ppl=math.exp(min(val, 50.0)), val_bpb=bpb)
-        if cadence.checkpoints(step) and step_fn.parallel.replicated:
+        save = cadence.checkpoints(step) or bool(preempted)
+        if save and step_fn.parallel.replicated:
             row["replica_spread"] = meter.replica_spread(step_fn.parallel.parts[0])  # 0.0: they agree
-        checkpointer.report(row, save=cadence.checkpoints(step), step_fn=step_fn, stream=batches)
-        meter.next_interval(exclude_since_row=cadence.validates(step))
+        checkpointer.report(row, save=save, step_fn=step_fn, stream=batches)
+        meter.next_interval(exclude_since_row=save or cadence.validates(step))
     checkpointer.report_final_rows(meter.start_unix)
 
 
@@ -105,22 +121,3 @@ class Cadence:
 
     def reports(self, step: int) -> bool:
         return step % self.cfg.log_every == 0 or self.validates(step)
-
-
-def fault_drill(spec: Optional[str], step: int, rank: int, run_name: str) -> None:
-    """With RAYTRAIN_LM_FAIL_AT=R:K in the driver's environment, rank R's process dies at step K,
-    once per run. "Once" is remembered in the cluster's key-value store, so the restarted worker
-    group gets past step K."""
-    if not spec:
-        return
-    r, k = (int(v) for v in spec.split(":"))
-    if r != rank or k != step:
-        return
-    from ray.experimental import internal_kv
-
-    key = f"raytrain_lm:fault:{run_name}:{r}:{k}".encode()
-    if internal_kv._internal_kv_get(key):
-        return
-    internal_kv._internal_kv_put(key, b"1")
-    print(f"[fault drill] rank {rank} exiting at step {step}", flush=True)
-    os._exit(1)  # the process dies: no exception, no cleanup, as on a lost node

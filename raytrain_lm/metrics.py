@@ -84,9 +84,12 @@ class Meter:
         self.timer = StepTimer(device)
         self.losses: list[torch.Tensor] = []  # this rank's loss of each step since the last report
         self.start, self.start_unix = time.perf_counter(), time.time()
+        self.first_step_unix: Optional[float] = None  # when this worker group's first step ended
         self._row_done = 0.0
 
     def add_step(self, loss: torch.Tensor, tokens: int, data_wait: float) -> None:
+        if self.first_step_unix is None:
+            self.first_step_unix = time.time()
         self.losses.append(loss)
         self.timer.steps += 1
         self.timer.tokens += tokens
@@ -123,6 +126,7 @@ class Meter:
             "comm_bytes": parallel.comm_bytes,  # rank 0's bytes sent per step, per mesh dim
             "elapsed": time.perf_counter() - self.start,
             "train_start_unix": self.start_unix,
+            "first_step_unix": self.first_step_unix,
             "num_parameters": self.num_parameters,
         }
         self._row_done = time.perf_counter()

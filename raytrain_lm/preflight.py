@@ -59,22 +59,27 @@ def default_run_name(cfg: TrainConfig) -> str:
 
 
 def check_resources(cfg: TrainConfig, say: Callable[[str], None] = print) -> None:
+    """The cluster holds the run's workers (an elastic run's smallest size), or an autoscaler
+    brings them up within --scale-timeout."""
     import ray
 
     from raytrain_lm.cluster.autoscale import wait_for_resources
+    from raytrain_lm.elastic import is_elastic, worker_counts, workers_text
 
+    workers = worker_counts(cfg)[0]  # an elastic run starts as soon as its smallest size fits
+    flag, least = f"--workers {workers_text(cfg)}", "at least " if is_elastic(cfg) else ""
     per_worker = {"CPU": cfg.cpus_per_worker, **({"GPU": 1} if cfg.use_gpu else {})}
     total = ray.cluster_resources()
-    if any(total.get(k, 0) < v * cfg.workers for k, v in per_worker.items()) and \
-            wait_for_resources(per_worker, cfg.workers, cfg.scale_timeout, say):
+    if any(total.get(k, 0) < v * workers for k, v in per_worker.items()) and \
+            wait_for_resources(per_worker, workers, cfg.scale_timeout, say):
         return  # an autoscaler brought the nodes up
-    if cfg.use_gpu and total.get("GPU", 0) < cfg.workers:
+    if cfg.use_gpu and total.get("GPU", 0) < workers:
         have = int(total.get("GPU", 0))
-        raise UserError(f"--use-gpu with --workers {cfg.workers} needs {cfg.workers} GPUs but the "
+        raise UserError(f"--use-gpu with {flag} needs {least}{workers} GPUs but the "
                         f"cluster has {have}; drop --use-gpu or lower --workers")
-    need = cfg.workers * cfg.cpus_per_worker
+    need = workers * cfg.cpus_per_worker
     if total.get("CPU", 0) < need:
-        raise UserError(f"--workers {cfg.workers} needs {need:g} CPUs but the cluster has "
+        raise UserError(f"{flag} needs {least}{need:g} CPUs but the cluster has "
                         f"{total.get('CPU', 0):g}; lower --workers or cpus_per_worker")
 
 
@@ -104,11 +109,19 @@ def configured_memory_gb(cfg: TrainConfig) -> Optional[float]:
 def check_memory(cfg: TrainConfig, memory_gb: Optional[float]) -> None:
     """Refuse a configuration whose planned per-worker memory (plan.py, for its own layout: tp,
     pp, strategy, sequence parallelism, schedule and microbatches) exceeds what a worker has,
-    naming the plan's best layout for the same workers and global batch."""
-    from raytrain_lm.plan import GB, USABLE_FRACTION, config_cluster, config_layout, estimate_layout
+    naming the plan's best layout for the same workers and global batch. An elastic run is
+    checked at each of its sizes (fewer workers hold more of a sharded model each)."""
+    from raytrain_lm.elastic import fit_to_world, worker_counts
 
     if memory_gb is None:
         return
+    for size in worker_counts(cfg):  # a fixed run: its one size, as configured
+        _check_memory_at(fit_to_world(cfg, size), memory_gb)
+
+
+def _check_memory_at(cfg: TrainConfig, memory_gb: float) -> None:
+    from raytrain_lm.plan import GB, USABLE_FRACTION, config_cluster, config_layout, estimate_layout
+
     layout, cluster = config_layout(cfg), config_cluster(cfg, memory_gb)
     mine = estimate_layout(cfg.model, layout, cluster)
     if mine.fits:

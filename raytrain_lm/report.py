@@ -30,6 +30,7 @@ def progress_line(row: dict[str, Any], max_steps: int) -> str:
     eta = (max_steps - step) * row["step_time"]
     parts = [
         f"step {step:>{len(str(max_steps))}}/{max_steps}",
+        f"{row['workers']} workers" if row.get("workers") else None,  # elastic runs resize
         f"loss {row['loss']:.4f}",
         f"val {row['val_loss']:.4f}" if row.get("val_loss") is not None else None,
         f"{row['val_bpb']:.3f} bpb" if row.get("val_bpb") is not None else None,
@@ -47,6 +48,8 @@ def progress_line(row: dict[str, Any], max_steps: int) -> str:
 def _fmt_value(key: str, v: Any) -> str:
     if v is None:
         return "-"
+    if key == "resizes":
+        return "; ".join(f"{r['from']} -> {r['to']} at step {r['step']} ({r['why']})" for r in v) or "none"
     if key in ("mfu", "data_wait_frac"):
         return f"{v * 100:.2f}%"
     if key in ("wall_seconds", "time_to_first_step"):
@@ -69,7 +72,7 @@ TABLE_KEYS = [
     ("val_perplexity", "val perplexity"), ("final_val_bpb", "val bits/byte"), ("tokens_per_second", "tokens/s (median)"),
     ("mfu", "MFU"), ("data_wait_frac", "data wait"), ("peak_mem_gb", "peak memory / worker"),
     ("time_to_first_step", "time to first step"), ("wall_seconds", "wall time"),
-    ("restarts", "restarts"), ("resumed_from_step", "resumed from step"),
+    ("restarts", "restarts"), ("resizes", "resizes"), ("resumed_from_step", "resumed from step"),
     ("checkpoint", "checkpoint"),
 ]
 

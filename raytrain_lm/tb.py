@@ -31,6 +31,8 @@ TAGS = {
     "peak_mem_gb": "perf/peak_mem_gb",
     "tokens": "progress/tokens",
     "epoch": "progress/epoch",
+    "workers": "progress/workers",
+    "checkpoint_wait_s": "perf/checkpoint_wait_s",
 }
 
 

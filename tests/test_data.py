@@ -301,3 +301,17 @@ def test_not_a_dataset(tmp_path):
     (tmp_path / "manifest.json").write_text("{}")
     with pytest.raises(UserError, match="not a valid dataset"):
         load_manifest(tmp_path)
+
+
+def test_masking_the_padding_targets_leaves_the_inputs_alone():
+    """Inputs and targets are two slices of one tensor; masking the padding rows' targets in place
+    made their inputs -100, which the embedding refused (IndexError) on CPU workers."""
+    from raytrain_lm.data.loaders import Validation
+    from raytrain_lm.data.windows import collate_windows
+
+    x, y = collate_windows(torch.arange(12).reshape(3, 4))
+    before = x.clone()
+    masked = Validation.targets(y, real=1)
+    assert torch.equal(x, before)
+    assert masked[0].tolist() == [1, 2, 3] and (masked[1:] == Validation.IGNORE).all()
+    assert Validation.targets(y, real=3) is y  # a full batch is left as it is

@@ -8,8 +8,10 @@ presets, config files and --set still decide those (config.build_config).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
+import sys
 import typing
 from pathlib import Path
 from typing import Any, Callable, List, Optional
@@ -83,3 +85,17 @@ def say_for(quiet: bool, as_json: bool) -> Callable[[str], None]:
     if as_json:
         return lambda m: typer.echo(m, err=True)
     return (lambda m: None) if quiet else typer.echo
+
+
+@contextlib.contextmanager
+def only_json_on_stdout(as_json: bool):
+    """With --json, stdout holds the JSON document alone: whatever else is printed while the block
+    runs goes to stderr. (Ray prints its workers' deaths, "(raylet) A worker died ...", to the
+    driver's stdout whatever log_to_driver says: `train --json` after a worker failure printed
+    that before the JSON.) Yields the stream to print the JSON to."""
+    out = sys.stdout
+    if not as_json:
+        yield out
+        return
+    with contextlib.redirect_stdout(sys.stderr):
+        yield out

@@ -9,19 +9,36 @@ from typing import Optional
 import typer
 
 from raytrain_lm.cli.app import app, examples
-from raytrain_lm.cli.options import CONFIG, JSON, QUIET, SET, VERBOSE, ConfigPath, SetList, say_for, settings
+from raytrain_lm.cli.options import (CONFIG, JSON, QUIET, SET, VERBOSE, ConfigPath, SetList,
+                                     only_json_on_stdout, say_for, settings)
+from raytrain_lm.elastic import parse_workers
 from raytrain_lm.plan import COMPUTE_EFFICIENCY, H100_NVLINK_GBPS, H100_TFLOPS, IB_400_GBPS
 
-TRAIN_SETTINGS = ("workers", "use_gpu", "preset", "data", "max_steps", "batch_size", "seq_len", "lr",
+# `--workers` is train's own option (N or MIN-MAX), not generated from the setting.
+TRAIN_SETTINGS = ("use_gpu", "preset", "data", "max_steps", "batch_size", "seq_len", "lr",
                   "grad_accum", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints",
-                  "max_failures", "seed", "compile", "strategy", "tp", "pp", "microbatches",
-                  "pp_schedule", "sequence_parallel", "activation_checkpointing",
-                  "precision", "name", "storage", "address", "scale_timeout")
+                  "checkpoint_upload", "max_failures", "max_preemptions", "resize_interval",
+                  "seed", "compile", "strategy", "tp", "pp", "microbatches", "pp_schedule",
+                  "sequence_parallel", "activation_checkpointing", "precision", "name", "storage",
+                  "address", "scale_timeout")
+
+
+def workers_value(text: str):
+    """--workers as parsed: N as a number, MIN-MAX as given (both checked here, before anything
+    starts or is sent to a cluster)."""
+    from raytrain_lm.errors import UserError
+
+    try:
+        low, high = parse_workers(text)
+    except UserError as e:
+        raise typer.BadParameter(str(e)) from None
+    return high if str(text).strip().lstrip("-").isdigit() else f"{low}-{high}"
 
 
 @app.command(epilog=examples("python cli.py train",
                              "python cli.py train --workers 2 --max-steps 300 --preset tiny",
                              "python cli.py train --workers 8 --use-gpu --preset gpt2 --data data/stdlib",
+                             "python cli.py train --workers 2-8 --use-gpu --preset gpt2 --data s3://bucket/data/stdlib",
                              "python cli.py train --workers 4 --tp 2    # 2-way data x 2-way tensor parallel",
                              "python cli.py train --workers 4 --pp 2 --microbatches 8 --pp-schedule 1f1b",
                              "python cli.py train --workers 8 --tp 2 --pp 2 --strategy fsdp",
@@ -31,6 +48,11 @@ TRAIN_SETTINGS = ("workers", "use_gpu", "preset", "data", "max_steps", "batch_si
 @settings(*TRAIN_SETTINGS)
 def train(
     settings: dict,
+    workers: Optional[str] = typer.Option(None, "--workers", metavar="N|MIN-MAX", show_default=False,
+                                          parser=workers_value,
+                                          help="Ray Train workers (one process each): N, or "
+                                          "MIN-MAX to start as soon as MIN fit and grow and "
+                                          "shrink with the cluster (elastic) [default: 2]."),
     force: bool = typer.Option(False, help="Launch even if the memory plan says it will not fit."),
     config: ConfigPath = CONFIG,
     set_: SetList = SET,
@@ -52,6 +74,8 @@ def train(
     from raytrain_lm.report import progress_line, results_table
     from raytrain_lm.tune.lr_scaling import apply_lr_scaling
 
+    if workers is not None:  # N is a fixed size: MIN = MAX
+        settings["min_workers"], settings["workers"] = parse_workers(str(workers))
     base = None
     if resume:  # the run continues where it is found: --storage, else the default storage
         settings = {**settings, "storage": settings["storage"] or default_storage()}
@@ -63,12 +87,14 @@ def train(
     if scaled:
         say(scaled)
     show = None if quiet or as_json else lambda row: typer.echo(progress_line(row, cfg.max_steps))
-    summary = run_training(cfg, resume=resume, init_from=str(init_from) if init_from else None,
-                           verbose=verbose, force=force, say=say, on_metrics=show,
-                           worker_env=parse_env(worker_env or []))
-    if as_json:
-        typer.echo(json.dumps({k: v for k, v in summary.items() if k != "config"}, indent=2))
-        return
+    with only_json_on_stdout(as_json) as stdout:
+        summary = run_training(cfg, resume=resume, init_from=str(init_from) if init_from else None,
+                               verbose=verbose, force=force, say=say, on_metrics=show,
+                               worker_env=parse_env(worker_env or []))
+        if as_json:
+            typer.echo(json.dumps({k: v for k, v in summary.items() if k != "config"}, indent=2),
+                       file=stdout)
+            return
     typer.echo(results_table(summary))
     typer.echo(f"results: {summary['run_dir']}/summary.json, metrics.jsonl")
 

@@ -9,7 +9,8 @@ from typing import List, Optional
 import typer
 
 from raytrain_lm.cli.app import app, examples
-from raytrain_lm.cli.options import CONFIG, JSON, QUIET, SET, VERBOSE, ConfigPath, SetList, say_for, settings
+from raytrain_lm.cli.options import (CONFIG, JSON, QUIET, SET, VERBOSE, ConfigPath, SetList,
+                                     only_json_on_stdout, say_for, settings)
 
 # Search-space flags: a spec string each (LOW:HIGH, log:LOW:HIGH or A,B,C) -> the setting it tunes.
 SPEC_FLAGS = {"lr": "lr", "warmup": "warmup_steps", "weight_decay": "weight_decay",
@@ -79,12 +80,14 @@ def tune(
         cfg, sweep_space = new_sweep(settings, specs, space or [], str(space_file) if space_file else None,
                                      str(config) if config else None, set_, sweep)
     table = LiveTable()
-    summary = run_sweep(cfg, sweep_space, sweep, resume=resume, verbose=verbose,
-                        say=say_for(quiet, as_json), live=None if quiet or as_json else table.draw,
-                        live_interval=2.0 if table.tty else 30.0)
-    if as_json:
-        typer.echo(json.dumps({k: v for k, v in summary.items() if k != "table"}, indent=2, default=str))
-        return
+    with only_json_on_stdout(as_json) as stdout:
+        summary = run_sweep(cfg, sweep_space, sweep, resume=resume, verbose=verbose,
+                            say=say_for(quiet, as_json), live=None if quiet or as_json else table.draw,
+                            live_interval=2.0 if table.tty else 30.0)
+        if as_json:
+            typer.echo(json.dumps({k: v for k, v in summary.items() if k != "table"}, indent=2,
+                                  default=str), file=stdout)
+            return
     typer.echo(f"\nsweep {summary['name']}: {len(summary['trials'])} trials, "
                f"{sum(t['status'] == 'stopped' for t in summary['trials'])} stopped early by ASHA, "
                f"{summary['wall_seconds']:.0f} s")
@@ -124,11 +127,13 @@ def lr_find(
         typer.echo(f"step {row['step']:>{len(str(steps))}}/{steps} | lr {row['lr']:.2e} | "
                    f"loss {row['step_losses'][-1]:.4f}")  # this step's, at this lr
 
-    found = run_lr_find(cfg, lr_min, lr_max, steps, verbose=verbose, say=say_for(quiet, as_json),
-                        on_metrics=None if quiet or as_json else progress)
-    if as_json:
-        typer.echo(json.dumps({k: v for k, v in found.items() if k not in ("lrs", "losses")}, indent=2))
-        return
+    with only_json_on_stdout(as_json) as stdout:
+        found = run_lr_find(cfg, lr_min, lr_max, steps, verbose=verbose,
+                            say=say_for(quiet, as_json), on_metrics=None if quiet or as_json else progress)
+        if as_json:
+            typer.echo(json.dumps({k: v for k, v in found.items() if k not in ("lrs", "losses")},
+                                  indent=2), file=stdout)
+            return
     typer.echo(f"  suggested lr          {found['suggested_lr']:.2e}   ({found['rule']})")
     typer.echo(f"  lr at minimum loss    {found['min_loss_lr']:.2e}   (smoothed loss "
                f"{found['min_smoothed_loss']:.4f}; the edge of stability)")

@@ -23,12 +23,13 @@ def _loader(cfg: TrainConfig, dataset: TokenWindows, batch_sampler):
     return ray.train.torch.prepare_data_loader(loader, add_dist_sampler=False)
 
 
-def train_stream(cfg: TrainConfig, dp_rank: int, dp_size: int) -> BatchStream:
-    """The endless, resumable stream of this rank's training micro-batches."""
+def train_stream(cfg: TrainConfig, dp_rank: int, dp_size: int, log=None) -> BatchStream:
+    """The endless, resumable stream of this rank's training micro-batches (`log`: see
+    drills.WindowLog)."""
     dataset = TokenWindows(cfg.data, "train", cfg.seq_len)
     plan = BatchPlan(cfg.batch_size, cfg.grad_accum, dp_rank, dp_size)
     return BatchStream(dataset.shard_windows, plan, cfg.seed,
-                       lambda batches: _loader(cfg, dataset, batches))
+                       lambda batches: _loader(cfg, dataset, batches), log=log)
 
 
 class Validation:
@@ -57,7 +58,16 @@ class Validation:
     def __iter__(self):
         """(inputs, targets) of this rank's batches."""
         for (x, y), real in zip(_loader(self.cfg, self.dataset, self.indices), self.real):
-            if real < len(y):
-                y = y.clone()  # x and y are views of one tensor: masking y must not touch x
-                y[real:] = self.IGNORE
-            yield x, y
+            yield x, self.targets(y, real)
+
+    @classmethod
+    def targets(cls, y: torch.Tensor, real: int) -> torch.Tensor:
+        """`y` with the targets of the padding rows (after the first `real`) ignored. A copy: the
+        targets share their storage with the inputs (collate_windows slices one tensor), and
+        masking them in place turned the padding rows' inputs into -100 (an IndexError in the
+        embedding) wherever the batch is not moved to another device, as on CPU workers."""
+        if real == len(y):
+            return y
+        y = y.clone()
+        y[real:] = cls.IGNORE
+        return y

@@ -90,9 +90,11 @@ class _RankBatches:
 class BatchStream:
     """An endless stream of this rank's micro-batches over epochs; its position is global."""
 
-    def __init__(self, windows: int | Sequence[int], plan: BatchPlan, seed: int, make_loader):
+    def __init__(self, windows: int | Sequence[int], plan: BatchPlan, seed: int, make_loader,
+                 log=None):
         """`windows`: how many there are, or each shard's count (see epoch_order).
-        `make_loader(batch_sampler)`: a DataLoader over the windows with that batch sampler."""
+        `make_loader(batch_sampler)`: a DataLoader over the windows with that batch sampler.
+        `log`: a drills.WindowLog that is told the windows of every micro-batch (None: off)."""
         self.windows = windows
         num_windows = windows if isinstance(windows, int) else sum(windows)
         if num_windows < plan.global_batch:
@@ -100,9 +102,10 @@ class BatchStream:
                             f"batch ({plan.micro_batch} x {plan.accum} x {plan.dp_size} workers); "
                             f"lower --batch-size, --grad-accum or --seq-len, or use a larger corpus")
         self.num_windows, self.plan, self.seed, self.make_loader = num_windows, plan, seed, make_loader
+        self.log = log
         self.epoch, self.consumed = 0, 0  # windows of this epoch taken by the steps so far
         self._micro = 0  # micro-batches of the current step already read
-        self._it = None
+        self._it = self._order = None
 
     def state_dict(self) -> dict:
         """The position, at a step boundary."""
@@ -117,9 +120,12 @@ class BatchStream:
         if self._it is None:
             if self.consumed + self.plan.global_batch > self.num_windows:  # the epoch is spent
                 self.epoch, self.consumed = self.epoch + 1, 0
-            order = epoch_order(self.windows, self.seed, self.epoch)
-            self._it = iter(self.make_loader(_RankBatches(order, self.consumed, self.plan)))
+            self._order = epoch_order(self.windows, self.seed, self.epoch)
+            self._it = iter(self.make_loader(_RankBatches(self._order, self.consumed, self.plan)))
         batch = next(self._it)
+        if self.log is not None:
+            a, b = list(self.plan.micro_slices(self.consumed))[self._micro]
+            self.log.add(self.epoch, self.consumed, self._order[a:b].tolist())
         self._micro += 1
         if self._micro == self.plan.accum:
             self._micro = 0

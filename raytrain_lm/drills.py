@@ -1,0 +1,97 @@
+"""Debugging aids that a test (or a user who wants proof) switches on from the driver's
+environment; off, they cost one `if` where they hook in.
+
+- Fault drill, RAYTRAIN_LM_FAIL_AT=RANK:STEP: that rank's process exits when it finishes that step,
+  as on a lost node. RANK:STEP:upload: it exits while uploading its checkpoint of that step, after
+  half of its files and before its commit record (the checkpoint stays incomplete). Once per run.
+- Window log, RAYTRAIN_LM_LOG_WINDOWS=1: every rank appends the window indices of each micro-batch
+  it reads, with the data position of the step they belong to, to `<run>/windows/` (local storage
+  only): what shows that a run, across restarts and resizes, used every window of an epoch once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Optional
+
+FAULT_ENV = "RAYTRAIN_LM_FAIL_AT"
+WINDOWS_ENV = "RAYTRAIN_LM_LOG_WINDOWS"
+WINDOWS_DIR = "windows"
+
+
+def fault_due(spec: Optional[str], rank: int, step: int, phase: str = "step") -> bool:
+    """Whether the drill `spec` ("R:K" or "R:K:upload") is for this rank, step and phase."""
+    if not spec:
+        return False
+    r, k, *rest = spec.split(":")
+    return int(r) == rank and int(k) == step and (rest[0] if rest else "step") == phase
+
+
+def fault_drill(spec: Optional[str], step: int, rank: int, run_name: str, phase: str = "step") -> None:
+    """Exit this process if the drill is due, once per run. "Once" is remembered in the cluster's
+    key-value store, so the restarted worker group gets past the step."""
+    if not fault_due(spec, rank, step, phase):
+        return
+    from ray.experimental import internal_kv
+
+    key = f"raytrain_lm:fault:{run_name}:{spec}".encode()
+    if internal_kv._internal_kv_get(key):
+        return
+    internal_kv._internal_kv_put(key, b"1")
+    print(f"[fault drill] rank {rank} exiting at step {step} ({phase})", flush=True)
+    os._exit(1)  # the process dies: no exception, no cleanup, as on a lost node
+
+
+class WindowLog:
+    """One file per rank and worker group: JSON lines {epoch, start, world, windows}, where
+    (epoch, start) is the data position of the step the micro-batch belongs to (windows of the
+    epoch consumed before it: the same at any worker count), so a reader keeps, for every step,
+    only the lines of the last group that ran it (a restart repeats the steps after its
+    checkpoint)."""
+
+    def __init__(self, run_path: str, rank: int, world: int, group: int):
+        """`group`: the same number on every rank of a worker group, larger for a later group."""
+        folder = Path(run_path) / WINDOWS_DIR
+        folder.mkdir(parents=True, exist_ok=True)
+        self.world = world
+        self.path = folder / f"{group:020d}-rank{rank}.jsonl"
+
+    @classmethod
+    def for_group(cls, fs, run_path: str, rank: int, world: int) -> Optional["WindowLog"]:
+        """Called on every rank of a worker group (a collective): its files are named after rank
+        0's start time, so they sort in the order the groups ran. None (and a note) when the
+        run's storage `fs` is not a local disk: object stores cannot append."""
+        import pyarrow.fs as pafs
+        from ray.train.collective import broadcast_from_rank_zero
+
+        if not isinstance(fs, pafs.LocalFileSystem):
+            if rank == 0:
+                print(f"[drills] {WINDOWS_ENV} needs a local --storage; no window log", flush=True)
+            return None
+        return cls(run_path, rank, world, broadcast_from_rank_zero(time.time_ns()))
+
+    def add(self, epoch: int, start: int, windows: list[int]) -> None:
+        # One write per line, unbuffered: a process killed later keeps every line before.
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"epoch": epoch, "start": start, "world": self.world,
+                                "windows": windows}) + "\n")
+
+
+def read_window_log(run_dir: Path) -> dict[tuple[int, int], dict]:
+    """{(epoch, start): {"world": w, "windows": [...]}} of the steps the run kept: for each step,
+    the lines of the last worker group that ran it (the files in the order the groups started)."""
+    by_group: dict[str, list[dict]] = {}
+    for path in sorted((run_dir / WINDOWS_DIR).glob("*.jsonl")):
+        group = path.name.split("-rank")[0]
+        by_group.setdefault(group, []).extend(json.loads(l) for l in path.read_text().splitlines())
+    steps: dict[tuple[int, int], dict] = {}
+    for group in sorted(by_group):
+        ran: dict[tuple[int, int], dict] = {}
+        for line in by_group[group]:
+            key = (line["epoch"], line["start"])
+            ran.setdefault(key, {"world": line["world"], "windows": []})["windows"].extend(line["windows"])
+        steps.update(ran)  # a later group's steps replace the earlier group's
+    return steps
