@@ -47,8 +47,9 @@ class TrainConfig:
     name: Optional[str] = setting(None, help="Run name [default: <preset>-<date>-<time>].")
     storage: str = setting(factory=default_storage, help="Where runs live: a folder or s3://... "
                            f"[default: ${STORAGE_ENV}, else runs].")
-    address: Optional[str] = setting(None, help="Ray cluster to use [default: RAY_ADDRESS, else start "
-                                     "a local one].")
+    address: Optional[str] = setting(None, help="Ray cluster to use [default: RAY_ADDRESS, else a running "
+                                     "`cluster local-up` cluster, else start a local one; `local`: always "
+                                     "start one].")
     # scaling
     workers: int = setting(2, help="Ray Train workers (one process each); MIN-MAX: elastic, "
                            "from MIN up to MAX as the cluster allows (see min_workers).")

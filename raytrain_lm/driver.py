@@ -122,7 +122,7 @@ def run_training(
     known = configured_memory_gb(cfg)
     if not force:  # before Ray starts when --set gpu_memory_gb tells the memory
         check_memory(cfg, known)
-    connect_ray(cfg.address, cfg.workers * cfg.cpus_per_worker, verbose)
+    connect_ray(cfg.address, cfg.workers * cfg.cpus_per_worker, verbose, say)
     check_resources(cfg, say)
     if not force and known is None:  # else from Ray's accelerator labels or memory resource
         check_memory(cfg, worker_memory_gb(cfg))

@@ -245,3 +245,27 @@ def test_a_job_uploads_every_module_and_leaves_results_and_datasets_behind(tmp_p
     got = uploaded(tmp_path)
     assert "raytrain_lm/data/x.py" in got
     assert got == {"raytrain_lm/data/x.py"}
+
+
+def test_a_running_local_cluster_is_found_and_a_dead_ones_record_ignored(tmp_path, monkeypatch):
+    """`train` joins a `local-up` cluster only while its port answers: a record left behind by a
+    cluster that died must not send training to a dead address."""
+    import socket
+    import tempfile
+
+    from raytrain_lm.cluster import registry
+    from raytrain_lm.cluster.connect import free_port
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        live = listener.getsockname()[1]
+        dead = free_port()
+        for port in (dead, live):
+            registry.local_temp_dir(port).mkdir()
+            registry.record(port, {"address": f"127.0.0.1:{port}"})
+        assert registry.running_local_cluster() is None  # bound, not listening: nothing answers
+        listener.listen()
+        assert registry.running_local_cluster() == {"address": f"127.0.0.1:{live}"}
+    assert registry.running_local_cluster() is None
+

@@ -117,6 +117,18 @@ def test_local_up_prints_the_addresses(local_cluster):
     assert local_cluster["address"].endswith(f":{LOCAL_PORT}")
 
 
+def test_train_joins_the_running_local_cluster(local_cluster, pydoc_data, tmp_path):
+    """Without --address or RAY_ADDRESS, `train` uses the cluster `local-up` started (its token
+    included) instead of starting a second Ray."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    result = run_cli_env("train", "--workers", "1", "--max-steps", "2", "--eval-every", "2",
+                         "--checkpoint-every", "0", "--data", str(pydoc_data), "--storage",
+                         str(tmp_path), "--name", "joined", env=env, timeout=240)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert f"using the local Ray cluster at {local_cluster['address']}" in result.stdout
+    assert json.loads((tmp_path / "joined" / "summary.json").read_text())["status"] == "completed"
+
+
 def test_submitted_training_succeeds_with_logs_and_results(submitted):
     result, storage = submitted
     assert result.returncode == 0, result.stderr[-3000:]

@@ -36,7 +36,7 @@ def cluster_local_up(
                f"  submit training:  python cli.py submit --address {dash} -- --workers 2\n"
                f"  or with Ray:      RAY_AUTH_MODE=token ray job submit --address {dash} "
                f"--working-dir . -- python cli.py train --workers 2 --storage $PWD/runs\n"
-               f"  train directly:   python cli.py train --address {info['address']}\n"
+               f"  train directly:   python cli.py train   (joins this cluster while it runs)\n"
                f"  stop it:          python cli.py cluster local-down"
                f"{'' if port == 6379 else f' --port {port}'}")
 

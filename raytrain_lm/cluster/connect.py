@@ -16,6 +16,7 @@ import socket
 import sys
 from typing import Optional
 
+from raytrain_lm.cluster.registry import running_local_cluster
 from raytrain_lm.errors import UserError
 
 def token_available() -> bool:
@@ -134,11 +135,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def port_in_use(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        return s.connect_ex(("127.0.0.1", port)) == 0
-
-
 def check_reachable(address: str, timeout: float = 3.0) -> None:
     """Fail in seconds, not minutes, when nothing listens at a host:port address."""
     hostport = address.split("://", 1)[-1]
@@ -153,15 +149,29 @@ def check_reachable(address: str, timeout: float = 3.0) -> None:
                         f"`python cli.py cluster local-up` or check the address") from None
 
 
-def connect_ray(address: Optional[str], min_cpus: float, verbose: bool = False) -> bool:
-    """Connect to `address` (or RAY_ADDRESS), else start a local Ray. Returns True if we started it."""
+# Ray Train extras that a local Ray without a dashboard has nowhere to show, off by default in
+# the local Ray that `train` starts (bench/overhead.py measures each; docs/benchmarks.md). Train
+# reads them in the driver or passes them to its controller and workers; a value the user set wins.
+LOCAL_RAY_ENV = {
+    "RAY_TRAIN_METRICS_ENABLED": "0",  # Prometheus gauges per report: no dashboard to read them
+}
+
+
+def connect_ray(address: Optional[str], min_cpus: float, verbose: bool = False,
+                say=lambda message: None) -> bool:
+    """Connect to `address` (or RAY_ADDRESS), else to a running `cluster local-up` cluster, else
+    start a local Ray for this process. Returns True if we started it."""
     import ray
 
     if ray.is_initialized():
         return False
     address = address or os.environ.get("RAY_ADDRESS")
     quiet = dict(log_to_driver=verbose, logging_level=logging.INFO if verbose else logging.WARNING)
-    if address:
+    if not address and (running := running_local_cluster()):
+        address = running["address"]  # already up: joining it saves a Ray start
+        say(f"using the local Ray cluster at {address} (`cluster local-up`; "
+            f"--address local starts a fresh one)")
+    if address and address != "local":
         check_reachable(address)
         match_cluster_auth(address)  # Ray 2.60: a token when the cluster wants one, else none
         try:
@@ -169,8 +179,10 @@ def connect_ray(address: Optional[str], min_cpus: float, verbose: bool = False) 
         except Exception as e:  # ConnectionError, RuntimeError, AuthenticationError, ...
             raise connect_error(address, e) from None
         return False
+    for key, value in LOCAL_RAY_ENV.items():
+        os.environ.setdefault(key, value)
     # Logical CPUs are bookkeeping: give the workers their share and keep one for Ray's own tasks,
     # so small machines don't deadlock (see docs: a 2-core laptop running 2 workers).
     num_cpus = max(os.cpu_count() or 1, math.ceil(min_cpus) + 1)
-    ray.init(num_cpus=num_cpus, include_dashboard=False, **quiet)
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, **quiet)
     return True

@@ -4,22 +4,20 @@ machine (which `ray stop` would kill)."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Callable, Optional
 
-from raytrain_lm.cluster.connect import free_port, port_in_use, token_available
+from raytrain_lm.cluster.connect import free_port, token_available
 from raytrain_lm.cluster.jobs import DEFAULT_DASHBOARD_PORT, job_client
+from raytrain_lm.cluster.registry import (DEFAULT_PORT, forget, local_temp_dir, port_in_use,
+                                          read_record, record)
 from raytrain_lm.errors import UserError
 
-DEFAULT_PORT = 6379
 MARKER_ENV = "RAYTRAIN_LM_LOCAL_CLUSTER"  # inherited by every process of a local cluster
-STATE_FILE = "raytrain-lm-cluster.json"
 
 Say = Callable[[str], None]
 
@@ -27,13 +25,6 @@ Say = Callable[[str], None]
 def ray_cli() -> list[str]:
     exe = Path(sys.executable).with_name("ray")
     return [str(exe)] if exe.is_file() else [sys.executable, "-m", "ray.scripts.scripts"]
-
-
-def local_temp_dir(port: int = DEFAULT_PORT) -> Path:
-    """The Ray temp dir of the local cluster on `port`: its sessions, logs and sockets."""
-    return Path(tempfile.gettempdir()) / f"raytrain-lm-ray-{port}"
-
-
 
 
 def local_up(port: int = DEFAULT_PORT, dashboard_port: int = DEFAULT_DASHBOARD_PORT,
@@ -74,7 +65,7 @@ def local_up(port: int = DEFAULT_PORT, dashboard_port: int = DEFAULT_DASHBOARD_P
 
     info = {"address": f"{get_node_ip_address()}:{port}", "dashboard": f"http://127.0.0.1:{dashboard_port}",
             "temp_dir": str(temp_dir), "auth": auth}
-    (temp_dir / "raytrain-lm-cluster.json").write_text(json.dumps(info, indent=2))
+    record(port, info)
     return info
 
 
@@ -126,10 +117,10 @@ def local_down(port: int = DEFAULT_PORT, grace: float = 5.0, say: Say = print) -
     psutil = _psutil()
 
     temp_dir = local_temp_dir(port)
-    state = temp_dir / "raytrain-lm-cluster.json"
-    if state.is_file():  # stop jobs through the API, so their drivers end cleanly
+    info = read_record(port)
+    if info:  # stop jobs through the API, so their drivers end cleanly
         try:
-            dashboard = json.loads(state.read_text())["dashboard"]
+            dashboard = info["dashboard"]
             client = job_client(dashboard, check=False)
             for job in client.list_jobs():
                 if not job.status.is_terminal():
@@ -158,6 +149,5 @@ def local_down(port: int = DEFAULT_PORT, grace: float = 5.0, say: Say = print) -
     if left:
         raise UserError(f"{len(left)} processes of the local cluster did not stop: "
                         f"{', '.join(str(p.pid) for p in left)}")
-    if state.is_file():
-        state.unlink()
+    forget(port)
     return stopped

@@ -295,7 +295,7 @@ def run_sweep(
         prepare_data(cfg, say)
     assert space is not None and settings is not None
 
-    connect_ray(cfg.address, cfg.workers * cfg.cpus_per_worker + TRIAL_CPUS, verbose)
+    connect_ray(cfg.address, cfg.workers * cfg.cpus_per_worker + TRIAL_CPUS, verbose, say)
     check_resources(cfg)
     capacity, why = trial_capacity(cfg)
     if capacity < 1:
