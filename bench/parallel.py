@@ -60,7 +60,7 @@ def run_layout(name: str, workers: int, flags: dict, args, storage: str) -> dict
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout)
     if proc.returncode != 0:
         return {"name": name, "error": proc.stderr.strip().splitlines()[-1:]}
-    summary = json.loads(proc.stdout)
+    summary = json.loads((Path(storage) / name / "summary.json").read_text())  # --json leaves out config
     rows = [json.loads(line) for line in open(Path(storage) / name / "metrics.jsonl")]
     return {"name": name, "workers": workers, "dp": dp, "tp": tp, "pp": pp, "flags": flags,
             "tokens_per_second": summary["tokens_per_second"],
