@@ -9,7 +9,7 @@ from ray.train import UserCallback
 
 from raytrain_lm.errors import last_line
 from raytrain_lm.files import BEST_DIR
-from raytrain_lm.storage import staged_folder
+from raytrain_lm.storage import share_folder, staged_folder
 
 
 class ForwardMetrics(UserCallback):
@@ -42,8 +42,9 @@ def describe_failures(failures: dict) -> str:
 
 
 class KeepBest(UserCallback):
-    """Ray keeps the last `num_to_keep` checkpoints; this keeps, in addition, a copy of the one with
-    the lowest validation loss in `<run>/best_checkpoint/`, replaced atomically when beaten."""
+    """Ray keeps the last `num_to_keep` checkpoints; this keeps, in addition, the one with the
+    lowest validation loss in `<run>/best_checkpoint/` (its files linked on a local disk, copied
+    elsewhere), replaced atomically when beaten."""
 
     def __init__(self, best_val_loss: Optional[float] = None):
         self.best = best_val_loss if best_val_loss is not None else math.inf
@@ -60,8 +61,6 @@ class KeepBest(UserCallback):
 
     @staticmethod
     def _copy(checkpoint) -> None:
-        import pyarrow.fs as pafs
-
         fs, src = checkpoint.filesystem, checkpoint.path.rstrip("/")
         with staged_folder(f"{src.rsplit('/', 1)[0]}/{BEST_DIR}", fs) as tmp:
-            pafs.copy_files(src, tmp, source_filesystem=fs, destination_filesystem=fs)
+            share_folder(src, tmp, fs)

@@ -86,3 +86,26 @@ def _numpy_state():
     from raytrain_lm.checkpoint import rng_state
 
     return rng_state()["numpy"]
+
+
+def test_the_best_checkpoint_shares_the_files_of_a_local_checkpoint(tmp_path):
+    """best_checkpoint/ on a local disk links the checkpoint's files instead of copying them (a
+    copy doubled the disk and the time of every improving evaluation: 3.4 GB more per report for
+    a gpt2-medium run), and stays whole when Ray later deletes the checkpoint."""
+    import shutil
+
+    from ray.train import Checkpoint
+
+    from raytrain_lm.callbacks import KeepBest
+
+    src = tmp_path / "checkpoint_00000010"
+    (src / "dcp").mkdir(parents=True)
+    (src / "dcp" / "__0_0.distcp").write_bytes(b"w" * 1000)
+    (src / "meta.json").write_text('{"step": 10}')
+    KeepBest().after_report(None, [{"val_loss": 2.0}], Checkpoint(str(src)))
+    best = tmp_path / "best_checkpoint"
+    for rel in ("dcp/__0_0.distcp", "meta.json"):
+        assert (best / rel).stat().st_ino == (src / rel).stat().st_ino  # the same file, not a copy
+    shutil.rmtree(src)  # Ray's retention deletes it
+    assert (best / "dcp" / "__0_0.distcp").read_bytes() == b"w" * 1000
+    assert json.loads((best / "meta.json").read_text()) == {"step": 10}
