@@ -121,9 +121,10 @@ def timed(cmd: list[str], env: dict, timeout: float) -> dict:
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     wall = time.perf_counter() - t0
-    if proc.returncode != 0:
+    if proc.returncode != 0:  # recorded; its repetition is left out, the others still count
         tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
-        raise SystemExit(f"error: run failed (exit {proc.returncode}): {' '.join(cmd)}\n{tail}")
+        print(f"run failed (exit {proc.returncode}): {' '.join(cmd)}\n{tail}", file=sys.stderr)
+        return {"error": f"exit {proc.returncode}: {tail.splitlines()[-1] if tail else ''}", **busy}
     return {"wall_seconds": wall, **busy}
 
 
@@ -141,8 +142,20 @@ def machine() -> dict:
             "torch": torch.__version__, "platform": platform.platform()}
 
 
+def complete(per_rep: list[dict], arms: list[str], short: int, long: int) -> list[dict]:
+    """The repetitions in which every arm ran both step counts to the end."""
+    return [r for r in per_rep
+            if all("wall_seconds" in r.get(a, {}).get(n, {}) for a in arms for n in (short, long))]
+
+
 def summarise(per_rep: list[dict], arms: list[str], short: int, long: int) -> dict:
-    """Per-step ms of every arm, and each arm's speed relative to the first arm, per repetition."""
+    """Per-step ms of every arm, and each arm's speed relative to the first arm, per repetition;
+    a repetition with a failed run is left out (and counted)."""
+    dropped = len(per_rep)
+    per_rep = complete(per_rep, arms, short, long)
+    if not per_rep:
+        raise SystemExit("error: no repetition completed every run (see the failures above)")
+    dropped -= len(per_rep)
     step_ms = {a: [1000 * (r[a][long]["wall_seconds"] - r[a][short]["wall_seconds"]) / (long - short)
                    for r in per_rep] for a in arms}
     base = arms[0]
@@ -150,7 +163,8 @@ def summarise(per_rep: list[dict], arms: list[str], short: int, long: int) -> di
            "wall_seconds_long": {a: spread([r[a][long]["wall_seconds"] for r in per_rep]) for a in arms},
            "wall_seconds_short": {a: spread([r[a][short]["wall_seconds"] for r in per_rep]) for a in arms},
            "speed_vs_" + base: {a: spread([b / x for b, x in zip(step_ms[base], step_ms[a])])
-                                for a in arms[1:]}}
+                                for a in arms[1:]},
+           "repetitions": len(per_rep), "repetitions_left_out": dropped}
     return out
 
 
@@ -164,6 +178,9 @@ def table(summary: dict, arms: list[str]) -> str:
         r = rel.get(a)
         rcell = (f"{r['median']:.3f} [{r['min']:.3f}-{r['max']:.3f}]" if r else "1")
         lines.append(f"{a[:44]:44s}{cell:>22s}{rcell:>30s}")
+    lines.append(f"{summary['repetitions']} repetitions"
+                 + (f" ({summary['repetitions_left_out']} left out: a run failed)"
+                    if summary["repetitions_left_out"] else ""))
     lines.append("cells: median [min-max] over repetitions; ms/step = (T_long - T_short) / "
                  "(long - short) of whole-process wall times")
     return "\n".join(lines)
@@ -190,8 +207,9 @@ def main(argv=None) -> None:
                     cmd, env = command(arm, args, steps, workdir, f"r{rep}-{i}-{steps}")
                     r = timed(cmd, env, args.timeout)
                     runs.setdefault(arm, {})[steps] = r
+                    took = f"{r['wall_seconds']:7.2f} s" if "wall_seconds" in r else "FAILED"
                     print(f"rep {rep + 1}/{args.reps} {arm:40s} {steps:4d} steps: "
-                          f"{r['wall_seconds']:7.2f} s (load {r['load_avg_at_start']:.2f}"
+                          f"{took} (load {r['load_avg_at_start']:.2f}"
                           + (f", {r['raylets_at_start']} other raylets" if r["raylets_at_start"] else "")
                           + ")", flush=True)
             per_rep.append(runs)

@@ -101,3 +101,27 @@ def test_overhead_refuses_a_bad_arm(spec):
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "overhead.py"), "--arm", spec],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "--arm" in proc.stderr
+
+
+def test_overhead_keeps_the_repetitions_a_failed_run_did_not_touch():
+    """A run that fails (torchrun's rank 1 once died of SIGABRT in the 5th repetition) leaves its
+    repetition out of the figures and is counted; the four complete ones still make the summary
+    (the harness used to exit and throw away 20 minutes of runs)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        from overhead import summarise
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+
+    def rep(textbook_long, ray_long, failed=False):
+        ray = {60: {"wall_seconds": 30.0}, 300: {"wall_seconds": ray_long}}
+        if failed:
+            ray[300] = {"error": "exit -6"}
+        return {"textbook": {60: {"wall_seconds": 15.0}, 300: {"wall_seconds": textbook_long}},
+                "ray": ray}
+
+    runs = [rep(63.0, 78.0), rep(63.0, 78.0, failed=True), rep(51.0, 66.0)]
+    summary = summarise(runs, ["textbook", "ray"], 60, 300)
+    assert summary["repetitions"] == 2 and summary["repetitions_left_out"] == 1
+    assert summary["per_step_ms"]["textbook"]["values"] == [200.0, 150.0]  # (63 - 15) / 240 s
+    assert summary["speed_vs_textbook"]["ray"]["values"] == [1.0, 1.0]
