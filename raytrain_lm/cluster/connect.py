@@ -149,14 +149,6 @@ def check_reachable(address: str, timeout: float = 3.0) -> None:
                         f"`python cli.py cluster local-up` or check the address") from None
 
 
-# Ray Train extras that a local Ray without a dashboard has nowhere to show, off by default in
-# the local Ray that `train` starts (bench/overhead.py measures each; docs/benchmarks.md). Train
-# reads them in the driver or passes them to its controller and workers; a value the user set wins.
-LOCAL_RAY_ENV = {
-    "RAY_TRAIN_METRICS_ENABLED": "0",  # Prometheus gauges per report: no dashboard to read them
-}
-
-
 def connect_ray(address: Optional[str], min_cpus: float, verbose: bool = False,
                 say=lambda message: None) -> bool:
     """Connect to `address` (or RAY_ADDRESS), else to a running `cluster local-up` cluster, else
@@ -179,8 +171,6 @@ def connect_ray(address: Optional[str], min_cpus: float, verbose: bool = False,
         except Exception as e:  # ConnectionError, RuntimeError, AuthenticationError, ...
             raise connect_error(address, e) from None
         return False
-    for key, value in LOCAL_RAY_ENV.items():
-        os.environ.setdefault(key, value)
     # Logical CPUs are bookkeeping: give the workers their share and keep one for Ray's own tasks,
     # so small machines don't deadlock (see docs: a 2-core laptop running 2 workers).
     num_cpus = max(os.cpu_count() or 1, math.ceil(min_cpus) + 1)
