@@ -112,7 +112,7 @@ def finish(proc: subprocess.Popen, timeout: float = 300) -> dict:
     return json.loads(out)
 
 
-ELASTIC_STEPS = 600  # ~25 ms a step here: the run outlasts both resizes
+ELASTIC_STEPS = 300  # both resizes are over by step ~150 here
 
 
 @pytest.fixture(scope="module")
