@@ -66,6 +66,7 @@ def main(argv=None) -> None:
             if rank == 0 and step % 100 == 0:
                 print(f"step {step} loss {loss_sum.item() / 10 / dist.get_world_size():.4f}", flush=True)
             loss_sum.zero_()
+    dist.barrier()  # no rank tears gloo down while its peer still talks (SIGABRT at exit)
     dist.destroy_process_group()
 
 

@@ -202,6 +202,7 @@ def main(argv=None) -> None:
 
     if log:
         log.close()
+    dist.barrier()  # no rank tears gloo down while its peer still talks (SIGABRT at exit)
     dist.destroy_process_group()
 
 
