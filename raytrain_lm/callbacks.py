@@ -54,13 +54,13 @@ class KeepBest(UserCallback):
         if checkpoint is None or val is None or not val < self.best:
             return
         try:
-            self._copy(checkpoint)
+            self._keep(checkpoint)
             self.best = val
         except Exception as e:  # losing the extra copy must not end the training run
             print(f"[raytrain-lm] could not update {BEST_DIR}: {e}", flush=True)
 
     @staticmethod
-    def _copy(checkpoint) -> None:
+    def _keep(checkpoint) -> None:
         fs, src = checkpoint.filesystem, checkpoint.path.rstrip("/")
         with staged_folder(f"{src.rsplit('/', 1)[0]}/{BEST_DIR}", fs) as tmp:
             share_folder(src, tmp, fs)
