@@ -38,6 +38,7 @@ from ray.train.v2._internal.execution.scaling_policy.autoscaling_coordinator_cli
 from ray.train.v2._internal.util import time_monotonic
 
 from raytrain_lm.config import TrainConfig
+from raytrain_lm.controller import run_controller
 from raytrain_lm.elastic import is_elastic, usable_workers, worker_counts
 
 logger = logging.getLogger(__name__)
@@ -105,7 +106,8 @@ class SizedElasticPolicy(ElasticScalingPolicy):
 
 
 class ElasticTrainer(TorchTrainer):
-    """A TorchTrainer whose elastic group takes only the sizes of `worker_counts(cfg)`."""
+    """A TorchTrainer whose elastic group takes only the sizes of `worker_counts(cfg)`, run by
+    our controller (controller.py: a worker that dies as its group starts is retried)."""
 
     def __init__(self, *args, cfg: TrainConfig, **kwargs):
         super().__init__(*args, **kwargs)
@@ -115,4 +117,4 @@ class ElasticTrainer(TorchTrainer):
         if self.scaling_config.elasticity_enabled:
             controller_init_kwargs["scaling_policy"] = SizedElasticPolicy(self.scaling_config,
                                                                           self.counts)
-        return super()._initialize_and_run_controller(**controller_init_kwargs)
+        return run_controller(self, **controller_init_kwargs)

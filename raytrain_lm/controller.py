@@ -1,0 +1,65 @@
+"""The Ray Train controller a run uses: Ray 2.60's, with one gap in its failure handling closed.
+
+A worker group starts in steps: placement group, worker actors, train context, backend (the
+process group), then each worker is told to run the training function. Ray turns a worker's
+death in the middle steps into a `WorkerGroupStartupFailedError`, which it retries, but not a
+death in the last one (`run_train_fn`, outside its try): that reaches the failure policy as a
+`ControllerError`, which Ray never retries, and the started group (its placement group and
+the live workers, already training) is left behind. Seen on CI: a node was removed, the restart
+put a worker on the dying node, and the whole run ended "the actor's node was terminated
+expectedly". Here such a death shuts the group down and is reported as the failed start it is.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import ray
+from ray._common.constants import RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR
+from ray.exceptions import RayActorError
+from ray.train.v2._internal.constants import (DEFAULT_RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_VALUE,
+                                              get_env_vars_to_propagate)
+from ray.train.v2._internal.exceptions import WorkerGroupStartupFailedError
+from ray.train.v2._internal.execution.controller import TrainController
+from ray.train.v2._internal.execution.worker_group import WorkerGroup
+
+logger = logging.getLogger(__name__)
+
+
+class StartDeathsCaughtWorkerGroup(WorkerGroup):
+    """Ray's worker group; a worker that dies at any step of the start fails the start."""
+
+    def _start(self):
+        try:
+            super()._start()
+        except RayActorError as e:
+            if self.has_started():  # Ray cleans up a group that failed earlier, not this one
+                try:
+                    self.shutdown()
+                except Exception:
+                    logger.exception("could not shut down the worker group that failed to start")
+            raise WorkerGroupStartupFailedError(
+                f"a worker died as its group started: {e}") from e
+
+
+class Controller(TrainController):
+    worker_group_cls = StartDeathsCaughtWorkerGroup
+
+
+def run_controller(trainer, **controller_init_kwargs):
+    """Ray 2.60's `DataParallelTrainer._initialize_and_run_controller` with our controller
+    class (Ray names its own inside that method, so it is repeated here, otherwise unchanged)."""
+    env_vars = get_env_vars_to_propagate()
+    env_vars.setdefault(RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR,
+                        DEFAULT_RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_VALUE)
+    controller_cls = ray.remote(  # on the driver's node, as Ray's
+        num_cpus=0,
+        label_selector={ray._raylet.RAY_NODE_ID_KEY: ray.get_runtime_context().get_node_id()},
+        runtime_env={"env_vars": env_vars},
+    )(Controller)
+    controller = controller_cls.remote(**controller_init_kwargs)
+    if threading.current_thread() is threading.main_thread():  # not in a Tune trial's thread
+        trainer._register_sigint_handler(controller)
+    ray.get(controller.run.remote())
+    return ray.get(controller.get_result.remote())
