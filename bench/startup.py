@@ -69,15 +69,17 @@ def timed_loop(loop_config: dict) -> None:
             return out
         return inner
 
-    for name in ("load_manifest", "GPT", "wrap_model", "build_optimizer", "build_loader"):
-        setattr(L, name, wrap(name, getattr(L, name)))
-    real_next, nexts = L.BatchStream.next, []
+    from raytrain_lm.data.sampler import BatchStream
+
+    for name in ("resolve_dataset", "dataset_tokenizer", "TrainStep", "train_stream", "Validation"):
+        setattr(L, name, wrap(name, getattr(L, name)))  # the loop's phases, as it names them
+    real_next, nexts = BatchStream.next, []
 
     def next_(self):
         nexts.append(time.time())
         return real_next(self)
 
-    L.BatchStream.next = next_
+    BatchStream.next = next_
     real_report = ray.train.report
 
     def report(*a, **k):
@@ -226,8 +228,8 @@ def main(argv=None) -> None:
         m = workers[rank]
         timeline.append((f"{rank}: worker process created", m["worker_process_start"], None))
         timeline.append((f"{rank}: train fn entered", m["train_fn_entry"], None))
-        for key in ("import_loop_module", "load_manifest", "GPT", "wrap_model", "build_optimizer",
-                    "build_loader", "first_step", "first_report"):
+        for key in ("import_loop_module", "resolve_dataset", "dataset_tokenizer", "TrainStep",
+                    "train_stream", "Validation", "first_step", "first_report"):
             if m.get(key):
                 timeline.append((f"{rank}:   {key}", m[key][0], m[key][1]))
     timeline += [("first metrics row at the driver", t["first_metrics_at_driver"], None),

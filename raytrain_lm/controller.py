@@ -1,4 +1,5 @@
-"""The Ray Train controller a run uses: Ray 2.60's, with one gap in its failure handling closed.
+"""The Ray Train controller a run uses: Ray 2.60's, with one gap in its failure handling closed
+and without the helper processes a run does not need.
 
 A worker group starts in steps: placement group, worker actors, train context, backend (the
 process group), then each worker is told to run the training function. Ray turns a worker's
@@ -25,6 +26,23 @@ from ray.train.v2._internal.execution.controller import TrainController
 from ray.train.v2._internal.execution.worker_group import WorkerGroup
 
 logger = logging.getLogger(__name__)
+
+
+def helper_callbacks(callbacks: list, datasets: dict, pg_cleaner: bool) -> list:
+    """Ray's default controller callbacks less two that each start a process per run, ~1.5-2 CPU
+    seconds of start-up on the run's critical path (bench/helpers.py):
+    - the dataset manager, started even when the trainer has no Ray Datasets (ours never has);
+    - the placement-group cleaner (unless `pg_cleaner`): a detached actor that removes the run's
+      placement groups if the controller dies while its driver lives on, as a Tune trial's
+      does when ASHA stops it. A placement group lives as long as the driver's job, so for a
+      driver that ends with its run (`train`) the cleaner has nothing to do."""
+    from ray.train.v2._internal.callbacks import DatasetsCallback
+    from ray.train.v2._internal.callbacks.placement_group_callback import \
+        PlacementGroupCleanerCallback
+
+    unneeded = (() if datasets else (DatasetsCallback,)) + \
+        (() if pg_cleaner else (PlacementGroupCleanerCallback,))
+    return [cb for cb in callbacks if not isinstance(cb, unneeded)]
 
 
 class StartDeathsCaughtWorkerGroup(WorkerGroup):

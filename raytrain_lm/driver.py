@@ -60,10 +60,11 @@ def build_summary(cfg: TrainConfig, rows: list[dict], status: str, wall: float, 
 def build_trainer(cfg: TrainConfig, run: RunFolder, callbacks: Optional[list] = None,
                   init_from: Optional[str] = None, fail_at: Optional[str] = None,
                   poll_seconds: Optional[str] = None, force: bool = False,
-                  worker_env: Optional[dict[str, str]] = None):
+                  worker_env: Optional[dict[str, str]] = None, pg_cleaner: bool = True):
     """The TorchTrainer for `cfg`, writing into `run`'s folder. Used by `train` and by each Tune
     trial. `poll_seconds`: see report_poll_seconds. `force`: workers skip their memory check.
-    `worker_env`: environment variables of the worker processes (--worker-env)."""
+    `worker_env`: environment variables of the worker processes (--worker-env). `pg_cleaner`:
+    see controller.helper_callbacks."""
     from ray.train import CheckpointConfig, RunConfig
 
     from raytrain_lm.loop import train_loop_per_worker
@@ -75,6 +76,7 @@ def build_trainer(cfg: TrainConfig, run: RunFolder, callbacks: Optional[list] = 
     return ElasticTrainer(
         train_loop_per_worker,
         cfg=cfg,
+        pg_cleaner=pg_cleaner,
         train_loop_config={"train": cfg.to_dict(), "run_name": cfg.name, "init_from": init_from,
                            "fail_at": fail_at, "force": force,
                            "log_windows": bool(os.environ.get(WINDOWS_ENV))},
@@ -131,7 +133,8 @@ def run_training(
     callbacks = [ForwardMetrics(metrics_q), KeepBest(best_val_loss(run) if resume else None)]
     trainer = build_trainer(cfg, run, callbacks=callbacks, init_from=init_from,
                             fail_at=os.environ.get(FAULT_ENV), poll_seconds=poll_seconds,
-                            force=force, worker_env=worker_env)
+                            force=force, worker_env=worker_env,
+                            pg_cleaner=False)  # this driver's job ends with the run
     run.write_json(files.CONFIG, cfg.to_dict())  # what a later --resume continues with
     if is_elastic(cfg):
         say(sizes_line(cfg))

@@ -38,7 +38,7 @@ from ray.train.v2._internal.execution.scaling_policy.autoscaling_coordinator_cli
 from ray.train.v2._internal.util import time_monotonic
 
 from raytrain_lm.config import TrainConfig
-from raytrain_lm.controller import run_controller
+from raytrain_lm.controller import helper_callbacks, run_controller
 from raytrain_lm.elastic import is_elastic, usable_workers, worker_counts
 
 logger = logging.getLogger(__name__)
@@ -109,9 +109,14 @@ class ElasticTrainer(TorchTrainer):
     """A TorchTrainer whose elastic group takes only the sizes of `worker_counts(cfg)`, run by
     our controller (controller.py: a worker that dies as its group starts is retried)."""
 
-    def __init__(self, *args, cfg: TrainConfig, **kwargs):
+    def __init__(self, *args, cfg: TrainConfig, pg_cleaner: bool = True, **kwargs):
+        """`pg_cleaner`: see controller.helper_callbacks."""
         super().__init__(*args, **kwargs)
         self.counts = worker_counts(cfg)
+        self.pg_cleaner = pg_cleaner
+
+    def _create_default_callbacks(self):
+        return helper_callbacks(super()._create_default_callbacks(), self.datasets, self.pg_cleaner)
 
     def _initialize_and_run_controller(self, **controller_init_kwargs):
         if self.scaling_config.elasticity_enabled:

@@ -167,13 +167,21 @@ def tiny_run(ray_address, pydoc_data, tmp_path_factory):
     from raytrain_lm.config import build_config
     from raytrain_lm.driver import run_training
 
+    import ray
+
     storage = tmp_path_factory.mktemp("runs")
     cfg = build_config(flags=dict(workers=2, max_steps=TINY_STEPS, log_every=10, eval_every=60,
                                   checkpoint_every=60, data=str(pydoc_data), storage=str(storage),
                                   name="looked-at"))
+    before = set(ray._private.state.actors())  # every actor the cluster ever had, dead ones too
     summary = run_training(cfg, say=lambda m: None)
     assert summary["status"] == "completed"
+    TINY_RUN_ACTORS.extend(a["ActorClassName"] for i, a in ray._private.state.actors().items()
+                           if i not in before)
     return storage, storage / "looked-at"
+
+
+TINY_RUN_ACTORS: list[str] = []  # the classes of the actors the shared tiny run started
 
 
 # ---------------------------------------------------------------- models trained without Ray

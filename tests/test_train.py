@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from conftest import TINY_STEPS
+from conftest import TINY_RUN_ACTORS, TINY_STEPS
 
 SUMMARY_KEYS = {"status", "steps", "tokens", "final_train_loss", "final_val_loss", "val_perplexity",
                 "tokens_per_second", "mfu", "wall_seconds", "workers", "use_gpu", "preset",
@@ -18,6 +18,15 @@ def finished_run(tiny_run):
     _, run_dir = tiny_run
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return json.loads((run_dir / "summary.json").read_text()), rows, run_dir
+
+
+def test_a_run_starts_no_dataset_manager_and_no_placement_group_cleaner(finished_run):
+    """Ray starts both by default, each a process that costs ~1.5-2 CPU seconds of start-up: a
+    dataset manager with no Ray Datasets to manage, and a cleaner for a driver that outlives its
+    controller, which `train`'s does not (controller.py)."""
+    assert TINY_RUN_ACTORS.count("RayTrainWorker") == 2 and "Controller" in TINY_RUN_ACTORS
+    assert "DatasetManager" not in TINY_RUN_ACTORS
+    assert "PlacementGroupCleaner" not in TINY_RUN_ACTORS
 
 
 def test_loss_falls(finished_run):
