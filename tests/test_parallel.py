@@ -26,9 +26,8 @@ LAYOUTS = {  # name: (workers, flags); batch_size is per data-parallel rank
     "tp2": (2, dict(tp=2)),
     "pp2-1f1b": (2, dict(pp=2, pp_schedule="1f1b", microbatches=4)),
     "pp2-interleaved": (2, dict(pp=2, pp_schedule="interleaved-1f1b", microbatches=4)),
-    "dp2xtp2-sp": (4, dict(tp=2, strategy="ddp", sequence_parallel=True)),
     "dp2xpp2-gpipe": (4, dict(pp=2, strategy="ddp", pp_schedule="gpipe", microbatches=4)),
-    "fsdp2xtp2": (4, dict(tp=2, strategy="fsdp")),
+    "fsdp2xtp2-sp": (4, dict(tp=2, strategy="fsdp", sequence_parallel=True)),
 }
 
 
@@ -84,7 +83,7 @@ def test_the_layouts_report_what_they_hold_and_move(runs):
     assert tp2["param_fraction"] == pytest.approx(0.5, abs=0.03)  # LayerNorms stay replicated
     assert tp2["comm_bytes"]["tp"] > 0 and "pp" not in tp2["comm_bytes"]
     assert pp2["comm_bytes"]["pp"] > 0 and 0.0 < pp2["bubble"] < 1.0
-    assert runs["fsdp2xtp2"][1][-1]["comm_bytes"]["dp"] > 0
+    assert runs["fsdp2xtp2-sp"][1][-1]["comm_bytes"]["dp"] > 0
 
 
 def test_a_tp2_checkpoint_resumes_as_fsdp_on_two_workers(runs, storage, pydoc_data):

@@ -35,8 +35,8 @@ def sweep(ray_address, pydoc_data, tmp_path_factory):
     cfg = build_config(flags=dict(workers=2, max_steps=60, log_every=10, data=str(pydoc_data),
                                   storage=str(storage), name="asha"), sets=SMALL)
     # Grid order is the order given and the cluster holds one trial at a time, so the bad lr runs
-    # last: ASHA can only cut a trial at a rung where others have been recorded.
-    space = parse_space({"lr": f"3e-3,1e-2,{BAD_LR}"}, [], None, cfg)
+    # last: ASHA can only cut a trial at a rung where another has been recorded.
+    space = parse_space({"lr": f"3e-3,{BAD_LR}"}, [], None, cfg)
     # ASHA on bits per byte (the other sweeps here use the default, val_loss)
     settings = SweepSettings(search="grid", concurrent=2, grace_steps=20, metric="val_bpb")
     check_settings(cfg, space, settings, eval_every_given=False)
@@ -63,7 +63,7 @@ def by_lr(summary) -> dict[float, dict]:
 def test_bad_learning_rate_is_stopped_early(sweep):
     summary, *_ = sweep
     trials = by_lr(summary)
-    assert set(trials) == {3e-3, 1e-2, BAD_LR}
+    assert set(trials) == {3e-3, BAD_LR}
     bad = trials[BAD_LR]
     others = [t for lr, t in trials.items() if lr != BAD_LR]
     assert bad["status"] == "stopped" and bad["steps"] == 20  # cut at the first rung
@@ -72,7 +72,7 @@ def test_bad_learning_rate_is_stopped_early(sweep):
     assert any(t["status"] == "done" and t["steps"] == 60 for t in others)
     assert bad["final_val_loss"] > max(t["final_val_loss"] for t in others) + 1.0
     # ranked by final validation loss; the bad one is last
-    assert [t["rank"] for t in summary["trials"]] == [1, 2, 3] and summary["trials"][-1] is bad
+    assert [t["rank"] for t in summary["trials"]] == [1, 2] and summary["trials"][-1] is bad
     assert summary["best"]["final_val_loss"] == min(t["final_val_loss"] for t in summary["trials"])
 
 
@@ -84,10 +84,10 @@ def test_concurrency_beyond_the_cluster_warns_and_queues(sweep):
     for table in tables:  # never two trials running at once
         rows = table.splitlines()[2:]
         assert sum(r.split()[1] in ("running", "starting") for r in rows) <= 1, table
-    assert any("2 queued" in t.splitlines()[0] for t in tables)  # the queue was visible
+    assert any("1 queued" in t.splitlines()[0] for t in tables)  # the queue was visible
     last = tables[-1].splitlines()
     assert last[1].split()[:6] == ["trial", "status", "step", "loss", "val", "loss"]
-    assert len(last) == 2 + 3
+    assert len(last) == 2 + 2
 
 
 def test_stopped_trials_release_their_workers(sweep):
