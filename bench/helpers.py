@@ -45,14 +45,15 @@ def cpu_seconds() -> dict:
 def timed_run(cmd: list[str], env: dict) -> tuple[float, float]:
     """(wall seconds, CPU seconds of all processes) of `cmd`."""
     base, last = cpu_seconds(), {}
-    t0 = time.time()
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
-    while proc.poll() is None:
-        last.update(cpu_seconds())
-        time.sleep(0.1)
-    wall = time.time() - t0
-    out = proc.stdout.read()
+    with tempfile.TemporaryFile("w+") as log:  # not a pipe: one read only at the end would fill it
+        t0 = time.time()
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        while proc.poll() is None:
+            last.update(cpu_seconds())
+            time.sleep(0.1)
+        wall = time.time() - t0
+        log.seek(0)
+        out = log.read()
     if proc.returncode != 0:
         raise SystemExit(f"error: {' '.join(cmd)} failed\n{out[-3000:]}")
     return wall, sum(v - base.get(k, 0.0) for k, v in last.items())
