@@ -1,14 +1,13 @@
 """The Ray Train controller a run uses: Ray 2.60's, with one gap in its failure handling closed
-and without the helper processes a run does not need.
+and without the helper processes a run does not need; and the placement of a run's own helpers.
 
 A worker group starts in steps: placement group, worker actors, train context, backend (the
 process group), then each worker is told to run the training function. Ray turns a worker's
 death in the middle steps into a `WorkerGroupStartupFailedError`, which it retries, but not a
 death in the last one (`run_train_fn`, outside its try): that reaches the failure policy as a
 `ControllerError`, which Ray never retries, and the started group (its placement group and
-the live workers, already training) is left behind. Seen on CI: a node was removed, the restart
-put a worker on the dying node, and the whole run ended "the actor's node was terminated
-expectedly". Here such a death shuts the group down and is reported as the failed start it is.
+the live workers, already training) is left behind (tests/test_controller.py). Here such a
+death shuts the group down and is reported as the failed start it is.
 """
 
 from __future__ import annotations
@@ -26,6 +25,22 @@ from ray.train.v2._internal.execution.controller import TrainController
 from ray.train.v2._internal.execution.worker_group import WorkerGroup
 
 logger = logging.getLogger(__name__)
+
+
+def on_this_node() -> dict:
+    """Actor options that keep an actor on this process's node. A run's helpers (its controller,
+    the queue its rows come through) must live as long as its driver, not die with a worker
+    node: Ray spreads zero-CPU actors over the whole cluster (7 of 8 queues landed on worker
+    nodes of a 3-node cluster here), and a removed node took the metrics queue with it, which
+    ended the run whatever --max-failures allowed (CI: "the actor's node was terminated")."""
+    return {"label_selector": {ray._raylet.RAY_NODE_ID_KEY: ray.get_runtime_context().get_node_id()}}
+
+
+def driver_queue():
+    """A Ray queue on the driver's node (see on_this_node)."""
+    from ray.util.queue import Queue
+
+    return Queue(actor_options={"num_cpus": 0, **on_this_node()})
 
 
 def helper_callbacks(callbacks: list, datasets: dict, pg_cleaner: bool) -> list:
@@ -72,10 +87,7 @@ def run_controller(trainer, **controller_init_kwargs):
     env_vars.setdefault(RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR,
                         DEFAULT_RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_VALUE)
     controller_cls = ray.remote(  # on the driver's node, as Ray's
-        num_cpus=0,
-        label_selector={ray._raylet.RAY_NODE_ID_KEY: ray.get_runtime_context().get_node_id()},
-        runtime_env={"env_vars": env_vars},
-    )(Controller)
+        num_cpus=0, runtime_env={"env_vars": env_vars}, **on_this_node())(Controller)
     controller = controller_cls.remote(**controller_init_kwargs)
     if threading.current_thread() is threading.main_thread():  # not in a Tune trial's thread
         trainer._register_sigint_handler(controller)

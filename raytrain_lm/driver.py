@@ -108,10 +108,9 @@ def run_training(
 
     With `resume`, the run `cfg.name` continues from its latest valid checkpoint (the caller
     loads the run's saved config: see `saved_config`)."""
-    from ray.util.queue import Queue
-
     from raytrain_lm.callbacks import ForwardMetrics, KeepBest
     from raytrain_lm.cluster.connect import connect_ray
+    from raytrain_lm.controller import driver_queue
 
     t_launch = time.time()
     run = run_folder(cfg, resume)
@@ -129,7 +128,7 @@ def run_training(
     if not force and known is None:  # else from Ray's accelerator labels or memory resource
         check_memory(cfg, worker_memory_gb(cfg))
 
-    metrics_q = Queue(actor_options={"num_cpus": 0})
+    metrics_q = driver_queue()
     callbacks = [ForwardMetrics(metrics_q), KeepBest(best_val_loss(run) if resume else None)]
     trainer = build_trainer(cfg, run, callbacks=callbacks, init_from=init_from,
                             fail_at=os.environ.get(FAULT_ENV), poll_seconds=poll_seconds,

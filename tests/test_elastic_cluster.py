@@ -38,6 +38,7 @@ MODEL = ["--set", "model.n_layer=2", "--set", "model.n_embd=64", "--set", "model
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     """A head with no CPUs and two 1-CPU worker nodes, all seeing the S3 server's environment."""
+    import ray
     from ray.cluster_utils import Cluster
 
     with moto_s3(BUCKET) as env:
@@ -47,8 +48,10 @@ def cluster(tmp_path_factory):
             for _ in range(2):
                 c.add_node(num_cpus=1)
             c.wait_for_nodes()
+            ray.init(address=c.address, log_to_driver=False)  # to see where actors live
             yield c
         finally:
+            ray.shutdown()
             c.shutdown()
 
 
@@ -92,6 +95,23 @@ def rows_of(run_dir: Path) -> list[dict]:
     return [json.loads(l) for l in path.read_text().splitlines()] if path.exists() else []
 
 
+def controller_decisions() -> str:
+    """What Ray's controller decided and the errors it met (its log, newest run), to say why a
+    run ended: the driver's stderr holds only the last line."""
+    logs = sorted(Path("/tmp/ray/session_latest/logs/train").glob("ray-train-app-controller-*.log"),
+                  key=lambda p: p.stat().st_mtime)
+    lines = []
+    for line in logs[-1].read_text().splitlines() if logs else []:
+        try:
+            r = json.loads(line)
+        except ValueError:
+            continue
+        if r.get("levelname") in ("WARNING", "ERROR") or "[FailurePolicy]" in r.get("message", ""):
+            tail = (r.get("exc_text") or "").strip().splitlines()[-1:]
+            lines.append(f"{r['asctime']} {r['message'].splitlines()[0][:200]} {tail}")
+    return "\n".join(lines[-20:])
+
+
 def wait_for(proc: subprocess.Popen, run_dir: Path, what, timeout: float = 180) -> dict:
     """The first metrics row for which `what(row)` holds; fails if the run ends or time runs out."""
     deadline = time.monotonic() + timeout
@@ -100,10 +120,23 @@ def wait_for(proc: subprocess.Popen, run_dir: Path, what, timeout: float = 180) 
         if found:
             return found
         if proc.poll() is not None:
-            pytest.fail(f"the run ended first: {proc.stderr.read()[-3000:]}")
+            pytest.fail(f"the run ended first: {proc.stderr.read()[-3000:]}\n"
+                        f"controller:\n{controller_decisions()}")
         time.sleep(0.2)
     proc.kill()
-    pytest.fail(f"timed out; rows: {[(r['step'], r.get('workers')) for r in rows_of(run_dir)]}")
+    pytest.fail(f"timed out; rows: {[(r['step'], r.get('workers')) for r in rows_of(run_dir)]}\n"
+                f"controller:\n{controller_decisions()}")
+
+
+def actor_nodes() -> dict[str, set[str]]:
+    """The nodes each class of live actor runs on (this test process is connected to the cluster)."""
+    import ray
+
+    out: dict[str, set[str]] = {}
+    for a in ray._private.state.actors().values():
+        if a["State"] == "ALIVE":
+            out.setdefault(a["ActorClassName"], set()).add(a["Address"]["NodeID"])
+    return out
 
 
 def finish(proc: subprocess.Popen, timeout: float = 300) -> dict:
@@ -119,9 +152,9 @@ ELASTIC_STEPS = 300  # both resizes are over by step ~150 here
 def elastic_run(cluster, small_data, tmp_path_factory):
     """`--workers 1-3` on two nodes; a node added once it trains, one removed once it grew.
 
-    Two failures allowed for the one node lost: Ray restarts at once, and when its view of the
-    cluster still holds the dying node it can start a worker there, which dies too; at the start
-    that is retried uncounted (controller.py; CI saw Ray end the run there), just after it counts."""
+    Two failures allowed for the one node lost: Ray restarts at once, and while its view of the
+    cluster still holds the dying node it can start a worker there, which dies too (at the start
+    that is retried uncounted: controller.py; just after, it counts)."""
     storage = tmp_path_factory.mktemp("elastic")
     run_dir = storage / "elastic"
     ensure_worker_nodes(cluster, 2)
@@ -130,16 +163,25 @@ def elastic_run(cluster, small_data, tmp_path_factory):
                        "--checkpoint-every", "10", "--max-failures", "2", "--resize-interval", "1",
                        env={"RAYTRAIN_LM_LOG_WINDOWS": "1"})
     wait_for(proc, run_dir, lambda r: r.get("workers") == 2 and r["step"] >= 20)
+    helpers = actor_nodes()
     cluster.add_node(num_cpus=1)
     grown = wait_for(proc, run_dir, lambda r: r.get("workers") == 3)
     wait_for(proc, run_dir, lambda r: r.get("workers") == 3 and r["step"] >= grown["step"] + 10)
     cluster.remove_node(worker_nodes(cluster)[0])  # its raylet and worker processes die
     wait_for(proc, run_dir, lambda r: r.get("workers") == 2 and r["step"] > grown["step"])
-    return finish(proc), run_dir
+    return finish(proc), run_dir, helpers
+
+
+def test_the_runs_own_actors_live_on_the_drivers_node(cluster, elastic_run):
+    """The driver runs on the head: its controller and the queue its rows come through stay
+    there, so a worker node's loss costs a restart, never the run (the queue once sat on the
+    removed node and the run ended)."""
+    helpers = elastic_run[2]
+    assert helpers["_QueueActor"] == helpers["Controller"] == {cluster.head_node.node_id}
 
 
 def test_the_run_grows_and_shrinks_with_the_cluster_and_completes(elastic_run):
-    summary, run_dir = elastic_run
+    summary, run_dir, _ = elastic_run
     assert summary["status"] == "completed" and summary["steps"] == ELASTIC_STEPS
     assert summary["workers"] == "1-3"
     grew, shrank = summary["resizes"]
@@ -158,7 +200,7 @@ def test_every_window_of_every_epoch_was_used_exactly_once_across_the_resizes(el
     from raytrain_lm.data.windows import TokenWindows
     from raytrain_lm.drills import read_window_log
 
-    summary, run_dir = elastic_run
+    summary, run_dir, _ = elastic_run
     kept = read_window_log(run_dir)
     n, batch = len(TokenWindows(small_data, "train", 64)), 24
     per_epoch = n // batch

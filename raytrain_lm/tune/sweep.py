@@ -233,9 +233,10 @@ def trial_capacity(cfg: TrainConfig) -> tuple[int, str]:
 
 def _trainable(cfg: TrainConfig, sweep_uri: str):
     from ray import tune
-    from ray.util.queue import Queue
 
-    _CONTROLLERS["queue"], _CONTROLLERS["handles"] = Queue(actor_options={"num_cpus": 0}), {}
+    from raytrain_lm.controller import driver_queue
+
+    _CONTROLLERS["queue"], _CONTROLLERS["handles"] = driver_queue(), {}
     from raytrain_lm.driver import report_poll_seconds
 
     # The trial runs in its own process: the driver's poll setting travels with it.
