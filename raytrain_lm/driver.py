@@ -69,11 +69,12 @@ def build_trainer(cfg: TrainConfig, run: RunFolder, callbacks: Optional[list] = 
 
     from raytrain_lm.loop import train_loop_per_worker
     from raytrain_lm.preemption import DEFAULT_POLL_S, POLL_ENV as PREEMPTION_POLL_ENV
-    from raytrain_lm.scaling import ElasticTrainer, failure_config, scaling_config
+    from raytrain_lm.scaling import failure_config, scaling_config
+    from raytrain_lm.trainer import Trainer
 
     os.environ[POLL_ENV] = poll_seconds or report_poll_seconds()  # read when the controller starts
     os.environ.setdefault(PREEMPTION_POLL_ENV, str(DEFAULT_POLL_S))  # Ray passes it on, too
-    return ElasticTrainer(
+    return Trainer(
         train_loop_per_worker,
         cfg=cfg,
         pg_cleaner=pg_cleaner,

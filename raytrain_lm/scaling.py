@@ -1,12 +1,13 @@
 """The Ray side of a run's size: Ray Train's ScalingConfig and FailureConfig for `cfg`, and the
-TorchTrainer that keeps an elastic group at the sizes elastic.py allows.
+scaling policy that keeps an elastic group at the sizes elastic.py allows.
 
 Ray 2.60's elastic policy (`ScalingConfig(num_workers=(min, max))`) starts the group with as many
 workers as the cluster's free resources hold, between min and max, and restarts it at a new size
 when that number changes (checked every `elastic_resize_monitor_interval_s`) or after a failure.
-It knows nothing of tensor/pipeline groups or of the global batch, so `ElasticTrainer` hands the
-controller a policy that rounds each count down to the largest size of `elastic.worker_counts`.
-(Ray has no public hook for this; the policy is passed where TorchTrainer.fit passes its own.)
+It knows nothing of tensor/pipeline groups or of the global batch, so the run's trainer hands the
+controller a policy that rounds each count down to the largest size of `elastic.worker_counts`
+(trainer.py: Ray has no public hook for this; the policy is passed where TorchTrainer.fit passes
+its own). The controller unpickles the policy: nothing here imports torch (see backend.py).
 
 The policy also asks Ray's autoscaling coordinator to look at the cluster afresh each time it
 counts (`recompute=True`), and never counts nodes being drained: they take no new workers, yet
@@ -28,7 +29,6 @@ import logging
 
 import ray
 from ray.train import FailureConfig, ScalingConfig
-from ray.train.torch import TorchTrainer
 from ray.train.v2._internal.execution.scaling_policy import ElasticScalingPolicy
 from ray.train.v2._internal.execution.scaling_policy.scaling_policy import (NoopDecision,
                                                                             ResizeDecision)
@@ -38,8 +38,7 @@ from ray.train.v2._internal.execution.scaling_policy.autoscaling_coordinator_cli
 from ray.train.v2._internal.util import time_monotonic
 
 from raytrain_lm.config import TrainConfig
-from raytrain_lm.controller import helper_callbacks, run_controller
-from raytrain_lm.elastic import is_elastic, usable_workers, worker_counts
+from raytrain_lm.elastic import is_elastic, usable_workers
 
 logger = logging.getLogger(__name__)
 
@@ -103,23 +102,3 @@ class SizedElasticPolicy(ElasticScalingPolicy):
         self._latest_reserved_resources = reserved
         self._latest_reserved_resources_query_time = time_monotonic()
         return reserved
-
-
-class ElasticTrainer(TorchTrainer):
-    """A TorchTrainer whose elastic group takes only the sizes of `worker_counts(cfg)`, run by
-    our controller (controller.py: a worker that dies as its group starts is retried)."""
-
-    def __init__(self, *args, cfg: TrainConfig, pg_cleaner: bool = True, **kwargs):
-        """`pg_cleaner`: see controller.helper_callbacks."""
-        super().__init__(*args, **kwargs)
-        self.counts = worker_counts(cfg)
-        self.pg_cleaner = pg_cleaner
-
-    def _create_default_callbacks(self):
-        return helper_callbacks(super()._create_default_callbacks(), self.datasets, self.pg_cleaner)
-
-    def _initialize_and_run_controller(self, **controller_init_kwargs):
-        if self.scaling_config.elasticity_enabled:
-            controller_init_kwargs["scaling_policy"] = SizedElasticPolicy(self.scaling_config,
-                                                                          self.counts)
-        return run_controller(self, **controller_init_kwargs)

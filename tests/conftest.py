@@ -174,7 +174,12 @@ def tiny_run(ray_address, pydoc_data, tmp_path_factory):
                                   checkpoint_every=60, data=str(pydoc_data), storage=str(storage),
                                   name="looked-at"))
     before = set(ray._private.state.actors())  # every actor the cluster ever had, dead ones too
-    summary = run_training(cfg, say=lambda m: None)
+
+    def look_at_the_controller(row):
+        if not TINY_RUN_CONTROLLER_LIBS:
+            TINY_RUN_CONTROLLER_LIBS.extend(libraries_of_process("ray::Controller"))
+
+    summary = run_training(cfg, say=lambda m: None, on_metrics=look_at_the_controller)
     assert summary["status"] == "completed"
     TINY_RUN_ACTORS.extend(a["ActorClassName"] for i, a in ray._private.state.actors().items()
                            if i not in before)
@@ -182,6 +187,23 @@ def tiny_run(ray_address, pydoc_data, tmp_path_factory):
 
 
 TINY_RUN_ACTORS: list[str] = []  # the classes of the actors the shared tiny run started
+TINY_RUN_CONTROLLER_LIBS: list[str] = []  # the shared libraries its controller had loaded
+
+
+def libraries_of_process(title: str) -> list[str]:
+    """The shared libraries (.so files) mapped by the newest process whose title starts with
+    `title` (Ray names an actor's process `ray::<Class>`)."""
+    procs = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and (proc / "cmdline").read_bytes().startswith(title.encode()):
+                procs.append((proc.stat().st_mtime, proc))
+        except OSError:  # gone meanwhile
+            continue
+    if not procs:
+        return []
+    maps = max(procs)[1].joinpath("maps").read_text().splitlines()
+    return sorted({line.split()[-1].rsplit("/", 1)[-1] for line in maps if ".so" in line})
 
 
 # ---------------------------------------------------------------- models trained without Ray

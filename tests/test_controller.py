@@ -9,7 +9,8 @@ import ray.cloudpickle
 from ray.train import RunConfig
 
 from raytrain_lm.config import TrainConfig
-from raytrain_lm.scaling import ElasticTrainer, failure_config, scaling_config
+from raytrain_lm.scaling import failure_config, scaling_config
+from raytrain_lm.trainer import Trainer
 
 
 def _train(config):
@@ -45,7 +46,7 @@ def test_a_worker_that_dies_as_its_group_starts_is_retried_not_the_end_of_the_ru
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # tests/ is not on workers' path
     marker = tmp_path / "died"
     cfg = TrainConfig(workers=1, max_failures=0)
-    trainer = ElasticTrainer(
+    trainer = Trainer(
         DiesWhenFirstLoaded(str(marker)), cfg=cfg, scaling_config=scaling_config(cfg),
         run_config=RunConfig(name="start-death", storage_path=str(tmp_path / "runs"),
                              failure_config=failure_config(cfg)))

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from conftest import TINY_RUN_ACTORS, TINY_STEPS
+from conftest import TINY_RUN_ACTORS, TINY_RUN_CONTROLLER_LIBS, TINY_STEPS
 
 SUMMARY_KEYS = {"status", "steps", "tokens", "final_train_loss", "final_val_loss", "val_perplexity",
                 "tokens_per_second", "mfu", "wall_seconds", "workers", "use_gpu", "preset",
@@ -27,6 +27,13 @@ def test_a_run_starts_no_dataset_manager_and_no_placement_group_cleaner(finished
     assert TINY_RUN_ACTORS.count("RayTrainWorker") == 2 and "Controller" in TINY_RUN_ACTORS
     assert "DatasetManager" not in TINY_RUN_ACTORS
     assert "PlacementGroupCleaner" not in TINY_RUN_ACTORS
+
+
+def test_the_controller_does_not_import_torch(finished_run):
+    """Ray's TorchConfig, which the controller unpickles, imports torch (~390 MB, over a CPU
+    second before any worker starts); ours does not (backend.py)."""
+    assert any(lib.startswith("_raylet") for lib in TINY_RUN_CONTROLLER_LIBS)  # it was found
+    assert not [lib for lib in TINY_RUN_CONTROLLER_LIBS if "torch" in lib]
 
 
 def test_loss_falls(finished_run):
