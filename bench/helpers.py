@@ -1,11 +1,13 @@
-"""What Ray Train's per-run helper processes cost: `python cli.py train` with Ray's default
-controller callbacks against ours (controller.helper_callbacks: no dataset manager, no
-placement-group cleaner), alternated, on one already running local Ray.
+"""What Ray Train's per-run helper processes and its TorchConfig cost: `python cli.py train` with
+Ray's default controller callbacks and Ray's TorchConfig, with Ray's TorchConfig only, and as
+shipped (controller.helper_callbacks: no dataset manager, no placement-group cleaner;
+backend.TorchConfig: no torch in the controller), alternated, on one already running local Ray.
 
 Timed from outside: the command's wall time, its time to first step (summary.json), and the CPU
 seconds of every process on the machine while it ran (sampled from /proc every 0.1 s; a process
 that ends between two samples keeps its last reading, so the figure is a slight undercount).
-The `ray-defaults` arm runs the same CLI with `helper_callbacks` replaced by one that keeps all.
+The other arms run the same CLI with `raytrain_lm.trainer` patched: `helper_callbacks` replaced
+by one that keeps all, and/or Ray's own TorchConfig in place of ours.
 
     flock /tmp/ray.lock python bench/helpers.py --reps 4
 """
@@ -25,9 +27,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 TCK = os.sysconf("SC_CLK_TCK")
-RAY_DEFAULTS = ("import sys, runpy, raytrain_lm.scaling as s; "
-                "s.helper_callbacks = lambda callbacks, *_: callbacks; "
-                "sys.argv = ['cli.py'] + sys.argv[1:]; runpy.run_path('cli.py', run_name='__main__')")
+PATCHES = {"callbacks": "t.helper_callbacks = lambda callbacks, *_: callbacks; ",
+           "torchconfig": "from ray.train.torch import TorchConfig; t.TorchConfig = TorchConfig; "}
+
+
+def patched_cli(*patches: str) -> list[str]:
+    """`python cli.py` with raytrain_lm.trainer patched back to Ray's defaults."""
+    code = ("import sys, runpy, raytrain_lm.trainer as t; " + "".join(PATCHES[p] for p in patches) +
+            "sys.argv = ['cli.py'] + sys.argv[1:]; runpy.run_path('cli.py', run_name='__main__')")
+    return [sys.executable, "-c", code]
 
 
 def cpu_seconds() -> dict:
@@ -71,7 +79,8 @@ def main(argv=None) -> None:
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     address = ray.get_runtime_context().gcs_address
     time.sleep(5)  # let the fresh cluster settle
-    arms = {"ray-defaults": [sys.executable, "-c", RAY_DEFAULTS],
+    arms = {"ray-defaults": patched_cli("callbacks", "torchconfig"),
+            "ray-torchconfig": patched_cli("torchconfig"),
             "ours": [sys.executable, "cli.py"]}
     results = {arm: [] for arm in arms}
     with tempfile.TemporaryDirectory() as storage:
@@ -86,13 +95,13 @@ def main(argv=None) -> None:
                 summary = json.loads(Path(storage, name, "summary.json").read_text())
                 results[arm].append({"wall_s": wall, "cpu_s": cpu,
                                      "first_step_s": summary["time_to_first_step"]})
-                print(f"rep {rep} {arm:13s} wall {wall:5.1f} s  CPU {cpu:5.1f} s  "
+                print(f"rep {rep} {arm:15s} wall {wall:5.1f} s  CPU {cpu:5.1f} s  "
                       f"first step {summary['time_to_first_step']:5.1f} s", flush=True)
     ray.shutdown()
     medians = {arm: {k: statistics.median(r[k] for r in rows) for k in rows[0]}
                for arm, rows in results.items()}
     for arm, m in medians.items():
-        print(f"median {arm:13s} " + "  ".join(f"{k} {v:.2f}" for k, v in m.items()))
+        print(f"median {arm:15s} " + "  ".join(f"{k} {v:.2f}" for k, v in m.items()))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
