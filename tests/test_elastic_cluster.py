@@ -48,6 +48,8 @@ def cluster(tmp_path_factory):
             for _ in range(2):
                 c.add_node(num_cpus=1)
             c.wait_for_nodes()
+            if ray.is_initialized():  # the session cluster (module fixtures come before conftest's
+                ray.shutdown()        # autouse one that stops it): nothing after this needs it
             ray.init(address=c.address, log_to_driver=False)  # to see where actors live
             yield c
         finally:
@@ -152,15 +154,13 @@ ELASTIC_STEPS = 300  # both resizes are over by step ~150 here
 def elastic_run(cluster, small_data, tmp_path_factory):
     """`--workers 1-3` on two nodes; a node added once it trains, one removed once it grew.
 
-    Two failures allowed for the one node lost: Ray restarts at once, and while its view of the
-    cluster still holds the dying node it can start a worker there, which dies too (at the start
-    that is retried uncounted: controller.py; just after, it counts)."""
+    One failure allowed, for the one node lost (README: one per node)."""
     storage = tmp_path_factory.mktemp("elastic")
     run_dir = storage / "elastic"
     ensure_worker_nodes(cluster, 2)
     proc = start_train(cluster, "elastic", storage, "--workers", "1-3", "--data", str(small_data),
                        "--max-steps", str(ELASTIC_STEPS), "--log-every", "5", "--eval-every", "10000",
-                       "--checkpoint-every", "10", "--max-failures", "2", "--resize-interval", "1",
+                       "--checkpoint-every", "10", "--max-failures", "1", "--resize-interval", "1",
                        env={"RAYTRAIN_LM_LOG_WINDOWS": "1"})
     wait_for(proc, run_dir, lambda r: r.get("workers") == 2 and r["step"] >= 20)
     helpers = actor_nodes()
