@@ -32,13 +32,19 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: item.get_closest_marker("own_cluster") is not None)
 
 
+def stop_session_ray() -> None:
+    """Stops the session cluster, if this process runs one: own-cluster tests run last, and
+    nothing after them needs it."""
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+
+
 @pytest.fixture(autouse=True)
 def _session_ray_stopped_for_own_cluster(request):
     if request.node.get_closest_marker("own_cluster"):
-        import ray
-
-        if ray.is_initialized():
-            ray.shutdown()  # stops the session cluster; nothing after this test needs it
+        stop_session_ray()
     yield
 
 

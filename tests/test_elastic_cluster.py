@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, stop_session_ray
 from s3_server import moto_s3, s3_keys
 
 from raytrain_lm.cluster.connect import free_port
@@ -48,8 +48,7 @@ def cluster(tmp_path_factory):
             for _ in range(2):
                 c.add_node(num_cpus=1)
             c.wait_for_nodes()
-            if ray.is_initialized():  # the session cluster (module fixtures come before conftest's
-                ray.shutdown()        # autouse one that stops it): nothing after this needs it
+            stop_session_ray()  # module fixtures come before conftest's autouse one that does
             ray.init(address=c.address, log_to_driver=False)  # to see where actors live
             yield c
         finally:
