@@ -1,5 +1,5 @@
 """Ray's TorchConfig and its backend, without importing torch where Ray Train's controller
-unpickles them.
+unpickles them, or in the driver.
 
 The controller sets up the workers' process group through the trainer's backend config. Ray's
 `TorchConfig` lives in a module that imports torch, so every run's controller imported torch
@@ -40,10 +40,8 @@ class TorchConfig(BackendConfig):
         return TorchBackend
 
     @property
-    def train_func_context(self):  # read where the trainer is built, which imports torch
-        from ray.train.torch.config import TorchConfigContextManager
-
-        return TorchConfigContextManager
+    def train_func_context(self):  # read by the driver, which need not import torch
+        return _WorkerContext
 
     @property
     def framework(self):
@@ -51,6 +49,19 @@ class TorchConfig(BackendConfig):
 
     def to_dict(self) -> dict:
         return {"backend": self.backend, "init_method": "env", "timeout_s": self.timeout_s}
+
+
+class _WorkerContext:
+    """Ray's `TorchConfigContextManager` (each GPU worker's default CUDA device), imported on the
+    worker when its training function starts."""
+
+    def __enter__(self):
+        from ray.train.torch.config import TorchConfigContextManager
+
+        TorchConfigContextManager().__enter__()
+
+    def __exit__(self, *exc) -> bool:
+        return False
 
 
 def _ray_torch(name: str, **kwargs):

@@ -67,15 +67,14 @@ def build_trainer(cfg: TrainConfig, run: RunFolder, callbacks: Optional[list] = 
     see controller.helper_callbacks."""
     from ray.train import CheckpointConfig, RunConfig
 
-    from raytrain_lm.loop import train_loop_per_worker
     from raytrain_lm.preemption import DEFAULT_POLL_S, POLL_ENV as PREEMPTION_POLL_ENV
     from raytrain_lm.scaling import failure_config, scaling_config
-    from raytrain_lm.trainer import Trainer
+    from raytrain_lm.trainer import Trainer, train_loop
 
     os.environ[POLL_ENV] = poll_seconds or report_poll_seconds()  # read when the controller starts
     os.environ.setdefault(PREEMPTION_POLL_ENV, str(DEFAULT_POLL_S))  # Ray passes it on, too
     return Trainer(
-        train_loop_per_worker,
+        train_loop,
         cfg=cfg,
         pg_cleaner=pg_cleaner,
         train_loop_config={"train": cfg.to_dict(), "run_name": cfg.name, "init_from": init_from,

@@ -5,6 +5,7 @@ go straight into the run's folder, so TensorBoard names each run after its folde
 already written means the run restarted from a checkpoint: a new event file starts with a purge
 marker at that step, and TensorBoard drops the abandoned points after it, like metrics.jsonl does.
 Writing event files is a convenience: if it fails, training goes on and the user is told once.
+The `tensorboard` package writes them, not torch's SummaryWriter: the driver does not import torch.
 """
 
 from __future__ import annotations
@@ -12,7 +13,12 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import time
 from typing import Callable, Optional
+
+from tensorboard.compat.proto.event_pb2 import Event, SessionLog
+from tensorboard.compat.proto.summary_pb2 import Summary
+from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
 from raytrain_lm.storage import RunFolder
 
@@ -54,10 +60,10 @@ class TensorBoardLog:
                 self._open(purge_step=step)
             wall = (row["train_start_unix"] + row["elapsed"]
                     if row.get("train_start_unix") is not None and row.get("elapsed") is not None else None)
-            for key, tag in TAGS.items():
-                value = row.get(key)
-                if isinstance(value, (int, float)) and not isinstance(value, bool):
-                    self.writer.add_scalar(tag, value, step, walltime=wall)
+            values = [Summary.Value(tag=tag, simple_value=float(row[key])) for key, tag in TAGS.items()
+                      if isinstance(row.get(key), (int, float)) and not isinstance(row.get(key), bool)]
+            self.writer.add_event(Event(wall_time=time.time() if wall is None else wall, step=step,
+                                        summary=Summary(value=values)))
             self.writer.flush()  # rows come every few seconds at most: keep the files current
             self.last_step = step
         except Exception as e:  # never let a chart break a training run
@@ -65,14 +71,15 @@ class TensorBoardLog:
             self.say(f"warning: TensorBoard event files stopped ({type(e).__name__}: {e})")
 
     def _open(self, purge_step: int) -> None:
-        from torch.utils.tensorboard import SummaryWriter
-
         if self.writer is not None:
             self.writer.close()
         os.makedirs(self.dir, exist_ok=True)
-        # purge_step: TensorBoard discards earlier-written points at steps >= purge_step, so a
-        # resumed or restarted run shows the curve the model actually followed.
-        self.writer = SummaryWriter(log_dir=self.dir, purge_step=purge_step)
+        self.writer = EventFileWriter(self.dir)
+        # A session start at purge_step: TensorBoard discards points written earlier at steps
+        # >= purge_step, so a resumed or restarted run shows the curve the model actually
+        # followed (what torch's SummaryWriter(purge_step=...) writes).
+        self.writer.add_event(Event(wall_time=time.time(), step=purge_step,
+                                    session_log=SessionLog(status=SessionLog.START)))
 
     def close(self) -> None:
         if self.writer is not None:

@@ -1,10 +1,14 @@
-"""The TorchTrainer every run uses (`train` and each Tune trial): Ray's, with our controller
-(controller.py), a torch-free backend config (backend.py) and, for `--workers MIN-MAX`, the
-scaling policy that keeps the group at the sizes elastic.py allows (scaling.py)."""
+"""The trainer every run uses (`train` and each Tune trial): Ray's TorchTrainer, as its parent
+`DataParallelTrainer` with a torch-free backend config (backend.py), run by our controller
+(controller.py) and, for `--workers MIN-MAX`, the scaling policy that keeps the group at the sizes
+elastic.py allows (scaling.py).
+
+Nothing here imports torch: Ray's `TorchTrainer` module does (~2 CPU seconds here), and the driver
+only builds the trainer and follows the run; torch is the workers' business."""
 
 from __future__ import annotations
 
-from ray.train.torch import TorchTrainer
+from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 
 from raytrain_lm.backend import TorchConfig
 from raytrain_lm.config import TrainConfig
@@ -13,13 +17,21 @@ from raytrain_lm.elastic import worker_counts
 from raytrain_lm.scaling import SizedElasticPolicy
 
 
-class Trainer(TorchTrainer):
-    """Ray's TorchTrainer, run by our controller; an elastic group takes only the sizes of
-    `worker_counts(cfg)`."""
+def train_loop(config: dict) -> None:
+    """The training function Ray sends to the workers, by reference: the loop's module (which
+    imports torch) is imported there, not where the trainer is built."""
+    from raytrain_lm.loop import train_loop_per_worker
+
+    train_loop_per_worker(config)
+
+
+class Trainer(DataParallelTrainer):
+    """Ray's TorchTrainer (gloo on CPUs, nccl on GPUs), run by our controller; an elastic group
+    takes only the sizes of `worker_counts(cfg)`."""
 
     def __init__(self, *args, cfg: TrainConfig, pg_cleaner: bool = True, **kwargs):
         """`pg_cleaner`: see controller.helper_callbacks."""
-        super().__init__(*args, torch_config=TorchConfig(), **kwargs)
+        super().__init__(*args, backend_config=TorchConfig(), **kwargs)
         self.counts = worker_counts(cfg)
         self.pg_cleaner = pg_cleaner
 

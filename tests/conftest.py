@@ -206,9 +206,12 @@ def libraries_of_process(title: str) -> list[str]:
                 procs.append((proc.stat().st_mtime, proc))
         except OSError:  # gone meanwhile
             continue
-    if not procs:
-        return []
-    maps = max(procs)[1].joinpath("maps").read_text().splitlines()
+    return libraries_of_pid(int(max(procs)[1].name)) if procs else []
+
+
+def libraries_of_pid(pid: int) -> list[str]:
+    """The shared libraries (.so files) process `pid` has mapped."""
+    maps = Path(f"/proc/{pid}/maps").read_text().splitlines()
     return sorted({line.split()[-1].rsplit("/", 1)[-1] for line in maps if ".so" in line})
 
 

@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from conftest import (ROOT, SMALL_SETTINGS, SMALL_STEPS, kill_train_workers, run_cli,
+from conftest import (ROOT, SMALL_SETTINGS, SMALL_STEPS, kill_train_workers, libraries_of_pid, run_cli,
                       small_config, step_losses)
 from raytrain_lm.config import build_config
 from raytrain_lm.driver import run_training
@@ -56,6 +56,9 @@ def test_stopped_driver_resumes_and_matches(reference, pydoc_data, storage, ray_
             break
         time.sleep(0.2)
     assert proc.poll() is None, "the run ended before it could be stopped"
+    # Training, metrics rows written, TensorBoard too: the driver has done all it does in a run,
+    # without torch (~2 CPU seconds of import before the run can start; the workers import it).
+    assert not [lib for lib in libraries_of_pid(proc.pid) if lib.startswith("libtorch")]
     proc.send_signal(signal.SIGKILL)  # the driver dies without any cleanup ...
     # ... and its workers with it, as when the head node is lost. Ray would end them too, but only
     # after a while, in which they might write the final checkpoint and leave nothing to resume.
