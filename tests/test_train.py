@@ -20,13 +20,15 @@ def finished_run(tiny_run):
     return json.loads((run_dir / "summary.json").read_text()), rows, run_dir
 
 
-def test_a_run_starts_no_dataset_manager_and_no_placement_group_cleaner(finished_run):
-    """Ray starts both by default, each a process that costs ~1.5-2 CPU seconds of start-up: a
-    dataset manager with no Ray Datasets to manage, and a cleaner for a driver that outlives its
-    controller, which `train`'s does not (controller.py)."""
+def test_a_run_starts_no_helper_processes_it_does_without(finished_run):
+    """Ray starts each of these by default, a process that costs ~1.5-2.5 CPU seconds of
+    start-up: a dataset manager with no Ray Datasets to manage, a cleaner for a driver that
+    outlives its controller, which `train`'s does not, and a preemption watcher, which is a
+    thread of the controller here (controller.py)."""
     assert TINY_RUN_ACTORS.count("RayTrainWorker") == 2 and "Controller" in TINY_RUN_ACTORS
     assert "DatasetManager" not in TINY_RUN_ACTORS
     assert "PlacementGroupCleaner" not in TINY_RUN_ACTORS
+    assert "PreemptionWatcher" not in TINY_RUN_ACTORS
 
 
 def test_the_controller_does_not_import_torch(finished_run):
