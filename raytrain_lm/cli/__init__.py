@@ -57,4 +57,14 @@ def main() -> None:
         err(f"unexpected {type(e).__name__}{': ' + first if first else ''} "
             f"(rerun with --verbose for the traceback)")
         sys.exit(1)
+    if not verbose:
+        _disconnect_ray()
     sys.exit(code if isinstance(code, int) else 0)
+
+
+def _disconnect_ray() -> None:
+    """Leave Ray now rather than from its exit hook, which first sleeps half a second so the
+    workers' last log lines can print (they are not shown without --verbose)."""
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
