@@ -1,11 +1,16 @@
-"""How fast does `prepare` tokenize with a BPE: Ray Data on 2 CPUs against the same tokenizer in
-one process, side by side in one run, alternating order each repetition.
+"""How fast does `prepare` tokenize with a BPE on Ray, against the same tokenizer in one process,
+side by side in one run, the order rotated each repetition. Three sides:
 
-The tokenizer is trained once (an 8k BPE on a 10 MB sample of the corpus) and both sides are
+  one_process  `prepare --no-ray`: read, tokenize and write in one process
+  ray_tasks    `prepare --ray` as it is: plain Ray tasks of one CPU, one ~1 MiB unit each
+  ray_data     the same units as Ray Data tasks (how `prepare` ran until 2026-12-01, kept here
+               as the alternative it was measured against)
+
+The tokenizer is trained once (an 8k BPE on a 10 MB sample of the corpus) and every side is
 given its tokenizer.json (`--tokenizer PATH`), so only what differs is timed: planning, reading,
-tokenizing, writing the shards and the manifest. The Ray side runs on a local Ray of 2 CPUs
-started once before the repetitions (its start-up, ~5-10 s, is timed separately and reported).
-Both sides must write byte-identical shards (checked).
+tokenizing, writing the shards and the manifest. The Ray sides run on a local Ray of 2 CPUs
+started once before the repetitions (its start-up, ~5 s, is timed separately and reported).
+All sides must write byte-identical shards (checked).
 
 Ray runs its worker processes at nice 15 (RAY_worker_niceness). On a machine shared with other
 work at nice 0 that alone decides who gets the cores, so the one-process side runs in a child
@@ -28,11 +33,14 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
-RAY_WORKER_NICENESS = 15  # Ray's default for its worker processes
+RAY_WORKER_NICENESS = 15
+SIDES = ["one_process", "ray_tasks", "ray_data"]  # Ray's default for its worker processes
 
 
 def one_process_run(corpus: str, tokenizer: str, out: Path) -> dict:
@@ -44,15 +52,60 @@ def one_process_run(corpus: str, tokenizer: str, out: Path) -> dict:
     return json.loads(res.stdout)
 
 
-def one_run(corpus: str, tokenizer: str, out: Path, use_ray: bool, cpus: int) -> dict:
+def _tokenize_batch(batch: dict, raw_ref: list) -> dict:
+    """A Ray Data task: the units of `batch` (one) -> their tokens, as bytes."""
+    from raytrain_lm.data.sources import Unit
+    from raytrain_lm.data.tokenize import task_tokenizer, tokenize_unit
+
+    tokens, opens = [], []
+    for text in batch["unit"]:
+        ids, o = tokenize_unit(Unit.from_json(text), task_tokenizer(raw_ref))
+        tokens.append(ids.tobytes())
+        opens.append(o)
+    return {"tokens": np.array(tokens, dtype=object), "opens": np.array(opens, dtype=bool)}
+
+
+def tokenize_on_ray_data(units, tok, cpus=None):
+    """The `ray_data` side: what `prepare` did on Ray Data until 2026-12-01 (the same units, one
+    per Ray Data task, results in order), measured against the plain tasks it uses now."""
+    import logging
+
+    import ray
+    import ray.data
+
+    ctx = ray.data.DataContext.get_current()
+    ctx.execution_options.preserve_order = True
+    ctx.enable_progress_bars = False
+    ctx.print_on_execution_start = False
+    ctx.op_resource_reservation_enabled = False  # with it on, one of 2 CPUs sat idle
+    logging.getLogger("ray.data").setLevel(logging.ERROR)
+    tasks = min(cpus or max(1, int(ray.cluster_resources().get("CPU", 1))), len(units))
+    raw_ref = [ray.put(tok.raw)]
+    ds = ray.data.from_items([{"unit": u.to_json()} for u in units], override_num_blocks=len(units))
+    ds = ds.map_batches(_tokenize_batch, fn_kwargs={"raw_ref": raw_ref}, batch_size=1, num_cpus=1,
+                        compute=ray.data.TaskPoolStrategy(size=tasks))
+    for batch in ds.iter_batches(batch_size=None, batch_format="numpy"):
+        for data, opens in zip(batch["tokens"], batch["opens"]):
+            yield np.frombuffer(data, dtype=tok.dtype), bool(opens)
+
+
+def one_run(corpus: str, tokenizer: str, out: Path, side: str, cpus: int) -> dict:
+    from raytrain_lm.data import tokenize
     from raytrain_lm.data.prepare import prepare_dataset
 
+    if side == "ray_data":
+        tokenize.tokenize_on_ray, saved = tokenize_on_ray_data, tokenize.tokenize_on_ray
     load = os.getloadavg()[0]
     t0 = time.perf_counter()
-    m = prepare_dataset(corpus, out, tokenizer=tokenizer, use_ray=use_ray, cpus=cpus, force=True)
+    try:
+        m = prepare_dataset(corpus, out, tokenizer=tokenizer, use_ray=side != "one_process", cpus=cpus,
+                            force=True)
+    finally:
+        if side == "ray_data":
+            tokenize.tokenize_on_ray = saved
     wall = time.perf_counter() - t0
     text_mb = (m["train"]["bytes"] + m["val"]["bytes"]) / 1e6
-    return {"side": "ray_data" if use_ray else "one_process", "wall_s": wall, "text_mb": text_mb,
+    return {"side": side, "wall_s": wall, "text_mb": text_mb,
             "mb_per_s": text_mb / wall, "tokens": m["train"]["tokens"] + m["val"]["tokens"],
             "shards": [s["sha256"] for s in m["train"]["shards"] + m["val"]["shards"]],
             "loadavg_1m_at_start": load}
@@ -71,7 +124,7 @@ def main() -> None:
     if args.one_process_run:
         os.nice(RAY_WORKER_NICENESS)
         corpus, tokenizer, out = args.one_process_run
-        print(json.dumps(one_run(corpus, tokenizer, Path(out), use_ray=False, cpus=1)))
+        print(json.dumps(one_run(corpus, tokenizer, Path(out), "one_process", cpus=1)))
         return
 
     import ray
@@ -92,19 +145,20 @@ def main() -> None:
         ray_start_s = time.perf_counter() - t0
         rows = []
         for rep in range(args.reps):
-            order = [False, True] if rep % 2 == 0 else [True, False]
-            for use_ray in order:
-                row = (one_run(args.corpus, str(tok_path), Path(tmp) / "out", True, args.cpus) if use_ray
-                       else one_process_run(args.corpus, str(tok_path), Path(tmp) / "out"))
+            order = SIDES[rep % len(SIDES):] + SIDES[:rep % len(SIDES)]
+            for side in order:
+                row = (one_process_run(args.corpus, str(tok_path), Path(tmp) / "out") if side == "one_process"
+                       else one_run(args.corpus, str(tok_path), Path(tmp) / "out", side, args.cpus))
                 row["rep"] = rep
                 rows.append(row)
                 print(f"rep {rep} {row['side']:<12} {row['wall_s']:6.1f} s  {row['mb_per_s']:5.2f} MB/s  "
                       f"load {row['loadavg_1m_at_start']:.1f}", flush=True)
         ray.shutdown()
     assert len({tuple(r["shards"]) for r in rows}) == 1, "the two sides wrote different shards"
-    by = {side: [r for r in rows if r["side"] == side] for side in ("one_process", "ray_data")}
+    by = {side: [r for r in rows if r["side"] == side] for side in SIDES}
     med = {side: statistics.median(r["mb_per_s"] for r in rs) for side, rs in by.items()}
-    ratios = [b["mb_per_s"] / a["mb_per_s"] for a, b in zip(by["one_process"], by["ray_data"])]
+    ratios = {side: [b["mb_per_s"] / a["mb_per_s"] for a, b in zip(by["one_process"], by[side])]
+              for side in SIDES[1:]}
     result = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "command": " ".join(["python", "bench/prepare.py", *sys.argv[1:]]),
@@ -112,13 +166,15 @@ def main() -> None:
         "tokenizer": f"BPE {tok.vocab_size}", "bpe_train_s": train_s, "ray_cpus": args.cpus,
         "ray_start_s": ray_start_s, "one_process_niceness": RAY_WORKER_NICENESS,
         "median_mb_per_s": med,
-        "speedup_per_rep": ratios, "median_speedup": statistics.median(ratios),
+        "speedup_per_rep": ratios,
+        "median_speedup": {side: statistics.median(r) for side, r in ratios.items()},
         "runs": [{k: v for k, v in r.items() if k != "shards"} for r in rows],
     }
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(f"one process {med['one_process']:.2f} MB/s, Ray Data on {args.cpus} CPUs "
-          f"{med['ray_data']:.2f} MB/s: {result['median_speedup']:.2f}x (median of per-rep ratios "
-          f"{', '.join(f'{r:.2f}' for r in ratios)}); Ray start {ray_start_s:.1f} s")
+    print(f"one process {med['one_process']:.2f} MB/s; Ray start {ray_start_s:.1f} s")
+    for side, r in ratios.items():
+        print(f"{side} on {args.cpus} CPUs {med[side]:.2f} MB/s: {result['median_speedup'][side]:.2f}x "
+              f"(median of per-rep ratios {', '.join(f'{x:.2f}' for x in r)})")
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ Every run has the same steps, the same tokens per step (2 workers x batch x seq_
 model body, optimizer and schedule; only the tokenizer (and with it the embedding's size) differs.
 A BPE token stands for ~3-4 bytes, so a BPE run sees 3-4 times more text in the same steps; a
 larger vocabulary also costs more FLOPs per token in the output layer (recorded per run). Each
-BPE is trained by `prepare` on a 10 MB sample of the corpus; datasets are prepared on Ray Data.
+BPE is trained by `prepare` on a 10 MB sample of the corpus; datasets are prepared on Ray.
 It starts its own local Ray, so run it alone:
 
     flock /tmp/ray.lock python bench/tokenizer_bpb.py --steps 200

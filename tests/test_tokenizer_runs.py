@@ -1,4 +1,4 @@
-"""Runs and tokenizers: val_bpb in every run, the gpt2 preset on an 8k BPE, `prepare` on Ray Data
+"""Runs and tokenizers: val_bpb in every run, the gpt2 preset on an 8k BPE, `prepare` on Ray
 giving the same shards at any CPU count, and weights never continued on another tokenizer's data."""
 
 import hashlib
@@ -41,7 +41,7 @@ def corpus(root):
     return root
 
 
-def test_prepare_on_ray_data_gives_the_same_shards_at_any_cpu_count(ray_address, tmp_path):
+def test_prepare_on_ray_gives_the_same_shards_at_any_cpu_count(ray_address, tmp_path):
     """In this process, on 1 Ray CPU and on 2 (and through the command line): byte-identical
     shards, tokenizer and manifest, with units of 64 KiB so that tasks finish out of order."""
     from raytrain_lm.data.prepare import prepare_dataset
@@ -88,7 +88,7 @@ def test_gpt2_preset_on_an_8k_bpe_of_the_stdlib_trains_on_2_workers(ray_address,
                 break
     data = tmp_path / "stdlib-bpe8k"
     m = prepare_dataset(str(corpus), data, tokenizer="bpe", vocab_size=8192,
-                        use_ray=False)  # prepare on Ray Data: the test above
+                        use_ray=False)  # prepare on Ray: the test above
     assert m["vocab_size"] == 8192 and m["dtype"] == "uint16"
     assert m["train"]["bytes"] / m["train"]["tokens"] > 3  # ~3.6 bytes of Python per token
     cfg = build_config(preset="gpt2", flags=dict(

@@ -44,7 +44,7 @@ def prepare(
     val_every: int = typer.Option(20, help="Every Nth block of 2048 tokens goes to validation."),
     shard_tokens: int = typer.Option(1 << 24, help="Tokens per shard file."),
     ray: Optional[bool] = typer.Option(None, "--ray/--no-ray", help="Tokenize in parallel Ray "
-                                       f"tasks (Ray Data) [default: with --address, an s3:// "
+                                       f"tasks [default: with --address, an s3:// "
                                        f"input, or more than {RAY_FROM_MB} MB of input]."),
     address: Optional[str] = typer.Option(None, help="Ray cluster to tokenize on [default: "
                                           "RAY_ADDRESS, else a local Ray]."),
@@ -77,7 +77,7 @@ def prepare(
         from raytrain_lm.cluster.connect import connect_ray
 
         started = connect_ray(address, cpus or 1, verbose)
-        say(f"tokenizing on Ray Data ({'a local Ray' if started else address})")
+        say(f"tokenizing in Ray tasks ({'a local Ray' if started else address})")
     progress = Progress(enabled=not (quiet or as_json))
     try:
         manifest = prepare_dataset(sources, out, text_field=text_column, use_ray=ray, cpus=cpus,

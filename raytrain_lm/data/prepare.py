@@ -1,7 +1,7 @@
 """Corpus -> token shards (Arrow IPC) + tokenizer.json + manifest.json, written whole or not at all.
 
     plan the corpus into units (data/sources.py) -> the tokenizer (byte, a BPE trained on a
-    sample, or a given tokenizer.json) -> tokenize the units, here or on Ray Data
+    sample, or a given tokenizer.json) -> tokenize the units, here or in Ray tasks
     (data/tokenize.py), in order -> one token stream, documents separated -> blocks routed to
     train/val -> fixed-size shards, each hashed as written -> the manifest last.
 
@@ -100,7 +100,7 @@ def prepare_dataset(
     `tokenizer`: "byte", "bpe" (trained here on a `tokenizer_sample_mb` MB sample, `vocab_size`
     tokens) or a tokenizer.json path (stored in the dataset byte for byte). Documents are joined
     by the tokenizer's separator: "\\n\\n" for bytes, <|endoftext|> for a BPE that has it.
-    `use_ray`: tokenize in parallel Ray Data tasks (`cpus` at once; Ray must be initialized),
+    `use_ray`: tokenize in parallel Ray tasks (`cpus` at once; Ray must be initialized),
     each a unit of about `piece_bytes` of the corpus.
     The token stream is cut into blocks of `block_tokens`; block k goes to validation when
     k % val_every == 1, so even a small corpus gets a validation split spread over its length.

@@ -1,14 +1,16 @@
 """Tokenizing a planned corpus (data/sources.py units), in corpus order: in this process, or in
-parallel Ray tasks on Ray Data, which scales `prepare` from a laptop to a cluster.
+parallel Ray tasks, which scales `prepare` from a laptop to a cluster.
 
-Either way every unit is tokenized by the same function, and the results come back in the
-units' order (Ray Data's preserve_order), so the shards written from them are byte-identical
-whatever the number of CPUs.
+Either way every unit is tokenized by the same function, and the results are taken in the
+units' order, so the shards written from them are byte-identical whatever the number of CPUs.
+The tasks read their units themselves (pyarrow filesystems: local paths, s3://, gs://), a large
+file in ~1 MiB pieces.
 
-Why not Ray Data's read_text: it reads each file whole into one task and splits it into lines,
-dropping the line endings (`splitlines`), so a text file would neither be one document nor come
-back byte for byte; and read_json infers one schema across rows. Our units are read by the tasks
-themselves (pyarrow filesystems: local paths, s3://, gs://), a large file in ~1 MiB pieces.
+Why plain tasks and not Ray Data: its read_text reads each file whole into one task and splits
+it into lines, dropping the line endings, so a text file would neither be one document nor come
+back byte for byte, and read_json infers one schema across rows; and as a scheduler for our own
+units its streaming executor cost a third of the speed-up on 2 CPUs (bench/prepare.py: Ray Data
+1.09x one process, these tasks 1.49x, same run).
 """
 
 from __future__ import annotations
@@ -50,8 +52,9 @@ def tokenize_here(units: list[Unit], tok: Tokenizer) -> Iterator[tuple[np.ndarra
 _TOKENIZERS: dict[str, Tokenizer] = {}
 
 
-def _tokenize_batch(batch: dict, raw_ref: list) -> dict:
-    """A Ray Data task: the units of `batch` (one, in practice) -> their tokens, as bytes."""
+def task_tokenizer(raw_ref: list) -> Tokenizer:
+    """The tokenizer whose JSON is behind `raw_ref` ([ObjectRef]; None for bytes), built once
+    per worker process."""
     import ray
 
     from raytrain_lm.tokenizer import BPETokenizer, ByteTokenizer
@@ -61,41 +64,38 @@ def _tokenize_batch(batch: dict, raw_ref: list) -> dict:
         raw = ray.get(raw_ref[0])
         _TOKENIZERS.clear()  # one prepare at a time per process: keep only the current one
         _TOKENIZERS[key] = ByteTokenizer() if raw is None else BPETokenizer(TOKENIZER, raw=raw)
-    tok = _TOKENIZERS[key]
-    tokens, opens = [], []
-    for text in batch["unit"]:
-        ids, o = tokenize_unit(Unit.from_json(text), tok)
-        tokens.append(ids.tobytes())
-        opens.append(o)
-    return {"tokens": np.array(tokens, dtype=object), "opens": np.array(opens, dtype=bool)}
+    return _TOKENIZERS[key]
+
+
+def _tokenize_task(unit_json: str, raw_ref: list) -> tuple[bytes, bool]:
+    """A Ray task: one unit -> (its tokens as bytes, whether it opens a document)."""
+    ids, opens = tokenize_unit(Unit.from_json(unit_json), task_tokenizer(raw_ref))
+    return ids.tobytes(), opens
 
 
 def tokenize_on_ray(units: list[Unit], tok: Tokenizer,
                     cpus: Optional[int] = None) -> Iterator[tuple[np.ndarray, bool]]:
-    """The same results as tokenize_here, from at most `cpus` Ray Data tasks at once (default:
-    one per CPU of the cluster Ray is connected to). Results stream back in order, as the writer
-    takes them. Tasks, not an actor pool: Ray 2.60 warns about every Ray Data actor's arguments."""
-    import logging
-
+    """The same results as tokenize_here, from Ray tasks of one CPU, `cpus` at once (default: one
+    per CPU of the cluster Ray is connected to). A task that finishes early gets the next unit at
+    once and its result waits here for its turn, up to 2 x `cpus` units' tokens held here."""
     import ray
-    import ray.data
 
-    ctx = ray.data.DataContext.get_current()
-    ctx.execution_options.preserve_order = True  # results in the units' order: the same shards
-    ctx.enable_progress_bars = False  # `prepare` shows its own progress line
-    ctx.print_on_execution_start = False
-    # Ray Data reserves part of the cluster for each operator's outputs; with one operator on a
-    # small cluster that kept a CPU idle (measured on 2 CPUs: 9-10 s with it, 7.8 s without, for
-    # the stdlib corpus). There is nothing downstream to reserve for: the writer is this process.
-    ctx.op_resource_reservation_enabled = False
-    logging.getLogger("ray.data").setLevel(logging.ERROR)  # its start/finish notices
     tasks = min(cpus or max(1, int(ray.cluster_resources().get("CPU", 1))), len(units))
     # The tokenizer's JSON (up to megabytes) is put once; tasks get a reference inside a list,
     # which Ray passes as is rather than resolving it for every task.
     raw_ref = [ray.put(tok.raw)]
-    ds = ray.data.from_items([{"unit": u.to_json()} for u in units], override_num_blocks=len(units))
-    ds = ds.map_batches(_tokenize_batch, fn_kwargs={"raw_ref": raw_ref}, batch_size=1, num_cpus=1,
-                        compute=ray.data.TaskPoolStrategy(size=tasks))
-    for batch in ds.iter_batches(batch_size=None, batch_format="numpy"):
-        for data, opens in zip(batch["tokens"], batch["opens"]):
-            yield np.frombuffer(data, dtype=tok.dtype), bool(opens)
+    remote = ray.remote(num_cpus=1)(_tokenize_task)
+    running: dict = {}  # task -> index of its unit
+    done: dict[int, tuple[bytes, bool]] = {}
+    submitted = 0
+    for turn in range(len(units)):
+        while True:
+            while submitted < len(units) and len(running) < tasks and len(running) + len(done) < 2 * tasks:
+                running[remote.remote(units[submitted].to_json(), raw_ref)] = submitted
+                submitted += 1
+            if turn in done:
+                break
+            ready, _ = ray.wait(list(running), num_returns=1)
+            done[running.pop(ready[0])] = ray.get(ready[0])
+        data, opens = done.pop(turn)
+        yield np.frombuffer(data, dtype=tok.dtype), opens
