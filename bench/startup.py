@@ -155,20 +155,20 @@ def main(argv=None) -> None:
 
     q = Queue(actor_options={"num_cpus": 0})
     t["queue_actor_created"] = time.time()
-    import raytrain_lm.loop
+    import raytrain_lm.trainer
     from raytrain_lm.callbacks import ForwardMetrics
 
     def timed_fit(name: str, events: str) -> dict:
         """Build and fit a trainer whose workers run `timed_loop`; driver-side timestamps."""
         marks = {}
         cfg.name = name
-        real_loop = raytrain_lm.loop.train_loop_per_worker
-        raytrain_lm.loop.train_loop_per_worker = timed_loop  # build_trainer imports it from there
+        real_loop = raytrain_lm.trainer.train_loop
+        raytrain_lm.trainer.train_loop = timed_loop  # build_trainer imports it from there
         try:
             trainer = driver.build_trainer(cfg, RunFolder(cfg.storage, name),
                                            callbacks=[ForwardMetrics(q)] + make_callbacks(events))
         finally:
-            raytrain_lm.loop.train_loop_per_worker = real_loop
+            raytrain_lm.trainer.train_loop = real_loop
         trainer.train_loop_config["events_path"] = events
         marks["trainer_built"] = time.time()
         th = threading.Thread(target=trainer.fit, daemon=True)
