@@ -151,12 +151,9 @@ def main(argv=None) -> None:
     connect.connect_ray(None, cfg.workers * cfg.cpus_per_worker)
     t["ray_init_done"] = time.time()
     preflight.check_resources(cfg)
-    from ray.util.queue import Queue
-
-    q = Queue(actor_options={"num_cpus": 0})
-    t["queue_actor_created"] = time.time()
+    t["queue_actor_created"] = time.time()  # (no queue since 2026-12-01: kept for the timeline)
     import raytrain_lm.trainer
-    from raytrain_lm.callbacks import ForwardMetrics
+    from raytrain_lm.callbacks import ForwardMetrics, HeldRows
 
     def timed_fit(name: str, events: str) -> dict:
         """Build and fit a trainer whose workers run `timed_loop`; driver-side timestamps."""
@@ -166,7 +163,7 @@ def main(argv=None) -> None:
         raytrain_lm.trainer.train_loop = timed_loop  # build_trainer imports it from there
         try:
             trainer = driver.build_trainer(cfg, RunFolder(cfg.storage, name),
-                                           callbacks=[ForwardMetrics(q)] + make_callbacks(events))
+                                           callbacks=[ForwardMetrics(HeldRows())] + make_callbacks(events))
         finally:
             raytrain_lm.trainer.train_loop = real_loop
         trainer.train_loop_config["events_path"] = events
@@ -174,14 +171,19 @@ def main(argv=None) -> None:
         th = threading.Thread(target=trainer.fit, daemon=True)
         marks["fit_called"] = time.time()
         th.start()
-        q.get(timeout=600)
-        marks["first_metrics_at_driver"] = time.time()
-        while th.is_alive() or not q.empty():
+        rows = 0  # taken from the controller as the driver does (driver.Follower.follow)
+        while th.is_alive():
+            th.join(timeout=driver.ROWS_POLL_S)
+            controller = getattr(trainer, "controller", None)
             try:
-                q.get(timeout=0.5)
+                new = len(ray.get(controller.take_rows.remote())) if controller else 0
             except Exception:
-                continue
-        marks["last_metrics_at_driver"] = time.time()
+                break
+            if new and not rows:
+                marks["first_metrics_at_driver"] = time.time()
+            if new:
+                marks["last_metrics_at_driver"] = time.time()
+            rows += new
         th.join()
         marks["fit_returned"] = time.time()
         return marks
@@ -215,7 +217,7 @@ def main(argv=None) -> None:
                 ("dataset manifest checked", t["t_launch"], t["dataset_checked"]),
                 ("import ray", t["dataset_checked"], t["import_ray_done"]),
                 ("ray.init (local cluster)", t["import_ray_done"], t["ray_init_done"]),
-                ("metrics Queue actor", t["ray_init_done"], t["queue_actor_created"]),
+                ("(no metrics queue since 2026-12-01)", t["ray_init_done"], t["queue_actor_created"]),
                 ("build TorchTrainer (imports ray.train)", t["queue_actor_created"], t["trainer_built"]),
                 ("fit() -> controller started", t["fit_called"], controller.get("controller_started")),
                 ("controller -> worker group start begins", controller.get("controller_started"),

@@ -12,9 +12,26 @@ from raytrain_lm.files import BEST_DIR
 from raytrain_lm.storage import share_folder, staged_folder
 
 
+class HeldRows:
+    """Where ForwardMetrics puts rows for `train`'s driver: a list in the controller's process,
+    which the driver empties through the controller (`Controller.take_rows`). A Ray queue would
+    be one more process per run (~1-2 CPU seconds of start-up)."""
+
+    rows: list[dict] = []  # class-wide: one run per controller process
+
+    def put(self, row: dict) -> None:
+        HeldRows.rows.append(row)
+
+    @staticmethod
+    def take() -> list[dict]:
+        rows, HeldRows.rows = HeldRows.rows, []
+        return rows
+
+
 class ForwardMetrics(UserCallback):
-    """Sends rank 0's metrics (global: the loop all-reduces them) to the driver through a Ray
-    queue, plus an event when workers fail. Ray's `Result` would keep only checkpointed reports."""
+    """Sends rank 0's metrics (global: the loop all-reduces them) to the driver, plus an event
+    when workers fail, through `queue` (HeldRows, or anything with `put`). Ray's `Result` would
+    keep only checkpointed reports."""
 
     def __init__(self, queue):
         self.queue = queue

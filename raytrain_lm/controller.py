@@ -32,10 +32,10 @@ logger = logging.getLogger(__name__)
 
 def on_this_node() -> dict:
     """Actor options that keep an actor on this process's node. A run's helpers (its controller,
-    the queue its rows come through) must live as long as its driver, not die with a worker
-    node: Ray spreads zero-CPU actors over the whole cluster (7 of 8 queues landed on worker
-    nodes of a 3-node cluster here), and a removed node took the metrics queue with it, which
-    ended the run whatever --max-failures allowed (CI: "the actor's node was terminated")."""
+    a sweep's queue) must live as long as their driver, not die with a worker node: Ray spreads
+    zero-CPU actors over the whole cluster (7 of 8 queues landed on worker nodes of a 3-node
+    cluster here), and a removed node once took a run's metrics queue with it, which ended the
+    run whatever --max-failures allowed (CI: "the actor's node was terminated")."""
     return {"label_selector": {ray._raylet.RAY_NODE_ID_KEY: ray.get_runtime_context().get_node_id()}}
 
 
@@ -111,6 +111,12 @@ class Controller(TrainController):
         callbacks = self._worker_group_callbacks_to_propagate  # used when a group starts
         callbacks[:] = [PreemptionThread() if type(cb) is PreemptionCallback else cb for cb in callbacks]
 
+    def take_rows(self) -> list[dict]:
+        """The metrics rows reported since the last call (callbacks.HeldRows)."""
+        from raytrain_lm.callbacks import HeldRows
+
+        return HeldRows.take()
+
 
 def run_controller(trainer, **controller_init_kwargs):
     """Ray 2.60's `DataParallelTrainer._initialize_and_run_controller` with our controller
@@ -121,6 +127,7 @@ def run_controller(trainer, **controller_init_kwargs):
     controller_cls = ray.remote(  # on the driver's node, as Ray's
         num_cpus=0, runtime_env={"env_vars": env_vars}, **on_this_node())(Controller)
     controller = controller_cls.remote(**controller_init_kwargs)
+    trainer.controller = controller  # for the driver, which takes the rows from it
     if threading.current_thread() is threading.main_thread():  # not in a Tune trial's thread
         trainer._register_sigint_handler(controller)
     ray.get(controller.run.remote())

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import datetime as _dt
 import os
-import queue as _queue
 import threading
 import time
 from typing import Any, Callable, Optional
@@ -30,6 +29,7 @@ from raytrain_lm.tb import TensorBoardLog
 POLL_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
 USER_POLL = os.environ.get(POLL_ENV)
 DEFAULT_POLL_S = 0.5
+ROWS_POLL_S = 0.25  # how often the driver takes new rows from the controller (progress lines)
 
 
 def report_poll_seconds(default: float = DEFAULT_POLL_S) -> str:
@@ -108,9 +108,8 @@ def run_training(
 
     With `resume`, the run `cfg.name` continues from its latest valid checkpoint (the caller
     loads the run's saved config: see `saved_config`)."""
-    from raytrain_lm.callbacks import ForwardMetrics, KeepBest
+    from raytrain_lm.callbacks import ForwardMetrics, HeldRows, KeepBest
     from raytrain_lm.cluster.connect import connect_ray
-    from raytrain_lm.controller import driver_queue
 
     t_launch = time.time()
     run = run_folder(cfg, resume)
@@ -128,8 +127,7 @@ def run_training(
     if not force and known is None:  # else from Ray's accelerator labels or memory resource
         check_memory(cfg, worker_memory_gb(cfg))
 
-    metrics_q = driver_queue()
-    callbacks = [ForwardMetrics(metrics_q), KeepBest(best_val_loss(run) if resume else None)]
+    callbacks = [ForwardMetrics(HeldRows()), KeepBest(best_val_loss(run) if resume else None)]
     trainer = build_trainer(cfg, run, callbacks=callbacks, init_from=init_from,
                             fail_at=os.environ.get(FAULT_ENV), poll_seconds=poll_seconds,
                             force=force, worker_env=worker_env,
@@ -139,7 +137,7 @@ def run_training(
         say(sizes_line(cfg))
     follower = Follower(cfg, run, t_launch, previous, resume, say, on_metrics)
     follower.write_summary("running")  # kept current: after a crash of this driver it still tells
-    result, error = follower.follow(trainer, metrics_q)
+    result, error = follower.follow(trainer)
 
     checkpoint = checkpoint_uri(run, result.checkpoint.path) if result is not None and result.checkpoint else None
     if checkpoint is None:
@@ -171,8 +169,8 @@ def run_folder(cfg: TrainConfig, resume: bool) -> RunFolder:
 
 
 class Follower:
-    """Follows a run from the driver: rows from the workers (through the controller's callback and
-    a Ray queue) go to metrics.jsonl, TensorBoard and the caller's progress display, restarts and
+    """Follows a run from the driver: rows from the workers (held by the controller's callback,
+    taken from the controller) go to metrics.jsonl, TensorBoard and the caller's progress display, restarts and
     resizes to `groups`, and summary.json is rewritten at every checkpoint, failure and resize."""
 
     def __init__(self, cfg: TrainConfig, run: RunFolder, t_launch: float, previous: dict,
@@ -197,8 +195,11 @@ class Follower:
         self.run.write_json(files.SUMMARY, out)
         return out
 
-    def follow(self, trainer, metrics_q):
-        """Run `trainer.fit()` in a thread while taking its rows; returns (result, error)."""
+    def follow(self, trainer):
+        """Run `trainer.fit()` in a thread while taking its rows from the controller (its handle
+        is `trainer.controller` once fit has made it); returns (result, error)."""
+        import ray
+
         tb = TensorBoardLog(self.run, self.say)  # event files beside metrics.jsonl
         outcome: dict[str, Any] = {}
 
@@ -210,14 +211,19 @@ class Follower:
 
         thread = threading.Thread(target=fit, name="ray-train-fit", daemon=True)
         thread.start()
-        while thread.is_alive() or not metrics_q.empty():
-            try:
-                row = metrics_q.get(timeout=0.5)
-            except _queue.Empty:
+        running = True
+        while running:
+            running = thread.is_alive()  # after fit returns, one last take: the rest of the rows
+            thread.join(timeout=ROWS_POLL_S)
+            controller = getattr(trainer, "controller", None)
+            if controller is None:
                 continue
-            except Exception:  # the queue actor is gone: nothing more will come
+            try:
+                rows = ray.get(controller.take_rows.remote())
+            except Exception:  # the controller is gone: nothing more will come
                 break
-            self._take(row, tb)
+            for row in rows:
+                self._take(row, tb)
         thread.join()
         tb.close()
         return outcome.get("result"), outcome.get("error")

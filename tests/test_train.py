@@ -24,11 +24,13 @@ def test_a_run_starts_no_helper_processes_it_does_without(finished_run):
     """Ray starts each of these by default, a process that costs ~1.5-2.5 CPU seconds of
     start-up: a dataset manager with no Ray Datasets to manage, a cleaner for a driver that
     outlives its controller, which `train`'s does not, and a preemption watcher, which is a
-    thread of the controller here (controller.py)."""
+    thread of the controller here (controller.py); nor a queue for the metrics rows, which the
+    driver takes from the controller (callbacks.HeldRows)."""
     assert TINY_RUN_ACTORS.count("RayTrainWorker") == 2 and "Controller" in TINY_RUN_ACTORS
     assert "DatasetManager" not in TINY_RUN_ACTORS
     assert "PlacementGroupCleaner" not in TINY_RUN_ACTORS
     assert "PreemptionWatcher" not in TINY_RUN_ACTORS
+    assert "_QueueActor" not in TINY_RUN_ACTORS  # the rows come from the controller
 
 
 def test_the_controller_does_not_import_torch(finished_run):
