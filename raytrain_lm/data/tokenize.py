@@ -9,8 +9,8 @@ file in ~1 MiB pieces.
 Why plain tasks and not Ray Data: its read_text reads each file whole into one task and splits
 it into lines, dropping the line endings, so a text file would neither be one document nor come
 back byte for byte, and read_json infers one schema across rows; and as a scheduler for our own
-units its streaming executor cost a third of the speed-up on 2 CPUs (bench/prepare.py: Ray Data
-1.09x one process, these tasks 1.49x, same run).
+units it was slower than these tasks in every repetition on 2 CPUs (bench/prepare.py: medians
+1.01-1.15x one process against 1.33-1.54x).
 """
 
 from __future__ import annotations
