@@ -39,8 +39,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
-RAY_WORKER_NICENESS = 15
-SIDES = ["one_process", "ray_tasks", "ray_data"]  # Ray's default for its worker processes
+RAY_WORKER_NICENESS = 15  # Ray's default for its worker processes
+SIDES = ["one_process", "ray_tasks", "ray_data"]
 
 
 def one_process_run(corpus: str, tokenizer: str, out: Path) -> dict:
@@ -53,15 +53,11 @@ def one_process_run(corpus: str, tokenizer: str, out: Path) -> dict:
 
 
 def _tokenize_batch(batch: dict, raw_ref: list) -> dict:
-    """A Ray Data task: the units of `batch` (one) -> their tokens, as bytes."""
-    from raytrain_lm.data.sources import Unit
-    from raytrain_lm.data.tokenize import task_tokenizer, tokenize_unit
+    """A Ray Data task: the units of `batch` (one) -> their tokens, as bytes; each unit as the
+    plain task `prepare` submits does it."""
+    from raytrain_lm.data.tokenize import _tokenize_task
 
-    tokens, opens = [], []
-    for text in batch["unit"]:
-        ids, o = tokenize_unit(Unit.from_json(text), task_tokenizer(raw_ref))
-        tokens.append(ids.tobytes())
-        opens.append(o)
+    tokens, opens = zip(*(_tokenize_task(unit, raw_ref) for unit in batch["unit"]))
     return {"tokens": np.array(tokens, dtype=object), "opens": np.array(opens, dtype=bool)}
 
 

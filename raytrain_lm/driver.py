@@ -170,8 +170,9 @@ def run_folder(cfg: TrainConfig, resume: bool) -> RunFolder:
 
 class Follower:
     """Follows a run from the driver: rows from the workers (held by the controller's callback,
-    taken from the controller) go to metrics.jsonl, TensorBoard and the caller's progress display, restarts and
-    resizes to `groups`, and summary.json is rewritten at every checkpoint, failure and resize."""
+    taken from the controller) go to metrics.jsonl, TensorBoard and the caller's progress
+    display, restarts and resizes to `groups`, and summary.json is rewritten at every
+    checkpoint, failure and resize."""
 
     def __init__(self, cfg: TrainConfig, run: RunFolder, t_launch: float, previous: dict,
                  resume: bool, say: Callable[[str], None],
