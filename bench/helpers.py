@@ -1,7 +1,9 @@
-"""What Ray Train's per-run helper processes and its TorchConfig cost: `python cli.py train` with
-Ray's default controller callbacks and Ray's TorchConfig, with Ray's TorchConfig only, and as
-shipped (controller.helper_callbacks: no dataset manager, no placement-group cleaner;
-backend.TorchConfig: no torch in the controller), alternated, on one already running local Ray.
+"""What Ray Train's per-run helper processes, its TorchConfig and its runtime envs cost:
+`python cli.py train` with Ray's default controller callbacks and Ray's TorchConfig, with Ray's
+TorchConfig only, with the controller's polls set as Ray's environment variables (which Ray hands
+the controller and every worker as a runtime env), and as shipped (controller.helper_callbacks:
+no dataset manager, no placement-group cleaner; backend.TorchConfig: no torch in the controller;
+controller.Polls: no runtime env), alternated, on one already running local Ray.
 
 Timed from outside: the command's wall time, its time to first step (summary.json), and the CPU
 seconds of every process on the machine while it ran (sampled from /proc every 0.1 s; a process
@@ -9,7 +11,7 @@ that ends between two samples keeps its last reading, so the figure is a slight 
 The other arms run the same CLI with `raytrain_lm.trainer` patched: `helper_callbacks` replaced
 by one that keeps all, and/or Ray's own TorchConfig in place of ours.
 
-    flock /tmp/ray.lock python bench/helpers.py --reps 4
+    flock /tmp/ray.lock python bench/helpers.py --reps 4 [--arms env-polls,ours]
 """
 
 from __future__ import annotations
@@ -29,10 +31,19 @@ ROOT = Path(__file__).resolve().parent.parent
 TCK = os.sysconf("SC_CLK_TCK")
 PATCHES = {"callbacks": "t.helper_callbacks = lambda callbacks, *_: callbacks; ",
            "torchconfig": "from ray.train.torch import TorchConfig; t.TorchConfig = TorchConfig; "}
+# The polls `train` sets (driver.DEFAULT_POLL_S, preemption.DEFAULT_POLL_S) as Ray's variables:
+# Ray then passes them to the controller and every worker in a runtime env, as it did here before.
+ENV_POLLS = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5", "RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S": "1.0"}
+ARMS = {"ray-defaults": (("callbacks", "torchconfig"), {}),  # name: (patches, environment)
+        "ray-torchconfig": (("torchconfig",), {}),
+        "env-polls": ((), ENV_POLLS),
+        "ours": ((), {})}
 
 
 def patched_cli(*patches: str) -> list[str]:
     """`python cli.py` with raytrain_lm.trainer patched back to Ray's defaults."""
+    if not patches:
+        return [sys.executable, "cli.py"]
     code = ("import sys, runpy, raytrain_lm.trainer as t; " + "".join(PATCHES[p] for p in patches) +
             "sys.argv = ['cli.py'] + sys.argv[1:]; runpy.run_path('cli.py', run_name='__main__')")
     return [sys.executable, "-c", code]
@@ -73,25 +84,28 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=1)
     p.add_argument("--data", default=str(ROOT / "data" / "pydoc"))
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "helpers.json"))
+    p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of {', '.join(ARMS)}")
     args = p.parse_args(argv)
+    if unknown := set(args.arms.split(",")) - set(ARMS):
+        p.error(f"unknown arms: {', '.join(sorted(unknown))}")
     import ray
 
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     address = ray.get_runtime_context().gcs_address
     time.sleep(5)  # let the fresh cluster settle
-    arms = {"ray-defaults": patched_cli("callbacks", "torchconfig"),
-            "ray-torchconfig": patched_cli("torchconfig"),
-            "ours": [sys.executable, "cli.py"]}
+    arms = args.arms.split(",")
     results = {arm: [] for arm in arms}
     with tempfile.TemporaryDirectory() as storage:
         for rep in range(args.reps):
-            for arm, prefix in arms.items():
+            for arm in arms:
+                patches, env = ARMS[arm]
+                prefix = patched_cli(*patches)
                 name = f"{arm}-{rep}"
                 cmd = prefix + ["train", "--preset", "tiny", "--max-steps", str(args.steps),
                                 "--log-every", "1", "--eval-every", str(args.steps),
                                 "--checkpoint-every", "0", "--data", args.data, "--storage", storage,
                                 "--name", name, "--address", address]
-                wall, cpu = timed_run(cmd, dict(os.environ))
+                wall, cpu = timed_run(cmd, {**os.environ, **env})
                 summary = json.loads(Path(storage, name, "summary.json").read_text())
                 results[arm].append({"wall_s": wall, "cpu_s": cpu,
                                      "first_step_s": summary["time_to_first_step"]})

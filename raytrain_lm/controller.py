@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import dataclass
 
 import ray
-from ray._common.constants import RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR
 from ray.exceptions import RayActorError
-from ray.train.v2._internal.constants import (DEFAULT_RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_VALUE,
-                                              get_env_vars_to_propagate)
+from ray.train.v2._internal.constants import get_env_vars_to_propagate
 from ray.train.v2._internal.callbacks.preemption_callback import PreemptionCallback
 from ray.train.v2._internal.exceptions import WorkerGroupStartupFailedError
 from ray.train.v2._internal.execution.controller import TrainController
@@ -86,6 +85,10 @@ class PreemptionThread(PreemptionCallback):
     lives with the controller on the driver's node, not on any node Ray picks for a zero-CPU
     actor."""
 
+    def __init__(self, poll_interval_s: float):
+        super().__init__()
+        self._poll_interval_s = poll_interval_s
+
     def after_worker_group_start(self, worker_group) -> None:
         self._stop_watcher()
         node_to_ranks: dict[str, list[int]] = {}
@@ -103,13 +106,40 @@ class PreemptionThread(PreemptionCallback):
             watcher._stop_event.set()  # its thread ends at its next wake-up
 
 
+@dataclass(frozen=True)
+class Polls:
+    """How often the controller collects the workers' reports and asks which nodes are being
+    drained. Ray reads both from environment variables that it hands the controller and every
+    worker as a runtime env; an actor with a runtime env of its own cannot take one of the
+    processes Ray keeps ready, and a new one is started through Ray's runtime-env set-up (~1.6
+    CPU seconds more apiece here, 2.2 s later to the first step: bench/helpers.py). Here they are
+    the controller's arguments, and the run's actors have no runtime env unless the user sets
+    Ray Train's variables or --worker-env."""
+
+    report_s: float
+    preemption_s: float
+
+
 class Controller(TrainController):
     worker_group_cls = StartDeathsCaughtWorkerGroup
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, polls: Polls, **kwargs):
+        # It blocks in ray.get on purpose: Ray's controller turns the warning off through its
+        # runtime env, which would also pass it on to every worker; as if already given:
+        ray._private.worker.blocking_get_inside_async_warned = True
         super().__init__(*args, **kwargs)
+        self._health_check_interval_s = polls.report_s
         callbacks = self._worker_group_callbacks_to_propagate  # used when a group starts
-        callbacks[:] = [PreemptionThread() if type(cb) is PreemptionCallback else cb for cb in callbacks]
+        callbacks[:] = [PreemptionThread(polls.preemption_s) if type(cb) is PreemptionCallback
+                        else cb for cb in callbacks]
+
+    def settings(self) -> dict:
+        """What this controller runs with: its polls (one preemption watcher per group) and the
+        runtime env Ray gave its process."""
+        return {"report_s": self._health_check_interval_s,
+                "preemption_s": [cb._poll_interval_s for cb in self._worker_group_callbacks_to_propagate
+                                 if isinstance(cb, PreemptionCallback)],
+                "runtime_env": ray.get_runtime_context().runtime_env}
 
     def take_rows(self) -> list[dict]:
         """The metrics rows reported since the last call (callbacks.HeldRows)."""
@@ -118,15 +148,15 @@ class Controller(TrainController):
         return HeldRows.take()
 
 
-def run_controller(trainer, **controller_init_kwargs):
+def run_controller(trainer, polls: Polls, **controller_init_kwargs):
     """Ray 2.60's `DataParallelTrainer._initialize_and_run_controller` with our controller
-    class (Ray names its own inside that method, so it is repeated here, otherwise unchanged)."""
+    class (Ray names its own inside that method, so it is repeated here), which takes its polls
+    as arguments (Polls). Ray's Train variables that the user set still travel as Ray sends them."""
     env_vars = get_env_vars_to_propagate()
-    env_vars.setdefault(RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR,
-                        DEFAULT_RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_VALUE)
+    runtime_env = {"runtime_env": {"env_vars": env_vars}} if env_vars else {}
     controller_cls = ray.remote(  # on the driver's node, as Ray's
-        num_cpus=0, runtime_env={"env_vars": env_vars}, **on_this_node())(Controller)
-    controller = controller_cls.remote(**controller_init_kwargs)
+        num_cpus=0, **runtime_env, **on_this_node())(Controller)
+    controller = controller_cls.remote(polls=polls, **controller_init_kwargs)
     trainer.controller = controller  # for the driver, which takes the rows from it
     if threading.current_thread() is threading.main_thread():  # not in a Tune trial's thread
         trainer._register_sigint_handler(controller)

@@ -24,8 +24,8 @@ from raytrain_lm.storage import MetricsLog, RunFolder
 from raytrain_lm.tb import TensorBoardLog
 
 # Ray Train's controller collects reports when it polls the workers (default every 2 s) and a
-# worker holds one report at a time, so reports more frequent than the poll stall training. Ray
-# passes this variable from the driver to the controller; a value the user set always wins.
+# worker holds one report at a time, so reports more frequent than the poll stall training. The
+# controller takes it as an argument (controller.Polls); a value the user set always wins.
 POLL_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
 USER_POLL = os.environ.get(POLL_ENV)
 DEFAULT_POLL_S = 0.5
@@ -67,15 +67,16 @@ def build_trainer(cfg: TrainConfig, run: RunFolder, callbacks: Optional[list] = 
     see controller.helper_callbacks."""
     from ray.train import CheckpointConfig, RunConfig
 
-    from raytrain_lm.preemption import DEFAULT_POLL_S, POLL_ENV as PREEMPTION_POLL_ENV
+    from raytrain_lm.controller import Polls
+    from raytrain_lm.preemption import preemption_poll_seconds
     from raytrain_lm.scaling import failure_config, scaling_config
     from raytrain_lm.trainer import Trainer, train_loop
 
-    os.environ[POLL_ENV] = poll_seconds or report_poll_seconds()  # read when the controller starts
-    os.environ.setdefault(PREEMPTION_POLL_ENV, str(DEFAULT_POLL_S))  # Ray passes it on, too
     return Trainer(
         train_loop,
         cfg=cfg,
+        polls=Polls(report_s=float(poll_seconds or report_poll_seconds()),
+                    preemption_s=preemption_poll_seconds()),
         pg_cleaner=pg_cleaner,
         train_loop_config={"train": cfg.to_dict(), "run_name": cfg.name, "init_from": init_from,
                            "fail_at": fail_at, "force": force,

@@ -12,7 +12,7 @@ from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 
 from raytrain_lm.backend import TorchConfig
 from raytrain_lm.config import TrainConfig
-from raytrain_lm.controller import helper_callbacks, run_controller
+from raytrain_lm.controller import Polls, helper_callbacks, run_controller
 from raytrain_lm.elastic import worker_counts
 from raytrain_lm.scaling import SizedElasticPolicy
 
@@ -29,11 +29,11 @@ class Trainer(DataParallelTrainer):
     """Ray's TorchTrainer (gloo on CPUs, nccl on GPUs), run by our controller; an elastic group
     takes only the sizes of `worker_counts(cfg)`."""
 
-    def __init__(self, *args, cfg: TrainConfig, pg_cleaner: bool = True, **kwargs):
-        """`pg_cleaner`: see controller.helper_callbacks."""
+    def __init__(self, *args, cfg: TrainConfig, polls: Polls, pg_cleaner: bool = True, **kwargs):
+        """`polls`: see controller.Polls; `pg_cleaner`: see controller.helper_callbacks."""
         super().__init__(*args, backend_config=TorchConfig(), **kwargs)
         self.counts = worker_counts(cfg)
-        self.pg_cleaner = pg_cleaner
+        self.polls, self.pg_cleaner = polls, pg_cleaner
 
     def _create_default_callbacks(self):
         return helper_callbacks(super()._create_default_callbacks(), self.datasets, self.pg_cleaner)
@@ -42,4 +42,4 @@ class Trainer(DataParallelTrainer):
         if self.scaling_config.elasticity_enabled:
             controller_init_kwargs["scaling_policy"] = SizedElasticPolicy(self.scaling_config,
                                                                           self.counts)
-        return run_controller(self, **controller_init_kwargs)
+        return run_controller(self, self.polls, **controller_init_kwargs)
