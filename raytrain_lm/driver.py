@@ -21,7 +21,6 @@ from raytrain_lm.preflight import (check_init_from, check_memory, check_resource
                                    resume_step, worker_memory_gb)
 from raytrain_lm.runs import best_val_loss
 from raytrain_lm.storage import MetricsLog, RunFolder
-from raytrain_lm.tb import TensorBoardLog
 
 # Ray Train's controller collects reports when it polls the workers (default every 2 s) and a
 # worker holds one report at a time, so reports more frequent than the poll stall training. The
@@ -109,9 +108,6 @@ def run_training(
 
     With `resume`, the run `cfg.name` continues from its latest valid checkpoint (the caller
     loads the run's saved config: see `saved_config`)."""
-    from raytrain_lm.callbacks import ForwardMetrics, HeldRows, KeepBest
-    from raytrain_lm.cluster.connect import connect_ray
-
     t_launch = time.time()
     run = run_folder(cfg, resume)
     manifest = prepare_data(cfg, say)
@@ -123,6 +119,11 @@ def run_training(
     known = configured_memory_gb(cfg)
     if not force:  # before Ray starts when --set gpu_memory_gb tells the memory
         check_memory(cfg, known)
+    # Ray Train and the Ray connection are imported only now: a bad input above fails in a
+    # second, not after ~2 s of imports
+    from raytrain_lm.callbacks import ForwardMetrics, HeldRows, KeepBest
+    from raytrain_lm.cluster.connect import connect_ray
+
     connect_ray(cfg.address, cfg.workers * cfg.cpus_per_worker, verbose, say)
     check_resources(cfg, say)
     if not force and known is None:  # else from Ray's accelerator labels or memory resource
@@ -202,6 +203,8 @@ class Follower:
         is `trainer.controller` once fit has made it); returns (result, error)."""
         import ray
 
+        from raytrain_lm.tb import TensorBoardLog
+
         tb = TensorBoardLog(self.run, self.say)  # event files beside metrics.jsonl
         outcome: dict[str, Any] = {}
 
@@ -230,7 +233,7 @@ class Follower:
         tb.close()
         return outcome.get("result"), outcome.get("error")
 
-    def _take(self, row: dict, tb: TensorBoardLog) -> None:
+    def _take(self, row: dict, tb) -> None:
         if row.get("event") == "worker_failure":
             self.groups.failure(row["error"])
             self.say(f"worker failure: {row['error']}; restarting from the latest checkpoint")

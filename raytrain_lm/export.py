@@ -16,11 +16,9 @@ import os
 from pathlib import Path
 from typing import Any, Optional
 
-from raytrain_lm.checkpoint import load_checkpoint
 from raytrain_lm.config import ModelConfig, TrainConfig
 from raytrain_lm.errors import UserError
 from raytrain_lm.files import TOKENIZER
-from raytrain_lm.model import GPT, qkv_interleaved_to_gpt2
 from raytrain_lm.storage import staged_folder
 from raytrain_lm.tokenizer import Tokenizer, byte_tokenizer_json, tokenizer_from_spec
 
@@ -58,6 +56,9 @@ def export_checkpoint(folder: Path, out: Path, source: str, force: bool = False,
     `out` appears complete or not at all. Returns what config.json holds. `meta`: as for
     load_checkpoint."""
     from safetensors.torch import save_file
+
+    from raytrain_lm.checkpoint import load_checkpoint  # torch: not before `out` is checked
+    from raytrain_lm.model import GPT
 
     check_out(out, force)
     state = load_checkpoint(folder, meta=meta)
@@ -112,6 +113,8 @@ def c_attn_to_gpt2(t, n_head: int):
     tensor parallelism's contiguous row split hands each rank whole heads); GPT-2 reads the same
     rows as q, k, v one after another, so without this permutation transformers would load the
     weights silently (same shapes) and compute something else."""
+    from raytrain_lm.model import qkv_interleaved_to_gpt2
+
     return qkv_interleaved_to_gpt2(t, n_head)
 
 
@@ -202,6 +205,9 @@ def export_hf(state_dict: dict, cfg: ModelConfig, tok: Tokenizer, out: Path,
 def export_checkpoint_hf(folder: Path, out: Path, force: bool = False,
                          meta: Optional[dict] = None) -> dict[str, Any]:
     """`export --format hf`: a checkpoint folder -> a Hugging Face model folder."""
+    from raytrain_lm.checkpoint import load_checkpoint
+    from raytrain_lm.model import GPT
+
     check_out(out, force)
     state = load_checkpoint(folder, meta=meta)
     cfg = TrainConfig.from_dict(state["config"])
