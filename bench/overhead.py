@@ -66,6 +66,8 @@ def parse_args(argv=None):
                    help="prepared dataset; the built-in pydoc corpus is prepared if missing")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "overhead.json"))
     p.add_argument("--timeout", type=float, default=900, help="seconds per run before giving up")
+    p.add_argument("--keep", default=None, metavar="DIR",
+                   help="keep every run's folder (metrics, checkpoint) in DIR [a temporary folder, removed]")
     args = p.parse_args(argv)
     try:
         args.short, args.long = (int(s) for s in args.steps.split(","))
@@ -195,7 +197,8 @@ def main(argv=None) -> None:
         prepare_dataset("pydoc", args.data)
     started = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     load_at_start = os.getloadavg()
-    workdir = Path(tempfile.mkdtemp(prefix="raytrain-overhead-"))
+    workdir = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="raytrain-overhead-"))
+    workdir.mkdir(parents=True, exist_ok=True)
     per_rep: list[dict] = []
     try:
         for rep in range(args.reps):
@@ -214,7 +217,8 @@ def main(argv=None) -> None:
                           + ")", flush=True)
             per_rep.append(runs)
     finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+        if not args.keep:
+            shutil.rmtree(workdir, ignore_errors=True)
 
     summary = summarise(per_rep, args.arm, args.short, args.long)
     result = {

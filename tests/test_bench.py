@@ -55,34 +55,17 @@ def test_gpu_throughput_refuses_cpu_without_smoke(tmp_path):
     assert not out.exists()
 
 
-@pytest.mark.ray  # the integration tier: real gloo DDP between torchrun's processes (~30 s)
-def test_project_loop_under_torchrun(tmp_path, pydoc_data):
-    """bench/torchrun_ddp.py (overhead.py's `project` arm): torchrun starts two real processes
-    (gloo DDP) that train in the project's data order and log rows like a Ray run's."""
-    run_dir = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc_per_node=2", str(ROOT / "bench" / "torchrun_ddp.py"),
-                           "--data", str(pydoc_data), "--max-steps", "12", "--log-every", "3",
-                           "--out", str(run_dir)], capture_output=True, text=True, timeout=240,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [3, 6, 9, 12]
-    assert rows[-1]["tokens"] == 12 * 2 * 16 * 128  # steps x processes x batch x seq_len (tiny)
-    assert rows[0]["loss"] > rows[-1]["loss"] and math.isfinite(rows[-1]["val_loss"])
-    assert all(r["torch_threads"] == 1 for r in rows)  # OMP_NUM_THREADS=1, as Ray gives a worker
-    assert (run_dir / "checkpoint_00000012" / "state.pt").is_file()
-
-
-@pytest.mark.ray  # four torchrun launches (~40 s)
+@pytest.mark.ray  # the integration tier: four torchrun launches (~60 s), real gloo DDP
 def test_overhead_harness_times_whole_processes(tmp_path, pydoc_data):
     """bench/overhead.py end to end on its two Ray-free arms: each arm runs at both step counts,
     per-step time is the difference of whole-process wall times, speed is relative to the
-    first arm, and the table prints it."""
-    out = tmp_path / "overhead.json"
+    first arm, and the table prints it. The `project` arm is bench/torchrun_ddp.py: torchrun
+    starts two real processes (gloo DDP) that train in the project's data order and log rows
+    like a Ray run's."""
+    out, runs = tmp_path / "overhead.json", tmp_path / "runs"
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "overhead.py"), "--arm", "textbook",
                            "--arm", "project", "--reps", "1", "--steps", "4,12",
-                           "--data", str(pydoc_data), "--out", str(out)],
+                           "--data", str(pydoc_data), "--out", str(out), "--keep", str(runs)],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(out.read_text())
@@ -94,6 +77,13 @@ def test_overhead_harness_times_whole_processes(tmp_path, pydoc_data):
     assert summary["per_step_ms"]["project"]["median"] == pytest.approx(ms["project"])
     assert summary["speed_vs_textbook"]["project"]["median"] == pytest.approx(ms["textbook"] / ms["project"])
     assert "speed vs textbook" in proc.stdout and "project" in proc.stdout
+    # the project arm's 12-step run (repetition 0, arm 1): its rows and final checkpoint
+    run_dir = runs / "r0-1-12"
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["step"] == 12 and rows[-1]["tokens"] == 12 * 2 * 16 * 128  # x processes x batch x seq
+    assert rows[0]["loss"] > rows[-1]["loss"] and math.isfinite(rows[-1]["val_loss"])
+    assert all(r["torch_threads"] == 1 for r in rows)  # OMP_NUM_THREADS=1, as Ray gives a worker
+    assert (run_dir / "checkpoint_00000012" / "state.pt").is_file()
 
 
 @pytest.mark.parametrize("spec", ["rayy", "ray[A]", "textbook[A=1]", "ray[A=1"])
