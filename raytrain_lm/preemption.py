@@ -21,15 +21,15 @@ import ray.train
 POLL_ENV = "RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S"
 DEFAULT_POLL_S = 1.0
 
-
-def preemption_poll_seconds() -> float:
-    """How often the watcher looks (controller.Polls): the user's setting, else DEFAULT_POLL_S."""
-    return float(os.environ.get(POLL_ENV) or DEFAULT_POLL_S)
-
 # Asking is a barrier through Ray's synchronization actor: ~2.6 ms here, 2-3% of a 0.1 s step.
 # Asking more often than the watcher looks is no use, so the loop asks about once a second.
 ASK_EVERY_S = 1.0
 PACING_STEPS = 10  # steps timed (asking at each) before the pace is set
+
+
+def preemption_poll_seconds() -> float:
+    """How often the watcher looks (controller.Polls): the user's setting, else DEFAULT_POLL_S."""
+    return float(os.environ.get(POLL_ENV) or DEFAULT_POLL_S)
 
 
 class PreemptionWatch:
