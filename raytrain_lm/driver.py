@@ -31,9 +31,9 @@ DEFAULT_POLL_S = 0.5
 ROWS_POLL_S = 0.25  # how often the driver takes new rows from the controller (progress lines)
 
 
-def report_poll_seconds(default: float = DEFAULT_POLL_S) -> str:
+def report_poll_seconds(default: float = DEFAULT_POLL_S) -> float:
     """How often Ray Train's controller should collect reports: the user's setting, else `default`."""
-    return USER_POLL or str(default)
+    return float(USER_POLL or default)
 
 
 def build_summary(cfg: TrainConfig, rows: list[dict], status: str, wall: float, t_launch: float,
@@ -58,7 +58,7 @@ def build_summary(cfg: TrainConfig, rows: list[dict], status: str, wall: float, 
 
 def build_trainer(cfg: TrainConfig, run: RunFolder, callbacks: Optional[list] = None,
                   init_from: Optional[str] = None, fail_at: Optional[str] = None,
-                  poll_seconds: Optional[str] = None, force: bool = False,
+                  poll_seconds: Optional[float] = None, force: bool = False,
                   worker_env: Optional[dict[str, str]] = None, pg_cleaner: bool = True):
     """The TorchTrainer for `cfg`, writing into `run`'s folder. Used by `train` and by each Tune
     trial. `poll_seconds`: see report_poll_seconds. `force`: workers skip their memory check.
@@ -74,7 +74,7 @@ def build_trainer(cfg: TrainConfig, run: RunFolder, callbacks: Optional[list] = 
     return Trainer(
         train_loop,
         cfg=cfg,
-        polls=Polls(report_s=float(poll_seconds or report_poll_seconds()),
+        polls=Polls(report_s=poll_seconds or report_poll_seconds(),
                     preemption_s=preemption_poll_seconds()),
         pg_cleaner=pg_cleaner,
         train_loop_config={"train": cfg.to_dict(), "run_name": cfg.name, "init_from": init_from,
@@ -101,7 +101,7 @@ def run_training(
     force: bool = False,
     say: Callable[[str], None] = print,
     on_metrics: Optional[Callable[[dict], None]] = None,
-    poll_seconds: Optional[str] = None,
+    poll_seconds: Optional[float] = None,
     worker_env: Optional[dict[str, str]] = None,
 ) -> dict:
     """Train `cfg` on a Ray cluster; returns the summary (also written to summary.json).

@@ -198,7 +198,7 @@ def trial_config(base: dict, params: dict) -> TrainConfig:
     return cfg
 
 
-def run_trial(params: dict, base: dict, sweep_uri: str, controllers, poll_seconds: str) -> None:
+def run_trial(params: dict, base: dict, sweep_uri: str, controllers, poll_seconds: float) -> None:
     """The Tune function trainable: one full distributed training."""
     from ray import tune
 
