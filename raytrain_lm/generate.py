@@ -37,15 +37,6 @@ def load_model(folder: Path, device: torch.device, meta: Optional[dict] = None):
     return model.to(device).eval(), tokenizer_from_spec(state["tokenizer"], folder), cfg
 
 
-def check_sampling(max_new_tokens: int, temperature: float, top_k: Optional[int]) -> None:
-    if max_new_tokens < 1:
-        raise UserError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
-    if temperature < 0:
-        raise UserError(f"--temperature must be >= 0 (0: always the likeliest token), got {temperature}")
-    if top_k is not None and top_k < 1:
-        raise UserError(f"--top-k must be at least 1, got {top_k}")
-
-
 @torch.no_grad()
 def sample(
     model: GPT,

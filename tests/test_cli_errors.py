@@ -173,10 +173,12 @@ def test_run_folder_writes_that_fail_say_which_path(tmp_path):
 @pytest.mark.parametrize("command,expected", [
     ("train --storage /proc/runs --name r", "cannot create /proc/runs/r"),
     ("export missing --storage {tmp} --out {tmp}/out", "no run 'missing'"),
+    ("generate missing --storage {tmp}", "no run 'missing'"),
+    ("generate missing --storage {tmp} --temperature -1", "--temperature must be >= 0"),
 ])
 def test_a_bad_input_is_refused_before_the_heavy_imports(tmp_path, command, expected):
     """Ray Train, torch and TensorBoard take ~2-3 s to import here: a mistyped path is refused
-    before any of them is (it once took 3.4 s for `train` and 4.2 s for `export`)."""
+    before any of them is (it once took 3.4 s for `train`, 4.2 s for `export` and 3.8 s for `generate`)."""
     import subprocess
     import sys
 

@@ -11,6 +11,7 @@ import typer
 
 from raytrain_lm.cli.app import app, examples
 from raytrain_lm.cli.options import JSON, STORAGE
+from raytrain_lm.errors import UserError
 
 MODEL_ARG = typer.Argument(..., metavar="RUN|CHECKPOINT", help="Run name (in --storage), run "
                            "folder, or checkpoint folder.")
@@ -69,6 +70,15 @@ def report(
     typer.echo(rep["plot"] if quiet else f"plot: {rep['plot']}")
 
 
+def check_sampling(max_new_tokens: int, temperature: float, top_k: Optional[int]) -> None:
+    if max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
+    if temperature < 0:
+        raise UserError(f"--temperature must be >= 0 (0: always the likeliest token), got {temperature}")
+    if top_k is not None and top_k < 1:
+        raise UserError(f"--top-k must be at least 1, got {top_k}")
+
+
 @app.command(epilog=examples("python cli.py generate tiny-20261130-075850 --prompt 'The list type'",
                              "python cli.py generate my-run --best --temperature 0 --max-new-tokens 100",
                              "python cli.py generate runs/my-run/checkpoint_00000300 --prompt 'def ' --seed 7",
@@ -88,12 +98,15 @@ def generate(
 ) -> None:
     """Sample text from a run's latest (or best) checkpoint, streaming it as it comes (KV cache)."""
     from raytrain_lm.console import paint
-    from raytrain_lm.generate import check_sampling, generate_text, pick_device
     from raytrain_lm.runs import find_checkpoint
 
     check_sampling(max_new_tokens, temperature, top_k or None)
-    pick_device(device)  # a bad --device fails before any loading
+    if device not in ("auto", "cpu"):  # torch is only needed to check the others (~3 s to import)
+        from raytrain_lm.generate import pick_device
+
+        pick_device(device)  # a bad --device fails before a checkpoint is fetched
     found = find_checkpoint(model, storage, best=best)
+    from raytrain_lm.generate import generate_text
     info = lambda m: None if (quiet or as_json) else typer.echo(paint(m, "dim", sys.stderr), err=True)  # noqa: E731
     val = f", val loss {found.val_loss:.4f}" if found.val_loss is not None else ""
     info(f"checkpoint {found.source} (step {found.step}{val})")
