@@ -1,7 +1,8 @@
 """Checks of a TrainConfig that need no cluster and no dataset: the values, the parallel layout,
 what a resumed run may change, names. Every failure is one line (UserError).
 Also the pipeline's shape (stages, microbatches, the layer split), shared by the checks, the
-planner and parallel/pp.py."""
+planner and parallel/pp.py. And the sampling flags of `generate` (checked before torch is
+imported)."""
 
 from __future__ import annotations
 
@@ -165,3 +166,12 @@ def validate(cfg: TrainConfig) -> None:
         raise UserError(f"ref_batch_tokens must be at least 1, got {cfg.ref_batch_tokens}")
     if cfg.model.vocab_size is not None and cfg.model.vocab_size < 1:
         raise UserError("model.vocab_size must be at least 1")
+
+
+def check_sampling(max_new_tokens: int, temperature: float, top_k: Optional[int]) -> None:
+    if max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
+    if temperature < 0:
+        raise UserError(f"--temperature must be >= 0 (0: always the likeliest token), got {temperature}")
+    if top_k is not None and top_k < 1:
+        raise UserError(f"--top-k must be at least 1, got {top_k}")

@@ -10,6 +10,7 @@ from typing import Callable, Optional
 import torch
 
 from raytrain_lm.checkpoint import load_checkpoint
+from raytrain_lm.checks import check_sampling
 from raytrain_lm.config import TrainConfig
 from raytrain_lm.errors import UserError
 from raytrain_lm.model import GPT

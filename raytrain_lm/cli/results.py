@@ -11,7 +11,6 @@ import typer
 
 from raytrain_lm.cli.app import app, examples
 from raytrain_lm.cli.options import JSON, STORAGE
-from raytrain_lm.errors import UserError
 
 MODEL_ARG = typer.Argument(..., metavar="RUN|CHECKPOINT", help="Run name (in --storage), run "
                            "folder, or checkpoint folder.")
@@ -70,15 +69,6 @@ def report(
     typer.echo(rep["plot"] if quiet else f"plot: {rep['plot']}")
 
 
-def check_sampling(max_new_tokens: int, temperature: float, top_k: Optional[int]) -> None:
-    if max_new_tokens < 1:
-        raise UserError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
-    if temperature < 0:
-        raise UserError(f"--temperature must be >= 0 (0: always the likeliest token), got {temperature}")
-    if top_k is not None and top_k < 1:
-        raise UserError(f"--top-k must be at least 1, got {top_k}")
-
-
 @app.command(epilog=examples("python cli.py generate tiny-20261130-075850 --prompt 'The list type'",
                              "python cli.py generate my-run --best --temperature 0 --max-new-tokens 100",
                              "python cli.py generate runs/my-run/checkpoint_00000300 --prompt 'def ' --seed 7",
@@ -97,6 +87,7 @@ def generate(
     as_json: bool = typer.Option(False, "--json", help="Print text, token ids and stats as JSON at the end."),
 ) -> None:
     """Sample text from a run's latest (or best) checkpoint, streaming it as it comes (KV cache)."""
+    from raytrain_lm.checks import check_sampling
     from raytrain_lm.console import paint
     from raytrain_lm.runs import find_checkpoint
 
