@@ -101,17 +101,36 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: float = 300, env: dict
     )
 
 
+def session_processes(title: str) -> list[int]:
+    """The processes of this session's Ray cluster (children of its raylet) whose title starts
+    with `title` (Ray names an actor's process `ray::<Class>`). Another Ray may run on this
+    machine (a user's training), and its processes are not this test's to kill."""
+    import ray
+    from ray._private import ray_constants
+
+    node = ray._private.worker._global_node
+    raylet = node.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process.pid
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if (entry.name.isdigit() and (entry / "cmdline").read_bytes().startswith(title.encode())
+                    and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == raylet):
+                found.append(int(entry.name))
+        except OSError:  # the process ended meanwhile
+            pass
+    return found
+
+
 def kill_train_workers() -> int:
-    """SIGKILL every Ray Train worker process on this machine (Ray titles them
-    `ray::RayTrainWorker...`): with a killed driver, the whole job is lost at once."""
+    """SIGKILL every Ray Train worker process of the session cluster: with a killed driver, the
+    whole job is lost at once."""
     import signal
 
     killed = 0
-    for entry in Path("/proc").iterdir():
+    for pid in session_processes("ray::RayTrainWorker"):
         try:
-            if entry.name.isdigit() and (entry / "cmdline").read_bytes().startswith(b"ray::RayTrainWorker"):
-                os.kill(int(entry.name), signal.SIGKILL)
-                killed += 1
+            os.kill(pid, signal.SIGKILL)
+            killed += 1
         except OSError:  # the process ended meanwhile
             pass
     return killed
@@ -197,16 +216,15 @@ TINY_RUN_CONTROLLER_LIBS: list[str] = []  # the shared libraries its controller 
 
 
 def libraries_of_process(title: str) -> list[str]:
-    """The shared libraries (.so files) mapped by the newest process whose title starts with
-    `title` (Ray names an actor's process `ray::<Class>`)."""
+    """The shared libraries (.so files) mapped by the newest process of the session cluster whose
+    title starts with `title`."""
     procs = []
-    for proc in Path("/proc").iterdir():
+    for pid in session_processes(title):
         try:
-            if proc.name.isdigit() and (proc / "cmdline").read_bytes().startswith(title.encode()):
-                procs.append((proc.stat().st_mtime, proc))
+            procs.append((Path(f"/proc/{pid}").stat().st_mtime, pid))
         except OSError:  # gone meanwhile
             continue
-    return libraries_of_pid(int(max(procs)[1].name)) if procs else []
+    return libraries_of_pid(max(procs)[1]) if procs else []
 
 
 def libraries_of_pid(pid: int) -> list[str]:
