@@ -115,3 +115,19 @@ def test_overhead_keeps_the_repetitions_a_failed_run_did_not_touch():
     assert summary["repetitions"] == 2 and summary["repetitions_left_out"] == 1
     assert summary["per_step_ms"]["textbook"]["values"] == [200.0, 150.0]  # (63 - 15) / 240 s
     assert summary["speed_vs_textbook"]["ray"]["values"] == [1.0, 1.0]
+
+
+def test_import_floor_times_each_import_in_fresh_processes(tmp_path):
+    """bench/import_floor.py on cheap modules: one process alone, then two at once, each module
+    timed on top of the ones before it."""
+    out = tmp_path / "floor.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "import_floor.py"), "--reps", "1",
+                           "--modules", "json,email.parser", "--out", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(out.read_text())
+    assert result["modules"] == ["json", "email.parser"]
+    assert [len(result[k]["runs"]) for k in ("alone", "two at once")] == [1, 2]
+    for run in result["alone"]["runs"] + result["two at once"]["runs"]:
+        assert all(wall > 0 and cpu >= 0 for wall, cpu in run.values())
+    assert "email.parser" in proc.stdout and "total" in proc.stdout
