@@ -46,12 +46,12 @@ def probe(modules: list[str], at_once: int) -> list[dict]:
     return [json.loads(p.communicate()[0]) for p in procs]
 
 
-def main(argv=None) -> dict:
+def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--modules", default=",".join(MODULES), help="imported in this order")
     p.add_argument("--out", default=None, help="write the measurements as JSON here")
-    args = p.parse_args(argv)
+    args = p.parse_args()
     modules = args.modules.split(",")
 
     result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "modules": modules}
@@ -65,7 +65,6 @@ def main(argv=None) -> dict:
         print(f"  {'total':14s} wall {sum(v[0] for v in med.values()):5.2f} s")
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    return result
 
 
 if __name__ == "__main__":
