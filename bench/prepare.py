@@ -1,5 +1,6 @@
 """How fast does `prepare` tokenize with a BPE on Ray, against the same tokenizer in one process,
-side by side in one run, the order rotated each repetition. Three sides:
+side by side in one run, the order rotated each repetition. Three sides (`--sides`; the first
+two by default):
 
   one_process  `prepare --no-ray`: read, tokenize and write in one process
   ray_tasks    `prepare --ray` as it is: plain Ray tasks of one CPU, one ~1 MiB unit each
@@ -113,6 +114,10 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--cpus", type=int, default=2)
     p.add_argument("--vocab-size", type=int, default=8192)
+    p.add_argument("--sides", default="one_process,ray_tasks",
+                   help="which sides to run, of " + ",".join(SIDES) + " [one_process,ray_tasks]: Ray "
+                        "Data's side leaves two actors of its own running beside the sides after it "
+                        "(its stats actor and its autoscaling coordinator)")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "prepare.json"))
     p.add_argument("--one-process-run", nargs=3, metavar=("CORPUS", "TOKENIZER", "OUT"),
                    help=argparse.SUPPRESS)
@@ -123,6 +128,9 @@ def main() -> None:
         print(json.dumps(one_run(corpus, tokenizer, Path(out), "one_process", cpus=1)))
         return
 
+    sides = [s for s in SIDES if s in args.sides.split(",")]
+    if "one_process" not in sides or len(sides) < 2 or len(sides) != len(args.sides.split(",")):
+        p.error(f"--sides: one_process and at least one of {', '.join(SIDES[1:])}")
     import ray
 
     from raytrain_lm.data.sources import plan_units, read_unit, sample_units
@@ -141,7 +149,7 @@ def main() -> None:
         ray_start_s = time.perf_counter() - t0
         rows = []
         for rep in range(args.reps):
-            order = SIDES[rep % len(SIDES):] + SIDES[:rep % len(SIDES)]
+            order = sides[rep % len(sides):] + sides[:rep % len(sides)]
             for side in order:
                 row = (one_process_run(args.corpus, str(tok_path), Path(tmp) / "out") if side == "one_process"
                        else one_run(args.corpus, str(tok_path), Path(tmp) / "out", side, args.cpus))
@@ -151,10 +159,10 @@ def main() -> None:
                       f"load {row['loadavg_1m_at_start']:.1f}", flush=True)
         ray.shutdown()
     assert len({tuple(r["shards"]) for r in rows}) == 1, "the two sides wrote different shards"
-    by = {side: [r for r in rows if r["side"] == side] for side in SIDES}
+    by = {side: [r for r in rows if r["side"] == side] for side in sides}
     med = {side: statistics.median(r["mb_per_s"] for r in rs) for side, rs in by.items()}
     ratios = {side: [b["mb_per_s"] / a["mb_per_s"] for a, b in zip(by["one_process"], by[side])]
-              for side in SIDES[1:]}
+              for side in sides[1:]}
     result = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "command": " ".join(["python", "bench/prepare.py", *sys.argv[1:]]),

@@ -175,8 +175,13 @@ def _plan_pydoc(piece_bytes: int) -> list[Unit]:
 
 
 def _stdlib_files() -> list[str]:
-    root = Path(sysconfig.get_paths()["stdlib"])
-    return [str(p) for p in sorted(root.rglob("*.py")) if "site-packages" not in p.parts]
+    # os.walk prunes site-packages instead of walking every installed package (rglob did: 1.2 s
+    # of a 0.06 s plan); Path order, as before, so the datasets stay byte for byte the same
+    found = []
+    for folder, subfolders, names in os.walk(sysconfig.get_paths()["stdlib"]):
+        subfolders[:] = [d for d in subfolders if d != "site-packages"]
+        found += [Path(folder, n) for n in names if n.endswith(".py")]
+    return [str(p) for p in sorted(found)]
 
 
 def _plan_stdlib(piece_bytes: int) -> list[Unit]:
