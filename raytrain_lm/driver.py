@@ -59,11 +59,12 @@ def build_summary(cfg: TrainConfig, rows: list[dict], status: str, wall: float, 
 def build_trainer(cfg: TrainConfig, run: RunFolder, callbacks: Optional[list] = None,
                   init_from: Optional[str] = None, fail_at: Optional[str] = None,
                   poll_seconds: Optional[float] = None, force: bool = False,
-                  worker_env: Optional[dict[str, str]] = None, pg_cleaner: bool = True):
+                  worker_env: Optional[dict[str, str]] = None, pg_cleaner: bool = True,
+                  autoscaler: bool = True):
     """The TorchTrainer for `cfg`, writing into `run`'s folder. Used by `train` and by each Tune
     trial. `poll_seconds`: see report_poll_seconds. `force`: workers skip their memory check.
     `worker_env`: environment variables of the worker processes (--worker-env). `pg_cleaner`:
-    see controller.helper_callbacks."""
+    see controller.helper_callbacks. `autoscaler`: see trainer.Trainer."""
     from ray.train import CheckpointConfig, RunConfig
 
     from raytrain_lm.controller import Polls
@@ -77,6 +78,7 @@ def build_trainer(cfg: TrainConfig, run: RunFolder, callbacks: Optional[list] = 
         polls=Polls(report_s=poll_seconds or report_poll_seconds(),
                     preemption_s=preemption_poll_seconds()),
         pg_cleaner=pg_cleaner,
+        autoscaler=autoscaler,
         train_loop_config={"train": cfg.to_dict(), "run_name": cfg.name, "init_from": init_from,
                            "fail_at": fail_at, "force": force,
                            "log_windows": bool(os.environ.get(WINDOWS_ENV))},
@@ -124,7 +126,7 @@ def run_training(
     from raytrain_lm.callbacks import ForwardMetrics, HeldRows, KeepBest
     from raytrain_lm.cluster.connect import connect_ray
 
-    connect_ray(cfg.address, cfg.workers * cfg.cpus_per_worker, verbose, say)
+    started_ray = connect_ray(cfg.address, cfg.workers * cfg.cpus_per_worker, verbose, say)
     check_resources(cfg, say)
     if not force and known is None:  # else from Ray's accelerator labels or memory resource
         check_memory(cfg, worker_memory_gb(cfg))
@@ -133,7 +135,8 @@ def run_training(
     trainer = build_trainer(cfg, run, callbacks=callbacks, init_from=init_from,
                             fail_at=os.environ.get(FAULT_ENV), poll_seconds=poll_seconds,
                             force=force, worker_env=worker_env,
-                            pg_cleaner=False)  # this driver's job ends with the run
+                            pg_cleaner=False,  # this driver's job ends with the run
+                            autoscaler=not started_ray)
     run.write_json(files.CONFIG, cfg.to_dict())  # what a later --resume continues with
     if is_elastic(cfg):
         say(sizes_line(cfg))

@@ -29,7 +29,7 @@ import logging
 
 import ray
 from ray.train import FailureConfig, ScalingConfig
-from ray.train.v2._internal.execution.scaling_policy import ElasticScalingPolicy
+from ray.train.v2._internal.execution.scaling_policy import ElasticScalingPolicy, FixedScalingPolicy
 from ray.train.v2._internal.execution.scaling_policy.scaling_policy import (NoopDecision,
                                                                             ResizeDecision)
 from ray.train.v2._internal.execution.scaling_policy.autoscaling_coordinator_client import (
@@ -102,3 +102,20 @@ class SizedElasticPolicy(ElasticScalingPolicy):
         self._latest_reserved_resources = reserved
         self._latest_reserved_resources_query_time = time_monotonic()
         return reserved
+
+
+class FixedPolicyWithoutAutoscaler(FixedScalingPolicy):
+    """Ray's fixed-size policy without its requests to an autoscaler, for a Ray that `train`
+    started for itself: none runs there to read them. Ray's policy sends them through Ray Data's
+    autoscaling coordinator, a detached actor it starts on first use: one more process to start
+    beside the workers (2.3 CPU seconds here, while the workers import torch) that then polls
+    until Ray stops."""
+
+    def after_controller_start(self, train_run_context):
+        self._requester_id = f"train-{train_run_context.run_id}"
+
+    def _maybe_send_resource_request(self):
+        pass
+
+    def _send_resource_request(self):
+        pass

@@ -14,7 +14,7 @@ from raytrain_lm.backend import TorchConfig
 from raytrain_lm.config import TrainConfig
 from raytrain_lm.controller import Polls, helper_callbacks, run_controller
 from raytrain_lm.elastic import worker_counts
-from raytrain_lm.scaling import SizedElasticPolicy
+from raytrain_lm.scaling import FixedPolicyWithoutAutoscaler, SizedElasticPolicy
 
 
 def train_loop(config: dict) -> None:
@@ -29,11 +29,13 @@ class Trainer(DataParallelTrainer):
     """Ray's TorchTrainer (gloo on CPUs, nccl on GPUs), run by our controller; an elastic group
     takes only the sizes of `worker_counts(cfg)`."""
 
-    def __init__(self, *args, cfg: TrainConfig, polls: Polls, pg_cleaner: bool = True, **kwargs):
-        """`polls`: see controller.Polls; `pg_cleaner`: see controller.helper_callbacks."""
+    def __init__(self, *args, cfg: TrainConfig, polls: Polls, pg_cleaner: bool = True,
+                 autoscaler: bool = True, **kwargs):
+        """`polls`: see controller.Polls; `pg_cleaner`: see controller.helper_callbacks;
+        `autoscaler`: False on a Ray this process started, where no autoscaler can run."""
         super().__init__(*args, backend_config=TorchConfig(), **kwargs)
         self.counts = worker_counts(cfg)
-        self.polls, self.pg_cleaner = polls, pg_cleaner
+        self.polls, self.pg_cleaner, self.autoscaler = polls, pg_cleaner, autoscaler
 
     def _create_default_callbacks(self):
         return helper_callbacks(super()._create_default_callbacks(), self.datasets, self.pg_cleaner)
@@ -42,4 +44,6 @@ class Trainer(DataParallelTrainer):
         if self.scaling_config.elasticity_enabled:
             controller_init_kwargs["scaling_policy"] = SizedElasticPolicy(self.scaling_config,
                                                                           self.counts)
+        elif not self.autoscaler:
+            controller_init_kwargs["scaling_policy"] = FixedPolicyWithoutAutoscaler(self.scaling_config)
         return run_controller(self, self.polls, **controller_init_kwargs)

@@ -1,0 +1,52 @@
+"""`train` with no cluster to join, as the README's first command runs on a laptop: the driver
+starts a Ray for itself, trains on it and stops it. The other tests run on the session's cluster
+or on clusters of their own; this one is the cold path, whole, in a process of its own."""
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+from conftest import run_cli
+
+
+def _actor_classes(ray_tmp: Path) -> list[str]:
+    """The class of every actor that Ray (with RAY_TMPDIR=ray_tmp) ran: each worker's log
+    starts with ':actor_name:<class>'."""
+    return [line.split(":actor_name:", 1)[1]
+            for log in ray_tmp.glob("ray/session_latest/logs/worker-*.out")
+            for line in log.read_text(errors="replace").splitlines()
+            if line.startswith(":actor_name:")]
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and text.encode() in (proc / "cmdline").read_bytes():
+                found.append(int(proc.name))
+        except OSError:  # gone meanwhile
+            continue
+    return found
+
+
+def test_train_on_a_ray_of_its_own(tmp_path, pydoc_data):
+    """It trains, it starts no actor it does without (no autoscaler runs on a Ray the driver
+    started, so Ray Data's autoscaling coordinator, which Ray Train starts to ask one for the
+    workers' resources, would only be one more process beside the workers), and when it is done
+    nothing of its Ray is left running."""
+    ray_tmp = Path(tempfile.mkdtemp(prefix="rt-", dir="/tmp"))  # Ray's socket paths must be short
+    try:
+        r = run_cli("train", "--address", "local", "--workers", "2", "--max-steps", "4",
+                    "--log-every", "2", "--eval-every", "4", "--checkpoint-every", "4",
+                    "--data", str(pydoc_data), "--storage", str(tmp_path / "runs"), "--name", "cold",
+                    "--quiet", env={"RAY_TMPDIR": str(ray_tmp)}, timeout=240)
+        assert r.returncode == 0, r.stderr[-2000:]
+        summary = json.loads((tmp_path / "runs" / "cold" / "summary.json").read_text())
+        assert summary["status"] == "completed" and summary["steps"] == 4
+        actors = _actor_classes(ray_tmp)
+        assert actors.count("RayTrainWorker") == 2 and "Controller" in actors, actors
+        assert "_AutoscalingCoordinatorActor" not in actors, actors
+        assert _processes_mentioning(str(ray_tmp)) == []
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
