@@ -6,6 +6,8 @@ two by default):
   ray_tasks    `prepare --ray` as it is: plain Ray tasks of one CPU, one ~1 MiB unit each
   ray_data     the same units as Ray Data tasks (how `prepare` ran until 2026-12-01, kept here
                as the alternative it was measured against)
+  threads      `prepare --no-ray --cpus N`: one process, N tokenizing threads (what `prepare`
+               does without Ray since 2026-12-01; the one_process side is its --cpus 1)
 
 The tokenizer is trained once (an 8k BPE on a 10 MB sample of the corpus) and every side is
 given its tokenizer.json (`--tokenizer PATH`), so only what differs is timed: planning, reading,
@@ -41,14 +43,16 @@ sys.path.insert(0, str(ROOT))
 
 
 RAY_WORKER_NICENESS = 15  # Ray's default for its worker processes
-SIDES = ["one_process", "ray_tasks", "ray_data"]
+SIDES = ["one_process", "ray_tasks", "ray_data", "threads"]
 
 
-def one_process_run(corpus: str, tokenizer: str, out: Path) -> dict:
-    """one_run(use_ray=False) in a child process at Ray's worker niceness."""
+def one_process_run(corpus: str, tokenizer: str, out: Path, threads: int) -> dict:
+    """one_run(use_ray=False) with `threads` threads in a child process at Ray's worker
+    niceness."""
     import subprocess
 
-    res = subprocess.run([sys.executable, __file__, "--one-process-run", corpus, tokenizer, str(out)],
+    res = subprocess.run([sys.executable, __file__, "--one-process-run", corpus, tokenizer, str(out),
+                          str(threads)],
                          capture_output=True, text=True, check=True)
     return json.loads(res.stdout)
 
@@ -95,7 +99,7 @@ def one_run(corpus: str, tokenizer: str, out: Path, side: str, cpus: int) -> dic
     load = os.getloadavg()[0]
     t0 = time.perf_counter()
     try:
-        m = prepare_dataset(corpus, out, tokenizer=tokenizer, use_ray=side != "one_process", cpus=cpus,
+        m = prepare_dataset(corpus, out, tokenizer=tokenizer, use_ray=side.startswith("ray"), cpus=cpus,
                             force=True)
     finally:
         if side == "ray_data":
@@ -119,13 +123,14 @@ def main() -> None:
                         "Data's side leaves two actors of its own running beside the sides after it "
                         "(its stats actor and its autoscaling coordinator)")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "prepare.json"))
-    p.add_argument("--one-process-run", nargs=3, metavar=("CORPUS", "TOKENIZER", "OUT"),
+    p.add_argument("--one-process-run", nargs=4, metavar=("CORPUS", "TOKENIZER", "OUT", "THREADS"),
                    help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.one_process_run:
         os.nice(RAY_WORKER_NICENESS)
-        corpus, tokenizer, out = args.one_process_run
-        print(json.dumps(one_run(corpus, tokenizer, Path(out), "one_process", cpus=1)))
+        corpus, tokenizer, out, threads = args.one_process_run
+        side = "one_process" if threads == "1" else "threads"
+        print(json.dumps(one_run(corpus, tokenizer, Path(out), side, cpus=int(threads))))
         return
 
     sides = [s for s in SIDES if s in args.sides.split(",")]
@@ -151,7 +156,9 @@ def main() -> None:
         for rep in range(args.reps):
             order = sides[rep % len(sides):] + sides[:rep % len(sides)]
             for side in order:
-                row = (one_process_run(args.corpus, str(tok_path), Path(tmp) / "out") if side == "one_process"
+                row = (one_process_run(args.corpus, str(tok_path), Path(tmp) / "out",
+                                       1 if side == "one_process" else args.cpus)
+                       if side in ("one_process", "threads")
                        else one_run(args.corpus, str(tok_path), Path(tmp) / "out", side, args.cpus))
                 row["rep"] = rep
                 rows.append(row)

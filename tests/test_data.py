@@ -315,3 +315,29 @@ def test_masking_the_padding_targets_leaves_the_inputs_alone():
     assert torch.equal(x, before)
     assert masked[0].tolist() == [1, 2, 3] and (masked[1:] == Validation.IGNORE).all()
     assert Validation.targets(y, real=3) is y  # a full batch is left as it is
+
+
+def test_tokenizing_here_in_threads_keeps_the_units_order():
+    """Without Ray, `prepare` tokenizes `--cpus` units at once in threads of its process (a BPE
+    releases the GIL: 1.76x one thread on 2 cores, bench/prepare.py) and takes them in order."""
+    import threading
+    import time
+
+    from raytrain_lm.data.sources import plan_units
+    from raytrain_lm.data.tokenize import tokenize_here
+
+    class Recording(ByteTokenizer):
+        def __init__(self):
+            self.threads = set()
+
+        def encode(self, text):
+            self.threads.add(threading.get_ident())
+            time.sleep(0.002)  # busy long enough that the pool starts its second thread
+            return super().encode(text)
+
+    units = plan_units(["pydoc"], "text", 1 << 14)
+    one = [(ids.tobytes(), opens) for ids, opens in tokenize_here(units, ByteTokenizer())]
+    tok = Recording()
+    two = [(ids.tobytes(), opens) for ids, opens in tokenize_here(units, tok, threads=2)]
+    assert len(units) > 4 and two == one
+    assert len(tok.threads) == 2 and threading.get_ident() not in tok.threads

@@ -42,13 +42,14 @@ def corpus(root):
 
 
 def test_prepare_on_ray_gives_the_same_shards_at_any_cpu_count(ray_address, tmp_path):
-    """In this process, on 1 Ray CPU and on 2 (and through the command line): byte-identical
-    shards, tokenizer and manifest, with units of 64 KiB so that tasks finish out of order."""
+    """In this process (one thread, and two), on 1 Ray CPU and on 2 (and through the command
+    line): byte-identical shards, tokenizer and manifest, with units of 64 KiB so that tasks
+    and threads finish out of order."""
     from raytrain_lm.data.prepare import prepare_dataset
 
     src = str(corpus(tmp_path / "corpus"))
-    runs = {"here": dict(use_ray=False), "ray-1": dict(use_ray=True, cpus=1),
-            "ray-2": dict(use_ray=True, cpus=2)}
+    runs = {"here": dict(use_ray=False, cpus=1), "here-2": dict(use_ray=False, cpus=2),
+            "ray-1": dict(use_ray=True, cpus=1), "ray-2": dict(use_ray=True, cpus=2)}
     manifests = {name: prepare_dataset(src, tmp_path / name, tokenizer="bpe", vocab_size=2000,
                                        shard_tokens=100_000, piece_bytes=1 << 16, **kw)
                  for name, kw in runs.items()}
@@ -59,7 +60,7 @@ def test_prepare_on_ray_gives_the_same_shards_at_any_cpu_count(ray_address, tmp_
     assert not res.stderr  # nothing of Ray's on a quiet run
     for m in manifests.values():
         m.pop("created")
-    assert manifests["here"] == manifests["ray-1"] == manifests["ray-2"]
+    assert manifests["here"] == manifests["here-2"] == manifests["ray-1"] == manifests["ray-2"]
     m = manifests["here"]
     assert len(m["train"]["shards"]) > 3 and m["tokenizer"]["type"] == "bpe"
     files = [s["file"] for s in m["train"]["shards"] + m["val"]["shards"]] + ["tokenizer.json"]

@@ -48,8 +48,9 @@ def prepare(
                                        f"input, or more than {RAY_FROM_MB} MB of input]."),
     address: Optional[str] = typer.Option(None, help="Ray cluster to tokenize on [default: "
                                           "RAY_ADDRESS, else a local Ray]."),
-    cpus: Optional[int] = typer.Option(None, help="Tokenizing tasks at once [default: one per "
-                                       "CPU of the cluster]."),
+    cpus: Optional[int] = typer.Option(None, help="Tokenizing tasks (--ray) or threads "
+                                       "(--no-ray) at once [default: one per CPU of the cluster, "
+                                       "or of this machine]."),
     force: bool = typer.Option(False, help="Overwrite an existing dataset."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Print nothing on success."),
     as_json: bool = JSON,

@@ -14,6 +14,7 @@ import contextlib
 import datetime as _dt
 import hashlib
 import json
+import os
 from pathlib import Path
 from typing import Callable, Iterator, Optional, Sequence
 
@@ -101,7 +102,8 @@ def prepare_dataset(
     tokens) or a tokenizer.json path (stored in the dataset byte for byte). Documents are joined
     by the tokenizer's separator: "\\n\\n" for bytes, <|endoftext|> for a BPE that has it.
     `use_ray`: tokenize in parallel Ray tasks (`cpus` at once; Ray must be initialized),
-    each a unit of about `piece_bytes` of the corpus.
+    each a unit of about `piece_bytes` of the corpus; else in `cpus` threads here (default: one
+    per CPU of this machine).
     The token stream is cut into blocks of `block_tokens`; block k goes to validation when
     k % val_every == 1, so even a small corpus gets a validation split spread over its length.
     A local dataset is written into a temporary sibling folder that takes `out_dir`'s place only
@@ -122,7 +124,7 @@ def prepare_dataset(
     else:
         from raytrain_lm.data.tokenize import tokenize_here
 
-        stream = tokenize_here(units, tok)
+        stream = tokenize_here(units, tok, cpus or os.cpu_count() or 1)
     write = lambda fs, root: _write_dataset(  # noqa: E731
         stream, tok, fs, root, sources=sources, val_every=val_every, block_tokens=block_tokens,
         shard_tokens=shard_tokens, progress=progress)

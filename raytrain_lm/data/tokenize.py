@@ -1,5 +1,5 @@
-"""Tokenizing a planned corpus (data/sources.py units), in corpus order: in this process, or in
-parallel Ray tasks, which scales `prepare` from a laptop to a cluster.
+"""Tokenizing a planned corpus (data/sources.py units), in corpus order: in threads of this
+process, or in parallel Ray tasks, which scales `prepare` from a laptop to a cluster.
 
 Either way every unit is tokenized by the same function, and the results are taken in the
 units' order, so the shards written from them are byte-identical whatever the number of CPUs.
@@ -15,6 +15,7 @@ units it was slower than these tasks in every repetition on 2 CPUs (bench/prepar
 
 from __future__ import annotations
 
+import collections
 from typing import Iterator, Optional
 
 import numpy as np
@@ -42,9 +43,24 @@ def tokenize_unit(unit: Unit, tok: Tokenizer) -> tuple[np.ndarray, bool]:
     return ids, unit.opens_document and bool(texts)
 
 
-def tokenize_here(units: list[Unit], tok: Tokenizer) -> Iterator[tuple[np.ndarray, bool]]:
-    for unit in units:
-        yield tokenize_unit(unit, tok)
+def tokenize_here(units: list[Unit], tok: Tokenizer,
+                  threads: int = 1) -> Iterator[tuple[np.ndarray, bool]]:
+    """The units tokenized in this process, `threads` at once (a BPE's encode releases the GIL),
+    taken in the units' order; at most 2 x `threads` units' tokens are held here."""
+    if threads <= 1:
+        for unit in units:
+            yield tokenize_unit(unit, tok)
+        return
+    from concurrent.futures import ThreadPoolExecutor
+
+    ahead = 2 * threads
+    with ThreadPoolExecutor(threads) as pool:
+        pending = collections.deque(pool.submit(tokenize_unit, u, tok) for u in units[:ahead])
+        for i in range(len(units)):
+            result = pending.popleft().result()
+            if i + ahead < len(units):
+                pending.append(pool.submit(tokenize_unit, units[i + ahead], tok))
+            yield result
 
 
 # A Ray worker process runs many tasks: each builds a tokenizer once (parsing a BPE's JSON
