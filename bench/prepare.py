@@ -46,13 +46,13 @@ RAY_WORKER_NICENESS = 15  # Ray's default for its worker processes
 SIDES = ["one_process", "ray_tasks", "ray_data", "threads"]
 
 
-def one_process_run(corpus: str, tokenizer: str, out: Path, threads: int) -> dict:
-    """one_run(use_ray=False) with `threads` threads in a child process at Ray's worker
-    niceness."""
+def one_process_run(corpus: str, tokenizer: str, out: Path, side: str, cpus: int) -> dict:
+    """one_run of the one_process side (one thread) or the threads side (`cpus` threads) in a
+    child process at Ray's worker niceness."""
     import subprocess
 
-    res = subprocess.run([sys.executable, __file__, "--one-process-run", corpus, tokenizer, str(out),
-                          str(threads)],
+    res = subprocess.run([sys.executable, __file__, "--cpus", str(cpus), "--one-process-run", corpus,
+                          tokenizer, str(out), side],
                          capture_output=True, text=True, check=True)
     return json.loads(res.stdout)
 
@@ -123,14 +123,14 @@ def main() -> None:
                         "Data's side leaves two actors of its own running beside the sides after it "
                         "(its stats actor and its autoscaling coordinator)")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "prepare.json"))
-    p.add_argument("--one-process-run", nargs=4, metavar=("CORPUS", "TOKENIZER", "OUT", "THREADS"),
+    p.add_argument("--one-process-run", nargs=4, metavar=("CORPUS", "TOKENIZER", "OUT", "SIDE"),
                    help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.one_process_run:
         os.nice(RAY_WORKER_NICENESS)
-        corpus, tokenizer, out, threads = args.one_process_run
-        side = "one_process" if threads == "1" else "threads"
-        print(json.dumps(one_run(corpus, tokenizer, Path(out), side, cpus=int(threads))))
+        corpus, tokenizer, out, side = args.one_process_run
+        threads = 1 if side == "one_process" else args.cpus
+        print(json.dumps(one_run(corpus, tokenizer, Path(out), side, cpus=threads)))
         return
 
     sides = [s for s in SIDES if s in args.sides.split(",")]
@@ -156,8 +156,7 @@ def main() -> None:
         for rep in range(args.reps):
             order = sides[rep % len(sides):] + sides[:rep % len(sides)]
             for side in order:
-                row = (one_process_run(args.corpus, str(tok_path), Path(tmp) / "out",
-                                       1 if side == "one_process" else args.cpus)
+                row = (one_process_run(args.corpus, str(tok_path), Path(tmp) / "out", side, args.cpus)
                        if side in ("one_process", "threads")
                        else one_run(args.corpus, str(tok_path), Path(tmp) / "out", side, args.cpus))
                 row["rep"] = rep

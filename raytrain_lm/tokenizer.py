@@ -193,10 +193,9 @@ class BPETokenizer(Tokenizer):
                             f"add_prefix_space?); only lossless byte-level BPE is supported")
 
     def encode(self, text: str) -> np.ndarray:
-        # A batch of one: the fast path computes no offsets (25-35% faster here than encode())
-        # and, with one text, runs on one thread.
-        ids = self._tok.encode_batch_fast([text], add_special_tokens=False)[0].ids
-        return np.array(ids, dtype=self.dtype)
+        # A batch of one: the fast path computes no offsets (25-35% faster here than the
+        # tokenizer's encode()) and, with one text, runs on one thread.
+        return self.encode_batch([text])[0]
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         # encode_batch_fast: no offsets computed; Rust threads (RAYON_NUM_THREADS) across texts

@@ -101,6 +101,19 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: float = 300, env: dict
     )
 
 
+def processes_where(test) -> list[int]:
+    """The pids of this machine's processes for which `test(/proc/<pid> folder)` is true; a
+    process that ends meanwhile is left out."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and test(entry):
+                found.append(int(entry.name))
+        except OSError:  # the process ended meanwhile
+            pass
+    return found
+
+
 def session_processes(title: str) -> list[int]:
     """The processes of this session's Ray cluster (children of its raylet) whose title starts
     with `title` (Ray names an actor's process `ray::<Class>`). Another Ray may run on this
@@ -110,15 +123,9 @@ def session_processes(title: str) -> list[int]:
 
     node = ray._private.worker._global_node
     raylet = node.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process.pid
-    found = []
-    for entry in Path("/proc").iterdir():
-        try:
-            if (entry.name.isdigit() and (entry / "cmdline").read_bytes().startswith(title.encode())
-                    and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == raylet):
-                found.append(int(entry.name))
-        except OSError:  # the process ended meanwhile
-            pass
-    return found
+    return processes_where(
+        lambda entry: (entry / "cmdline").read_bytes().startswith(title.encode())
+        and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == raylet)
 
 
 def kill_train_workers() -> int:

@@ -7,7 +7,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from conftest import run_cli
+from conftest import processes_where, run_cli
 
 
 def _actor_classes(ray_tmp: Path) -> list[str]:
@@ -17,17 +17,6 @@ def _actor_classes(ray_tmp: Path) -> list[str]:
             for log in ray_tmp.glob("ray/session_latest/logs/worker-*.out")
             for line in log.read_text(errors="replace").splitlines()
             if line.startswith(":actor_name:")]
-
-
-def _processes_mentioning(text: str) -> list[int]:
-    found = []
-    for proc in Path("/proc").iterdir():
-        try:
-            if proc.name.isdigit() and text.encode() in (proc / "cmdline").read_bytes():
-                found.append(int(proc.name))
-        except OSError:  # gone meanwhile
-            continue
-    return found
 
 
 def test_train_on_a_ray_of_its_own(tmp_path, pydoc_data):
@@ -47,6 +36,6 @@ def test_train_on_a_ray_of_its_own(tmp_path, pydoc_data):
         actors = _actor_classes(ray_tmp)
         assert actors.count("RayTrainWorker") == 2 and "Controller" in actors, actors
         assert "_AutoscalingCoordinatorActor" not in actors, actors
-        assert _processes_mentioning(str(ray_tmp)) == []
+        assert processes_where(lambda entry: str(ray_tmp).encode() in (entry / "cmdline").read_bytes()) == []
     finally:
         shutil.rmtree(ray_tmp, ignore_errors=True)
