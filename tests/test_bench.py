@@ -131,3 +131,16 @@ def test_import_floor_times_each_import_in_fresh_processes(tmp_path):
     for run in result["alone"]["runs"] + result["two at once"]["runs"]:
         assert all(wall > 0 and cpu >= 0 for wall, cpu in run.values())
     assert "email.parser" in proc.stdout and "total" in proc.stdout
+
+
+@pytest.mark.parametrize("side,cpus", [("one_process", 2), ("threads", 1)])
+def test_prepare_bench_child_runs_the_side_it_is_told(tmp_path, side, cpus):
+    """bench/prepare.py's one-process child labels its row with the side it was given, whatever
+    --cpus is (it once guessed the side from the thread count: threads at --cpus 1 came back as
+    one_process and the summary had no threads rows)."""
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "prepare.py"), "--cpus", str(cpus),
+                           "--one-process-run", "pydoc", "byte", str(tmp_path / "out"), side],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    row = json.loads(proc.stdout)
+    assert row["side"] == side and row["tokens"] > 0 and len(row["shards"]) >= 2
