@@ -6,6 +6,9 @@ two by default):
   ray_tasks    `prepare --ray` as it is: plain Ray tasks of one CPU, one ~1 MiB unit each
   ray_data     the same units as Ray Data tasks (how `prepare` ran until 2026-12-01, kept here
                as the alternative it was measured against)
+  ray_actor    the units as calls to one threaded actor per run (N CPUs, N calls at once in its
+               threads, one tokenizer shared by them): the alternative to one process per CPU
+               (measured 2026-12-02, not adopted)
   threads      `prepare --no-ray --cpus N`: one process, N tokenizing threads (what `prepare`
                does without Ray since 2026-12-01; the one_process side is its --cpus 1)
 
@@ -43,7 +46,7 @@ sys.path.insert(0, str(ROOT))
 
 
 RAY_WORKER_NICENESS = 15  # Ray's default for its worker processes
-SIDES = ["one_process", "ray_tasks", "ray_data", "threads"]
+SIDES = ["one_process", "ray_tasks", "ray_data", "ray_actor", "threads"]
 
 
 def one_process_run(corpus: str, tokenizer: str, out: Path, side: str, cpus: int) -> dict:
@@ -90,20 +93,60 @@ def tokenize_on_ray_data(units, tok, cpus=None):
             yield np.frombuffer(data, dtype=tok.dtype), bool(opens)
 
 
+class _ThreadedTokenizer:
+    """The `ray_actor` side's actor: calls run in its threads (max_concurrency), a BPE's encode
+    releases the GIL, and the tokenizer is built once for them all."""
+
+    def __init__(self):
+        import threading
+
+        self._lock = threading.Lock()  # the first calls arrive together: build the tokenizer once
+
+    def tokenize(self, unit_json: str, raw_ref: list) -> tuple[bytes, bool]:
+        from raytrain_lm.data.sources import Unit
+        from raytrain_lm.data.tokenize import task_tokenizer, tokenize_unit
+
+        with self._lock:
+            tok = task_tokenizer(raw_ref)
+        ids, opens = tokenize_unit(Unit.from_json(unit_json), tok)
+        return ids.tobytes(), opens
+
+
+def tokenize_on_ray_actor(units, tok, cpus=None):
+    """The `ray_actor` side: the same units and order as `prepare --ray`, as calls to one actor of
+    `cpus` CPUs that runs `cpus` of them at once in threads of one process."""
+    import ray
+
+    from raytrain_lm.data.tokenize import results_in_order
+
+    threads = min(cpus or max(1, int(ray.cluster_resources().get("CPU", 1))), len(units))
+    raw_ref = [ray.put(tok.raw)]
+    actor = ray.remote(num_cpus=threads, max_concurrency=threads)(_ThreadedTokenizer).remote()
+    try:
+        for data, opens in results_in_order(lambda i: actor.tokenize.remote(units[i].to_json(), raw_ref),
+                                            len(units), threads):
+            yield np.frombuffer(data, dtype=tok.dtype), opens
+    finally:
+        ray.kill(actor)
+
+
+ALTERNATIVES = {"ray_data": tokenize_on_ray_data, "ray_actor": tokenize_on_ray_actor}
+
+
 def one_run(corpus: str, tokenizer: str, out: Path, side: str, cpus: int) -> dict:
     from raytrain_lm.data import tokenize
     from raytrain_lm.data.prepare import prepare_dataset
 
-    if side == "ray_data":
-        tokenize.tokenize_on_ray, saved = tokenize_on_ray_data, tokenize.tokenize_on_ray
+    saved = tokenize.tokenize_on_ray
+    if side in ALTERNATIVES:
+        tokenize.tokenize_on_ray = ALTERNATIVES[side]
     load = os.getloadavg()[0]
     t0 = time.perf_counter()
     try:
         m = prepare_dataset(corpus, out, tokenizer=tokenizer, use_ray=side.startswith("ray"), cpus=cpus,
                             force=True)
     finally:
-        if side == "ray_data":
-            tokenize.tokenize_on_ray = saved
+        tokenize.tokenize_on_ray = saved
     wall = time.perf_counter() - t0
     text_mb = (m["train"]["bytes"] + m["val"]["bytes"]) / 1e6
     return {"side": side, "wall_s": wall, "text_mb": text_mb,

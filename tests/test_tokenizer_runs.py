@@ -2,6 +2,7 @@
 giving the same shards at any CPU count, and weights never continued on another tokenizer's data."""
 
 import hashlib
+import time
 import json
 import math
 import shutil
@@ -39,6 +40,33 @@ def corpus(root):
     (root / "c.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs[:40]))
     pq.write_table(pa.table({"text": docs[40:]}), root / "d.parquet", row_group_size=5)
     return root
+
+
+def test_ray_results_come_in_order_with_a_bounded_number_held(ray_address):
+    """The loop both Ray sides of `prepare` take results through: the first of 6 calls is the
+    slowest, the others come back first and wait for it, and no more than 2 x at_once calls are
+    out (running or held) at any time: the memory bound on tokens held by the driver."""
+    import ray
+
+    from raytrain_lm.data.tokenize import results_in_order
+
+    @ray.remote(num_cpus=0)
+    def after(i: int, seconds: float) -> int:
+        time.sleep(seconds)
+        return i
+
+    delays = [1.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+    submitted: list[int] = []
+
+    def submit(i):
+        submitted.append(i)
+        return after.remote(i, delays[i])
+
+    seen = [(value, len(submitted)) for value in results_in_order(submit, len(delays), at_once=2)]
+    assert [value for value, _ in seen] == list(range(6))
+    # value k is yielded with at most k + 4 submitted (without the bound the slow first call
+    # would find all 6 out)
+    assert all(out <= k + 4 for k, (_, out) in enumerate(seen)), seen
 
 
 def test_prepare_on_ray_gives_the_same_shards_at_any_cpu_count(ray_address, tmp_path):

@@ -10,13 +10,15 @@ Why plain tasks and not Ray Data: its read_text reads each file whole into one t
 it into lines, dropping the line endings, so a text file would neither be one document nor come
 back byte for byte, and read_json infers one schema across rows; and as a scheduler for our own
 units it was slower than these tasks in every repetition on 2 CPUs (bench/prepare.py: medians
-1.01-1.15x one process against 1.33-1.54x).
+1.01-1.15x one process against 1.33-1.54x). One threaded actor per run, sharing one tokenizer,
+was no faster than these tasks (1.52x and 1.69x against 1.46x and 1.70x), and a task is retried
+when its node dies where an actor's call is not.
 """
 
 from __future__ import annotations
 
 import collections
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import numpy as np
 
@@ -101,17 +103,28 @@ def tokenize_on_ray(units: list[Unit], tok: Tokenizer,
     # which Ray passes as is rather than resolving it for every task.
     raw_ref = [ray.put(tok.raw)]
     remote = ray.remote(num_cpus=1)(_tokenize_task)
-    running: dict = {}  # task -> index of its unit
-    done: dict[int, tuple[bytes, bool]] = {}
+    for data, opens in results_in_order(lambda i: remote.remote(units[i].to_json(), raw_ref),
+                                        len(units), tasks):
+        yield np.frombuffer(data, dtype=tok.dtype), opens
+
+
+def results_in_order(submit: Callable[[int], "ray.ObjectRef"], count: int,
+                     at_once: int) -> Iterator:
+    """The values of submit(0), ..., submit(count - 1), in that order, `at_once` of them running:
+    one that finishes early makes room for the next, and its value waits here for its turn, at
+    most 2 x `at_once` values held."""
+    import ray
+
+    running: dict = {}  # reference -> its index
+    done: dict = {}
     submitted = 0
-    for turn in range(len(units)):
+    for turn in range(count):
         while True:
-            while submitted < len(units) and len(running) < tasks and len(running) + len(done) < 2 * tasks:
-                running[remote.remote(units[submitted].to_json(), raw_ref)] = submitted
+            while submitted < count and len(running) < at_once and len(running) + len(done) < 2 * at_once:
+                running[submit(submitted)] = submitted
                 submitted += 1
             if turn in done:
                 break
             ready, _ = ray.wait(list(running), num_returns=1)
             done[running.pop(ready[0])] = ray.get(ready[0])
-        data, opens = done.pop(turn)
-        yield np.frombuffer(data, dtype=tok.dtype), opens
+        yield done.pop(turn)
