@@ -2,10 +2,10 @@
 giving the same shards at any CPU count, and weights never continued on another tokenizer's data."""
 
 import hashlib
-import time
 import json
 import math
 import shutil
+import time
 
 
 from conftest import run_cli
