@@ -77,13 +77,15 @@ def tokenize_on_ray_data(units, tok, cpus=None):
     import ray
     import ray.data
 
+    from raytrain_lm.data.tokenize import tasks_at_once
+
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.preserve_order = True
     ctx.enable_progress_bars = False
     ctx.print_on_execution_start = False
     ctx.op_resource_reservation_enabled = False  # with it on, one of 2 CPUs sat idle
     logging.getLogger("ray.data").setLevel(logging.ERROR)
-    tasks = min(cpus or max(1, int(ray.cluster_resources().get("CPU", 1))), len(units))
+    tasks = tasks_at_once(cpus, len(units))
     raw_ref = [ray.put(tok.raw)]
     ds = ray.data.from_items([{"unit": u.to_json()} for u in units], override_num_blocks=len(units))
     ds = ds.map_batches(_tokenize_batch, fn_kwargs={"raw_ref": raw_ref}, batch_size=1, num_cpus=1,
@@ -117,9 +119,9 @@ def tokenize_on_ray_actor(units, tok, cpus=None):
     `cpus` CPUs that runs `cpus` of them at once in threads of one process."""
     import ray
 
-    from raytrain_lm.data.tokenize import results_in_order
+    from raytrain_lm.data.tokenize import results_in_order, tasks_at_once
 
-    threads = min(cpus or max(1, int(ray.cluster_resources().get("CPU", 1))), len(units))
+    threads = tasks_at_once(cpus, len(units))
     raw_ref = [ray.put(tok.raw)]
     actor = ray.remote(num_cpus=threads, max_concurrency=threads)(_ThreadedTokenizer).remote()
     try:

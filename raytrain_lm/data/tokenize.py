@@ -98,7 +98,7 @@ def tokenize_on_ray(units: list[Unit], tok: Tokenizer,
     once and its result waits here for its turn, up to 2 x `cpus` units' tokens held here."""
     import ray
 
-    tasks = min(cpus or max(1, int(ray.cluster_resources().get("CPU", 1))), len(units))
+    tasks = tasks_at_once(cpus, len(units))
     # The tokenizer's JSON (up to megabytes) is put once; tasks get a reference inside a list,
     # which Ray passes as is rather than resolving it for every task.
     raw_ref = [ray.put(tok.raw)]
@@ -106,6 +106,14 @@ def tokenize_on_ray(units: list[Unit], tok: Tokenizer,
     for data, opens in results_in_order(lambda i: remote.remote(units[i].to_json(), raw_ref),
                                         len(units), tasks):
         yield np.frombuffer(data, dtype=tok.dtype), opens
+
+
+def tasks_at_once(cpus: Optional[int], count: int) -> int:
+    """How many of `count` calls run on Ray at once: `cpus`, else one per CPU of the cluster Ray
+    is connected to, and never more than there are calls."""
+    import ray
+
+    return min(cpus or max(1, int(ray.cluster_resources().get("CPU", 1))), count)
 
 
 def results_in_order(submit: Callable[[int], "ray.ObjectRef"], count: int,
