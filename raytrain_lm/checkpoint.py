@@ -93,31 +93,51 @@ def safe_load(path: Path, map_location: str | torch.device = "cpu") -> Any:
 # values (optimizer settings) with torch.load(weights_only=False): a dcp/ folder from elsewhere
 # could run code when loaded. The reader and planners below accept only what our checkpoints hold.
 
-_DCP_GLOBALS = {("pathlib", "PosixPath"), ("torch", "Size"), ("torch.serialization", "_get_layout"),
-                ("torch.distributed.checkpoint.filesystem", "_StorageInfo")}
-_DCP_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
+# Exactly the globals a dcp .metadata of ours names, each (module, name) pair on its own: allowing a
+# whole module would let pickle resolve dotted names through what that module imports
+# (torch.distributed.checkpoint.metadata imports os, so "os.system" would resolve there).
+_DCP_GLOBALS = frozenset({
+    ("pathlib", "PosixPath"), ("torch", "Size"), ("torch.serialization", "_get_layout"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    *(("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorStorageMetadata", "BytesStorageMetadata",
+        "ChunkStorageMetadata", "TensorProperties", "_MEM_FORMAT_ENCODING")),
+})
 
 
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
-        if (module, name) in _DCP_GLOBALS or module == _DCP_METADATA_MODULE or \
-                (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+        if "." not in name and ((module, name) in _DCP_GLOBALS or
+                                (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))):
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"Weights only load failed: {module}.{name} is not allowed")
+
+
+def _read_dcp_metadata(folder: Path):
+    """dcp/.metadata through the allow-list; anything else is refused here, before dcp.load,
+    which would swallow the error and retry with a rank-local metadata file."""
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    try:
+        with (folder / DCP_DIR / ".metadata").open("rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+    except pickle.UnpicklingError:
+        raise UserError(f"refusing to load {folder / DCP_DIR}: it holds Python objects, not only "
+                        f"tensors and plain data (a raytrain-lm checkpoint never does)") from None
+    except (OSError, EOFError, ValueError, TypeError, AttributeError) as e:
+        raise UserError(f"{folder / DCP_DIR}/.metadata is corrupted: {e}") from None
+    if getattr(metadata, "storage_meta", None) is None:
+        metadata.storage_meta = StorageMeta()
+    return metadata
 
 
 def _dcp_reader(folder: Path):
     from torch.distributed.checkpoint import FileSystemReader
 
-    class SafeReader(FileSystemReader):
-        def read_metadata(self, *args, **kwargs):
-            path = self._get_metadata_path(kwargs.get("rank"))
-            with self.fs.create_stream(path, "rb") as f:
-                metadata = _MetadataUnpickler(f).load()
-            if getattr(metadata, "storage_meta", None) is None:
-                from torch.distributed.checkpoint.metadata import StorageMeta
+    metadata = _read_dcp_metadata(folder)
 
-                metadata.storage_meta = StorageMeta()
+    class SafeReader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs):  # the checked global metadata, never a rank's
             metadata.storage_meta.load_id = self.load_id
             return metadata
 

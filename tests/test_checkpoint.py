@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import io
 import json
+import pickle
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from conftest import run_cli
-from raytrain_lm.checkpoint import load_checkpoint, save_checkpoint
+from raytrain_lm.checkpoint import load_checkpoint, load_state, save_checkpoint
 from raytrain_lm.checkpointer import restore_rng
 from raytrain_lm.config import build_config
+from raytrain_lm.errors import UserError
 from raytrain_lm.model import GPT
 from raytrain_lm.optim import build_optimizer
 from raytrain_lm.storage import sha256_file
@@ -54,6 +58,60 @@ def test_a_checkpoint_that_would_run_code_is_refused(tmp_path):
     (folder / "rank0.json").write_text(json.dumps(record))
     for command in (["generate", str(folder), "-n", "3", "-q"], ["export", str(folder), "--out", str(tmp_path / "x")]):
         assert_clean_error(run_cli(*command), "refusing to load")
+    assert not marker.exists()  # the payload never ran
+    assert not (tmp_path / "x").exists()
+
+
+class _DottedLookup:
+    """Unpickled as `torch.distributed.checkpoint.metadata` + `os.system`: a module the dcp
+    metadata legitimately names, and a dotted name that pickle protocol 4 resolves through that
+    module's own `import os`."""
+
+    def __init__(self, command):
+        self.command = command
+
+
+class _CraftingPickler(pickle._Pickler):
+    dispatch = pickle._Pickler.dispatch.copy()
+
+    def _save_dotted_lookup(self, obj):
+        self.save("torch.distributed.checkpoint.metadata")
+        self.save("os.system")
+        self.write(pickle.STACK_GLOBAL)
+        self.save((obj.command,))
+        self.write(pickle.REDUCE)
+
+    dispatch[_DottedLookup] = _save_dotted_lookup
+
+
+def _plant_in_dcp_metadata(folder, marker):
+    """Rewrite dcp/.metadata so that loading it runs `touch marker` and otherwise loads as
+    before (the payload's return value, 0, lands in an attribute nothing reads), then recompute the
+    commit record as an attacker would."""
+    path = folder / "dcp" / ".metadata"
+    with path.open("rb") as f:
+        metadata = pickle.load(f)
+    metadata.__dict__["note"] = _DottedLookup(f"touch {marker}")
+    buf = io.BytesIO()
+    _CraftingPickler(buf, protocol=4).dump(metadata)
+    path.write_bytes(buf.getvalue())
+    record = json.loads((folder / "rank0.json").read_text())
+    record["dcp/.metadata"] = sha256_file(path)
+    (folder / "rank0.json").write_text(json.dumps(record))
+
+
+def test_a_dcp_metadata_that_would_run_code_is_refused_by_every_loader(tmp_path):
+    """export, generate (one process: the whole state gathered) and --resume/--init-from (this
+    rank's shards loaded into a model) all read dcp/.metadata first."""
+    folder = tmp_path / "ckpt"
+    model = write_checkpoint(folder)
+    marker = tmp_path / "pwned"
+    _plant_in_dcp_metadata(folder, marker)
+    for command in (["generate", str(folder), "-n", "3", "-q"], ["export", str(folder), "--out", str(tmp_path / "x")]):
+        assert_clean_error(run_cli(*command), "refusing to load")
+    with pytest.raises(UserError, match="refusing to load"):
+        load_state(folder, SimpleNamespace(parts=[model], optimizers=[build_optimizer(
+            model, build_config(), torch.device("cpu"))]), optimizer=False)
     assert not marker.exists()  # the payload never ran
     assert not (tmp_path / "x").exists()
 
