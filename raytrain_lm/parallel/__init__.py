@@ -164,8 +164,8 @@ class Parallelized:
         if self.replicated:
             norm = torch.nn.utils.clip_grad_norm_(self.parts[0].parameters(), self.cfg.grad_clip)
         else:
-            norm = torch.tensor(grad.clip_grad_norm_(self.params(), self.cfg.grad_clip,
-                                                     self.pp_group, self.norm_exclude))
+            norm = grad.clip_grad_norm_(self.params(), self.cfg.grad_clip, self.pp_group,
+                                        self.norm_exclude)
         for optimizer in self.optimizers:
             scaler.step(optimizer)
         scaler.update()

@@ -10,7 +10,6 @@ embedding left out.
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 
 import torch
@@ -36,10 +35,14 @@ def align_grads_(params) -> None:
 
 
 @torch.no_grad()
-def global_grad_norm(params, pp_group=None, exclude: set[int] = frozenset()) -> float:
-    plain = torch.zeros((), dtype=torch.float64)
-    by_layout: dict[tuple, torch.Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float64))
+def global_grad_norm(params, pp_group=None, exclude: set[int] = frozenset()) -> torch.Tensor:
+    """The 2-norm of every gradient of the whole model, as a 0-dim fp32 tensor on the gradients'
+    device: computed, reduced and returned there, with no host sync (torchtitan's order: local
+    norms, the mesh reductions, then the pp all-reduce)."""
+    plain: list[torch.Tensor] = []
+    by_layout: dict[tuple, list[torch.Tensor]] = defaultdict(list)
     meshes = {}
+    device = None
     for p in params:
         if p.grad is None or id(p) in exclude:
             continue
@@ -54,31 +57,45 @@ def global_grad_norm(params, pp_group=None, exclude: set[int] = frozenset()) -> 
             # ranks issue the same collectives in the same order.
             key = (tuple(g.device_mesh.mesh.flatten().tolist()), g.device_mesh.mesh_dim_names, dims)
             meshes[key] = g.device_mesh
-            by_layout[key] += g.to_local().double().pow(2).sum()
+            by_layout[key].append(g.to_local())
         else:
-            plain += g.double().pow(2).sum()
-    total = plain
+            plain.append(g)
+        device = device or g.device
+    if device is None:  # no gradient on this rank; its pp peers may still hold some
+        device = next((p.device for p in params), torch.device("cpu"))
+    squares = [_sum_of_squares(plain, device)]
     for key in sorted(by_layout, key=repr):
-        s = by_layout[key]
+        s = _sum_of_squares(by_layout[key], device)
         for d in key[2]:
             dist.all_reduce(s, group=meshes[key].get_group(d))
-        total = total + s
+        squares.append(s)
+    total = torch.stack(squares).sum()
     if pp_group is not None:
         dist.all_reduce(total, group=pp_group)
-    return math.sqrt(total.item())
+    return total.sqrt()
+
+
+def _sum_of_squares(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Sum of squares of `grads` in fp32 on `device` (0 for none), through the same fused
+    per-tensor norms as torch.nn.utils.clip_grad_norm_."""
+    if not grads:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    norms = torch._foreach_norm(grads, 2, dtype=torch.float32) if len(grads) > 1 else \
+        [torch.linalg.vector_norm(grads[0], 2, dtype=torch.float32)]
+    return torch.stack(norms).square().sum()
 
 
 @torch.no_grad()
-def clip_grad_norm_(params, max_norm: float, pp_group=None, exclude: set[int] = frozenset()) -> float:
-    """Like torch.nn.utils.clip_grad_norm_ (same 1e-6 and clamp), with the global norm. Every
-    parameter with a grad is scaled, excluded duplicates included. Returns the norm."""
+def clip_grad_norm_(params, max_norm: float, pp_group=None, exclude: set[int] = frozenset()) -> torch.Tensor:
+    """Like torch.nn.utils.clip_grad_norm_ (same 1e-6 and clamp, no host sync), with the global
+    norm. Every parameter with a grad is scaled, excluded duplicates included. Returns the norm
+    (a 0-dim tensor on the gradients' device)."""
     params = list(params)
     align_grads_(params)
     norm = global_grad_norm(params, pp_group, exclude)
-    coef = max_norm / (norm + 1e-6)
-    if coef < 1.0:
-        for p in params:
-            if p.grad is not None:
-                g = p.grad
-                (g.to_local() if isinstance(g, DTensor) else g).mul_(coef)
+    coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+             for p in params if p.grad is not None]
+    if grads:
+        torch._foreach_mul_(grads, coef)
     return norm
