@@ -49,8 +49,7 @@ def test_head_schedules_no_training_and_gpu_workers_autoscale(filled):
 
 
 def test_project_synced_requirements_installed_storage_shared(filled):
-    assert filled["file_mounts"]["~/raytrain-lm"] == "."
-    assert {"runs", "data", ".git"} <= set(filled["rsync_exclude"])
+    assert filled["file_mounts"]["~/raytrain-lm/raytrain_lm"] == "./raytrain_lm"
     setup = "\n".join(filled["setup_commands"])
     assert "cd ~/raytrain-lm && ~/.local/bin/uv pip install --python ~/venv/bin/python -r requirements.txt" in setup
     assert "RAYTRAIN_LM_STORAGE=s3://" in setup
@@ -74,38 +73,94 @@ def _statements(policy_file: str) -> list[dict]:
     return statements
 
 
-def test_gpu_workers_get_a_least_privilege_role_and_the_head_keeps_rays(filled):
-    """Training code runs on the workers: their role may touch only the project's S3 prefixes.
-    The head keeps Ray's default role (the launcher's EC2 rights), which Ray gives it only when
-    its node type names none (ray/autoscaler/_private/aws/config.py: _configure_iam_role)."""
+def _tune_state_files() -> set[str]:
+    """The files of a sweep that `Tuner.restore` (on the head) unpickles, by Ray's own names."""
+    from ray.air.constants import EXPR_ERROR_PICKLE_FILE, EXPR_PARAM_PICKLE_FILE
+    from ray.tune.execution.tune_controller import TuneController
+    from ray.tune.impl.tuner_internal import _TUNER_PKL
+    from ray.tune.search.basic_variant import BasicVariantGenerator
+    from ray.tune.search.search_generator import SearchGenerator
+    from ray.tune.search.searcher import Searcher
+
+    templates = (TuneController.CKPT_FILE_TMPL, BasicVariantGenerator.CKPT_FILE_TMPL,
+                 SearchGenerator.CKPT_FILE_TMPL, Searcher.CKPT_FILE_TMPL)
+    return {_TUNER_PKL, EXPR_ERROR_PICKLE_FILE, EXPR_PARAM_PICKLE_FILE} | \
+        {t.format("*").rsplit("*", 1)[0] + "*" for t in templates}
+
+
+def test_each_node_has_a_least_privilege_role_and_ssh_only_from_the_users_network(filled):
+    """Training code runs on the workers: their role may touch only the project's S3 prefixes,
+    and never write the files a resumed sweep unpickles on the head. The head has its own role
+    (not Ray's ray-autoscaler-v1: full EC2 and S3), which Ray keeps when its node type names one
+    (ray/autoscaler/_private/aws/config.py: _configure_iam_role): the autoscaler's EC2 calls,
+    terminating only this cluster's nodes, passing only the workers' role, S3 on the prefixes.
+    Every node is in the user's security group (Ray's own opens SSH to 0.0.0.0/0)."""
     from ray.autoscaler._private.aws.config import DEFAULT_RAY_INSTANCE_PROFILE
 
     types = filled["available_node_types"]
-    assert "IamInstanceProfile" not in types[filled["head_node_type"]]["node_config"]
+    head = types[filled["head_node_type"]]["node_config"]
+    assert head["IamInstanceProfile"] == {"Name": "raytrain-lm-head"}
     profile = types["gpu_worker"]["node_config"]["IamInstanceProfile"]
     assert profile == {"Name": "raytrain-lm-worker"} and profile["Name"] != DEFAULT_RAY_INSTANCE_PROFILE
+    groups = {tuple(t["node_config"]["SecurityGroupIds"]) for t in types.values()}
+    assert groups == {("sg-YOUR-SECURITY-GROUP",)}
 
     setup = "\n".join(filled["setup_commands"])
     bucket, runs = re.search(r"RAYTRAIN_LM_STORAGE=s3://([^/]+)/(\S+?)'", setup).groups()
     datasets = set(re.findall(rf"s3://{bucket}/(\S+?)/", (ROOT / "README.md").read_text())) - {"raytrain-lm"}
     assert runs.startswith("raytrain-lm/") and datasets == {"data"}
-    allowed = {"raytrain-lm": {"s3:GetObject", "s3:PutObject", "s3:DeleteObject",
-                               "s3:AbortMultipartUpload", "s3:ListMultipartUploadParts"},
-               "data": {"s3:GetObject"}}
-    for s in _statements("worker-policy.json"):
-        assert s["Effect"] == "Allow" and all(a.startswith("s3:") and "*" not in a for a in s["Action"])
-        if s["Resource"] == [f"arn:aws:s3:::{bucket}"]:  # listing, only under the two prefixes
-            assert s["Action"] == ["s3:ListBucket"]
-            assert {p.split("/")[0] for p in s["Condition"]["StringLike"]["s3:prefix"]} == set(allowed)
-            continue
-        for resource in s["Resource"]:
-            prefix = re.fullmatch(rf"arn:aws:s3:::{bucket}/([^/*]+)/\*", resource).group(1)
-            assert set(s["Action"]) <= allowed[prefix], (prefix, s["Action"])
+    write = {"s3:GetObject", "s3:PutObject", "s3:DeleteObject", "s3:AbortMultipartUpload",
+             "s3:ListMultipartUploadParts"}
+
+    def check_s3(statements, allowed):
+        for s in statements:
+            assert all(a.startswith("s3:") and "*" not in a for a in s["Action"])
+            if s["Resource"] == [f"arn:aws:s3:::{bucket}"]:  # listing, only under the two prefixes
+                assert s["Action"] == ["s3:ListBucket"]
+                assert {p.split("/")[0] for p in s["Condition"]["StringLike"]["s3:prefix"]} == set(allowed)
+                continue
+            for resource in s["Resource"]:
+                prefix = re.fullmatch(rf"arn:aws:s3:::{bucket}/([^/*]+)/\*", resource).group(1)
+                assert set(s["Action"]) <= allowed[prefix], (prefix, s["Action"])
+
+    worker = _statements("worker-policy.json")
+    check_s3([s for s in worker if s["Effect"] == "Allow"],
+             {"raytrain-lm": write, "data": {"s3:GetObject"}})
+    [deny] = [s for s in worker if s["Effect"] == "Deny"]
+    assert deny["Action"] == ["s3:PutObject"]
+    assert {r.rsplit("/", 1)[1] for r in deny["Resource"]} == _tune_state_files()
+    assert all(r.startswith(f"arn:aws:s3:::{bucket}/raytrain-lm/*/") for r in deny["Resource"])
+
+    policy = _statements("head-policy.json")
+    assert all(s["Effect"] == "Allow" and not any(a.endswith("*") for a in s["Action"]) for s in policy)
+    ec2 = {a for s in policy for a in s["Action"] if a.startswith("ec2:")}
+    assert ec2 - {a for a in ec2 if a.startswith("ec2:Describe")} == \
+        {"ec2:RunInstances", "ec2:CreateTags", "ec2:TerminateInstances"}
+    [terminate] = [s for s in policy if "ec2:TerminateInstances" in s["Action"]]
+    assert terminate["Condition"] == {"StringEquals": {"ec2:ResourceTag/ray-cluster-name":
+                                                       filled["cluster_name"]}}
+    assert [(s["Action"], s["Resource"]) for s in policy if "iam:PassRole" in s["Action"]] == \
+        [(["iam:PassRole"], ["arn:aws:iam::YOUR-ACCOUNT-ID:role/raytrain-lm-worker"])]
+    check_s3([s for s in policy if s["Action"][0].startswith("s3:")],
+             {"raytrain-lm": write, "data": write})
     trust = _statements("worker-trust-policy.json")
     assert [(s["Principal"], s["Action"]) for s in trust] == [({"Service": "ec2.amazonaws.com"}, ["sts:AssumeRole"])]
-    passing = _statements("head-pass-worker-role.json")
-    assert [(s["Action"], s["Resource"]) for s in passing] == \
-        [(["iam:PassRole"], ["arn:aws:iam::YOUR-ACCOUNT-ID:role/raytrain-lm-worker"])]
+
+
+@pytest.mark.parametrize("drop,expected", [
+    ("head SecurityGroupIds", "node type head has no SecurityGroupIds, so Ray would create a "
+                              "security group with SSH open to 0.0.0.0/0"),
+    ("gpu_worker SecurityGroupIds", "node type gpu_worker has no SecurityGroupIds"),
+    ("head IamInstanceProfile", "the head node has no IamInstanceProfile, so Ray would give it "
+                                "full EC2 and S3 access"),
+])
+def test_cluster_up_refuses_ray_s_open_defaults(tmp_path, drop, expected):
+    node, key = drop.split()
+    text = (ROOT / "cluster.yaml").read_text()
+    config = yaml.safe_load(text)
+    del config["available_node_types"][node]["node_config"][key]
+    (tmp_path / "cluster.yaml").write_text(yaml.safe_dump(config))
+    assert_clean_error(run_cli("cluster", "up", str(tmp_path / "cluster.yaml"), "--yes"), expected)
 
 
 def test_a_broken_config_is_refused_with_the_schema_error(tmp_path):
@@ -217,55 +272,203 @@ def test_local_down_finds_only_the_processes_of_its_own_temp_dir():
             proc.wait()
 
 
-def test_a_job_uploads_every_module_and_leaves_results_and_datasets_behind(tmp_path):
-    """The job's working_dir as Ray's own packaging walks it (excludes and .gitignore): every
-    module of the package goes, raytrain_lm/data/ included, while the project's runs/ and data/
-    (results, prepared datasets) stay here."""
-    from ray._private.runtime_env.packaging import _dir_travel, _get_excludes
+SECRETS = [".env", ".aws/credentials", ".ssh/id_rsa", ".netrc", "deploy.pem", "tls.key",
+           "runs/r/summary.json", "data/pydoc/manifest.json", "notes/private.txt"]
 
-    from raytrain_lm.cluster.jobs import JOB_EXCLUDES
 
-    def uploaded(root: Path) -> set[str]:
-        seen: set[str] = set()
-        def add(p: Path) -> None:
-            if p.is_file():  # the files go into the zip (an excluded folder's files are matched one by one)
-                seen.add(p.relative_to(root).as_posix())
+def _project_with_secrets(root: Path) -> None:
+    """A project folder as a user's may be: the code, a config, and what must never leave."""
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "cli.py").write_text((ROOT / "cli.py").read_text())
+    (root / "configs").mkdir(parents=True)
+    (root / "configs" / "run.yaml").write_text("lr: 0.001\n")
+    for rel in SECRETS:
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text("secret")
 
-        _dir_travel(root, [_get_excludes(root, JOB_EXCLUDES)], add, include_gitignore=True)
-        return seen
 
-    shipped = uploaded(ROOT)
-    modules = {p.relative_to(ROOT).as_posix() for p in (ROOT / "raytrain_lm").rglob("*.py")
+def _zipped(folder: Path, tmp: Path) -> set[str]:
+    """What Ray's own packaging puts into the job's zip for this working dir."""
+    import zipfile
+
+    from ray._private.runtime_env.packaging import create_package
+
+    create_package(str(folder), tmp / "pkg.zip", include_gitignore=True)
+    return {n for n in zipfile.ZipFile(tmp / "pkg.zip").namelist() if not n.endswith("/")}
+
+
+def test_a_job_uploads_the_package_cli_and_its_config_and_no_secret(tmp_path):
+    """The project folder went up with an exclude list: .env, .aws/credentials, .ssh/*, .netrc,
+    *.pem and *.key were packed. Now only the package's modules, cli.py and the --config file
+    named go (as Ray zips them), and one line says so with the size."""
+    from raytrain_lm.cluster.jobs import PACKAGE, job_working_dir
+
+    project = tmp_path / "project"
+    _project_with_secrets(project)
+    modules = {f"raytrain_lm/{p.relative_to(PACKAGE).as_posix()}" for p in PACKAGE.rglob("*.py")
                if "__pycache__" not in p.parts}
-    assert "raytrain_lm/data/loaders.py" in modules and modules <= shipped, sorted(modules - shipped)
-    for rel in ("raytrain_lm/data/x.py", "data/pydoc/manifest.json", "runs/r/summary.json",
-                "raytrain_lm/__pycache__/x.pyc"):
-        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / rel).write_text("x")
-    got = uploaded(tmp_path)
-    assert "raytrain_lm/data/x.py" in got
-    assert got == {"raytrain_lm/data/x.py"}
+    assert "raytrain_lm/data/loaders.py" in modules
+    with job_working_dir({"config": "configs/run.yaml"}, cwd=project, root=project) as (folder, line):
+        sent = _zipped(folder, tmp_path)
+    assert sent == modules | {"cli.py", "configs/run.yaml"}, sorted(sent ^ (modules | {"cli.py"}))
+    assert re.fullmatch(rf"uploading raytrain_lm/ \({len(modules)} modules\) and cli.py, "
+                        rf"configs/run.yaml: \d+ KB", line), line
+    assert not folder.exists()  # the staging folder is gone once Ray has zipped it
 
 
-def test_a_running_local_cluster_is_found_and_a_dead_ones_record_ignored(tmp_path, monkeypatch):
+def test_a_job_from_a_non_editable_install_uploads_no_site_packages(tmp_path):
+    """Installed in site-packages (no project around it), the package's parent is
+    site-packages: it must not go up; a cli.py that runs the package does."""
+    from raytrain_lm.cluster.jobs import CLI_SHIM, PACKAGE, job_working_dir
+
+    site = tmp_path / "site-packages"
+    import shutil
+
+    shutil.copytree(PACKAGE, site / "raytrain_lm", ignore=shutil.ignore_patterns("__pycache__"))
+    (site / "torch").mkdir()
+    (site / "torch" / "__init__.py").write_text("")
+    with job_working_dir({}, cwd=tmp_path, root=site, package=site / "raytrain_lm") as (folder, _):
+        sent = _zipped(folder, tmp_path)
+        assert (folder / "cli.py").read_text() == CLI_SHIM
+    assert "cli.py" in sent and not [n for n in sent if n.split("/")[0] not in ("raytrain_lm", "cli.py")]
+
+
+def test_a_config_outside_the_folder_cannot_go_with_the_job(tmp_path):
+    from raytrain_lm.cluster.jobs import job_working_dir
+
+    with pytest.raises(UserError, match=r"--config \.\./run.yaml is outside this folder"):
+        with job_working_dir({"config": "../run.yaml"}, cwd=tmp_path):
+            pass
+
+
+def test_cluster_yaml_copies_only_what_the_nodes_run(filled, tmp_path):
+    """`file_mounts: {~/raytrain-lm: .}` copied the same secrets to every node. Each mount's
+    files, as rsync would send them from a project holding secrets, are the code and what
+    installs it."""
+    import fnmatch
+
+    project = tmp_path / "project"
+    _project_with_secrets(project)
+    for name in ("pyproject.toml", "requirements.txt", "README.md"):
+        (project / name).write_text("x")
+    shutil_tree = __import__("shutil").copytree
+    shutil_tree(ROOT / "raytrain_lm", project / "raytrain_lm",
+                ignore=__import__("shutil").ignore_patterns("__pycache__"))
+    excluded = filled.get("rsync_exclude") or []
+    sent = set()
+    for remote, local in filled["file_mounts"].items():
+        if not remote.startswith("~/raytrain-lm"):
+            continue
+        src = project / local
+        found = [src] if src.is_file() else [p for p in src.rglob("*") if p.is_file()]
+        for p in found:
+            rel = p.relative_to(project).as_posix()
+            if not any(fnmatch.fnmatch(part, pattern) for part in rel.split("/") for pattern in excluded):
+                sent.add(rel)
+    assert not [rel for rel in sent if rel in SECRETS or rel.startswith("configs/")], sorted(sent)
+    assert {"cli.py", "pyproject.toml", "requirements.txt", "raytrain_lm/data/loaders.py"} <= sent
+
+
+@pytest.fixture
+def own_state(tmp_path, monkeypatch):
+    """This test's records folder and temp dir (not the user's): where local-up would keep them."""
+    import tempfile
+
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    return tmp_path
+
+
+def test_a_running_local_cluster_is_found_and_a_dead_ones_record_ignored(own_state):
     """`train` joins a `local-up` cluster only while its port answers: a record left behind by a
     cluster that died must not send training to a dead address."""
     import socket
-    import tempfile
 
     from raytrain_lm.cluster import registry
     from raytrain_lm.cluster.connect import free_port
 
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    def info(port):
+        return {"address": f"127.0.0.1:{port}", "dashboard": "http://127.0.0.1:8265"}
+
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))
         live = listener.getsockname()[1]
         dead = free_port()
         for port in (dead, live):
-            registry.local_temp_dir(port).mkdir()
-            registry.record(port, {"address": f"127.0.0.1:{port}"})
+            registry.record(port, info(port))
         assert registry.running_local_cluster() is None  # bound, not listening: nothing answers
         listener.listen()
-        assert registry.running_local_cluster() == {"address": f"127.0.0.1:{live}"}
+        assert registry.running_local_cluster() == info(live)
     assert registry.running_local_cluster() is None
 
+
+def test_a_planted_cluster_record_is_never_trusted(own_state):
+    """Records lived in the temp dir every local user can write: a planted one made `train`
+    join its address. Only a record of this user's, that nobody else can write, naming this
+    machine, counts."""
+    import os
+    import socket
+
+    from raytrain_lm.cluster import registry
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        good = {"address": f"127.0.0.1:{port}", "dashboard": "http://127.0.0.1:8265"}
+        # where every local user can write: the cluster's temp dir
+        planted = registry.local_temp_dir(port)
+        planted.mkdir(mode=0o777)
+        (planted / "raytrain-lm-cluster.json").write_text(json.dumps(good))
+        assert registry.running_local_cluster() is None
+        path = registry.records_dir() / f"{port}.json"
+        for mischief, record in [
+                ("another user's", lambda: os.chown(path, 4242, 4242)),
+                ("writable by others", lambda: os.chmod(path, 0o666)),
+                ("a folder others may write", lambda: os.chmod(registry.records_dir(), 0o777)),
+                ("an address elsewhere", lambda: path.write_text(json.dumps(
+                    {**good, "address": f"192.0.2.77:{port}"}))),
+                ("a dashboard elsewhere", lambda: path.write_text(json.dumps(
+                    {**good, "dashboard": "http://192.0.2.77:8265"}))),
+                ("another port's address", lambda: path.write_text(json.dumps(
+                    {**good, "address": "127.0.0.1:1"})))]:
+            registry.record(port, good)
+            os.chmod(registry.records_dir(), 0o700)
+            assert registry.running_local_cluster() == good  # as local-up writes it
+            record()
+            assert registry.running_local_cluster() is None, mischief
+
+
+def test_local_down_sends_the_token_to_no_planted_address(own_state, tmp_path):
+    """A planted record made `cluster local-down` send `Authorization: Bearer <token>` to the
+    planted dashboard URL. It must send nothing to an address no record of ours names."""
+    import http.server
+    import threading
+
+    seen = []
+
+    class Catch(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            seen.append(dict(self.headers))
+            self.send_response(404)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Catch)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        planted = {"address": "127.0.0.1:6398",
+                   "dashboard": f"http://127.0.0.1:{server.server_address[1]}"}
+        folder = tmp_path / "tmp" / "raytrain-lm-ray-6398"
+        folder.mkdir(mode=0o777)
+        (folder / "raytrain-lm-cluster.json").write_text(json.dumps(planted))
+        result = run_cli("cluster", "local-down", "--port", "6398",
+                         env={"TMPDIR": str(tmp_path / "tmp"), "XDG_STATE_HOME": str(tmp_path / "state"),
+                              "RAY_AUTH_TOKEN": "s3cret-token-value"})
+    finally:
+        server.shutdown()
+    assert result.returncode == 0, result.stderr
+    assert not [h for h in seen if "s3cret-token-value" in str(h)], seen

@@ -114,7 +114,24 @@ def test_local_up_prints_the_addresses(local_cluster):
     out = local_cluster["stdout"]
     assert f"dashboard and jobs API: {DASHBOARD}" in out and "token auth on" in out
     assert f"python cli.py cluster local-down --port {LOCAL_PORT}" in out
-    assert local_cluster["address"].endswith(f":{LOCAL_PORT}")
+    assert local_cluster["address"] == f"127.0.0.1:{LOCAL_PORT}"
+
+
+def test_the_local_cluster_listens_on_127_0_0_1_only_and_its_token_is_private(local_cluster):
+    """It served three Prometheus metrics endpoints (and its GCS, raylet, agents) on every
+    interface; ~/.ray/auth_token, as Ray writes it, was readable by every local user."""
+    import stat
+
+    import psutil
+
+    from ray._private.authentication.authentication_token_setup import _get_default_token_path
+
+    pids = {p.pid for p in cluster_processes(local_temp_dir(LOCAL_PORT))}
+    listening = {(c.laddr.ip, c.laddr.port) for c in psutil.net_connections("inet")
+                 if c.status == psutil.CONN_LISTEN and c.pid in pids}
+    assert len(listening) >= 8  # GCS, raylet, dashboard, agents, metrics: all found
+    assert {ip for ip, _ in listening} <= {"127.0.0.1", "::ffff:127.0.0.1", "::1"}, listening
+    assert stat.S_IMODE(_get_default_token_path().stat().st_mode) == 0o600
 
 
 def test_train_joins_the_running_local_cluster(local_cluster, pydoc_data, tmp_path):

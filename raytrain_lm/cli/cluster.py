@@ -25,11 +25,16 @@ def cluster_local_up(
     port: int = typer.Option(6379, help="GCS port (the cluster's address is 127.0.0.1:PORT)."),
     dashboard_port: int = typer.Option(8265, help="Dashboard and jobs API port, on 127.0.0.1 only."),
     num_cpus: Optional[int] = typer.Option(None, help="Logical CPUs [default: all cores]."),
+    public: bool = typer.Option(False, "--public", help="Listen on every network interface, so "
+                                "that other machines can join (`ray start --address`); without "
+                                "it every port is on 127.0.0.1 only."),
 ) -> None:
-    """Start a Ray head on this machine (token authentication on, dashboard on 127.0.0.1)."""
+    """Start a Ray head on this machine (token authentication on; every port on 127.0.0.1 unless
+    --public)."""
     from raytrain_lm.cluster.local import local_up
 
-    info = local_up(port=port, dashboard_port=dashboard_port, num_cpus=num_cpus, say=typer.echo)
+    info = local_up(port=port, dashboard_port=dashboard_port, num_cpus=num_cpus, public=public,
+                    say=typer.echo)
     dash = info["dashboard"]
     typer.echo(f"Ray is running at {info['address']}; dashboard and jobs API: {dash}"
                f"{' (token auth on: ~/.ray/auth_token)' if info['auth'] else ''}\n"

@@ -129,24 +129,62 @@ def check_listening(host: str, port: int, what: str, timeout: float = 3.0) -> No
                         f"dashboard`, or check the address") from None
 
 
+def join_loopback_cluster(address: str) -> None:
+    """A `cluster local-up` cluster without --public runs in Ray's single-machine mode (its node
+    is 127.0.0.1: cluster/local.py); a driver joins it only in the same mode, else Ray resolves
+    127.0.0.1 to this machine's network address, where nothing of that cluster listens."""
+    from raytrain_lm.cluster.registry import read_record
+
+    port = address.rpartition(":")[2]
+    info = read_record(int(port)) if port.isdigit() else None
+    if not (info and info.get("loopback") and info["address"] == address):
+        return
+    import ray._private.ray_constants as ray_constants
+
+    from raytrain_lm.cluster.local import SINGLE_MACHINE_ENV
+
+    os.environ[SINGLE_MACHINE_ENV] = "0"  # for the processes this one starts
+    ray_constants.ENABLE_RAY_CLUSTER = False  # read when Ray looks up this node's address
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("", 0))
         return s.getsockname()[1]
 
 
+# A Ray head's GCS speaks gRPC, i.e. HTTP/2: to the client's connection preface (and an empty
+# SETTINGS frame) it answers at once with a SETTINGS frame of its own (frame type 4, the 4th byte).
+_HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
+_SETTINGS = 4
+
+
 def check_reachable(address: str, timeout: float = 3.0) -> None:
-    """Fail in seconds, not minutes, when nothing listens at a host:port address."""
+    """Fail in seconds, not minutes, when nothing listens at a host:port address, or something
+    that is not a Ray cluster does (Ray's client would retry for minutes, printing warnings):
+    the listener must answer an HTTP/2 preface as gRPC servers do (not checked with RAY_USE_TLS,
+    where the first bytes are TLS's)."""
     hostport = address.split("://", 1)[-1]
     if address == "auto" or ":" not in hostport:
         return
     host, _, port = hostport.rpartition(":")
     try:
-        with socket.create_connection((host, int(port)), timeout=timeout):
-            pass
+        conn = socket.create_connection((host, int(port)), timeout=timeout)
     except (OSError, ValueError):
         raise UserError(f"no Ray cluster answers at {address}; start one with "
                         f"`python cli.py cluster local-up` or check the address") from None
+    with conn:
+        if os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true"):
+            return
+        try:
+            conn.sendall(_HTTP2_PREFACE)
+            reply = conn.recv(9)
+        except OSError:
+            reply = b""
+    if len(reply) < 4 or reply[3] != _SETTINGS:
+        raise UserError(f"something listens at {address} but it is not a Ray cluster (it did not "
+                        f"answer as one within {timeout:g} s); check the address: a Ray head's "
+                        f"port, 6379 by default") from None
 
 
 def connect_ray(address: Optional[str], min_cpus: float, verbose: bool = False,
@@ -165,6 +203,7 @@ def connect_ray(address: Optional[str], min_cpus: float, verbose: bool = False,
             f"--address local starts a fresh one)")
     if address and address != "local":
         check_reachable(address)
+        join_loopback_cluster(address)
         match_cluster_auth(address)  # Ray 2.60: a token when the cluster wants one, else none
         try:
             ray.init(address=address, **quiet)

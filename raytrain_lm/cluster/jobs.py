@@ -4,9 +4,12 @@ job's working dir; following, listing and stopping jobs."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shlex
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable, Optional
@@ -17,15 +20,12 @@ from raytrain_lm.cluster.connect import NO_TOKEN, check_listening, connect_error
 from raytrain_lm.errors import UserError
 from raytrain_lm.files import default_storage
 
-ROOT = Path(__file__).resolve().parents[2]  # the project: the working dir of a job
+PACKAGE = Path(__file__).resolve().parents[1]  # raytrain_lm, wherever it is installed
+ROOT = PACKAGE.parent  # the project, when it is a checkout (cli.py beside the package)
 DEFAULT_DASHBOARD_PORT = 8265  # the dashboard serves the jobs API
 DEFAULT_JOBS_ADDRESS = f"http://127.0.0.1:{DEFAULT_DASHBOARD_PORT}"
-# Not uploaded with a job: results, prepared datasets and caches, VCS and tool folders. Ray reads
-# these as .gitignore lines: the project's own runs/ and data/ are anchored at its root ("/"), or
-# "data/" would also drop the package raytrain_lm/data/ (the job then fails to import it, or on a
-# machine with the project pip-installed silently imports that other copy).
-JOB_EXCLUDES = ["/runs/", "/data/", ".cache/", ".git/", ".hg/", ".svn/", "__pycache__/",
-                ".pytest_cache/", ".venv/", "venv/", "*.egg-info/", ".ipynb_checkpoints/"]
+# The job's cli.py where the package is installed without the project around it.
+CLI_SHIM = "from raytrain_lm.cli import main\n\nif __name__ == \"__main__\":\n    main()\n"
 # Forwarded to a job so that its driver and workers reach the same S3-compatible endpoint (no
 # secrets: credentials come from the cluster's own environment or instance role).
 FORWARDED_ENV = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_REGION", "AWS_DEFAULT_REGION")
@@ -132,17 +132,51 @@ def submit(train_args: list[str], given: dict, address: Optional[str] = None, fo
     python = shlex.quote(sys.executable) if is_local_address(address) else "python"
     entrypoint = f"{python} cli.py train {shlex.join(args)}"
     env_vars = {k: os.environ[k] for k in FORWARDED_ENV if os.environ.get(k)}
-    runtime_env = {"working_dir": str(ROOT), "excludes": JOB_EXCLUDES,
-                   **({"env_vars": env_vars} if env_vars else {})}
-    # No entrypoint resources: the driver runs on the head node and takes no CPU or GPU there,
-    # so training workers get every GPU of the cluster.
-    job_id = _submit_with_retry(address, lambda: client.submit_job(
-        entrypoint=entrypoint, runtime_env=runtime_env, metadata={"app": "raytrain-lm"}))
+    with job_working_dir(given, cwd or Path.cwd()) as (working_dir, uploaded):
+        say(uploaded)
+        runtime_env = {"working_dir": str(working_dir), **({"env_vars": env_vars} if env_vars else {})}
+        # No entrypoint resources: the driver runs on the head node and takes no CPU or GPU
+        # there, so training workers get every GPU of the cluster.
+        job_id = _submit_with_retry(address, lambda: client.submit_job(
+            entrypoint=entrypoint, runtime_env=runtime_env, metadata={"app": "raytrain-lm"}))
     say(f"submitted job {job_id} to {address}: {entrypoint}")
     if not follow:
         say(f"follow it with `python cli.py jobs logs {job_id} --follow`")
         return {"job_id": job_id, "status": "PENDING", "message": None, "results": None}
     return follow_job(job_id, address, client=client, say=say, out=out)
+
+
+@contextlib.contextmanager
+def job_working_dir(given: dict, cwd: Path, root: Path = ROOT, package: Path = PACKAGE):
+    """The job's working dir, made of only what the job runs: the package's modules, cli.py (the
+    project's, else a two-line one) and a --config file named by a relative path (the job finds
+    it where `train` was told it is). Never the project folder as a whole, which may hold
+    .env, credentials, keys, datasets and runs. Yields (folder, the line saying what goes and
+    how large it is); the folder is removed after the block (Ray has zipped it by then)."""
+    files = {f"{package.name}/{p.relative_to(package).as_posix()}": p
+             for p in sorted(package.rglob("*.py")) if "__pycache__" not in p.parts}
+    config = given.get("config")
+    if config and not os.path.isabs(config):
+        rel = Path(os.path.normpath(config))
+        if rel.parts[:1] == ("..",):
+            raise UserError(f"--config {config} is outside this folder, so the job cannot have "
+                            f"it at that path: give a path inside it, or an absolute one on "
+                            f"shared storage")
+        files[rel.as_posix()] = cwd / rel
+    with tempfile.TemporaryDirectory(prefix="raytrain-lm-job-") as tmp:
+        for rel, src in files.items():
+            (Path(tmp) / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(src, Path(tmp) / rel)
+        cli = Path(tmp) / "cli.py"
+        if (root / "cli.py").is_file():
+            shutil.copyfile(root / "cli.py", cli)
+        else:
+            cli.write_text(CLI_SHIM)
+        size = sum(p.stat().st_size for p in Path(tmp).rglob("*") if p.is_file())
+        modules = [r for r in files if r.startswith(f"{package.name}/")]
+        named = ", ".join(["cli.py", *(r for r in files if r not in modules)])
+        yield Path(tmp), (f"uploading {package.name}/ ({len(modules)} modules) and {named}: "
+                          f"{size / 1024:.0f} KB")
 
 
 def _submit_with_retry(address: str, submit_fn, wait: float = 60.0) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -13,8 +14,8 @@ from typing import Callable, Optional
 
 from raytrain_lm.cluster.connect import free_port, token_available
 from raytrain_lm.cluster.jobs import DEFAULT_DASHBOARD_PORT, job_client
-from raytrain_lm.cluster.registry import (DEFAULT_PORT, forget, local_temp_dir, port_in_use,
-                                          read_record, record)
+from raytrain_lm.cluster.registry import (DEFAULT_PORT, forget, local_temp_dir, owned_privately,
+                                          port_in_use, read_record, record)
 from raytrain_lm.errors import UserError
 
 MARKER_ENV = "RAYTRAIN_LM_LOCAL_CLUSTER"  # inherited by every process of a local cluster
@@ -27,9 +28,18 @@ def ray_cli() -> list[str]:
     return [str(exe)] if exe.is_file() else [sys.executable, "-m", "ray.scripts.scripts"]
 
 
+# Ray's single-machine mode (its default on macOS and Windows): the node's address is 127.0.0.1,
+# so the GCS, raylets, agents and the three Prometheus metrics endpoints (dashboard, autoscaler,
+# agent) listen on 127.0.0.1 only. A driver joining such a cluster must be in the same mode
+# (connect.join_loopback_cluster).
+SINGLE_MACHINE_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
 def local_up(port: int = DEFAULT_PORT, dashboard_port: int = DEFAULT_DASHBOARD_PORT,
-             num_cpus: Optional[int] = None, say: Say = print) -> dict:
-    """Start a Ray head on this machine; returns its addresses."""
+             num_cpus: Optional[int] = None, public: bool = False, say: Say = print) -> dict:
+    """Start a Ray head on this machine, token authentication on; returns its addresses. Every
+    port listens on 127.0.0.1 only unless `public` (other machines may then join it; the
+    dashboard and jobs API stay on 127.0.0.1 either way)."""
     for p, what in ((port, "--port"), (dashboard_port, "--dashboard-port")):
         if not 1024 <= p <= 65535:
             raise UserError(f"{what} must be between 1024 and 65535, got {p}")
@@ -38,17 +48,30 @@ def local_up(port: int = DEFAULT_PORT, dashboard_port: int = DEFAULT_DASHBOARD_P
                             f"`python cli.py cluster local-down --port {port}`), or choose another {what}")
     if num_cpus is not None and num_cpus < 1:
         raise UserError(f"--num-cpus must be at least 1, got {num_cpus}")
-    env = dict(os.environ)
-    auth = env.get("RAY_AUTH_MODE", "token").lower() == "token"
-    if auth:
-        env["RAY_AUTH_MODE"] = "token"
-        if not token_available():
-            from ray._private.authentication.authentication_token_setup import generate_and_save_token
-
-            generate_and_save_token()
-            say("generated an authentication token in ~/.ray/auth_token")
+    mode = os.environ.get("RAY_AUTH_MODE", "token")
+    if mode.lower() != "token":
+        raise UserError(f"RAY_AUTH_MODE={mode} would start a cluster without authentication, on "
+                        f"which anyone who reaches its ports runs code as you; unset RAY_AUTH_MODE "
+                        f"(local-up turns token authentication on)")
     temp_dir = local_temp_dir(port)
-    env[MARKER_ENV] = str(temp_dir)
+    if temp_dir.exists() and not owned_privately(temp_dir):
+        raise UserError(f"{temp_dir} belongs to another user or others may write it; a cluster "
+                        f"of yours cannot keep its sockets and logs there: remove it, or choose "
+                        f"another --port")
+    env = {**os.environ, "RAY_AUTH_MODE": "token", MARKER_ENV: str(temp_dir)}
+    if not token_available():
+        from ray._private.authentication.authentication_token_setup import generate_and_save_token
+
+        generate_and_save_token()
+        say("generated an authentication token in ~/.ray/auth_token")
+    if (tightened := keep_token_private()):
+        say(tightened)
+    if public:
+        say("warning: --public: the cluster's ports listen on every network interface (token "
+            "authentication on); the dashboard and jobs API stay on 127.0.0.1")
+    else:
+        env[SINGLE_MACHINE_ENV] = "0"
+    temp_dir.mkdir(mode=0o700, exist_ok=True)
     cmd = ray_cli() + [
         "start", "--head", f"--port={port}",
         "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}",
@@ -63,10 +86,29 @@ def local_up(port: int = DEFAULT_PORT, dashboard_port: int = DEFAULT_DASHBOARD_P
         raise UserError(f"`ray start` failed: {lines[-1] if lines else proc.returncode}")
     from ray._private.services import get_node_ip_address
 
-    info = {"address": f"{get_node_ip_address()}:{port}", "dashboard": f"http://127.0.0.1:{dashboard_port}",
-            "temp_dir": str(temp_dir), "auth": auth}
+    host = get_node_ip_address() if public else "127.0.0.1"
+    info = {"address": f"{host}:{port}", "dashboard": f"http://127.0.0.1:{dashboard_port}",
+            "temp_dir": str(temp_dir), "auth": True, "loopback": not public}
     record(port, info)
     return info
+
+
+def keep_token_private() -> Optional[str]:
+    """Ray writes ~/.ray/auth_token readable by every local user (mode 0644), and whoever reads
+    it may run code on the cluster: made owner-only (0600) when it is this user's file. Returns
+    what was done, for the user, or None."""
+    from ray._private.authentication.authentication_token_setup import _get_default_token_path
+
+    path = _get_default_token_path()
+    try:
+        st = path.lstat()
+        if stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid() and st.st_mode & 0o077:
+            os.chmod(path, 0o600)
+            return (f"made {path} readable by you only (it was mode {stat.S_IMODE(st.st_mode):o}: "
+                    f"any local user could read the cluster's token)")
+    except OSError:
+        pass
+    return None
 
 
 def _psutil():
@@ -91,9 +133,9 @@ def cluster_processes(temp_dir: Path) -> list:
 
     me = {os.getpid(), *(p.pid for p in psutil.Process().parents())}
     roots = []
-    for p in psutil.process_iter(["pid", "cmdline"]):
-        if p.pid in me:
-            continue
+    for p in psutil.process_iter(["pid", "cmdline", "uids"]):
+        if p.pid in me or p.info["uids"] is None or p.info["uids"].real != os.getuid():
+            continue  # only this user's processes are its clusters
         try:
             if any(names_dir(arg, temp_dir) for arg in (p.info["cmdline"] or [])) or \
                     p.environ().get(MARKER_ENV) == str(temp_dir):
