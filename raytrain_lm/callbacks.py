@@ -5,11 +5,12 @@ from __future__ import annotations
 import math
 from typing import Optional
 
+import pyarrow.fs as pafs
 from ray.train import UserCallback
 
 from raytrain_lm.errors import last_line
 from raytrain_lm.files import BEST_DIR
-from raytrain_lm.storage import share_folder, staged_folder
+from raytrain_lm.storage import copy_commit_last, share_folder, staged_folder
 
 
 class HeldRows:
@@ -60,8 +61,9 @@ def describe_failures(failures: dict) -> str:
 
 class KeepBest(UserCallback):
     """Ray keeps the last `num_to_keep` checkpoints; this keeps, in addition, the one with the
-    lowest validation loss in `<run>/best_checkpoint/` (its files linked on a local disk, copied
-    elsewhere), replaced atomically when beaten."""
+    lowest validation loss in `<run>/best_checkpoint/`, replaced when beaten: on a local disk its
+    files linked into a folder that takes the old one's place in one rename; on object stores,
+    which cannot rename a folder, copied into it with meta.json last (storage.copy_commit_last)."""
 
     def __init__(self, best_val_loss: Optional[float] = None):
         self.best = best_val_loss if best_val_loss is not None else math.inf
@@ -79,5 +81,9 @@ class KeepBest(UserCallback):
     @staticmethod
     def _keep(checkpoint) -> None:
         fs, src = checkpoint.filesystem, checkpoint.path.rstrip("/")
-        with staged_folder(f"{src.rsplit('/', 1)[0]}/{BEST_DIR}", fs) as tmp:
+        best = f"{src.rsplit('/', 1)[0]}/{BEST_DIR}"
+        if not isinstance(fs, pafs.LocalFileSystem):
+            copy_commit_last(src, best, fs)
+            return
+        with staged_folder(best, fs) as tmp:
             share_folder(src, tmp, fs)

@@ -166,8 +166,10 @@ def _reserialize(obj) -> bytes:
 
 
 def _dcp_load(state: dict, folder: Path, empty: bool = False) -> dict:
-    """dcp.load through the safe reader and planner; a refused value is a UserError."""
+    """dcp.load through the safe reader and planner; a refused value or a damaged file is a
+    UserError."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     try:
@@ -179,7 +181,18 @@ def _dcp_load(state: dict, folder: Path, empty: bool = False) -> dict:
     except pickle.UnpicklingError:
         raise UserError(f"refusing to load {folder / DCP_DIR}: it holds Python objects, not only "
                         f"tensors and plain data (a raytrain-lm checkpoint never does)") from None
+    except CheckpointException as e:  # a BaseException: nothing else would turn it into one line
+        raise UserError(f"{folder / DCP_DIR} is corrupted: {_first_failure(e)}") from None
     return state
+
+
+def _first_failure(error) -> str:
+    """One line for a CheckpointException: the first rank's failure (it holds one per rank)."""
+    failures = getattr(error, "failures", None) or {}
+    for pair in failures.values():  # (exception, its traceback)
+        inner = pair[0] if isinstance(pair, tuple) else pair
+        return f"{type(inner).__name__}: {str(inner).splitlines()[0] if str(inner) else ''}"
+    return str(error).splitlines()[0] if str(error) else type(error).__name__
 
 
 def _state_dicts(parallel) -> list[tuple[dict, dict]]:
@@ -275,22 +288,34 @@ def read_meta(folder: Path) -> dict[str, Any]:
     if not meta_path.is_file():
         raise UserError(f"{folder} is not a complete checkpoint (no {META})")
     try:
-        meta = json.loads(meta_path.read_text())
-        world = int(meta["world_size"])
-    except (json.JSONDecodeError, KeyError, ValueError):
+        meta = json.loads(meta_path.read_bytes())
+        world = meta["world_size"]
+        if not isinstance(world, int) or isinstance(world, bool) or world < 1:
+            raise ValueError(f"world_size {world!r}")
+    except (ValueError, KeyError, TypeError, RecursionError):
         raise UserError(f"{folder}/{META} is corrupted") from None
+    vouched = {META}
     for r in range(world):
         record_path = folder / rank_record(r)
         if not record_path.is_file():
             raise UserError(f"{folder} is incomplete (nothing committed by rank {r})")
         try:
-            record = json.loads(record_path.read_text())
-        except json.JSONDecodeError:
+            record = json.loads(record_path.read_bytes())
+            if not isinstance(record, dict):
+                raise ValueError("not a JSON object")
+        except (ValueError, RecursionError):
             raise UserError(f"{record_path} is corrupted") from None
         for rel, digest in record.items():
             path = folder / rel
-            if not path.is_file() or sha256_file(path) != digest:
+            if not path.is_file() or path.is_symlink() or sha256_file(path) != digest:
                 raise UserError(f"{folder}/{rel} is corrupted (checksum mismatch)")
+        vouched |= {rank_record(r), *record}
+    # Every file is some rank's, checked above: a meta.json that names fewer ranks than wrote the
+    # checkpoint (world_size 0 skipped every check) leaves files no record vouches for.
+    unvouched = sorted(rel for p in folder.rglob("*") if p.is_file()
+                       and (rel := p.relative_to(folder).as_posix()) not in vouched)
+    if unvouched:
+        raise UserError(f"{folder}/{unvouched[0]} is corrupted (no commit record vouches for it)")
     return meta
 
 

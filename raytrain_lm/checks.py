@@ -6,6 +6,7 @@ imported)."""
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Optional
 
 from raytrain_lm.elastic import check_elastic
@@ -15,6 +16,11 @@ from raytrain_lm.files import NAME_RULE, is_plain_name
 if TYPE_CHECKING:
     from raytrain_lm.config import TrainConfig
 
+# The most tokens a vocabulary may have: a size from a flag, a manifest or a tokenizer.json sizes
+# tables by it (the BPE trainer's, the tokenizer's byte table, the model's embedding), so an id of
+# 1e9 would allocate until memory runs out. 2^20 is four times the largest released LM's (Gemma's
+# 262,144) and fits the uint32 shards.
+MAX_VOCAB = 1 << 20
 SCHEDULES = ("cosine", "wsd", "exp_range")  # of the learning rate (optim.lr_at)
 UPLOAD_MODES = ("auto", "sync", "async")  # of checkpoints (checkpointer.py)
 
@@ -31,6 +37,15 @@ def check_resumable(was: TrainConfig, cfg: TrainConfig, preset: str) -> None:
             raise UserError(f"a resumed run keeps its --{key.replace('_', '-')} "
                             f"({getattr(was, key)}): {why}; drop it, or start a new run with "
                             f"--init-from")
+
+
+def check_finite(cfg: TrainConfig) -> None:
+    """Every number of the config is finite. Setting a field through apply_overrides checks this
+    already; a TrainConfig built in code (Tune's trials, tests) is checked here too."""
+    for section, prefix in ((cfg, ""), (cfg.model, "model.")):
+        for key, value in vars(section).items():
+            if isinstance(value, float) and not math.isfinite(value):
+                raise UserError(f"{prefix}{key} must be a finite number, got {value}")
 
 
 def check_name(name: Optional[str]) -> None:
@@ -123,12 +138,24 @@ def validate(cfg: TrainConfig) -> None:
     for k, v in positive.items():
         if v < 1:
             raise UserError(f"--{k.replace('_', '-')} must be at least 1, got {v}")
+    check_finite(cfg)
     if cfg.lr <= 0:
         raise UserError(f"--lr must be positive, got {cfg.lr}")
     if cfg.cpus_per_worker <= 0:
         raise UserError(f"cpus_per_worker must be positive, got {cfg.cpus_per_worker}")
     if cfg.scale_timeout < 0:
         raise UserError(f"--scale-timeout must be >= 0 seconds, got {cfg.scale_timeout:g}")
+    for key in ("beta1", "beta2"):
+        if not 0.0 <= getattr(cfg, key) < 1.0:
+            raise UserError(f"{key} must be in [0, 1), got {getattr(cfg, key)}")
+    if cfg.weight_decay < 0:
+        raise UserError(f"weight_decay must be >= 0, got {cfg.weight_decay}")
+    if cfg.grad_clip <= 0:
+        raise UserError(f"grad_clip must be positive (the largest global gradient norm), got "
+                        f"{cfg.grad_clip}")
+    for key in ("peak_tflops", "gpu_memory_gb"):
+        if getattr(cfg, key) is not None and getattr(cfg, key) <= 0:
+            raise UserError(f"{key} must be positive, got {getattr(cfg, key)}")
     if cfg.warmup_steps < 0 or cfg.checkpoint_every < 0 or cfg.max_failures < -1 or cfg.eval_windows < 0:
         raise UserError("warmup_steps, checkpoint_every and eval_windows must be >= 0, max_failures >= -1")
     if cfg.max_preemptions < -1 or cfg.resize_interval < 0:
@@ -164,13 +191,24 @@ def validate(cfg: TrainConfig) -> None:
         raise UserError("the exp_range schedule starts at lr * min_lr_ratio, which must be > 0")
     if cfg.ref_batch_tokens is not None and cfg.ref_batch_tokens < 1:
         raise UserError(f"ref_batch_tokens must be at least 1, got {cfg.ref_batch_tokens}")
-    if cfg.model.vocab_size is not None and cfg.model.vocab_size < 1:
-        raise UserError("model.vocab_size must be at least 1")
+    if cfg.model.vocab_size is not None and not 1 <= cfg.model.vocab_size <= MAX_VOCAB:
+        raise UserError(f"model.vocab_size must be between 1 and {MAX_VOCAB:,}, got "
+                        f"{cfg.model.vocab_size:,}")
+
+
+# The sampler slides its window over the context (generate.sample), so a text may be longer
+# than the model attends to; the bound keeps what one call holds (every id, the text, --json's
+# document) to a few MB, not the model's context.
+MAX_NEW_TOKENS = 1 << 20
 
 
 def check_sampling(max_new_tokens: int, temperature: float, top_k: Optional[int]) -> None:
     if max_new_tokens < 1:
         raise UserError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
+    if max_new_tokens > MAX_NEW_TOKENS:
+        raise UserError(f"--max-new-tokens must be at most {MAX_NEW_TOKENS:,}, got {max_new_tokens:,}")
+    if not math.isfinite(temperature):
+        raise UserError(f"--temperature must be a finite number, got {temperature}")
     if temperature < 0:
         raise UserError(f"--temperature must be >= 0 (0: always the likeliest token), got {temperature}")
     if top_k is not None and top_k < 1:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -212,14 +213,15 @@ def _coerce(value: Any, tp: Any, key: str, source: str) -> Any:
     if tp is float:
         if isinstance(value, bool):
             raise bad
-        if isinstance(value, (int, float)):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                raise bad from None
-        raise bad
+        try:  # a number, or its text
+            number = float(value) if isinstance(value, (int, float, str)) else None
+        except (ValueError, OverflowError):
+            number = None
+        if number is None:
+            raise bad
+        if not math.isfinite(number):  # `nan <= 0` is False: no later range check would catch it
+            raise UserError(f"{source}: {key} must be a finite number, got {value!r}")
+        return number
     if tp is str:
         if isinstance(value, str):
             return value

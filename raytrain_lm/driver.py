@@ -20,7 +20,7 @@ from raytrain_lm.preflight import (check_init_from, check_memory, check_resource
                                    configured_memory_gb, default_run_name, prepare_data,
                                    resume_step, worker_memory_gb)
 from raytrain_lm.runs import best_val_loss
-from raytrain_lm.storage import MetricsLog, RunFolder
+from raytrain_lm.storage import MetricsLog, RunClaim, RunFolder, live_claims
 
 # Ray Train's controller collects reports when it polls the workers (default every 2 s) and a
 # worker holds one report at a time, so reports more frequent than the poll stall training. The
@@ -117,10 +117,23 @@ def run_training(
         say(f"resuming {cfg.name} from its newest checkpoint, step {step}")
     if init_from:
         init_from = check_init_from(init_from, cfg, manifest)
-    previous = run.read_json(files.SUMMARY) if resume and run.exists(files.SUMMARY) else {}
+    previous = previous_summary(run) if resume else {}
     known = configured_memory_gb(cfg)
     if not force:  # before Ray starts when --set gpu_memory_gb tells the memory
         check_memory(cfg, known)
+    # The folder is this driver's from here on, before Ray is reached (another `train --name`
+    # of the same run is refused), until it returns.
+    with RunClaim(run):
+        return _launch(cfg, run, t_launch, previous, known, resume=resume,
+                       init_from=init_from, verbose=verbose, force=force, say=say,
+                       on_metrics=on_metrics, poll_seconds=poll_seconds, worker_env=worker_env)
+
+
+def _launch(cfg: TrainConfig, run: RunFolder, t_launch: float, previous: dict,
+            known: Optional[float], *, resume: bool, init_from: Optional[str], verbose: bool,
+            force: bool, say: Callable[[str], None], on_metrics: Optional[Callable[[dict], None]],
+            poll_seconds: Optional[float], worker_env: Optional[dict[str, str]]) -> dict:
+    """run_training from connecting to Ray on, with the run's folder claimed."""
     # Ray Train and the Ray connection are imported only now: a bad input above fails in a
     # second, not after ~2 s of imports
     from raytrain_lm.callbacks import ForwardMetrics, HeldRows, KeepBest
@@ -163,6 +176,10 @@ def run_folder(cfg: TrainConfig, resume: bool) -> RunFolder:
             raise UserError("--resume needs --name of the run to continue")
         cfg.name = default_run_name(cfg)
     run = RunFolder(cfg.storage, cfg.name)
+    if run.exists() and (others := live_claims(run)):
+        raise UserError(f"run {cfg.name!r} in {cfg.storage} is in use by another driver (pid "
+                        f"{others[0]['pid']} on {others[0]['host']}); wait until it ends, or "
+                        f"choose another --name")
     if resume and not run.exists():
         raise UserError(f"cannot resume: no run named {cfg.name!r} in {cfg.storage}")
     if not resume and run.exists():
@@ -230,8 +247,12 @@ class Follower:
                 rows = ray.get(controller.take_rows.remote())
             except Exception:  # the controller is gone: nothing more will come
                 break
-            for row in rows:
-                self._take(row, tb)
+            try:
+                for row in rows:
+                    self._take(row, tb)
+            except UserError as e:  # the run's files cannot be kept (a full disk): it stops here
+                tb.close()
+                return None, e
         thread.join()
         tb.close()
         return outcome.get("result"), outcome.get("error")
@@ -272,7 +293,24 @@ def saved_config(storage: str, name: Optional[str]) -> dict:
         raise UserError(f"cannot resume: no run named {name!r} in {storage}")
     if not run.exists(files.CONFIG):
         raise UserError(f"cannot resume {name!r}: it has no {files.CONFIG} (not a raytrain-lm run?)")
-    return run.read_json(files.CONFIG)
+    try:
+        config = run.read_json(files.CONFIG)
+    except UserError as e:
+        raise UserError(f"cannot resume {name!r}: {e}") from None
+    if not isinstance(config, dict):
+        raise UserError(f"cannot resume {name!r}: {run.display_path(files.CONFIG)} is damaged: "
+                        f"not a JSON object")
+    return config
+
+
+def previous_summary(run: RunFolder) -> dict:
+    """A resumed run's summary.json so far; {} when it has none or it is damaged (it only counts
+    the restarts and resizes so far, which a damaged one cannot tell)."""
+    try:
+        found = run.read_json(files.SUMMARY) if run.exists(files.SUMMARY) else {}
+    except UserError:
+        return {}
+    return found if isinstance(found, dict) else {}
 
 
 def _user_error_inside(error: BaseException) -> Optional[UserError]:

@@ -19,7 +19,7 @@ from typing import Any, Optional
 from raytrain_lm.config import ModelConfig, TrainConfig
 from raytrain_lm.errors import UserError
 from raytrain_lm.files import TOKENIZER
-from raytrain_lm.storage import staged_folder
+from raytrain_lm.storage import is_remote, staged_folder
 from raytrain_lm.tokenizer import Tokenizer, byte_tokenizer_json, tokenizer_from_spec
 
 WEIGHTS, CONFIG = "model.safetensors", "config.json"
@@ -89,10 +89,49 @@ def export_checkpoint(folder: Path, out: Path, source: str, force: bool = False,
     return config
 
 
-def check_out(out: Path, force: bool) -> None:
+# Every file an export may hold (native or hf).
+EXPORT_FILES = frozenset({"model.safetensors", "config.json", "tokenizer.json",
+                          "generation_config.json", "tokenizer_config.json"})
+
+
+def check_out(out: str | Path, force: bool) -> None:
+    """`--out` is a local folder that is new, empty, or (with --force) an export of ours;
+    anything else is refused and left as it is."""
+    if is_remote(out):
+        raise UserError(f"export writes a local folder, not {out}: export here, then copy the "
+                        f"folder (e.g. `aws s3 cp --recursive DIR {out}`)")
     out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
+    if not out.exists() and not out.is_symlink() or out.is_dir() and not any(out.iterdir()):
+        return
+    if not force:
         raise UserError(f"{out} exists and is not empty; pass --force to overwrite it")
+    if not is_export(out):
+        raise UserError(f"{out} is not an export of raytrain-lm, so --force does not replace it; "
+                        f"choose another --out, or remove it yourself")
+
+
+def is_export(folder: Path) -> bool:
+    """A folder export wrote: only export's files, and a model.safetensors marked as ours."""
+    if folder.is_symlink() or not folder.is_dir():
+        return False
+    entries = list(folder.iterdir())
+    if any(e.name not in EXPORT_FILES or e.is_symlink() or not e.is_file() for e in entries):
+        return False
+    return _safetensors_source(folder / WEIGHTS) == FORMAT
+
+
+def _safetensors_source(path: Path) -> Optional[str]:
+    """The "source" of a safetensors file's metadata, read from its header (8 bytes of length,
+    then JSON), without loading a tensor."""
+    try:
+        with path.open("rb") as f:
+            length = int.from_bytes(f.read(8), "little")
+            if not 0 < length <= 1 << 24:
+                return None
+            header = json.loads(f.read(length))
+        return header.get("__metadata__", {}).get("source")
+    except (OSError, ValueError, AttributeError, RecursionError):
+        return None
 
 
 # ---------------------------------------------------------------- Hugging Face (GPT-2) format
@@ -190,8 +229,9 @@ def export_hf(state_dict: dict, cfg: ModelConfig, tok: Tokenizer, out: Path,
     if eot is not None:
         tok_config.update(bos_token=EOT, eos_token=EOT)
     with staged_folder(out) as tmp:
-        # metadata format=pt: transformers refuses a safetensors file without it
-        save_file(weights, f"{tmp}/{WEIGHTS}", metadata={"format": "pt"})
+        # metadata format=pt: transformers refuses a safetensors file without it; source: ours
+        # (export --force replaces only a folder whose weights say so)
+        save_file(weights, f"{tmp}/{WEIGHTS}", metadata={"format": "pt", "source": FORMAT})
         os.chmod(f"{tmp}/{WEIGHTS}", 0o666 & ~_umask())  # safetensors creates it owner-only
         Path(tmp, CONFIG).write_text(json.dumps(config, indent=2) + "\n")
         Path(tmp, HF_GENERATION_CONFIG).write_text(json.dumps(generation, indent=2) + "\n")

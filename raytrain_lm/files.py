@@ -20,6 +20,7 @@ SUMMARY = "summary.json"
 CONFIG = "config.json"
 METRICS = "metrics.jsonl"
 CHECKPOINT_PREFIX = "checkpoint_"
+CLAIM_PREFIX = ".claim-"  # a driver's claim on the folder while it runs (storage.RunClaim)
 BEST_DIR = "best_checkpoint"
 
 # ---------------------------------------------------------------- inside a checkpoint
@@ -68,6 +69,10 @@ def checkpoint_step(name: str) -> Optional[int]:
 
 def rank_record(rank: int) -> str:
     return f"rank{rank}.json"
+
+
+def is_rank_record(name: str) -> bool:
+    return re.fullmatch(r"rank\d+\.json", name) is not None
 
 
 def rng_file(rank: int) -> str:

@@ -106,7 +106,7 @@ def _local_time(iso: Optional[str]) -> str:
         return iso
 
 
-STATUS_COLORS = {"completed": "green", "failed": "red", "unfinished": "yellow"}
+STATUS_COLORS = {"completed": "green", "failed": "red", "unfinished": "yellow", "damaged": "red"}
 
 
 def text_table(header, rows, paint_cell=None) -> str:
@@ -142,8 +142,11 @@ def build_report(refs: list[str], storage: str, out: Optional[str] = None) -> di
     {"runs": [summary, ...], "plot": where the PNG went}."""
     from raytrain_lm.plots import plot_runs
     from raytrain_lm.runs import open_run, summary_of
-    from raytrain_lm.storage import path_error
+    from raytrain_lm.storage import is_remote, path_error
 
+    if out and is_remote(out):  # as a Path it would be a local ./s3:/... file
+        raise UserError(f"--out is a local file, not {out}; leave it out to write the PNG into "
+                        f"the run's folder (wherever that is)")
     runs = [open_run(r, storage) for r in refs]
     curves = [(run.name, run.read_jsonl(files.METRICS)) for run in runs]
     empty = [name for name, rows in curves if not rows]

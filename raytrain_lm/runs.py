@@ -35,16 +35,41 @@ def is_run(fs: pafs.FileSystem, path: str) -> bool:
 
 def summary_of(run: RunFolder) -> dict[str, Any]:
     """summary.json of a finished run; for a run without one (still training, or its driver was
-    killed) the same keys as far as metrics.jsonl tells them."""
-    if run.exists(files.SUMMARY):
-        found = run.read_json(files.SUMMARY)
-        found["name"] = run.name  # the folder is what the user names it by, even if renamed
-        return found
-    info = run.fs.get_file_info(f"{run.path}/{files.METRICS}")
-    when = info.mtime if info.type != pafs.FileType.NotFound else None
-    return {"name": run.name, "status": "unfinished",
-            **summary.from_metrics(run.read_jsonl(files.METRICS)),
-            "finished": when.isoformat(timespec="seconds") if when else None}
+    killed) the same keys as far as metrics.jsonl tells them. A run whose files are damaged has
+    status "damaged" and the reason as "error", so that listing the others goes on."""
+    try:
+        if run.exists(files.SUMMARY):
+            found = run.read_json(files.SUMMARY)
+            _check_summary(found, run.display_path(files.SUMMARY))
+            found["name"] = run.name  # the folder is what the user names it by, even if renamed
+            return found
+        rows = run.read_jsonl(files.METRICS)
+        return {"name": run.name, "status": "unfinished", **summary.from_metrics(rows),
+                "finished": _mtime(run, files.METRICS)}
+    except (UserError, KeyError, TypeError) as e:  # KeyError, TypeError: rows without our keys
+        why = str(e) if isinstance(e, UserError) else f"{files.METRICS} lacks {e}"
+        return {"name": run.name, "status": "damaged", "error": why,
+                "finished": _mtime(run, files.SUMMARY) or _mtime(run, files.METRICS)}
+
+
+# What `runs` and `report` format from a summary.json, and the types they format it as.
+_SUMMARY_TYPES = {"status": str, "finished": str, "steps": int, "max_steps": int,
+                  "final_val_loss": (int, float), "final_val_bpb": (int, float),
+                  "tokens_per_second": (int, float)}
+
+
+def _check_summary(found: Any, where: str) -> None:
+    if not isinstance(found, dict):
+        raise UserError(f"{where} is damaged: not a JSON object")
+    for key, kind in _SUMMARY_TYPES.items():
+        value = found.get(key)
+        if value is not None and (not isinstance(value, kind) or isinstance(value, bool)):
+            raise UserError(f"{where} is damaged: {key} is {value!r}")
+
+
+def _mtime(run: RunFolder, rel: str) -> Optional[str]:
+    info = run.fs.get_file_info(f"{run.path}/{rel}")
+    return info.mtime.isoformat(timespec="seconds") if info.type != pafs.FileType.NotFound else None
 
 
 def list_runs(storage: str) -> list[dict[str, Any]]:
@@ -91,9 +116,10 @@ def read_checkpoint_meta(fs: pafs.FileSystem, path: str) -> Optional[dict]:
 
     try:
         with fs.open_input_stream(f"{path}/{files.META}") as f:
-            return json.loads(f.read())
-    except (OSError, ValueError):
+            meta = json.loads(f.read())
+    except (OSError, ValueError, RecursionError):
         return None
+    return meta if isinstance(meta, dict) else None
 
 
 def newest_checkpoint_meta(run: RunFolder) -> tuple[Optional[int], Optional[dict]]:

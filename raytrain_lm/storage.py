@@ -8,6 +8,7 @@ import errno
 import hashlib
 import json
 import os
+import socket
 import tempfile
 import uuid
 from pathlib import Path
@@ -25,6 +26,38 @@ def sha256_file(path: str | Path) -> str:
         while chunk := f.read(1 << 20):
             h.update(chunk)
     return h.hexdigest()
+
+
+def parse_json(data: bytes | str, where: str) -> Any:
+    """JSON read from a file; UserError naming `where` when the file is damaged: not JSON, not
+    UTF-8, or nested deeper than the parser recurses (a crafted `[[[[...` line)."""
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise UserError(f"{where} is damaged: nested too deeply") from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        raise UserError(f"{where} is damaged: {str(e).splitlines()[0]}") from None
+
+
+def parse_jsonl(data: bytes, where: str) -> list[dict]:
+    """The rows of a .jsonl file, each a JSON object. A last line cut short (no newline after it,
+    not JSON: what a kill in the middle of an append leaves) is left out; any other damaged line
+    is a UserError naming it."""
+    lines = data.split(b"\n")
+    rows = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = parse_json(line, f"{where} line {number}")
+        except UserError:
+            if number == len(lines):  # the last line, without its newline: torn
+                break
+            raise
+        if not isinstance(row, dict):
+            raise UserError(f"{where} line {number} is damaged: not a JSON object")
+        rows.append(row)
+    return rows
 
 
 def is_remote(path) -> bool:
@@ -107,6 +140,23 @@ def share_folder(src: str, dst: str, fs: pafs.FileSystem) -> None:
     pafs.copy_files(src, dst, source_filesystem=fs, destination_filesystem=fs)
 
 
+def copy_commit_last(src: str, dst: str, fs: pafs.FileSystem) -> None:
+    """Replace folder `dst` with a copy of the checkpoint `src` where folders cannot be renamed
+    (object stores): `dst` stops being a checkpoint first (its meta.json goes), then its files
+    go, then the copy comes in commit order, meta.json last. A reader finds the old checkpoint,
+    none (incomplete: skipped), or the new one whole; never a mix that passes the checks."""
+    with contextlib.suppress(FileNotFoundError):
+        fs.delete_file(f"{dst}/{files.META}")
+    fs.delete_dir_contents(dst, missing_dir_ok=True)
+    found = [i.path[len(src) + 1:] for i in fs.get_file_info(pafs.FileSelector(src, recursive=True))
+             if i.type == pafs.FileType.File]
+    last = {files.META: 2, **{name: 1 for name in found if files.is_rank_record(name)}}
+    for rel in sorted(found, key=lambda rel: (last.get(rel, 0), rel)):
+        if "/" in rel:
+            fs.create_dir(f"{dst}/{rel.rsplit('/', 1)[0]}", recursive=True)
+        fs.copy_file(f"{src}/{rel}", f"{dst}/{rel}")
+
+
 @contextlib.contextmanager
 def staged_folder(target: str | Path, fs: Optional[pafs.FileSystem] = None) -> Iterator[str]:
     """Yields a temporary sibling folder of `target` to fill. When the block ends without an error
@@ -117,8 +167,12 @@ def staged_folder(target: str | Path, fs: Optional[pafs.FileSystem] = None) -> I
     if isinstance(fs, pafs.LocalFileSystem):
         target = os.path.abspath(target)
     parent, name = target.rsplit("/", 1)
-    tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}-{socket.gethostname()}"
     tmp, old = f"{parent}/.{name}.tmp-{tag}", f"{parent}/.{name}.old-{tag}"
+    local = isinstance(fs, pafs.LocalFileSystem)
+    made = [p for p in (Path(parent), *Path(parent).parents) if not p.exists()] if local else []
+    if local:
+        remove_stale_stages(parent, name)
     try:
         fs.create_dir(tmp, recursive=True)
     except OSError as e:
@@ -131,6 +185,9 @@ def staged_folder(target: str | Path, fs: Optional[pafs.FileSystem] = None) -> I
     except BaseException:
         with contextlib.suppress(Exception):
             fs.delete_dir(tmp)
+        for folder in made:  # the parents made for it, innermost first: nothing is left
+            with contextlib.suppress(OSError):
+                folder.rmdir()
         raise
     with contextlib.suppress(Exception):
         kind = fs.get_file_info(old).type
@@ -138,6 +195,39 @@ def staged_folder(target: str | Path, fs: Optional[pafs.FileSystem] = None) -> I
             fs.delete_dir(old)
         elif kind == pafs.FileType.File:  # a file stood where the folder goes (--force)
             fs.delete_file(old)
+
+
+def remove_stale_stages(parent: str, name: str) -> list[str]:
+    """Delete the staging folders of `name` (staged_folder's `.NAME.tmp-*` and `.NAME.old-*`)
+    whose process, on this machine, has died: a killed `prepare` or `export` leaves one behind.
+    Those of live processes, and of other machines sharing the folder, are left. Returns the
+    paths removed."""
+    import glob
+    import shutil
+
+    removed = []
+    for kind in ("tmp", "old"):
+        for path in Path(parent).glob(f".{glob.escape(name)}.{kind}-*"):
+            pid, _, rest = path.name[len(f".{name}.{kind}-"):].partition("-")
+            host = rest.partition("-")[2]  # empty: made before tags named their machine
+            if not pid.isdigit() or host not in ("", socket.gethostname()) or _alive(int(pid)):
+                continue
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+            removed.append(str(path))
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
 
 
 class RunFolder:
@@ -154,9 +244,12 @@ class RunFolder:
         target = f"{self.path}/{rel}" if rel else self.path
         return self.fs.get_file_info(target).type != pafs.FileType.NotFound
 
-    def read_text(self, rel: str) -> str:
+    def read_bytes(self, rel: str) -> bytes:
         with self.fs.open_input_stream(f"{self.path}/{rel}") as f:
-            return f.read().decode()
+            return f.read()
+
+    def read_text(self, rel: str) -> str:
+        return self.read_bytes(rel).decode()
 
     def check_can_create(self) -> None:
         """Before a new run or sweep starts: UserError unless its folder can be created."""
@@ -164,15 +257,35 @@ class RunFolder:
             check_can_create(self.path)
 
     def write_bytes(self, rel: str, data: bytes) -> None:
-        """Write whole, then move into place: readers never see half a file."""
-        tmp = f"{self.path}/.{rel}.tmp-{os.getpid()}"
+        """Write whole, then move into place: readers never see half a file. Where a full local
+        disk has no room for the second copy, a file that exists is overwritten in place
+        instead (its blocks are already there), so that a run that stops for want of space can
+        still say so in its summary.json."""
+        tmp, target = f"{self.path}/.{rel}.tmp-{os.getpid()}", f"{self.path}/{rel}"
         try:
             self.fs.create_dir(self.path, recursive=True)
             with self.fs.open_output_stream(tmp) as f:
                 f.write(data)
-            self.fs.move(tmp, f"{self.path}/{rel}")
+            self.fs.move(tmp, target)
         except OSError as e:
-            raise path_error(self.display_path(rel), e) from None
+            with contextlib.suppress(OSError):
+                self.fs.delete_file(tmp)
+            if not (self.local and e.errno == errno.ENOSPC and self._overwrite(target, data)):
+                raise path_error(self.display_path(rel), e) from None
+
+    @staticmethod
+    def _overwrite(path: str, data: bytes) -> bool:
+        """Overwrite `path` with `data` if that needs no new blocks (else it could stop half
+        way, for the same want of space)."""
+        try:
+            if os.stat(path).st_blocks * 512 < len(data):
+                return False
+            with open(path, "r+b") as f:
+                f.write(data)
+                f.truncate()
+            return True
+        except OSError:
+            return False
 
     def write_text(self, rel: str, text: str) -> None:
         self.write_bytes(rel, text.encode())
@@ -181,12 +294,14 @@ class RunFolder:
         self.write_text(rel, json.dumps(obj, indent=2, default=str) + "\n")
 
     def read_json(self, rel: str) -> Any:
-        return json.loads(self.read_text(rel))
+        """A JSON file of the run; UserError when it is damaged."""
+        return parse_json(self.read_bytes(rel), self.display_path(rel))
 
     def read_jsonl(self, rel: str) -> list[dict]:
+        """The rows of a .jsonl file of the run (see parse_jsonl); [] when there is none."""
         if not self.exists(rel):
             return []
-        return [json.loads(line) for line in self.read_text(rel).splitlines() if line.strip()]
+        return parse_jsonl(self.read_bytes(rel), self.display_path(rel))
 
     def display_path(self, rel: str = "") -> str:
         base = f"{self.storage_uri}/{self.name}"
@@ -202,6 +317,8 @@ class MetricsLog:
     def __init__(self, run: RunFolder):
         self.run = run
         self.rows: list[dict] = run.read_jsonl(files.METRICS)
+        if run.exists(files.METRICS) and not run.read_bytes(files.METRICS).endswith(b"\n"):
+            self._rewrite()  # a torn last line: the next row goes on a line of its own
 
     def add(self, row: dict) -> None:
         step = row["step"]
@@ -212,11 +329,117 @@ class MetricsLog:
             return
         self.rows.append(row)
         if self.run.local:
-            os.makedirs(self.run.path, exist_ok=True)
-            with open(f"{self.run.path}/{files.METRICS}", "a") as f:
-                f.write(json.dumps(row) + "\n")
+            try:
+                os.makedirs(self.run.path, exist_ok=True)
+                with open(f"{self.run.path}/{files.METRICS}", "a") as f:
+                    f.write(json.dumps(row) + "\n")
+            except OSError as e:
+                raise path_error(self.run.display_path(files.METRICS), e) from None
         else:  # object stores cannot append: rewrite the (small) file
             self._rewrite()
 
     def _rewrite(self) -> None:
         self.run.write_text(files.METRICS, "".join(json.dumps(r) + "\n" for r in self.rows))
+
+
+class RunClaim:
+    """A driver's claim on a run's (or sweep's) folder, so that two `train --name X` never run
+    in one folder (their metrics would interleave, and one would delete the other's
+    checkpoints). It works alike on a local disk and on object stores, which have no atomic
+    create: each driver writes a claim file of its own (`.claim-<id>.json`: host, pid, time),
+    then lists the claims; if any other live claim is there it withdraws its own and refuses.
+    Two drivers that claim at the same moment may both refuse, never both run. A claim is
+    live while its driver renews it (every HEARTBEAT_S; stale after STALE_S) and, on this
+    machine, while its process exists, so a killed driver's claim does not block --resume.
+
+    `release` removes the claim, and the folders the claim created if nothing else was written
+    into them: a run refused before it started leaves nothing behind."""
+
+    HEARTBEAT_S = 20.0
+    STALE_S = 90.0
+
+    def __init__(self, run: RunFolder):
+        self.run = run
+        self.file = f"{files.CLAIM_PREFIX}{uuid.uuid4().hex}.json"
+        self._stop = None
+        self._created: list[str] = []
+
+    def _record(self) -> dict:
+        import time
+
+        return {"host": socket.gethostname(), "pid": os.getpid(), "time": time.time()}
+
+    def take(self) -> "RunClaim":
+        import threading
+
+        if self.run.local:  # the folders this claim creates, innermost first, to remove on release
+            self._created = [str(p) for p in (Path(self.run.path), *Path(self.run.path).parents)
+                             if not p.exists()]
+        self.run.write_json(self.file, self._record())
+        others = self.others()
+        if others:
+            self.release()
+            who = others[0]
+            raise UserError(f"{self.run.name!r} in {self.run.storage_uri} is in use by another "
+                            f"driver (pid {who.get('pid')} on {who.get('host')}); wait until it "
+                            f"ends, or choose another --name")
+        self._stop = threading.Event()
+        threading.Thread(target=self._renew, name="run-claim", daemon=True).start()
+        return self
+
+    def others(self) -> list[dict]:
+        """The live claims of other drivers on the folder (stale ones found are deleted)."""
+        return [c for c in live_claims(self.run) if c["file"] != self.file]
+
+    def _renew(self) -> None:
+        while not self._stop.wait(self.HEARTBEAT_S):
+            with contextlib.suppress(Exception):  # a missed renewal is retried next time
+                self.run.write_json(self.file, self._record())
+
+    def release(self) -> None:
+        if self._stop is not None:
+            self._stop.set()
+        with contextlib.suppress(OSError):
+            self.run.fs.delete_file(f"{self.run.path}/{self.file}")
+        if not self.run.local:  # an object store's folder marker, if nothing else is in it
+            with contextlib.suppress(OSError):
+                if not self.run.fs.get_file_info(pafs.FileSelector(self.run.path, allow_not_found=True)):
+                    self.run.fs.delete_dir(self.run.path)
+        for folder in self._created:  # only while empty: what the run wrote stays
+            try:
+                os.rmdir(folder)
+            except OSError:
+                break
+
+    def __enter__(self) -> "RunClaim":
+        return self.take()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def live_claims(run: RunFolder) -> list[dict]:
+    """The live claims on `run`'s folder (RunClaim), each with its "file"; stale ones (not
+    renewed for STALE_S, or of a process of this machine that has ended) are deleted."""
+    import time
+
+    found = []
+    try:
+        infos = run.fs.get_file_info(pafs.FileSelector(run.path, allow_not_found=True))
+    except OSError:
+        return []
+    for info in infos:
+        if not (info.base_name.startswith(files.CLAIM_PREFIX) and info.type == pafs.FileType.File):
+            continue
+        try:
+            claim = run.read_json(info.base_name)
+            stale = (time.time() - float(claim["time"]) > RunClaim.STALE_S or
+                     claim["host"] == socket.gethostname() and not _alive(int(claim["pid"])))
+        except (UserError, OSError, KeyError, TypeError, ValueError):
+            continue  # vanished while read (released), or half written: not a claim yet
+        if stale:
+            with contextlib.suppress(OSError):
+                run.fs.delete_file(info.path)
+            continue
+        found.append({**claim, "file": info.base_name})
+    return found

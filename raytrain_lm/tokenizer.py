@@ -22,6 +22,7 @@ from typing import Callable, Iterable, Optional
 
 import numpy as np
 
+from raytrain_lm.checks import MAX_VOCAB
 from raytrain_lm.errors import UserError, last_line
 from raytrain_lm.files import TOKENIZER as TOKENIZER_FILE  # in a dataset, checkpoint or export
 EOT = "<|endoftext|>"  # GPT-2's document separator; id assigned by the trainer (0 for ours)
@@ -169,6 +170,9 @@ class BPETokenizer(Tokenizer):
         # writer may place that token. (A runtime flag: tokenizer.json does not store it.)
         self._tok.encode_special_tokens = True
         vocab = self._tok.get_vocab(with_added_tokens=True)
+        if max(vocab.values()) >= MAX_VOCAB:  # before tables sized by the largest id are made
+            raise UserError(f"{self.path} has a token id of {max(vocab.values()):,}; ids must be "
+                            f"below {MAX_VOCAB:,} (the most tokens a vocabulary may have)")
         self.vocab_size = max(vocab.values()) + 1
         self.eot_id = vocab.get(EOT)
         special = {i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
@@ -273,7 +277,8 @@ def check_bpe_vocab(vocab_size: int) -> None:
     if vocab_size < MIN_BPE_VOCAB:
         raise UserError(f"--vocab-size must be at least {MIN_BPE_VOCAB} for a BPE tokenizer (256 "
                         f"bytes + {EOT}), got {vocab_size}")
-    dtype_for_vocab(vocab_size)  # raises if too large
+    if vocab_size > MAX_VOCAB:  # tokenizers' trainer aborts the process on sizes beyond u32
+        raise UserError(f"--vocab-size must be at most {MAX_VOCAB:,}, got {vocab_size:,}")
 
 
 # ---------------------------------------------------------------- choosing and loading
@@ -287,8 +292,8 @@ def check_choice(kind: str, vocab_size: Optional[int], sample_mb: float) -> None
                             f"for another size use --tokenizer bpe")
     elif kind == "bpe":
         check_bpe_vocab(vocab_size or DEFAULT_BPE_VOCAB)
-        if not sample_mb > 0:
-            raise UserError(f"--tokenizer-sample-mb must be positive, got {sample_mb:g}")
+        if not 0 < sample_mb < math.inf:
+            raise UserError(f"--tokenizer-sample-mb must be positive and finite, got {sample_mb:g}")
     else:
         if vocab_size is not None:
             raise UserError("--vocab-size is for a trained BPE; a tokenizer.json has its own")

@@ -150,7 +150,7 @@ def test_prepare_with_an_existing_tokenizer_json(tmp_path, bpe_pydoc):
 
 @pytest.mark.parametrize("args, message", [
     (["--tokenizer", "bpe", "--vocab-size", "256"], "--vocab-size must be at least 257"),
-    (["--tokenizer", "bpe", "--vocab-size", "5000000000"], "does not fit in uint32"),
+    (["--tokenizer", "bpe", "--vocab-size", "5000000000"], "--vocab-size must be at most 1,048,576"),
     (["--tokenizer", "byte", "--vocab-size", "512"], "the byte tokenizer has a vocabulary of 256"),
     (["--tokenizer", "missing.json"], "--tokenizer must be byte, bpe or a tokenizer.json file"),
     (["--tokenizer", "corrupt.json"], "corrupt.json is not a valid tokenizer.json"),

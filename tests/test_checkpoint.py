@@ -167,3 +167,42 @@ def test_the_best_checkpoint_shares_the_files_of_a_local_checkpoint(tmp_path):
     shutil.rmtree(src)  # Ray's retention deletes it
     assert (best / "dcp" / "__0_0.distcp").read_bytes() == b"w" * 1000
     assert json.loads((best / "meta.json").read_text()) == {"step": 10}
+
+
+def test_the_best_checkpoint_on_s3_is_a_copy_written_meta_last(tmp_path):
+    """S3 cannot rename a folder, so best_checkpoint/ never appeared there (`--best` failed,
+    `--init-from RUN` silently took the latest). On moto's server: kept, found by --best, and
+    replaced whole when beaten (no file of the old one left to make it invalid)."""
+    import pyarrow.fs as pafs
+    from ray.train import Checkpoint
+
+    from raytrain_lm.callbacks import KeepBest
+    from raytrain_lm.runs import find_checkpoint
+    from s3_server import moto_s3, s3_keys
+
+    with moto_s3("best"):
+        fs = pafs.S3FileSystem(endpoint_override=__import__("os").environ["AWS_ENDPOINT_URL"],
+                               scheme="http", region="us-east-1")
+        fs.open_output_stream("best/runs/r/metrics.jsonl").close()  # a run
+        keep = KeepBest()
+        for step, loss in ((3, 2.0), (5, 1.5)):
+            local = tmp_path / f"checkpoint_{step:08d}"
+            write_checkpoint(local)
+            meta = json.loads((local / "meta.json").read_text())
+            (local / "meta.json").write_text(json.dumps({**meta, "step": step}))
+            if step == 5:  # a checkpoint of another layout: other files than the one it replaces
+                (local / "rng-rank0.pt").rename(local / "rng-rank0-moved.pt")
+                record = json.loads((local / "rank0.json").read_text())
+                record["rng-rank0-moved.pt"] = record.pop("rng-rank0.pt")
+                (local / "rank0.json").write_text(json.dumps(record))
+            pafs.copy_files(str(local), f"best/runs/r/{local.name}",
+                            source_filesystem=pafs.LocalFileSystem(), destination_filesystem=fs)
+            keep.after_report(None, [{"val_loss": loss}],
+                              Checkpoint(f"best/runs/r/{local.name}", filesystem=fs))
+            found = find_checkpoint("r", "s3://best/runs", best=True)
+            try:
+                assert found.step == step and found.source == "s3://best/runs/r/best_checkpoint"
+            finally:
+                found.cleanup()
+        best = {k.rsplit("best_checkpoint/", 1)[1] for k in s3_keys("best", "runs/r/best_checkpoint/")}
+        assert "rng-rank0-moved.pt" in best and "rng-rank0.pt" not in best

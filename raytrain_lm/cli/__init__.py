@@ -50,7 +50,10 @@ def main() -> None:
     except BrokenPipeError:  # `... | head`: the reader left; not an error
         sys.stderr.close()
         sys.exit(0)
-    except Exception as e:
+    except (SystemExit, GeneratorExit):
+        raise
+    except BaseException as e:  # Exception, and what libraries derive from BaseException
+        # (torch's CheckpointException): one line, not a traceback
         if verbose:
             raise
         first = next((line for line in str(e).splitlines() if line.strip()), "")

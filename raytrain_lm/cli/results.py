@@ -50,8 +50,8 @@ def report(
     run: str = typer.Argument(..., help="Run name (in --storage) or run folder."),
     compare: Optional[List[str]] = typer.Option(None, "--compare", help="More runs to overlay "
                                                 "(repeat, or list them after one --compare)."),
-    out: Optional[Path] = typer.Option(None, help="Write the PNG here [default: report.png in the "
-                                       "run's folder; compare.png with --compare]."),
+    out: Optional[str] = typer.Option(None, help="Write the PNG here, a local file [default: "
+                                      "report.png in the run's folder; compare.png with --compare]."),
     storage: str = STORAGE,
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Only the PNG's path."),
     as_json: bool = JSON,
@@ -59,7 +59,7 @@ def report(
     """A run's results table and a PNG of its curves (train/val loss, tokens/s, learning rate)."""
     from raytrain_lm.report import build_report, compare_table, results_table
 
-    rep = build_report([run, *(compare or [])], storage, out=str(out) if out else None)
+    rep = build_report([run, *(compare or [])], storage, out=out)
     if as_json:
         typer.echo(json.dumps(rep, indent=2, default=str))
         return
@@ -130,7 +130,7 @@ def generate(
                              "python cli.py export runs/my-run/checkpoint_00000200 --out export/step200 --json"))
 def export(
     model: str = MODEL_ARG,
-    out: Path = typer.Option(..., help="Folder to write the model into."),
+    out: str = typer.Option(..., help="Local folder to write the model into."),
     format: str = typer.Option("native", "--format", help="native: model.safetensors + "
                                "config.json for plain PyTorch and model.py; hf: a Hugging Face "
                                "GPT-2 folder (AutoModelForCausalLM / AutoTokenizer load it)."),
@@ -149,6 +149,7 @@ def export(
     if format not in FORMATS:
         raise UserError(f"--format must be one of {', '.join(FORMATS)}, got {format!r}")
     check_out(out, force)  # before a checkpoint is looked for or copied
+    out = Path(out)
     found = find_checkpoint(model, storage, best=best)
     try:
         if format == "hf":

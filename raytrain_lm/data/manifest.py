@@ -18,6 +18,7 @@ from typing import Callable
 
 import pyarrow.fs as pafs
 
+from raytrain_lm.checks import MAX_VOCAB
 from raytrain_lm.errors import UserError
 from raytrain_lm.files import MANIFEST, REMOTE_SOURCE, is_plain_name
 from raytrain_lm.storage import is_remote, open_uri, sha256_file
@@ -45,6 +46,12 @@ def check_manifest(manifest: dict, where: str, file_ok: Callable[[dict], bool]) 
         if manifest.get("format") != FORMAT:
             raise ValueError(f"format {manifest.get('format')!r}")
         check_spec(manifest["tokenizer"])
+        vocab = manifest["vocab_size"]  # sizes the model's embedding: a number, and not a huge one
+        if not isinstance(vocab, int) or isinstance(vocab, bool) or not 1 <= vocab <= MAX_VOCAB:
+            raise ValueError(f"vocab_size {vocab!r} is not a number of tokens from 1 to {MAX_VOCAB:,}")
+        if manifest["tokenizer"].get("vocab_size") != vocab:
+            raise ValueError(f"vocab_size {vocab} is not its tokenizer's "
+                             f"({manifest['tokenizer'].get('vocab_size')!r})")
         for entry in dataset_files(manifest):
             if not is_plain_name(entry["file"]):  # never a path out of the dataset's folder
                 raise ValueError(f"shard file name {entry['file']!r} is not a plain file name")
@@ -73,6 +80,8 @@ def load_manifest(data: str | Path, verify: bool = False) -> dict:
                         f"create one with `python cli.py prepare --out {d}`")
     try:
         manifest = json.loads((d / MANIFEST).read_text())
+    except RecursionError:
+        raise UserError(f"{d} is not a valid dataset: {MANIFEST} is nested too deeply") from None
     except (OSError, ValueError) as e:
         raise UserError(f"{d} is not a valid dataset: {MANIFEST}: {e}") from None
 
@@ -108,6 +117,6 @@ def _load_remote(uri: str) -> dict:
         present = {i.base_name for i in fs.get_file_info(pafs.FileSelector(root))}
     except OSError as e:
         raise UserError(f"cannot read dataset {uri}: {str(e).splitlines()[0]}") from None
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:
         raise UserError(f"{uri} is not a valid dataset: {MANIFEST}: {e}") from None
     return check_manifest(manifest, uri, lambda shard: shard["file"] in present)

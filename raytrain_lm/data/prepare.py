@@ -22,7 +22,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.fs as pafs
 
-from raytrain_lm.data.manifest import FORMAT
+from raytrain_lm.data.manifest import FORMAT, check_manifest, dataset_files
 from raytrain_lm.data.sources import PIECE_BYTES, check_source, plan_units, read_unit, sample_units
 from raytrain_lm.errors import UserError
 from raytrain_lm.files import MANIFEST, TOKENIZER
@@ -144,11 +144,39 @@ def check_prepare(sources: list[str], out_dir: str | Path, *, tokenizer: str, vo
     if shard_tokens < 2:
         raise UserError(f"--shard-tokens must be at least 2, got {shard_tokens}")
     check_choice(tokenizer, vocab_size, tokenizer_sample_mb)
+    if tokenizer not in ("byte", "bpe"):  # a tokenizer.json from elsewhere: read and checked here
+        make_tokenizer(tokenizer)
     for s in sources:
         check_source(s)
-    if _exists(out_dir) and not force:
-        raise UserError(f"{out_dir} already exists; pass --force to overwrite it")
+    if _exists(out_dir):
+        if not force:
+            raise UserError(f"{out_dir} already exists; pass --force to overwrite it")
+        check_replaceable(str(out_dir))
     check_can_create(str(out_dir))
+
+
+def check_replaceable(out_dir: str) -> None:
+    """--force replaces only what `prepare` wrote: an empty folder, or a dataset whose folder
+    holds nothing but its manifest and the files it lists. Anything else (a corpus, a file,
+    someone's folder) is refused and left as it is."""
+    fs, root = open_uri(out_dir, "dataset") if is_remote(out_dir) else \
+        (pafs.LocalFileSystem(), os.path.abspath(out_dir))
+    refuse = UserError(f"{out_dir} is not a dataset written by prepare, so --force does not "
+                       f"replace it; choose another --out, or remove it yourself")
+    try:
+        if fs.get_file_info(root).type != pafs.FileType.Directory:
+            raise refuse
+        entries = fs.get_file_info(pafs.FileSelector(root, recursive=True))
+        if not entries:
+            return
+        with fs.open_input_stream(f"{root}/{MANIFEST}") as f:
+            manifest = json.loads(f.read())
+        check_manifest(manifest, out_dir, lambda entry: True)
+        ours = {MANIFEST} | {entry["file"] for entry in dataset_files(manifest)}
+    except (OSError, ValueError, RecursionError, UserError):
+        raise refuse from None
+    if any(e.type != pafs.FileType.File or e.path[len(root) + 1:] not in ours for e in entries):
+        raise refuse
 
 
 def _texts(units) -> Iterator[str]:

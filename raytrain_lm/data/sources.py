@@ -269,6 +269,11 @@ def _plan_parquet(path: str, text_field: str) -> list[Unit]:
     if text_field not in names:
         raise UserError(f"{path}: no column {text_field!r} (columns: {', '.join(names)}); "
                         f"use --text-column")
+    kind = meta.schema.to_arrow_schema().field(text_field).type
+    if not any(is_text(kind) for is_text in (pa.types.is_string, pa.types.is_large_string,
+                                               pa.types.is_string_view)):
+        raise UserError(f"{path}: column {text_field!r} holds {kind}, not text; use --text-column "
+                        f"to name the column of text")
     return [Unit("parquet", path, g, g + 1, nbytes=meta.row_group(g).total_byte_size,
                  text_field=text_field) for g in range(meta.num_row_groups)]
 
@@ -339,7 +344,7 @@ def _jsonl_documents(unit: Unit) -> Iterator[str]:
             continue
         try:
             text = json.loads(line)[unit.text_field]
-        except (json.JSONDecodeError, KeyError, TypeError, IndexError):
+        except (json.JSONDecodeError, KeyError, TypeError, IndexError, RecursionError):
             raise UserError(f"{where}: expected a JSON object with a {unit.text_field!r} string "
                             f"field") from None
         if not isinstance(text, str):

@@ -190,8 +190,8 @@ def check_cluster(cl: Cluster) -> None:
                         f"{cl.gpus_per_node}")
     for name, value in (("--gpu-memory-gb", cl.memory_gb), ("--intra-node-gbps", cl.intra_gbps),
                         ("--inter-node-gbps", cl.inter_gbps), ("--gpu-tflops", cl.tflops)):
-        if not value > 0:
-            raise UserError(f"{name} must be positive, got {value:g}")
+        if not 0 < value < math.inf:
+            raise UserError(f"{name} must be positive and finite, got {value:g}")
     if not 0 < cl.efficiency <= 1:
         raise UserError(f"--compute-efficiency must be in (0, 1], got {cl.efficiency:g}")
 

@@ -32,6 +32,8 @@ REPORT_EVERY = 10
 
 
 def check_range(lr_min: float, lr_max: float, steps: int) -> None:
+    if not (math.isfinite(lr_min) and math.isfinite(lr_max)):
+        raise UserError(f"--lr-min and --lr-max must be finite numbers, got {lr_min:g} and {lr_max:g}")
     if lr_min <= 0 or lr_max <= 0:
         raise UserError(f"--lr-min and --lr-max must be positive, got {lr_min:g} and {lr_max:g}")
     if lr_min >= lr_max:

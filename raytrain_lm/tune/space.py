@@ -147,9 +147,12 @@ def _number(text: Any, key: str) -> float:
     if isinstance(text, bool):
         raise UserError(f"search space: {key}: {text!r} is not a number")
     try:
-        return float(text)
+        number = float(text)
     except (TypeError, ValueError):
         raise UserError(f"search space: {key}: {text!r} is not a number") from None
+    if not math.isfinite(number):
+        raise UserError(f"search space: {key}: {text!r} is not a finite number")
+    return number
 
 
 def _parse_spec(key: str, spec: Any) -> Dim:

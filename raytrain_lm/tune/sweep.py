@@ -18,13 +18,14 @@ import math
 import os
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 from raytrain_lm.checks import check_name, validate
 from raytrain_lm.config import TrainConfig, apply_overrides
 from raytrain_lm.errors import UserError
 from raytrain_lm.files import SWEEP, TRIAL_CONFIG
-from raytrain_lm.storage import RunFolder
+from raytrain_lm.storage import RunClaim, RunFolder
 from raytrain_lm.tune.space import SearchSpace, nest, parse_space
 # What the trial function itself asks for. Its workers get their own placement group from Ray Train,
 # so the trial needs next to nothing; Tune refuses a request of exactly zero.
@@ -217,6 +218,33 @@ def run_trial(params: dict, base: dict, sweep_uri: str, controllers, poll_second
 # ---------------------------------------------------------------- driver
 
 
+# The files of a sweep that Ray Tune unpickles when it is resumed (Tuner.restore), and so could
+# run code: the experiment's state, the searcher's, and each trial's pickled config and error.
+TUNE_STATE = ("tuner.pkl", "experiment_state-*", "basic-variant-state-*", "search_gen_state-*",
+              "searcher-state-*", "*/error.pkl", "*/params.pkl")
+
+
+def check_sweep_state(folder: RunFolder, say: Callable[[str], None]) -> None:
+    """`tune --resume` unpickles the sweep's Tune state (TUNE_STATE), which can run code: on a
+    local disk every such file must be this user's and writable by no one else, else the resume
+    is refused. On an object store the writer cannot be known here: a warning says who is
+    trusted (cluster.yaml's worker role may not write these files: docs/aws/worker-policy.json)."""
+    import stat
+
+    if not folder.local:
+        say(f"warning: resuming unpickles Tune's state in {folder.display_path()}: whoever can "
+            f"write there can run code here")
+        return
+    for pattern in TUNE_STATE:
+        for path in Path(folder.path).glob(pattern):
+            st = path.lstat()
+            if st.st_uid != os.getuid() or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) or \
+                    stat.S_ISLNK(st.st_mode):
+                raise UserError(f"refusing to resume: {path} was written by another user or "
+                                f"others may write it, and resuming unpickles it (it could run "
+                                f"code as you); remove it, or start a new sweep")
+
+
 def trial_capacity(cfg: TrainConfig) -> tuple[int, str]:
     """How many trials the cluster holds at once, and why."""
     import ray
@@ -271,8 +299,7 @@ def run_sweep(
 
     For a resume, only cfg.name, cfg.storage and cfg.address are used: the rest comes from the
     sweep's own sweep.json."""
-    from raytrain_lm.cluster.connect import connect_ray
-    from raytrain_lm.preflight import check_resources, prepare_data
+    from raytrain_lm.preflight import prepare_data
 
     if resume:
         if not cfg.name:
@@ -280,6 +307,7 @@ def run_sweep(
         folder = RunFolder(cfg.storage, cfg.name)
         if not folder.exists(SWEEP):
             raise UserError(f"cannot resume: no sweep named {cfg.name!r} in {cfg.storage}")
+        check_sweep_state(folder, say)  # before anything of it is unpickled
         saved = folder.read_json(SWEEP)
         address = cfg.address
         cfg = TrainConfig.from_dict(saved["base"])
@@ -295,6 +323,16 @@ def run_sweep(
         folder.check_can_create()
         prepare_data(cfg, say)
     assert space is not None and settings is not None
+    with RunClaim(folder):  # one driver per sweep folder, from before Ray is reached
+        return _run(cfg, space, settings, folder, resume, verbose, say, live, live_interval)
+
+
+def _run(cfg: TrainConfig, space: SearchSpace, settings: SweepSettings, folder: RunFolder,
+         resume: bool, verbose: bool, say: Callable[[str], None],
+         live: Optional[Callable[[str], None]], live_interval: float) -> dict:
+    """run_sweep from connecting to Ray on, with the sweep's folder claimed."""
+    from raytrain_lm.cluster.connect import connect_ray
+    from raytrain_lm.preflight import check_resources
 
     connect_ray(cfg.address, cfg.workers * cfg.cpus_per_worker + TRIAL_CPUS, verbose, say)
     check_resources(cfg)

@@ -1,0 +1,374 @@
+"""Bad input from a file from elsewhere, a careless flag or a damaged run, through the CLI as a
+user types it: one line `error: ...` on stderr, exit code 2, no traceback, and the folder the
+command ran in exactly as it was (nothing written, nothing half-written, nothing deleted).
+
+Every command runs in a fresh folder (its cwd, so a default such as data/pydoc or runs/ would
+land there and show) with RAY_ADDRESS at a closed port: input let through to the point of
+reaching a cluster fails there as "no Ray cluster answers" instead of with its own line.
+
+docs/bad-inputs.md is this module's CASES plus test_cli_errors' BAD_PATHS and BAD_NAMES, one
+line each; `python tests/test_bad_inputs.py` rewrites it, and a test fails when it differs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shlex
+import socket
+import sys
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from conftest import ROOT, run_cli  # noqa: E402
+from test_cli_errors import BAD_NAMES, BAD_PATHS, assert_clean_error  # noqa: E402
+
+TABLE = ROOT / "docs" / "bad-inputs.md"
+
+
+@dataclass
+class Bad:
+    command: str  # as typed, in the case's folder; {data}: a prepared dataset, {port}: a port
+    message: str  # what the one line says (a part of it)
+    setup: str = ""  # what the folder holds first (SETUPS)
+    env: dict = field(default_factory=dict)
+
+
+CASES = [
+    # numbers that no check before launch caught (`nan <= 0` is False) ---------------- item 10
+    Bad("train --data {data} --lr nan", "flags: lr must be a finite number, got nan"),
+    Bad("train --data {data} --lr inf", "flags: lr must be a finite number, got inf"),
+    Bad("train --data {data} --set beta1=1", "beta1 must be in [0, 1), got 1.0"),
+    Bad("train --data {data} --set beta2=-0.5", "beta2 must be in [0, 1), got -0.5"),
+    Bad("train --data {data} --set beta1=nan", "--set: beta1 must be a finite number, got 'nan'"),
+    Bad("train --data {data} --set weight_decay=-0.1", "weight_decay must be >= 0, got -0.1"),
+    Bad("train --data {data} --set grad_clip=nan", "--set: grad_clip must be a finite number"),
+    Bad("train --data {data} --set grad_clip=0", "grad_clip must be positive"),
+    Bad("train --data {data} --set cpus_per_worker=nan", "--set: cpus_per_worker must be a finite number"),
+    Bad("train --data {data} --scale-timeout nan", "flags: scale_timeout must be a finite number"),
+    Bad("train --data {data} --set model.dropout=nan", "--set: model.dropout must be a finite number"),
+    Bad("train --data {data} --set min_lr_ratio=inf", "--set: min_lr_ratio must be a finite number"),
+    Bad("train --data {data} --set gpu_memory_gb=-1", "gpu_memory_gb must be positive, got -1.0"),
+    Bad("train --data {data} --config nan.yaml", "config file nan.yaml: lr must be a finite number",
+        setup="nan-config"),
+    Bad("train --set lr=nan", "--set: lr must be a finite number"),  # before data/pydoc is made
+    Bad("lr-find --data {data} --lr-max nan", "--lr-min and --lr-max must be finite numbers"),
+    Bad("lr-find --data {data} --lr-min inf", "--lr-min and --lr-max must be finite numbers"),
+    Bad("generate r --temperature nan", "--temperature must be a finite number, got nan"),
+    Bad("tune --data {data} --lr 1e-4:nan", "search space: lr: 'nan' is not a finite number"),
+    Bad("tune --data {data} --space beta1=0.5,1.5", "search space: the point beta1=1.5 is invalid: "
+                                                     "beta1 must be in [0, 1)"),
+    Bad("plan --gpu-memory-gb nan", "--gpu-memory-gb must be positive and finite, got nan"),
+    Bad("plan --gpu-tflops inf", "--gpu-tflops must be positive and finite, got inf"),
+    Bad("prepare --tokenizer bpe --tokenizer-sample-mb inf",
+        "--tokenizer-sample-mb must be positive and finite, got inf"),
+    # sizes from input that drive allocation -------------------------------------------- item 9
+    Bad("prepare --tokenizer bpe --vocab-size 4294967296",
+        "--vocab-size must be at most 1,048,576, got 4,294,967,296"),
+    Bad("prepare --input corp --tokenizer big-id.json --out ds",
+        "big-id.json has a token id of 1,000,000,000; ids must be below 1,048,576", setup="big-id"),
+    Bad("train --data {data} --set model.vocab_size=10000000000",
+        "model.vocab_size must be between 1 and 1,048,576"),
+    Bad("train --data ds", "ds is not a valid dataset: vocab_size 'x' is not a number of tokens",
+        setup="dataset-vocab-x"),
+    Bad("train --data ds", "ds is not a valid dataset: vocab_size 1000000000000 is not a number",
+        setup="dataset-vocab-huge"),
+    Bad("train --data ds", "ds is not a valid dataset: vocab_size 300 is not its tokenizer's (256)",
+        setup="dataset-vocab-other"),
+    Bad("generate r -n 2000000", "--max-new-tokens must be at most 1,048,576, got 2,000,000"),
+    # --force replaces only what we wrote --------------------------------------------------- item 4
+    Bad("prepare --input corp --out corp --force", "corp is not a dataset written by prepare, so "
+                                                   "--force does not replace it", setup="corpus"),
+    Bad("prepare --input corp --out notes --force", "notes is not a dataset written by prepare",
+        setup="notes"),
+    Bad("prepare --input corp --out afile --force", "afile is not a dataset written by prepare",
+        setup="afile"),
+    Bad("prepare --input corp --out ds --force", "ds is not a dataset written by prepare",
+        setup="dataset-and-notes"),
+    Bad("export r --out afile --force", "afile is not an export of raytrain-lm, so --force does "
+                                        "not replace it", setup="afile"),
+    Bad("export r --out notes --force", "notes is not an export of raytrain-lm", setup="notes"),
+    # a local folder that is no folder ----------------------------------------------------- item 13
+    Bad("export r --out s3://bucket/x", "export writes a local folder, not s3://bucket/x"),
+    Bad("report r --out s3://bucket/r.png", "--out is a local file, not s3://bucket/r.png",
+        setup="run"),
+    # damaged run files, files from elsewhere ------------------------------------------- item 11
+    Bad("train --resume --name r", "cannot resume 'r': {tmp}/runs/r/config.json is damaged",
+        setup="run-damaged-config"),
+    Bad("train --resume --name r", "cannot resume 'r': {tmp}/runs/r/config.json is damaged: not a "
+                                   "JSON object", setup="run-config-list"),
+    Bad("report r", "{tmp}/runs/r/metrics.jsonl line 2 is damaged", setup="run-damaged-metrics"),
+    Bad("report r", "{tmp}/runs/r/metrics.jsonl line 1 is damaged: nested too deeply", setup="run-deep-metrics"),
+    Bad("train --data ds", "ds is not a valid dataset: manifest.json is nested too deeply",
+        setup="dataset-deep"),
+    Bad("prepare --input deep.jsonl --no-ray", "deep.jsonl:1: expected a JSON object with a 'text' string field",
+        setup="deep-jsonl"),
+    Bad("prepare --input ints.parquet --no-ray", "ints.parquet: column 'text' holds int64, not text",
+        setup="ints-parquet"),
+    Bad("generate ck -n 3", "ck/meta.json is corrupted", setup="checkpoint-world-0"),
+    Bad("export ck --out x", "ck/dcp is corrupted: ", setup="checkpoint-truncated-shard"),
+    Bad("generate ck -n 3", "ck/dcp/extra.bin is corrupted (no commit record vouches for it)",
+        setup="checkpoint-extra-file"),
+    # a second driver in one run folder ---------------------------------------------------- item 5
+    Bad("train --data {data} --name r", "run 'r' in runs is in use by another driver (pid",
+        setup="claimed"),
+    # a resumed sweep whose pickles someone else wrote --------------------------------------- item 7
+    Bad("tune --resume --name s", "refusing to resume: {tmp}/runs/s/tuner.pkl was written by another "
+                                  "user", setup="sweep-of-another-user"),
+    # a local cluster without authentication ------------------------------------------------- item 8
+    Bad("cluster local-up --port 6397", "RAY_AUTH_MODE=disabled would start a cluster without "
+                                        "authentication", env={"RAY_AUTH_MODE": "disabled"}),
+    # an address where something else listens ----------------------------------------------- item 12
+    Bad("train --data {data} --address 127.0.0.1:{port}", "something listens at 127.0.0.1:{port} "
+                                                          "but it is not a Ray cluster", setup="silent-port"),
+    Bad("prepare --address 127.0.0.1:{port}", "something listens at 127.0.0.1:{port} but it is "
+                                              "not a Ray cluster", setup="silent-port"),
+]
+
+
+# ---------------------------------------------------------------- what the folder holds first
+
+def _run(tmp: Path, metrics: str | None = None, config: str | None = None) -> None:
+    from raytrain_lm.config import build_config
+
+    run = tmp / "runs" / "r"
+    run.mkdir(parents=True)
+    rows = [{"step": s, "loss": 3 - s / 100, "lr": 1e-3, "tokens_per_second": 1e3} for s in (10, 20, 30)]
+    (run / "metrics.jsonl").write_text(metrics if metrics is not None else
+                                       "".join(json.dumps(r) + "\n" for r in rows))
+    (run / "config.json").write_text(config if config is not None else
+                                     json.dumps(build_config(flags={"name": "r"}).to_dict()))
+    (run / "summary.json").write_text(json.dumps({"status": "completed", "name": "r", "steps": 30}))
+
+
+def _dataset(tmp: Path, data: Path, **changes) -> None:
+    import shutil
+
+    shutil.copytree(data, tmp / "ds")
+    manifest = json.loads((tmp / "ds" / "manifest.json").read_text())
+    (tmp / "ds" / "manifest.json").write_text(json.dumps({**manifest, **changes}))
+
+
+def _checkpoint(tmp: Path) -> Path:
+    from test_checkpoint import write_checkpoint
+
+    write_checkpoint(tmp / "ck")
+    return tmp / "ck"
+
+
+def _rerecord(folder: Path) -> None:
+    """Recompute rank 0's commit record, as whoever changed the files could."""
+    from raytrain_lm.storage import sha256_file
+
+    record = json.loads((folder / "rank0.json").read_text())
+    (folder / "rank0.json").write_text(json.dumps({rel: sha256_file(folder / rel) for rel in record}))
+
+
+def _truncate_shard(folder: Path) -> None:
+    shard = next((folder / "dcp").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:100])
+
+
+def _world_0(tmp: Path) -> None:
+    folder = _checkpoint(tmp)
+    meta = json.loads((folder / "meta.json").read_text())
+    (folder / "meta.json").write_text(json.dumps({**meta, "world_size": 0}))
+    _truncate_shard(folder)  # no record checked: nothing would notice
+
+
+def _truncated(tmp: Path) -> None:
+    folder = _checkpoint(tmp)
+    _truncate_shard(folder)
+    _rerecord(folder)  # the checksums pass: the damage shows only as dcp reads it
+
+
+def _extra_file(tmp: Path) -> None:
+    (_checkpoint(tmp) / "dcp" / "extra.bin").write_bytes(b"x")
+
+
+def _big_id(tmp: Path) -> None:
+    from raytrain_lm.tokenizer import train_bpe
+
+    (tmp / "corp").mkdir()
+    (tmp / "corp" / "a.txt").write_text("some words of text. " * 200)
+    tok = json.loads(train_bpe(["some words of text. " * 50], 300).raw)
+    vocab = tok["model"]["vocab"]
+    vocab[next(reversed(vocab))] = 10 ** 9
+    (tmp / "big-id.json").write_text(json.dumps(tok))
+
+
+def _sweep_of_another_user(tmp: Path) -> None:
+    sweep = tmp / "runs" / "s"
+    sweep.mkdir(parents=True)
+    (sweep / "sweep.json").write_text("{}")
+    (sweep / "tuner.pkl").write_bytes(b"\x80\x04N.")
+    os.chown(sweep / "tuner.pkl", 4242, 4242)
+
+
+@contextlib.contextmanager
+def _claimed(tmp: Path):
+    """Another driver's live claim on runs/r: this test process's."""
+    from raytrain_lm.storage import RunClaim, RunFolder
+
+    (tmp / "runs").mkdir()
+    with RunClaim(RunFolder(str(tmp / "runs"), "r")):
+        yield {}
+
+
+@contextlib.contextmanager
+def _silent_port(tmp: Path):
+    """A port where something listens, accepts and never says a word (not a Ray cluster)."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+    held = []
+
+    def accept() -> None:
+        with contextlib.suppress(OSError):  # closed: the case is over
+            while True:
+                held.append(server.accept()[0])
+
+    threading.Thread(target=accept, daemon=True).start()
+    try:
+        yield {"port": server.getsockname()[1]}
+    finally:
+        server.close()
+
+
+def _writer(fn):
+    @contextlib.contextmanager
+    def setup(tmp: Path, data: Path):
+        fn(tmp, data)
+        yield {}
+    return setup
+
+
+SETUPS = {
+    "": _writer(lambda tmp, data: None),
+    "afile": _writer(lambda tmp, data: ((tmp / "corp").mkdir(), (tmp / "corp" / "a.txt").write_text(
+        "text. " * 100), (tmp / "afile").write_text("a file"))),
+    "corpus": _writer(lambda tmp, data: ((tmp / "corp").mkdir(), (tmp / "corp" / "a.txt").write_text(
+        "some words of text. " * 500))),
+    "notes": _writer(lambda tmp, data: ((tmp / "corp").mkdir(), (tmp / "corp" / "a.txt").write_text(
+        "text. " * 100), (tmp / "notes").mkdir(), (tmp / "notes" / "todo.txt").write_text("mine"))),
+    "dataset-and-notes": _writer(lambda tmp, data: (_dataset(tmp, data), (tmp / "corp").mkdir(),
+                                                    (tmp / "corp" / "a.txt").write_text("text. " * 100),
+                                                    (tmp / "ds" / "notes.txt").write_text("mine"))),
+    "nan-config": _writer(lambda tmp, data: (tmp / "nan.yaml").write_text("lr: .nan\n")),
+    "big-id": _writer(lambda tmp, data: _big_id(tmp)),
+    "dataset-vocab-x": _writer(lambda tmp, data: _dataset(tmp, data, vocab_size="x")),
+    "dataset-vocab-huge": _writer(lambda tmp, data: _dataset(tmp, data, vocab_size=10 ** 12)),
+    "dataset-vocab-other": _writer(lambda tmp, data: _dataset(tmp, data, vocab_size=300)),
+    "dataset-deep": _writer(lambda tmp, data: (_dataset(tmp, data), (tmp / "ds" / "manifest.json").write_text(
+        "[" * 100_000 + "]" * 100_000))),
+    "deep-jsonl": _writer(lambda tmp, data: (tmp / "deep.jsonl").write_text(
+        '{"text": ' + "[" * 100_000 + "]" * 100_000 + "}\n")),
+    "ints-parquet": _writer(lambda tmp, data: __import__("pyarrow.parquet").parquet.write_table(
+        __import__("pyarrow").table({"text": [1, 2, 3]}), tmp / "ints.parquet")),
+    "run": _writer(lambda tmp, data: _run(tmp)),
+    "run-damaged-config": _writer(lambda tmp, data: _run(tmp, config='{"lr": 0.001, "max_st')),
+    "run-config-list": _writer(lambda tmp, data: _run(tmp, config="[1, 2]")),
+    "run-damaged-metrics": _writer(lambda tmp, data: _run(
+        tmp, metrics='{"step": 10, "loss": 3.0, "lr": 0.001, "tokens_per_second": 1000.0}\n{"st\n'
+                     '{"step": 30, "loss": 2.0, "lr": 0.001, "tokens_per_second": 1000.0}\n')),
+    "run-deep-metrics": _writer(lambda tmp, data: _run(tmp, metrics="[" * 100_000 + "]" * 100_000 + "\n")),
+    "checkpoint-world-0": _writer(lambda tmp, data: _world_0(tmp)),
+    "checkpoint-truncated-shard": _writer(lambda tmp, data: _truncated(tmp)),
+    "checkpoint-extra-file": _writer(lambda tmp, data: _extra_file(tmp)),
+    "sweep-of-another-user": _writer(lambda tmp, data: _sweep_of_another_user(tmp)),
+    "claimed": lambda tmp, data: _claimed(tmp),
+    "silent-port": lambda tmp, data: _silent_port(tmp),
+}
+
+# What the folder holds before (and so after) each case, for the table.
+HOLDS = {
+    "afile": "afile (a file)", "corpus": "corp/ (a corpus)", "notes": "notes/ (someone's folder)",
+    "dataset-and-notes": "ds/ (a dataset with someone's notes.txt in it)", "nan-config": "nan.yaml",
+    "big-id": "big-id.json", "run": "runs/r/", "claimed": "runs/r/ (another driver's claim)",
+    "sweep-of-another-user": "runs/s/", "deep-jsonl": "deep.jsonl", "ints-parquet": "ints.parquet",
+    **{k: "ds/ (its manifest changed)" for k in SETUPS if k.startswith("dataset-") and k != "dataset-and-notes"},
+    **{k: "runs/r/ (a file of it damaged)" for k in SETUPS if k.startswith("run-")},
+    **{k: "ck/ (a checkpoint, damaged)" for k in SETUPS if k.startswith("checkpoint-")},
+}
+
+
+def _tree(root: Path) -> dict[str, str]:
+    """Every path under `root` with what it is: a folder, or a file's sha256 (claims, which
+    their driver renews, by name only)."""
+    out = {}
+    for p in sorted(root.rglob("*")):
+        rel = p.relative_to(root).as_posix()
+        if p.is_dir():
+            out[rel] = "dir"
+        elif p.name.startswith(".claim-"):
+            out[rel] = "claim"
+        else:
+            out[rel] = hashlib.sha256(p.read_bytes()).hexdigest()
+    return out
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{c.command} [{c.setup}]" if c.setup else c.command
+                                             for c in CASES])
+def test_a_bad_input_is_one_line_exit_2_and_changes_nothing(case, tmp_path, pydoc_data):
+    with SETUPS[case.setup](tmp_path, pydoc_data) as fields:
+        fields = {"data": pydoc_data, "tmp": tmp_path, **fields}
+        before = _tree(tmp_path)
+        result = run_cli(*shlex.split(case.command.format(**fields)), cwd=tmp_path,
+                         env={"RAY_ADDRESS": "127.0.0.1:1", **case.env}, timeout=120)
+        assert_clean_error(result, case.message.format(**fields))
+        assert _tree(tmp_path) == before
+
+
+# ---------------------------------------------------------------- docs/bad-inputs.md
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def table() -> str:
+    """docs/bad-inputs.md as the cases above and test_cli_errors' lists make it."""
+    rows = [(c.command.replace("{data}", "DATA").replace("{port}", "PORT"),
+             c.message.replace("{port}", "PORT").replace("{tmp}/", ""),
+             "nothing" + (f"; {HOLDS[c.setup]} as it was" if c.setup in HOLDS else ""))
+            for c in CASES]
+    rows += [(c.replace("{tmp}", "TMP"), m.replace("{tmp}", "TMP"),
+              "nothing; TMP's files and folders as they were") for c, m in BAD_PATHS]
+    rows += [(f"{' '.join(command)} --name {shlex.quote(name)}",
+              f"--name {name!r} is not a valid name: use letters, digits ...", "nothing")
+             for command, name in _names()]
+    lines = ["# Bad inputs the suite tries", "",
+             "Each is run as a user types it (tests/test_bad_inputs.py, tests/test_cli_errors.py): "
+             "the one line on stderr holds the message, the exit code is 2, there is no traceback, "
+             "and the folder the command ran in is as it was. DATA is a prepared dataset, TMP the "
+             "test's folder, PORT a port where something that is not Ray listens. Generated from "
+             "the tests by `python tests/test_bad_inputs.py`; a test fails when this file differs.",
+             "", f"{len(rows)} inputs.", "",
+             "| input | message (part of the line) | exit | left on disk |", "|---|---|---|---|"]
+    lines += [f"| `{_cell(cmd)}` | {_cell(msg)} | 2 | {left} |" for cmd, msg, left in rows]
+    return "\n".join(lines) + "\n"
+
+
+def _names():
+    """The (command, name) cases of test_cli_errors' name test, as it parametrizes them."""
+    import test_cli_errors
+
+    marks = test_cli_errors.test_names_that_are_not_one_plain_folder_are_refused.pytestmark
+    [params] = [m for m in marks if m.name == "parametrize"]
+    return params.args[1]
+
+
+def test_the_table_of_bad_inputs_in_docs_is_the_suites():
+    assert len(CASES) + len(BAD_PATHS) + len(_names()) >= 60
+    assert BAD_NAMES  # the name cases come from the same list as test_cli_errors'
+    assert TABLE.read_text() == table(), "run `python tests/test_bad_inputs.py` to rewrite it"
+
+
+if __name__ == "__main__":
+    TABLE.write_text(table())
+    print(f"wrote {TABLE}")
