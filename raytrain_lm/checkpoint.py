@@ -191,7 +191,9 @@ def _first_failure(error) -> str:
     failures = getattr(error, "failures", None) or {}
     for pair in failures.values():  # (exception, its traceback)
         inner = pair[0] if isinstance(pair, tuple) else pair
-        return f"{type(inner).__name__}: {str(inner).splitlines()[0] if str(inner) else ''}"
+        text = str(inner).strip()
+        return f"{type(inner).__name__}: {text.splitlines()[0]}" if text else \
+            f"{type(inner).__name__} (a file cut short?)"
     return str(error).splitlines()[0] if str(error) else type(error).__name__
 
 

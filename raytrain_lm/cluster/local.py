@@ -14,8 +14,8 @@ from typing import Callable, Optional
 
 from raytrain_lm.cluster.connect import free_port, token_available
 from raytrain_lm.cluster.jobs import DEFAULT_DASHBOARD_PORT, job_client
-from raytrain_lm.cluster.registry import (DEFAULT_PORT, forget, local_temp_dir, owned_privately,
-                                          port_in_use, read_record, record)
+from raytrain_lm.cluster.registry import (DEFAULT_PORT, forget, local_temp_dir, port_in_use,
+                                          read_record, record)
 from raytrain_lm.errors import UserError
 
 MARKER_ENV = "RAYTRAIN_LM_LOCAL_CLUSTER"  # inherited by every process of a local cluster
@@ -54,10 +54,12 @@ def local_up(port: int = DEFAULT_PORT, dashboard_port: int = DEFAULT_DASHBOARD_P
                         f"which anyone who reaches its ports runs code as you; unset RAY_AUTH_MODE "
                         f"(local-up turns token authentication on)")
     temp_dir = local_temp_dir(port)
-    if temp_dir.exists() and not owned_privately(temp_dir):
-        raise UserError(f"{temp_dir} belongs to another user or others may write it; a cluster "
-                        f"of yours cannot keep its sockets and logs there: remove it, or choose "
-                        f"another --port")
+    # Ray makes its temp dir writable by everyone (0777: ray/_common/utils.py,
+    # try_make_directory_shared), so only its owner is checked; nothing we trust is kept in it.
+    if temp_dir.is_symlink() or temp_dir.exists() and temp_dir.stat().st_uid != os.getuid():
+        raise UserError(f"{temp_dir} belongs to another user (or is a link); a cluster of yours "
+                        f"cannot keep its sockets and logs there: remove it, or choose another "
+                        f"--port")
     env = {**os.environ, "RAY_AUTH_MODE": "token", MARKER_ENV: str(temp_dir)}
     if not token_available():
         from ray._private.authentication.authentication_token_setup import generate_and_save_token
@@ -71,7 +73,6 @@ def local_up(port: int = DEFAULT_PORT, dashboard_port: int = DEFAULT_DASHBOARD_P
             "authentication on); the dashboard and jobs API stay on 127.0.0.1")
     else:
         env[SINGLE_MACHINE_ENV] = "0"
-    temp_dir.mkdir(mode=0o700, exist_ok=True)
     cmd = ray_cli() + [
         "start", "--head", f"--port={port}",
         "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}",
