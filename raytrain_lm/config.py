@@ -74,7 +74,8 @@ class ModelConfig:
 
 # What choosing an architecture sets, applied right after the preset (`--arch llama` on a GPT
 # preset: its shape as a Llama, without biases); file, flags and --set still override it.
-ARCH_DEFAULTS: dict[str, dict[str, Any]] = {"gpt": dict(arch="gpt"), "llama": dict(arch="llama", bias=False)}
+ARCH_DEFAULTS: dict[str, dict[str, Any]] = {"gpt": dict(arch="gpt"),
+                                             "llama": dict(arch="llama", bias=False)}
 
 
 @dataclass

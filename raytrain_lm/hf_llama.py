@@ -156,9 +156,9 @@ def check_init_from(folder: str | Path, cfg: ModelConfig, manifest: dict) -> str
             "ffn_dim": cfg.hidden_dim, "rope_theta": cfg.rope_theta, "norm_eps": cfg.norm_eps}
     diff = [k for k in fields if fields[k] != ours[k]]
     if diff:
+        theirs = ", ".join(f"{k}: {fields[k]} vs {ours[k]}" for k in diff)
         sets = " ".join(f"--set model.{k}={fields[k]}" for k in diff)
-        raise UserError(f"{where} is another model shape ({', '.join(f'{k}: {fields[k]} vs {ours[k]}' for k in diff)}); "
-                        f"train with {sets}")
+        raise UserError(f"{where} is another model shape ({theirs}); train with {sets}")
     path = folder / "tokenizer.json"
     if not path.is_file() or hashlib.sha256(path.read_bytes()).hexdigest() != tokenizer_sha256(manifest):
         raise UserError(f"{where}: its tokenizer.json is not the dataset's tokenizer, so its token ids "

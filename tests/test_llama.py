@@ -273,3 +273,47 @@ def test_the_planner_counts_the_llama_as_built():
     with pytest.raises(UserError, match=r"model.n_kv_head \(2\)"):
         from raytrain_lm.plan import Cluster, plan
         plan(m, Cluster(gpus=4, gpus_per_node=4), 4, 64, tp=4)
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_activation_checkpointing_gives_the_same_gradients(mode):
+    """parallel/ac.py wraps the Llama's blocks as the GPT's: recomputed, the same gradients."""
+    from raytrain_lm.parallel.ac import apply_activation_checkpointing
+
+    idx = torch.randint(0, 320, (2, 32), generator=torch.Generator().manual_seed(6))
+    grads = []
+    for ac in ("none", mode):
+        model = build_model(SMALL, seed=4)
+        apply_activation_checkpointing(model, ac)
+        model(idx, idx)[1].backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    for name in grads[0]:
+        assert torch.allclose(grads[0][name], grads[1][name], atol=1e-7), name
+
+
+def test_bf16_autocast_runs_close_to_fp32():
+    """Under bf16 autocast (the GPU default) the rotary tables (fp32 buffers) are cast to q's
+    dtype and the norms compute in fp32: the loss stays within bf16's precision of fp32's."""
+    model = build_model(SMALL, seed=5)
+    idx = torch.randint(0, 320, (2, 32), generator=torch.Generator().manual_seed(7))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        low = model(idx, idx)[1]
+    assert low.dtype == torch.float32  # the loss runs on fp32 logits
+    assert low.item() == pytest.approx(model(idx, idx)[1].item(), rel=1e-2)
+
+
+def test_native_export_of_a_llama_loads_into_llama_py(trained_here, tmp_path):
+    """`export` (native): llama.py's names as they are, nothing tied, the format named; the
+    README's loading recipe gives the same model."""
+    from safetensors.torch import load_file
+
+    from raytrain_lm.export import export_checkpoint
+
+    run = trained_here["llama"]
+    config = export_checkpoint(run.ckpt, tmp_path / "native", source=str(run.ckpt))
+    assert config["format"] == "raytrain-lm/llama" and config["tied"] == {}
+    m = ModelConfig(**config["model"])
+    model = build_model(m, seed=0)
+    model.load_state_dict(load_file(str(tmp_path / "native" / "model.safetensors")))
+    for name, t in run.model.state_dict().items():
+        assert torch.equal(model.state_dict()[name], t), name
