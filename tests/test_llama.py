@@ -317,3 +317,31 @@ def test_native_export_of_a_llama_loads_into_llama_py(trained_here, tmp_path):
     model.load_state_dict(load_file(str(tmp_path / "native" / "model.safetensors")))
     for name, t in run.model.state_dict().items():
         assert torch.equal(model.state_dict()[name], t), name
+
+
+def test_llama_py_stays_free_of_torch_distributed_and_the_driver_of_torch(hf_llama):
+    """llama.py, like model.py, imports nothing from torch.distributed; the driver's checks of an
+    HF folder (preflight -> hf_llama) import no torch at all."""
+    import ast
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    for path in ("raytrain_lm/llama.py", "raytrain_lm/model.py"):
+        tree = ast.parse((ROOT / path).read_text())
+        names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+        names += [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module]
+        assert not [n for n in names if n.startswith("torch.distributed")], path
+    folder, _, run = hf_llama
+    code = ("import sys; from raytrain_lm.config import build_config; "
+            "from raytrain_lm.data.manifest import load_manifest; from raytrain_lm import hf_llama; "
+            f"cfg = build_config(preset='llama-tiny', sets=['model.vocab_size=1000']); "
+            f"hf_llama.is_hf_folder({str(folder)!r}) and hf_llama.model_fields("
+            f"hf_llama.read_config({str(folder)!r}), 'x'); "
+            f"hf_llama.tokenizer_sha256(load_manifest({str(run.data)!r})); "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
