@@ -1,11 +1,14 @@
-"""The table of docs/planner.md: `plan`'s recommended layout for four GPT shapes on 8, 64 and 512
-H100s (80 GB, 8 per node, the plan's default links and efficiency), at a fixed global batch per
-model. Prints markdown; an estimate, not a measurement.
+"""The tables of docs/planner.md: `plan`'s recommended layout for four GPT shapes (or, with
+--llama, the six Llama presets) on 8, 64 and 512 H100s (80 GB, 8 per node, the plan's default
+links and efficiency), at a fixed global batch per model. Prints markdown; an estimate, not a
+measurement.
 
-    PYTHONPATH=. python bench/planner_table.py
+    PYTHONPATH=. python bench/planner_table.py [--llama]
 """
 
 from __future__ import annotations
+
+import sys
 
 from raytrain_lm.config import ModelConfig
 from raytrain_lm.plan import (GB, Cluster, Layout, estimate_layout, param_counts, plan, reason,
@@ -106,5 +109,40 @@ def main() -> None:
     published()
 
 
+# The Llama presets (config.py: the released shapes) at Llama 2's and Llama 3's 4M tokens per step
+# (Touvron et al. 2023: 4M-token batches; Llama 3 405B started at 4M tokens of 4096 and grew to
+# 16M), at the preset's context: 1024 x 4096 and 512 x 8192.
+LLAMA_PRESETS = ("llama2-7b", "llama2-13b", "llama2-70b", "llama3-8b", "llama3-70b", "llama3-405b")
+
+
+def llama() -> None:
+    from raytrain_lm.config import preset_config
+
+    print("| preset | parameters | fp32 weights | GPUs | recommended layout | state GB/GPU | GB/GPU | "
+          "step s | tokens/s/GPU | MFU |")
+    print("|---|---:|---:|---:|---|---:|---:|---:|---:|---:|")
+    reasons = []
+    for name in LLAMA_PRESETS:
+        m = preset_config(name).model
+        seq = m.block_size
+        batch = 4 * 2**20 // seq
+        n = param_counts(m)["total"]
+        for gpus in (8, 64, 512):
+            cl = Cluster(gpus=gpus)
+            ranked = plan(m, cl, batch, seq)
+            best = recommendation(ranked)
+            head = f"| {name} | {n / 1e9:.2f}B | {4 * n / GB:,.1f} GB | {gpus} |"
+            if best is None:
+                least = min(ranked, key=lambda e: e.memory.total)
+                print(f"{head} nothing fits (least: {least.memory.total / GB:,.0f} GB/GPU) | - | - | - | - | - |")
+                continue
+            tps = batch * seq / best.step_s / gpus
+            print(f"{head} {layout_text(best.layout)} | {best.memory.model_state / GB:.1f} | "
+                  f"{best.memory.total / GB:.1f} | {best.step_s:.3g} | {tps:,.0f} | {best.mfu:.0%} |")
+            reasons.append(f"- {name}, {gpus} GPUs: {reason(best, ranked, cl)}")
+    print()
+    print("\n".join(reasons))
+
+
 if __name__ == "__main__":
-    main()
+    llama() if sys.argv[1:] == ["--llama"] else main()

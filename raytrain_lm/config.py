@@ -35,12 +35,54 @@ class ModelConfig:
     n_head: int = setting(4, help="Attention heads per block.")
     n_embd: int = setting(128, help="Width of the residual stream (a multiple of n_head).")
     dropout: float = setting(0.0, help="Dropout probability (attention, residual, embeddings).")
-    bias: bool = setting(True, help="Biases in linear layers and LayerNorms.")
+    bias: bool = setting(True, help="Biases in linear layers and LayerNorms (gpt; the Llama has none).")
+    # The Llama family (arch="llama", llama.py): RMSNorm, rotary positions, SwiGLU, grouped-query
+    # attention, no biases, an untied head. Ignored by the GPT.
+    arch: str = setting("gpt", help="Architecture: gpt (GPT-2: LayerNorm, learned positions, GELU, "
+                        "tied embeddings) or llama (RMSNorm, RoPE, SwiGLU, GQA, untied head).")
+    n_kv_head: Optional[int] = setting(None, help="llama: key/value heads (grouped-query attention; "
+                                       "divides n_head) [default: n_head].")
+    ffn_dim: Optional[int] = setting(None, help="llama: SwiGLU hidden size [default: Llama's rule, "
+                                     "8/3 x n_embd x ffn_multiplier rounded up to multiple_of].")
+    ffn_multiplier: Optional[float] = setting(None, help="llama: scales the SwiGLU hidden size "
+                                              "(Llama 2 70B and Llama 3: 1.3; 405B: 1.2).")
+    multiple_of: int = setting(256, help="llama: the SwiGLU hidden size is rounded up to a multiple "
+                               "of this.")
+    rope_theta: float = setting(10000.0, help="llama: rotary base (Llama 2: 10000, Llama 3: 500000).")
+    norm_eps: float = setting(1e-5, help="llama: RMSNorm epsilon.")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_head or self.n_head
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    @property
+    def hidden_dim(self) -> int:
+        """The MLP's hidden size: GPT 4 x n_embd; Llama's SwiGLU ffn_dim, else Meta's rule
+        (llama/model.py: int(2 * 4 * dim / 3), times ffn_multiplier, up to a multiple_of)."""
+        if self.arch != "llama":
+            return 4 * self.n_embd
+        if self.ffn_dim is not None:
+            return self.ffn_dim
+        hidden = int(2 * 4 * self.n_embd / 3)
+        if self.ffn_multiplier is not None:
+            hidden = int(self.ffn_multiplier * hidden)
+        return self.multiple_of * -(-hidden // self.multiple_of)
+
+
+# What choosing an architecture sets, applied right after the preset (`--arch llama` on a GPT
+# preset: its shape as a Llama, without biases); file, flags and --set still override it.
+ARCH_DEFAULTS: dict[str, dict[str, Any]] = {"gpt": dict(arch="gpt"),
+                                             "llama": dict(arch="llama", bias=False)}
 
 
 @dataclass
 class TrainConfig:
-    preset: str = setting("tiny", help=f"Model preset: {', '.join(['tiny', 'small', 'gpt2', 'gpt2-medium'])}.")
+    preset: str = setting("tiny", help="Model preset: tiny, small, gpt2, gpt2-medium (GPT); "
+                          "llama-tiny, llama-small; llama2-7b/13b/70b, llama3-8b/70b/405b (for plan).")
     model: ModelConfig = field(default_factory=ModelConfig)
     # data and run location
     data: str = setting(DEFAULT_DATA, help="Prepared dataset: a folder or s3://... / gs://... "
@@ -161,7 +203,42 @@ PRESETS: dict[str, dict[str, Any]] = {
     "gpt-70b": dict(model=dict(block_size=4096, n_layer=86, n_head=64, n_embd=8192, bias=False),
                     batch_size=1, seq_len=4096, lr=1.5e-4, warmup_steps=2000, strategy="fsdp",
                     activation_checkpointing="full"),
+    # Small Llamas for this machine: tiny's and small's shapes with GQA (2 kv heads: tp up to 2).
+    # llama-tiny: 0.80M parameters with bytes (tiny: 0.86M).
+    "llama-tiny": dict(model=dict(arch="llama", bias=False, block_size=256, n_layer=4, n_head=4,
+                                  n_kv_head=2, n_embd=128, multiple_of=32),
+                       batch_size=16, seq_len=128, lr=3e-3, warmup_steps=30),
+    "llama-small": dict(model=dict(arch="llama", bias=False, block_size=512, n_layer=6, n_head=6,
+                                   n_kv_head=2, n_embd=384, multiple_of=64),
+                        batch_size=16, seq_len=256, lr=1e-3, warmup_steps=100),
 }
+
+
+def _llama(vocab, context, layers, heads, kv_heads, width, multiple_of, theta, multiplier=None,
+           **train):
+    return dict(model=dict(arch="llama", bias=False, vocab_size=vocab, block_size=context,
+                           n_layer=layers, n_head=heads, n_kv_head=kv_heads, n_embd=width,
+                           multiple_of=multiple_of, ffn_multiplier=multiplier, rope_theta=theta),
+                batch_size=1, seq_len=context, warmup_steps=2000, strategy="fsdp",
+                activation_checkpointing="full", **train)
+
+
+# The released Llamas' shapes, for `plan` (and for --init-from their Hugging Face folders): the
+# values of Meta's params.json / Hugging Face's config.json (hidden_size, intermediate_size via
+# Meta's multiple_of rule, heads, key/value heads, layers, vocabulary, rope_theta), the context
+# of their pretraining and the peak learning rates of the Llama 2 and Llama 3 papers. Parameter
+# counts (tests/test_llama.py checks them): 6,738,415,616; 13,015,864,320; 68,976,648,192;
+# 8,030,261,248; 70,553,706,496; 405,853,388,800, the Hugging Face Hub's safetensors totals
+# of meta-llama/Llama-2-{7b,13b,70b}-hf, Meta-Llama-3-{8B,70B} and Llama-3.1-405B. Llama 3.1's
+# 128k context needs its rope scaling (not built here): llama3-405b plans at 8192.
+PRESETS.update({
+    "llama2-7b": _llama(32000, 4096, 32, 32, 32, 4096, 256, 10000.0, lr=3e-4),
+    "llama2-13b": _llama(32000, 4096, 40, 40, 40, 5120, 256, 10000.0, lr=3e-4),
+    "llama2-70b": _llama(32000, 4096, 80, 64, 8, 8192, 4096, 10000.0, 1.3, lr=1.5e-4),
+    "llama3-8b": _llama(128256, 8192, 32, 32, 8, 4096, 1024, 500000.0, 1.3, lr=3e-4),
+    "llama3-70b": _llama(128256, 8192, 80, 64, 8, 8192, 4096, 500000.0, 1.3, lr=1.5e-4),
+    "llama3-405b": _llama(128256, 8192, 126, 128, 8, 16384, 4096, 500000.0, 1.2, lr=8e-5),
+})
 
 
 def preset_config(name: str) -> TrainConfig:
@@ -317,6 +394,9 @@ def build_config(
         name = (preset or flags.get("preset") or set_data.get("preset") or file_data.get("preset")
                 or "tiny")
         cfg = preset_config(name)
+        arch = _chosen_arch(file_data, flags, set_data)
+        if arch is not None and arch != cfg.model.arch and arch in ARCH_DEFAULTS:
+            apply_overrides(cfg.model, ARCH_DEFAULTS[arch], source=f"model.arch={arch}")
     apply_overrides(cfg, file_data, source=f"config file {config_file}")
     apply_overrides(cfg, flags, source="flags")
     apply_overrides(cfg, set_data, source="--set")
@@ -325,6 +405,16 @@ def build_config(
     cfg.preset = name
     validate(cfg)
     return cfg
+
+
+def _chosen_arch(*layers: dict[str, Any]) -> Optional[str]:
+    """model.arch as the last layer that sets it says (None: the preset's)."""
+    arch = None
+    for layer in layers:
+        model = layer.get("model")
+        if isinstance(model, dict) and model.get("arch") is not None:
+            arch = model["arch"]
+    return arch
 
 
 from raytrain_lm.checks import check_resumable, validate  # noqa: E402  (they take TrainConfig)

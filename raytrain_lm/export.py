@@ -3,8 +3,9 @@
 - `native` (the default): safetensors plus a config JSON in this project's names, for plain
   PyTorch with model.py. Tied weights (the output projection shares the token embedding) are
   stored once; config.json's "tied" says which names to point at which.
-- `hf`: a Hugging Face GPT-2 model folder (config.json, model.safetensors under GPT-2's names,
-  the tokenizer files), which transformers' Auto classes load without this project.
+- `hf`: a Hugging Face model folder (config.json, model.safetensors under transformers' names,
+  the tokenizer files), which transformers' Auto classes load without this project: a GPT as
+  GPT2LMHeadModel, a Llama as LlamaForCausalLM (hf_llama.py).
 
 Either way a BPE's tokenizer.json goes along, byte for byte the dataset's and the checkpoint's.
 """
@@ -26,6 +27,7 @@ WEIGHTS, CONFIG = "model.safetensors", "config.json"
 # gpt-2: c_attn's rows are head-interleaved ([h0 q, h0 k, h0 v, h1 q, ...], model.py), which
 # raytrain_lm.model.GPT reads as is; model.qkv_interleaved_to_gpt2 gives GPT-2's [q; k; v].
 FORMAT = "raytrain-lm/gpt-2"
+FORMATS_OF = {"gpt": FORMAT, "llama": "raytrain-lm/llama"}  # llama.py's names, as they are
 FORMATS = ("native", "hf")
 
 
@@ -58,21 +60,22 @@ def export_checkpoint(folder: Path, out: Path, source: str, force: bool = False,
     from safetensors.torch import save_file
 
     from raytrain_lm.checkpoint import load_checkpoint  # torch: not before `out` is checked
-    from raytrain_lm.model import GPT
+    from raytrain_lm.model import architecture
 
     check_out(out, force)
     state = load_checkpoint(folder, meta=meta)
     tok = tokenizer_from_spec(state["tokenizer"], folder)
     # The ties come from the model, not from how a checkpoint stored its tensors: a sharded (FSDP)
     # checkpoint gathers the tied embedding and output weights as two separate copies.
-    model = GPT.from_state_dict(TrainConfig.from_dict(state["config"]).model, state["model"])
+    model_cfg = TrainConfig.from_dict(state["config"]).model
+    model = architecture(model_cfg).from_state_dict(model_cfg, state["model"])
     weights, tied = _untie(model.state_dict())
     config = {
-        "format": FORMAT,
+        "format": FORMATS_OF[model_cfg.arch],
         "model": state["config"]["model"],
         "tokenizer": state["tokenizer"],
         "tied": tied,
-        "qkv_layout": "head-interleaved",
+        **({"qkv_layout": "head-interleaved"} if model_cfg.arch == "gpt" else {}),
         "dtype": str(next(iter(weights.values())).dtype).removeprefix("torch."),
         "num_parameters": sum(t.numel() for t in weights.values()),
         "step": state["step"],
@@ -134,11 +137,12 @@ def _safetensors_source(path: Path) -> Optional[str]:
         return None
 
 
-# ---------------------------------------------------------------- Hugging Face (GPT-2) format
+# ---------------------------------------------------------------- Hugging Face format
 #
 # Our GPT is GPT-2's architecture (pre-LayerNorm, tanh GELU, learned positions, tied embeddings,
-# fused qkv), so it exports as transformers' GPT2LMHeadModel. Writing it needs safetensors and
-# tokenizers, not transformers.
+# fused qkv), so it exports as transformers' GPT2LMHeadModel; our Llama as LlamaForCausalLM
+# (hf_llama.py: names and config). Writing either needs safetensors and tokenizers, not
+# transformers.
 
 HF_TOKENIZER_CONFIG = "tokenizer_config.json"
 HF_GENERATION_CONFIG = "generation_config.json"
@@ -187,23 +191,32 @@ def gpt2_state_dict(state: dict, cfg: ModelConfig, vocab_size: int) -> dict:
 
 def export_hf(state_dict: dict, cfg: ModelConfig, tok: Tokenizer, out: Path,
               force: bool = False) -> dict[str, Any]:
-    """Write `out` as a Hugging Face GPT-2 model folder; returns config.json's content. The
+    """Write `out` as a Hugging Face model folder (GPT-2, or Llama); returns config.json's content. The
     vocabulary is the tokenizer's (the model's padding rows are dropped), so every id of the
     exported model is a token and the real tokens' logits are unchanged."""
-    from safetensors.torch import save_file
-
-    from raytrain_lm.tokenizer import EOT
-
     check_out(out, force)
     if cfg.vocab_size < tok.vocab_size:
         raise UserError(f"the model has {cfg.vocab_size} token embeddings but its tokenizer "
                         f"{tok.vocab_size} tokens")
-    weights = gpt2_state_dict(state_dict, cfg, tok.vocab_size)
     eot = tok.eot_id
-    config = {
+    if cfg.arch == "llama":
+        from raytrain_lm import hf_llama
+
+        weights = hf_llama.to_hf(state_dict, tok.vocab_size)
+        config = hf_llama.hf_config(cfg, tok.vocab_size, eot)
+    else:
+        weights = gpt2_state_dict(state_dict, cfg, tok.vocab_size)
+        config = gpt2_config(cfg, tok.vocab_size, eot)
+    config["dtype"] = str(next(iter(weights.values())).dtype).removeprefix("torch.")
+    _write_hf(out, weights, config, tok, cfg.block_size)
+    return config
+
+
+def gpt2_config(cfg: ModelConfig, vocab_size: int, eot) -> dict[str, Any]:
+    return {
         "architectures": ["GPT2LMHeadModel"],
         "model_type": "gpt2",
-        "vocab_size": tok.vocab_size,
+        "vocab_size": vocab_size,
         "n_positions": cfg.block_size,
         "n_embd": cfg.n_embd,
         "n_layer": cfg.n_layer,
@@ -217,14 +230,21 @@ def export_hf(state_dict: dict, cfg: ModelConfig, tok: Tokenizer, out: Path,
         # GPT2Config defaults both to 50256 (GPT-2's <|endoftext|>): wrong for any other
         # vocabulary, and generate() would stop on it. None where the tokenizer has no EOT.
         "bos_token_id": eot, "eos_token_id": eot,
-        "dtype": str(weights["transformer.wte.weight"].dtype).removeprefix("torch."),
     }
+
+
+def _write_hf(out: Path, weights: dict, config: dict, tok: Tokenizer, block_size: int) -> None:
+    from safetensors.torch import save_file
+
+    from raytrain_lm.tokenizer import EOT
+
+    eot = tok.eot_id
     generation = {"bos_token_id": eot, "eos_token_id": eot}
     # PreTrainedTokenizerFast (transformers' tokenizer.json-as-is class): without a
     # tokenizer_config.json AutoTokenizer would pick GPT2Tokenizer from config.json, which
     # rebuilds the pipeline from vocab and merges with its own pre-tokenizer settings.
     # clean_up_tokenization_spaces=False: True rewrites " ." to "." on decode.
-    tok_config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": cfg.block_size,
+    tok_config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": block_size,
                   "clean_up_tokenization_spaces": False, "add_prefix_space": False}
     if eot is not None:
         tok_config.update(bos_token=EOT, eos_token=EOT)
@@ -239,20 +259,19 @@ def export_hf(state_dict: dict, cfg: ModelConfig, tok: Tokenizer, out: Path,
         # a BPE: the dataset's file itself; bytes: an equivalent tokenizer.json (id i = byte i)
         Path(tmp, TOKENIZER).write_bytes(tok.raw if tok.raw is not None else
                                          byte_tokenizer_json().encode())
-    return config
 
 
 def export_checkpoint_hf(folder: Path, out: Path, force: bool = False,
                          meta: Optional[dict] = None) -> dict[str, Any]:
     """`export --format hf`: a checkpoint folder -> a Hugging Face model folder."""
     from raytrain_lm.checkpoint import load_checkpoint
-    from raytrain_lm.model import GPT
+    from raytrain_lm.model import architecture
 
     check_out(out, force)
     state = load_checkpoint(folder, meta=meta)
     cfg = TrainConfig.from_dict(state["config"])
     tok = tokenizer_from_spec(state["tokenizer"], folder)
     # through the model: a sharded checkpoint gathers the tied weights as two copies
-    model = GPT.from_state_dict(cfg.model, state["model"])
+    model = architecture(cfg.model).from_state_dict(cfg.model, state["model"])
     config = export_hf(model.state_dict(), cfg.model, tok, out, force=force)
     return {**config, "step": state["step"]}

@@ -13,7 +13,7 @@ from raytrain_lm.checkpoint import load_checkpoint
 from raytrain_lm.checks import check_sampling
 from raytrain_lm.config import TrainConfig
 from raytrain_lm.errors import UserError
-from raytrain_lm.model import GPT
+from raytrain_lm.model import Decoder, architecture
 from raytrain_lm.tokenizer import tokenizer_from_spec
 
 
@@ -33,14 +33,14 @@ def load_model(folder: Path, device: torch.device, meta: Optional[dict] = None):
     load_checkpoint."""
     state = load_checkpoint(folder, map_location="cpu", meta=meta)
     cfg = TrainConfig.from_dict(state["config"])
-    model = GPT.from_state_dict(cfg.model, state["model"])
+    model = architecture(cfg.model).from_state_dict(cfg.model, state["model"])
     # a BPE's tokenizer.json travels in the checkpoint (its sha256 checked against the spec)
     return model.to(device).eval(), tokenizer_from_spec(state["tokenizer"], folder), cfg
 
 
 @torch.no_grad()
 def sample(
-    model: GPT,
+    model: Decoder,
     prompt_ids: list[int],
     max_new_tokens: int,
     temperature: float = 0.8,

@@ -18,7 +18,7 @@ import ray.train
 import ray.train.torch
 import torch
 
-from raytrain_lm import checkpoint as ckpt_io
+from raytrain_lm import checkpoint as ckpt_io, hf_llama
 from raytrain_lm.checkpointer import Checkpointer, restore_rng
 from raytrain_lm.config import TrainConfig
 from raytrain_lm.data.loaders import Validation, train_stream
@@ -33,7 +33,7 @@ from raytrain_lm.optim import lr_at
 from raytrain_lm.preflight import check_device_memory
 from raytrain_lm.parallel.fsdp import to_float
 from raytrain_lm.parallel.mesh import rank_coords
-from raytrain_lm.plan import param_counts
+from raytrain_lm.plan import matmul_params, param_counts
 from raytrain_lm.preemption import PreemptionWatch
 from raytrain_lm.step import TrainStep
 
@@ -69,13 +69,16 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         step, tokens = checkpointer.restore(found, state, step_fn, batches)
     else:
         step, tokens = 0, 0
-        if loop_config.get("init_from"):
+        if loop_config.get("init_from"):  # a checkpoint, or a Hugging Face Llama folder
             init_from = Path(loop_config["init_from"])
-            ckpt_io.load_weights(init_from, ckpt_io.read_meta(init_from), step_fn.parallel)
+            if hf_llama.is_hf_folder(init_from):
+                hf_llama.load_weights(init_from, step_fn.parallel)
+            else:
+                ckpt_io.load_weights(init_from, ckpt_io.read_meta(init_from), step_fn.parallel)
     restore_rng(rng, cfg.seed, rank // cfg.tp)  # the saved RNG states, else a dropout stream per rank
 
     n_params = param_counts(cfg.model)["total"]
-    fpt = flops_per_token(cfg.model, n_params - cfg.model.block_size * cfg.model.n_embd, cfg.seq_len)
+    fpt = flops_per_token(cfg.model, matmul_params(cfg.model), cfg.seq_len)
     cadence, preemption = Cadence(cfg), PreemptionWatch()
     step_tokens = sized.batch_size * cfg.seq_len * sized.grad_accum * step_fn.parallel.dp
     meter = Meter(device, world, fpt, gpu_peak_tflops(device, cfg.peak_tflops), n_params, baseline_mem,

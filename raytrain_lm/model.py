@@ -12,6 +12,10 @@ Two things in this file exist so that it *can* be distributed from outside:
 * Initialisation is defined per parameter *region*, not by a global RNG stream: the values of rows
   [r0, r1) of parameter `wte.weight` depend only on (seed, name, row block), so any shard of any
   layout can be filled on its own and the result equals the single-process build (`init_region_`).
+
+`Decoder` is what both architectures share (the forward in three pieces, the KV cache, building
+from a state dict, initialisation); `GPT` here and `Llama` in llama.py fill it in. `architecture`
+maps `ModelConfig.arch` to the class.
 """
 
 from __future__ import annotations
@@ -94,57 +98,55 @@ class Block(nn.Module):
         return x, kv
 
 
-class GPT(nn.Module):
-    def __init__(self, cfg: ModelConfig, seed: Optional[int] = None):
+class Decoder(nn.Module):
+    """token ids -> `embed` -> the blocks `h` -> `head` -> logits. Subclasses build wte, h, ln_f,
+    lm_head (and what `embed` needs) in __init__, then call `_init_or_leave_meta`."""
+
+    tied = False  # whether lm_head shares wte's weight (a pipeline's last stage then holds a copy)
+    EMBED = ("wte",)  # the modules `embed` uses (a pipeline's first stage holds them)
+    HEAD = ("ln_f", "lm_head")  # the modules `head` uses (the last stage holds them)
+
+    def _init_or_leave_meta(self, seed: Optional[int]) -> None:
         """Built under `torch.device("meta")` the parameters stay uninitialised (to be sharded,
         materialised with `to_empty` and filled by `init_weights` or its sharded counterpart).
         Otherwise they are initialised with `seed`, by default `torch.initial_seed()` (the value
         of the last `torch.manual_seed`)."""
-        super().__init__()
-        assert cfg.vocab_size is not None, "vocab_size must be set (from the dataset) before building"
-        self.cfg = cfg
-        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
-        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
-        self.drop = nn.Dropout(cfg.dropout)
-        self.h = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
-        self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
-        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
-        self.tie_weights()
         if not self.wte.weight.is_meta:
             self.init_weights(torch.initial_seed() if seed is None else seed)
 
     @classmethod
-    def from_state_dict(cls, cfg: ModelConfig, state: dict) -> "GPT":
+    def from_state_dict(cls, cfg: ModelConfig, state: dict) -> "Decoder":
         """A model holding exactly `state` (every weight, strictly), without computing initial
         values that would be overwritten."""
         with torch.device("meta"):
             model = cls(cfg)
         model.load_state_dict(state, assign=True)
         model.tie_weights()
+        fill_buffers_(model)  # what a state dict does not hold (Llama's rotary tables)
         return model
 
     def tie_weights(self) -> None:
-        """Input and output embeddings share one tensor. `Module.to_empty` (meta -> real) unties
-        plain tensors, so call this again after it."""
-        self.lm_head.weight = self.wte.weight
+        """Point tied parameters at one tensor again (`Module.to_empty` unties plain tensors)."""
+
+    @staticmethod
+    def init_spec(cfg: ModelConfig, module: nn.Module, fqn: str) -> tuple[str, float]:
+        raise NotImplementedError
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
         """Fill every (full, unsharded) parameter with its layout-independent initial values."""
         for fqn, module, pname, p in init_targets(self):
-            init_region_(p, fqn, init_spec(self.cfg, module, fqn), p.shape, (0,) * p.dim(), seed)
+            init_region_(p, fqn, self.init_spec(self.cfg, module, fqn), p.shape, (0,) * p.dim(), seed)
 
     def num_params(self, exclude_position: bool = False) -> int:
-        n = sum(p.numel() for p in self.parameters())  # tied weights are counted once
-        return n - self.wpe.weight.numel() if exclude_position else n
+        return sum(p.numel() for p in self.parameters())  # tied weights are counted once
 
-    # The forward in three pieces, so that a pipeline stage (parallel/pp.py) runs exactly this code
-    # on the part of the model it holds.
+    def matmul_params(self) -> int:
+        """The N of 6N FLOPs per token: the parameters used in matrix multiplies."""
+        raise NotImplementedError
+
     def embed(self, idx: torch.Tensor, start: int = 0) -> torch.Tensor:
-        pos = torch.arange(start, start + idx.size(1), device=idx.device)
-        # wpe(pos) is (T, C) and broadcasts over the batch; under sequence parallelism both terms
-        # are this rank's slice of the sequence.
-        return self.drop(self.wte(idx) + self.wpe(pos))
+        return self.wte(idx)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.ln_f(x))
@@ -173,6 +175,67 @@ class GPT(nn.Module):
 
     def new_cache(self) -> KVCache:
         return KVCache(layers=[None] * self.cfg.n_layer)
+
+
+class GPT(Decoder):
+    tied = True
+    EMBED = ("wte", "wpe", "drop")
+
+    def __init__(self, cfg: ModelConfig, seed: Optional[int] = None):
+        super().__init__()
+        assert cfg.vocab_size is not None, "vocab_size must be set (from the dataset) before building"
+        self.cfg = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.h = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.tie_weights()
+        self._init_or_leave_meta(seed)
+
+    def tie_weights(self) -> None:
+        """Input and output embeddings share one tensor. `Module.to_empty` (meta -> real) unties
+        plain tensors, so call this again after it."""
+        self.lm_head.weight = self.wte.weight
+
+    @staticmethod
+    def init_spec(cfg: ModelConfig, module: nn.Module, fqn: str) -> tuple[str, float]:
+        return init_spec(cfg, module, fqn)
+
+    def num_params(self, exclude_position: bool = False) -> int:
+        n = sum(p.numel() for p in self.parameters())  # tied weights are counted once
+        return n - self.wpe.weight.numel() if exclude_position else n
+
+    def matmul_params(self) -> int:
+        return self.num_params(exclude_position=True)  # the tied wte counts once, as the head
+
+    # The forward in three pieces (embed, the blocks, head), so that a pipeline stage
+    # (parallel/pp.py) runs exactly this code on the part of the model it holds.
+    def embed(self, idx: torch.Tensor, start: int = 0) -> torch.Tensor:
+        pos = torch.arange(start, start + idx.size(1), device=idx.device)
+        # wpe(pos) is (T, C) and broadcasts over the batch; under sequence parallelism both terms
+        # are this rank's slice of the sequence.
+        return self.drop(self.wte(idx) + self.wpe(pos))
+
+
+def architecture(cfg: ModelConfig) -> type[Decoder]:
+    """The decoder class of `cfg.arch`."""
+    from raytrain_lm.llama import Llama  # llama.py builds on this module
+
+    return {"gpt": GPT, "llama": Llama}[cfg.arch]
+
+
+def build_model(cfg: ModelConfig, seed: Optional[int] = None) -> Decoder:
+    return architecture(cfg)(cfg, seed=seed)
+
+
+def fill_buffers_(model: nn.Module) -> None:
+    """Compute the buffers a state dict does not hold (non-persistent: Llama's rotary tables),
+    after a meta-device build or `to_empty`."""
+    for module in model.modules():
+        if hasattr(module, "reset_buffers"):
+            module.reset_buffers()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -271,8 +334,9 @@ def qkv_interleaved_to_gpt2(t: torch.Tensor, n_head: int) -> torch.Tensor:
 def flops_per_token(cfg: ModelConfig, num_params_matmul: int, seq_len: int) -> float:
     """Training FLOPs per token, PaLM appendix B: 6N + 12·L·H·Q·T.
 
-    N counts the parameters used in matrix multiplies (all but the position embeddings; the tied
-    token embedding counts once, as the output projection). L layers, H heads, Q head size,
+    N counts the parameters used in matrix multiplies (`Decoder.matmul_params`: GPT: all but the
+    position embeddings, the tied token embedding counting once, as the output projection; Llama:
+    all but the token embedding, a lookup). L layers, H (query) heads, Q head size,
     T sequence length: the 12·L·H·Q·T term is attention's QK^T and AV products (forward + backward).
     """
     L, H, Q, T = cfg.n_layer, cfg.n_head, cfg.n_embd // cfg.n_head, seq_len

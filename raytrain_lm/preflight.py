@@ -172,8 +172,13 @@ def check_device_memory(cfg: TrainConfig, device, force: bool) -> None:
 
 def check_init_from(path: str, cfg: TrainConfig, manifest: dict) -> str:
     """Validate --init-from against the model and dataset before any worker starts; returns the
-    checkpoint folder to load (a run's best checkpoint, else its latest)."""
+    checkpoint folder to load (a run's best checkpoint, else its latest), or a Hugging Face
+    Llama folder (hf_llama.py)."""
+    from raytrain_lm import hf_llama
     from raytrain_lm.runs import find_checkpoint
+
+    if hf_llama.is_hf_folder(path):
+        return hf_llama.check_init_from(path, cfg.model, manifest)
 
     found = find_checkpoint(path, cfg.storage, best_else_latest=True)
     # the tokenizer first: another tokenizer usually means another vocabulary size as well, and

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Optional
 
 import pytest
 
@@ -247,27 +248,30 @@ class TrainedHere:
     checkpoint beside its dataset: for export, generate and --init-from tests that need a model
     whose predictions are not noise but need no Ray."""
 
-    def __init__(self, root: Path, tokenizer: str, vocab_size, bias: bool, steps: int = 150):
+    def __init__(self, root: Path, tokenizer: str, vocab_size, bias: bool, steps: int = 150,
+                 arch: str = "gpt", data: Optional[Path] = None):
+        """`data`: an existing dataset to train on (else one is prepared with `tokenizer`)."""
         import torch
 
         from raytrain_lm.checkpoint import save_checkpoint
         from raytrain_lm.config import build_config
-        from raytrain_lm.data.manifest import dataset_tokenizer
+        from raytrain_lm.data.manifest import dataset_tokenizer, load_manifest
         from raytrain_lm.data.prepare import prepare_dataset
         from raytrain_lm.data.windows import TokenWindows
-        from raytrain_lm.model import GPT
+        from raytrain_lm.model import build_model
         from raytrain_lm.preflight import fit_model_to_data
 
-        self.data, self.ckpt = root / "data", root / "ckpt"
-        self.manifest = prepare_dataset("pydoc", self.data, tokenizer=tokenizer, vocab_size=vocab_size,
-                                        block_tokens=1024)
+        self.data, self.ckpt = data or root / "data", root / "ckpt"
+        self.manifest = load_manifest(data) if data else prepare_dataset(
+            "pydoc", self.data, tokenizer=tokenizer, vocab_size=vocab_size, block_tokens=1024)
         self.tok = dataset_tokenizer(self.data)
         self.cfg = build_config(flags=dict(data=str(self.data), seq_len=64, batch_size=16),
                                 sets=["model.n_layer=2", "model.n_head=4", "model.n_embd=64",
-                                      "model.block_size=128", f"model.bias={bias}"])
+                                      "model.block_size=128", f"model.bias={bias}",
+                                      f"model.arch={arch}", *(LLAMA_SETTINGS if arch == "llama" else [])])
         fit_model_to_data(self.cfg, self.manifest)  # vocabulary padded to a multiple of 64
         torch.manual_seed(0)
-        self.model = GPT(self.cfg.model)
+        self.model = build_model(self.cfg.model)
         opt = torch.optim.AdamW(self.model.parameters(), lr=3e-3)
         train = TokenWindows(self.data, "train", 64)
         g = torch.Generator().manual_seed(0)
@@ -288,7 +292,61 @@ class TrainedHere:
 @pytest.fixture(scope="session")
 def trained_here(tmp_path_factory) -> dict:
     """{"byte": a byte model (vocabulary 256, biases), "bpe": a BPE model (1000 tokens padded to
-    1024, bias=False as the gpt2 preset)}."""
+    1024, bias=False as the gpt2 preset), "llama": a Llama (2 kv heads) on the same BPE}."""
     root = tmp_path_factory.mktemp("trained-here")
-    return {"byte": TrainedHere(root / "byte", "byte", None, bias=True),
-            "bpe": TrainedHere(root / "bpe", "bpe", 1000, bias=False)}
+    bpe = TrainedHere(root / "bpe", "bpe", 1000, bias=False)
+    return {"byte": TrainedHere(root / "byte", "byte", None, bias=True), "bpe": bpe,
+            "llama": TrainedHere(root / "llama", "bpe", 1000, bias=False, arch="llama", data=bpe.data)}
+
+
+def batches_as_read(cfg, dp_rank: int = 0, dp_size: int = 1):
+    """The micro-batches a worker's `train_stream` reads, read here without Ray: the same
+    windows in the same order through a plain DataLoader (Ray's prepare_data_loader only moves
+    them to the worker's device)."""
+    from torch.utils.data import DataLoader
+
+    from raytrain_lm.data.sampler import BatchPlan, BatchStream
+    from raytrain_lm.data.windows import TokenWindows, collate_windows
+
+    dataset = TokenWindows(cfg.data, "train", cfg.seq_len)
+    return BatchStream(dataset.shard_windows, BatchPlan(cfg.batch_size, cfg.grad_accum, dp_rank, dp_size),
+                       cfg.seed, lambda b: DataLoader(dataset, batch_sampler=b, collate_fn=collate_windows))
+
+
+def validation_as_read(cfg, byte_lengths):
+    """The (inputs, targets) of a one-rank `Validation`, read without Ray (as batches_as_read)."""
+    from torch.utils.data import DataLoader
+
+    from raytrain_lm.data.loaders import Validation
+    from raytrain_lm.data.windows import collate_windows
+
+    v = Validation(cfg, 0, 1, byte_lengths)
+    for (x, y), real in zip(DataLoader(v.dataset, batch_sampler=v.indices, collate_fn=collate_windows), v.real):
+        yield x, v.targets(y, real)
+
+
+# ---------------------------------------------------------------- Llama
+
+# What the Llama tests add to a GPT's settings: grouped-query attention (2 kv heads: whole kv heads
+# on each of 2 tp ranks), SwiGLU's hidden size rounded to a multiple of 32.
+LLAMA_SETTINGS = ["model.arch=llama", "model.bias=false", "model.n_kv_head=2", "model.multiple_of=32"]
+
+
+def save_hf_llama(folder: Path, m, tokenizer_json: bytes, seed: int = 0):
+    """A LlamaForCausalLM of `m`'s shape (a ModelConfig) with transformers' own random init,
+    saved as a Hugging Face folder (safetensors, config.json) with `tokenizer_json`: a released
+    checkpoint in miniature, made here (nothing downloaded). Returns the model (eval mode)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=m.vocab_size, hidden_size=m.n_embd,
+                         intermediate_size=m.hidden_dim, num_hidden_layers=m.n_layer,
+                         num_attention_heads=m.n_head, num_key_value_heads=m.kv_heads,
+                         max_position_embeddings=m.block_size, rms_norm_eps=m.norm_eps,
+                         rope_parameters={"rope_type": "default", "rope_theta": m.rope_theta},
+                         tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).eval()
+    model.save_pretrained(folder, safe_serialization=True)
+    (Path(folder) / "tokenizer.json").write_bytes(tokenizer_json)
+    return model

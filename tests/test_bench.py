@@ -144,3 +144,19 @@ def test_prepare_bench_child_runs_the_side_it_is_told(tmp_path, side, cpus):
     assert proc.returncode == 0, proc.stderr
     row = json.loads(proc.stdout)
     assert row["side"] == side and row["tokens"] > 0 and len(row["shards"]) >= 2
+
+
+def test_llama_vs_gpt_bench_times_both_at_equal_parameters(tmp_path):
+    """bench/llama_vs_gpt.py on one block each: the Llama's SwiGLU hidden size brings it to the
+    GPT's parameter count (within 0.1%), both are timed and the ratio is theirs."""
+    out = tmp_path / "lvg.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "llama_vs_gpt.py"), "--steps", "1",
+                           "--reps", "1", "--out", str(out)], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(out.read_text())["rows"]
+    gpt, llama = rows["gpt tiny"], rows["llama tiny"]
+    assert llama["model"]["arch"] == "llama" and gpt["model"]["arch"] == "gpt"
+    assert llama["parameters"] == pytest.approx(gpt["parameters"], rel=1e-3)
+    assert json.loads(out.read_text())["llama_over_gpt"] == pytest.approx(
+        llama["tokens_per_s_median"] / gpt["tokens_per_s_median"])

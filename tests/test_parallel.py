@@ -9,7 +9,10 @@ import shutil
 
 import pytest
 
-from conftest import run_cli, step_losses
+import torch
+
+from conftest import (LLAMA_SETTINGS, batches_as_read, run_cli, save_hf_llama, step_losses,
+                      validation_as_read)
 from raytrain_lm.config import build_config
 from raytrain_lm.driver import run_training
 
@@ -29,16 +32,24 @@ LAYOUTS = {  # name: (workers, flags); batch_size is per data-parallel rank
     "dp2xpp2-gpipe": (4, dict(pp=2, strategy="ddp", pp_schedule="gpipe", microbatches=4)),
     "fsdp2xtp2-sp": (4, dict(tp=2, strategy="fsdp", sequence_parallel=True)),
 }
+# The Llama (same width, 2 kv heads: one per tp rank) on a subset: tp (q/k/v and gate/up
+# column-wise, whole kv heads per rank), one pipeline schedule (rotary tables on each stage),
+# FSDP2 x TP with sequence parallelism on the RMSNorms. Every Llama run starts from one Hugging
+# Face Llama folder made by transformers (--init-from: the import into each layout). Ray runs:
+# these 4 and the kill drill below (candidates for the forked-gloo harness when it lands).
+ARCHS = {
+    "gpt": (MODEL, LAYOUTS),
+    "llama": (MODEL + LLAMA_SETTINGS, {k: LAYOUTS[k] for k in ("one", "tp2", "pp2-1f1b", "fsdp2xtp2-sp")}),
+}
 
 
-def layout_config(data, storage, name, workers, flags, **more):
+def layout_config(data, storage, name, workers, flags, arch="gpt", **more):
     dp = workers // (flags.get("tp", 1) * flags.get("pp", 1))
-    return build_config(sets=MODEL, flags=dict(
+    return build_config(sets=ARCHS[arch][0], flags={**dict(
         workers=workers, cpus_per_worker=0.5 if workers > 2 else 1.0, max_steps=STEPS,
         batch_size=GLOBAL_BATCH // dp, seq_len=64, lr=3e-3, warmup_steps=5, log_every=10,
-        eval_every=STEPS, checkpoint_every=10 if name == "tp2" else 0,  # tp2's: the resume test
-        data=str(data), storage=str(storage), name=name,
-        seed=5, **flags, **more))
+        eval_every=STEPS, checkpoint_every=10 if name.endswith("tp2") else 0,  # tp2's: the resume tests
+        data=str(data), storage=str(storage), name=name, seed=5), **flags, **more})
 
 
 @pytest.fixture(scope="module")
@@ -47,43 +58,119 @@ def storage(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def runs(ray_address, pydoc_data, storage):
-    """Every layout's per-step losses and metrics rows (one Ray run each)."""
-    out = {}
-    for name, (workers, flags) in LAYOUTS.items():
-        rows = []
-        summary = run_training(layout_config(pydoc_data, storage, name, workers, flags),
-                               say=lambda m: None, on_metrics=rows.append)
-        assert summary["status"] == "completed", name
-        out[name] = (step_losses(storage / name), rows)
-    return out
+def hf_folder(tmp_path_factory, pydoc_data, storage):
+    """A Hugging Face Llama of the Llama runs' shape, with the byte tokenizer: (folder, model)."""
+    from raytrain_lm.preflight import fit_model_to_data
+    from raytrain_lm.data.manifest import load_manifest
+    from raytrain_lm.tokenizer import byte_tokenizer_json
+
+    cfg = layout_config(pydoc_data, storage, "shape", 1, {}, arch="llama")
+    fit_model_to_data(cfg, load_manifest(pydoc_data))
+    folder = tmp_path_factory.mktemp("hf-llama")
+    return folder, save_hf_llama(folder, cfg.model, byte_tokenizer_json().encode(), seed=7)
 
 
-@pytest.mark.parametrize("layout", [n for n in LAYOUTS if n != "one"])
-def test_every_layout_trains_the_one_worker_model(runs, layout):
+def run_name(arch, name):
+    return name if arch == "gpt" else f"llama-{name}"
+
+
+@pytest.fixture(scope="module")
+def runs(ray_address, pydoc_data, storage, request):
+    """runs(arch): every layout's per-step losses and metrics rows (one Ray run each, made on
+    first use)."""
+    done = {}
+
+    def get(arch):
+        if arch not in done:
+            init_from = str(request.getfixturevalue("hf_folder")[0]) if arch == "llama" else None
+            done[arch] = {}
+            for name, (workers, flags) in ARCHS[arch][1].items():
+                rows = []
+                cfg = layout_config(pydoc_data, storage, run_name(arch, name), workers, flags, arch)
+                summary = run_training(cfg, init_from=init_from, say=lambda m: None, on_metrics=rows.append)
+                assert summary["status"] == "completed", (arch, name)
+                done[arch][name] = (step_losses(storage / run_name(arch, name)), rows)
+        return done[arch]
+
+    return get
+
+
+@pytest.mark.parametrize("arch,layout", [(a, n) for a in ARCHS for n in ARCHS[a][1] if n != "one"])
+def test_every_layout_trains_the_one_worker_model(runs, arch, layout):
     """Within 1e-4 relative at each of 20 steps (AdamW, clipping, warmup and cosine): the same
-    initial weights (built sharded, filled with the values one process would draw), the same
-    windows (sharded by data-parallel rank only), the same global gradient norm."""
-    reference, losses = runs["one"][0], runs[layout][0]
+    initial weights (built sharded, filled with the values one process would draw, or the same
+    Hugging Face weights loaded into each rank's shards), the same windows (sharded by
+    data-parallel rank only), the same global gradient norm."""
+    reference, losses = runs(arch)["one"][0], runs(arch)[layout][0]
     assert losses.keys() == reference.keys() == set(range(1, STEPS + 1))
     for step in reference:
         assert losses[step] == pytest.approx(reference[step], rel=1e-4), step
-    rows, one = runs[layout][1], runs["one"][1]
+    rows, one = runs(arch)[layout][1], runs(arch)["one"][1]
     assert rows[-1]["val_loss"] == pytest.approx(one[-1]["val_loss"], rel=1e-4)
     # bits per byte counts each data-parallel group's text once, not once per tp rank or stage
     # (bytes: exactly val_loss / ln 2)
     assert rows[-1]["val_bpb"] == pytest.approx(rows[-1]["val_loss"] / math.log(2), rel=1e-9)
 
 
-def test_the_layouts_report_what_they_hold_and_move(runs):
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_layouts_report_what_they_hold_and_move(runs, arch):
     """tp2 holds half the parameters per rank, its tp dimension moves bytes, the pipelines
-    report a bubble and point-to-point bytes; DDP replicas agree."""
-    tp2, pp2, one = runs["tp2"][1][-1], runs["pp2-1f1b"][1][-1], runs["one"][1][-1]
+    report a bubble and point-to-point bytes; DDP replicas agree; built sharded, FSDP2 x TP2
+    holds a quarter."""
+    tp2, pp2, one = runs(arch)["tp2"][1][-1], runs(arch)["pp2-1f1b"][1][-1], runs(arch)["one"][1][-1]
     assert one["param_fraction"] == 1.0 and one["comm_bytes"] == {}
-    assert tp2["param_fraction"] == pytest.approx(0.5, abs=0.03)  # LayerNorms stay replicated
+    assert tp2["param_fraction"] == pytest.approx(0.5, abs=0.03)  # norms stay replicated
     assert tp2["comm_bytes"]["tp"] > 0 and "pp" not in tp2["comm_bytes"]
     assert pp2["comm_bytes"]["pp"] > 0 and 0.0 < pp2["bubble"] < 1.0
-    assert runs["fsdp2xtp2-sp"][1][-1]["comm_bytes"]["dp"] > 0
+    both = runs(arch)["fsdp2xtp2-sp"][1][-1]
+    assert both["comm_bytes"]["dp"] > 0 and both["param_fraction"] == pytest.approx(0.25, abs=0.02)
+
+
+def test_a_llama_starts_from_the_hf_models_weights(runs, hf_folder, pydoc_data, storage):
+    """--init-from a Hugging Face Llama folder: the first step's loss is the transformers
+    model's loss on that step's batch (the same windows, read here as the run read them)."""
+    import torch.nn.functional as F
+
+    cfg = layout_config(pydoc_data, storage, "x", 1, {}, arch="llama")
+    x, y = batches_as_read(cfg).next()
+    with torch.no_grad():
+        logits = hf_folder[1](x).logits
+    expected = F.cross_entropy(logits.flatten(0, 1), y.reshape(-1)).item()
+    assert runs("llama")["one"][0][1] == pytest.approx(expected, rel=1e-5, abs=1e-5)
+
+
+def test_a_killed_llama_run_resumes_bit_identically(runs, hf_folder, pydoc_data, storage, monkeypatch):
+    """The one-worker Llama run again, its worker killed after step 13: restarted from step 10's
+    checkpoint (not from --init-from again), every step's loss is the uninterrupted run's, bit for
+    bit. (A Ray run of its own, with the restart.)"""
+    monkeypatch.setenv("RAYTRAIN_LM_FAIL_AT", "0:13")
+    cfg = layout_config(pydoc_data, storage, "llama-killed", 1, {}, arch="llama", max_failures=1,
+                        checkpoint_every=10)
+    summary = run_training(cfg, init_from=str(hf_folder[0]), say=lambda m: None)
+    assert summary["restarts"] == 1 and summary["resumed_from_step"] == 10
+    assert step_losses(storage / "llama-killed") == runs("llama")["one"][0]
+
+
+def test_a_sharded_llama_checkpoint_loads_in_one_process(runs, storage, pydoc_data):
+    """The tp2 run's final checkpoint (two ranks' shards, dcp/) gathered in one process, as
+    generate and export load it: its validation loss on the run's validation windows is the one
+    the run measured at tp2."""
+    from raytrain_lm.checkpoint import load_checkpoint
+    from raytrain_lm.config import TrainConfig
+    from raytrain_lm.data.loaders import Validation
+    from raytrain_lm.model import architecture
+    from raytrain_lm.tokenizer import ByteTokenizer
+
+    state = load_checkpoint(storage / "llama-tp2" / f"checkpoint_{STEPS:08d}")
+    cfg = TrainConfig.from_dict(state["config"])
+    model = architecture(cfg.model).from_state_dict(cfg.model, state["model"]).eval()
+    total, tokens = 0.0, 0
+    with torch.no_grad():
+        for x, y in validation_as_read(cfg, ByteTokenizer().text_byte_lengths()):
+            n = int((y != Validation.IGNORE).sum())
+            total += model(x, y)[1].item() * n
+            tokens += n
+    assert total / tokens == pytest.approx(runs("llama")["tp2"][1][-1]["val_loss"], rel=1e-5)
 
 
 def test_a_tp2_checkpoint_resumes_as_fsdp_on_two_workers(runs, storage, pydoc_data):
@@ -99,7 +186,7 @@ def test_a_tp2_checkpoint_resumes_as_fsdp_on_two_workers(runs, storage, pydoc_da
     rows = []
     summary = run_training(cfg, resume=True, say=lambda m: None, on_metrics=rows.append)
     assert summary["resumed_from_step"] == 10
-    resumed, uninterrupted = step_losses(storage / "tp2-to-fsdp"), runs["tp2"][0]
+    resumed, uninterrupted = step_losses(storage / "tp2-to-fsdp"), runs("gpt")["tp2"][0]
     for step in (11, 12):
         assert resumed[step] == pytest.approx(uninterrupted[step], rel=1e-5), step
 
@@ -140,6 +227,12 @@ def test_built_sharded_no_rank_holds_the_whole_model(ray_address, pydoc_data, st
     (["--pp", "2", "--grad-accum", "2"], "use them instead of --grad-accum"),
     (["--pp", "2", "--pp-schedule", "zigzag"], "--pp-schedule must be one of"),
     (["--sequence-parallel"], "--sequence-parallel needs --tp 2 or more"),
+    (["--preset", "llama-tiny", "--workers", "4", "--tp", "4"],
+     "model.n_kv_head (2) must be divisible by --tp 4: each tensor-parallel rank holds whole key/value heads"),
+    (["--preset", "llama-tiny", "--set", "model.n_kv_head=3"], "model.n_kv_head (3) must divide model.n_head (4)"),
+    (["--arch", "llama", "--set", "model.bias=true"], "the Llama has no biases"),
+    (["--arch", "llama", "--set", "model.dropout=0.1"], "the Llama has no dropout"),
+    (["--arch", "mamba"], "model.arch must be one of gpt, llama"),
 ])
 def test_layouts_that_cannot_work_are_refused(tmp_path, args, expected):
     from test_cli_errors import assert_clean_error

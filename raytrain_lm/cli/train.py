@@ -14,6 +14,10 @@ from raytrain_lm.cli.options import (CONFIG, JSON, QUIET, SET, VERBOSE, ConfigPa
 from raytrain_lm.elastic import parse_workers
 from raytrain_lm.plan import COMPUTE_EFFICIENCY, H100_NVLINK_GBPS, H100_TFLOPS, IB_400_GBPS
 
+ARCH = typer.Option(None, help="The model's architecture: gpt (GPT-2) or llama (RMSNorm, "
+                    "rotary positions, SwiGLU, grouped-query attention, untied head; no biases) "
+                    "[default: the preset's]. The preset's shape in the other architecture; "
+                    "model.* settings (--set) choose the rest.")
 # `--workers` is train's own option (N or MIN-MAX), not generated from the setting.
 TRAIN_SETTINGS = ("use_gpu", "preset", "data", "max_steps", "batch_size", "seq_len", "lr",
                   "grad_accum", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints",
@@ -40,6 +44,8 @@ def workers_value(text: str):
                              "python cli.py train --workers 8 --use-gpu --preset gpt2 --data data/stdlib",
                              "python cli.py train --workers 2-8 --use-gpu --preset gpt2 --data s3://bucket/data/stdlib",
                              "python cli.py train --workers 4 --tp 2    # 2-way data x 2-way tensor parallel",
+                             "python cli.py train --arch llama --preset tiny    # a small Llama",
+                             "python cli.py train --preset llama-tiny --workers 4 --tp 2",
                              "python cli.py train --workers 4 --pp 2 --microbatches 8 --pp-schedule 1f1b",
                              "python cli.py train --workers 8 --tp 2 --pp 2 --strategy fsdp",
                              "python cli.py train --config best.yaml --set model.dropout=0.1",
@@ -59,6 +65,7 @@ def train(
     resume: bool = typer.Option(False, help="Continue the run --name from its latest checkpoint."),
     init_from: Optional[Path] = typer.Option(None, help="Start from this checkpoint's weights (a "
                                              "checkpoint, or a run: its best) with a fresh optimizer."),
+    arch: Optional[str] = ARCH,
     scale_lr: str = typer.Option("none", help="Scale lr to this run's global batch from the one it was "
                                  "chosen at (ref_batch_tokens): none, linear or sqrt (recommended for AdamW)."),
     worker_env: SetList = typer.Option(None, "--worker-env", help="An environment variable of the "
@@ -67,7 +74,7 @@ def train(
     quiet: bool = QUIET,
     as_json: bool = JSON,
 ) -> None:
-    """Train a GPT model with Ray Train (DDP over gloo on CPU, NCCL on GPU)."""
+    """Train a GPT or Llama model with Ray Train (DDP over gloo on CPU, NCCL on GPU)."""
     from raytrain_lm.config import build_config
     from raytrain_lm.driver import run_training, saved_config
     from raytrain_lm.files import default_storage
@@ -76,6 +83,8 @@ def train(
 
     if workers is not None:  # N is a fixed size: MIN = MAX
         settings["min_workers"], settings["workers"] = parse_workers(str(workers))
+    if arch is not None:
+        settings["model"] = {"arch": arch}
     base = None
     if resume:  # the run continues where it is found: --storage, else the default storage
         settings = {**settings, "storage": settings["storage"] or default_storage()}
@@ -134,6 +143,7 @@ def train_paths(args: list[str]) -> dict:
 @app.command(epilog=examples("python cli.py plan --preset gpt2 --gpus 8",
                              "python cli.py plan --preset gpt-70b --gpus 64 --gpus-per-node 8 --gpu-memory-gb 80",
                              "python cli.py plan --preset gpt-70b --gpus 512 --tp 8 --strategy fsdp --json",
+                             "python cli.py plan --preset llama2-70b --gpus 64 --gpus-per-node 8 --gpu-memory-gb 80",
                              "python cli.py plan --preset small --set model.n_layer=24 --batch-size 32"))
 @settings("batch_size", "seq_len", "grad_accum",
           help={"batch_size": "Sequences per GPU per micro-step under plain data parallelism: the "
@@ -160,8 +170,11 @@ def plan(
                                            "this: ddp or fsdp."),
     top: int = typer.Option(10, help="Layouts shown, fastest first."),
     show_all: bool = typer.Option(False, "--all", help="Show every layout planned."),
-    vocab_size: int = typer.Option(50304, help="The tokenizer's vocabulary, padded: GPT-2's BPE is "
-                                   "50304, the byte tokenizer 256."),
+    vocab_size: Optional[int] = typer.Option(None, help="The tokenizer's vocabulary, padded "
+                                             "[default: the preset's (Llama 2: 32000, Llama 3: "
+                                             "128256), else GPT-2's BPE, 50304; the byte "
+                                             "tokenizer: 256]."),
+    arch: Optional[str] = ARCH,
     cpu: bool = typer.Option(False, help="Plan for CPU workers (fp32 activations)."),
     set_: SetList = SET,
     as_json: bool = JSON,
@@ -175,7 +188,10 @@ def plan(
                       intra_gbps=intra_node_gbps, inter_gbps=inter_node_gbps, tflops=gpu_tflops,
                       efficiency=compute_efficiency, gpu=not cpu)
     check_cluster(cluster)
-    cfg = build_config(preset=preset, sets=set_,
-                       flags={**settings, "workers": gpus, "model": {"vocab_size": vocab_size}})
+    from raytrain_lm.config import PRESETS
+
+    preset_vocab = PRESETS.get(preset, {}).get("model", {}).get("vocab_size")
+    model = {"vocab_size": vocab_size or preset_vocab or 50304, **({"arch": arch} if arch else {})}
+    cfg = build_config(preset=preset, sets=set_, flags={**settings, "workers": gpus, "model": model})
     typer.echo(plan_command(cfg, cluster, tp=tp, pp=pp, strategy=strategy, top=top,
                             show_all=show_all, as_json=as_json))

@@ -1,5 +1,5 @@
-"""Everything that makes the model distributed or memory-lean, applied from outside `model.py`
-(which imports nothing from torch.distributed).
+"""Everything that makes the model distributed or memory-lean, applied from outside `model.py` and
+`llama.py` (which import nothing from torch.distributed): the same code for both architectures.
 
 Two ways to build, one interface (`Parallelized`):
 - replicated (DDP, no --tp/--pp): the whole model on every worker, wrapped by Ray Train's
@@ -16,6 +16,7 @@ Two ways to build, one interface (`Parallelized`):
     fsdp.py   FSDP2 or FSDP2's replicate on the dp dim; what a rank holds
     tp.py     tensor (and sequence) parallelism with DTensor; loss without gathering logits
     pp.py     pipeline stages, schedules, the tied embedding across first and last stage
+              (the GPT's; the Llama's head is untied)
     init.py   meta -> local shards -> initial values
     grad.py   gradients in their parameters' layouts; the global gradient norm
     comm.py   bytes per mesh dim per step; the pipeline's bubble
@@ -32,7 +33,7 @@ import torch.nn as nn
 
 from raytrain_lm.checks import pipeline_microbatches, pipeline_stages
 from raytrain_lm.config import TrainConfig
-from raytrain_lm.model import GPT
+from raytrain_lm.model import architecture, build_model
 from raytrain_lm.optim import build_optimizer
 from raytrain_lm.parallel import ddp, fsdp
 from raytrain_lm.parallel.ac import apply_activation_checkpointing
@@ -56,7 +57,7 @@ class Parallelized:
         self.norm_exclude: set[int] = set()
         self.comm_bytes: dict[str, int] = {}  # per mesh dim, one step (step.py counts them)
         if self.replicated:
-            model = GPT(cfg.model, seed=cfg.seed)
+            model = build_model(cfg.model, seed=cfg.seed)
             apply_activation_checkpointing(model, cfg.activation_checkpointing)
             self.parts, self.modules = [model], [ddp.replicate(model, cfg.compile)]
         else:
@@ -80,7 +81,7 @@ class Parallelized:
             self.stages = pp.build_stage_modules(cfg.model, self.coords.pp, cfg.pp, per_rank)
         else:
             with torch.device("meta"):
-                self.stages = [(0, GPT(cfg.model))]
+                self.stages = [(0, build_model(cfg.model))]
         for _, part in self.stages:
             apply_activation_checkpointing(part, cfg.activation_checkpointing)
             if cfg.tp > 1:
@@ -103,7 +104,8 @@ class Parallelized:
         self.has_first = any(m.is_first for m in self.parts)
         self.has_last = any(m.is_last for m in self.parts)
         self.pp_group = self.mesh["pp"].get_group()
-        self.tied_group = pp.tied_group(self.mesh)
+        # a tied embedding (GPT) lives on the first and the last stage; Llama's head is its own
+        self.tied_group = pp.tied_group(self.mesh) if architecture(cfg.model).tied else None
         self.norm_exclude = pp.duplicate_tied_params(self.parts)
 
     # ---------------------------------------------------------------- a step

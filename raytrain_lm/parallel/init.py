@@ -15,7 +15,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from raytrain_lm.model import init_region_, init_spec, init_targets
+from raytrain_lm.model import architecture, fill_buffers_, init_region_, init_targets
 
 
 def local_region(p: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
@@ -34,18 +34,19 @@ def local_region(p: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
 
 @torch.no_grad()
 def init_sharded_(model: nn.Module, cfg, seed: int) -> int:
-    """Fill the local shard of every parameter of `model` (a GPT or a GPTStage, sharded or not).
+    """Fill the local shard of every parameter of `model` (a decoder or a pipeline stage of one,
+    sharded or not).
     Returns the number of elements this rank filled (for tests: sum of local shards)."""
-    filled = 0
+    filled, spec = 0, architecture(cfg).init_spec
     for fqn, module, _, p in init_targets(model):
         local, offset = local_region(p)
-        init_region_(local, fqn, init_spec(cfg, module, fqn), p.shape, offset, seed)
+        init_region_(local, fqn, spec(cfg, module, fqn), p.shape, offset, seed)
         filled += local.numel()
     return filled
 
 
 def materialize_(model: nn.Module, cfg, seed: int, device: str | torch.device = "cpu") -> None:
-    """meta -> real local shards -> initial values."""
+    """meta -> real local shards -> initial values (and the buffers no checkpoint holds)."""
     tied_before = _is_tied(model)
     model.to_empty(device=device)
     if tied_before and not _is_tied(model):
@@ -54,6 +55,7 @@ def materialize_(model: nn.Module, cfg, seed: int, device: str | torch.device = 
         if any(isinstance(p, DTensor) for p in model.parameters()):
             raise RuntimeError("to_empty untied a sharded lm_head/wte pair")
         model.lm_head.weight = model.wte.weight
+    fill_buffers_(model)  # to_empty leaves the rotary tables (Llama) uninitialised
     init_sharded_(model, cfg, seed)
 
 

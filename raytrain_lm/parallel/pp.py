@@ -1,10 +1,10 @@
 """Pipeline parallelism with torch.distributed.pipelining, stages built by hand (no tracer).
 
-* Split by layers: stage s holds blocks layers[s]; the first stage also wte/wpe/drop, the last
-  ln_f/lm_head. A stage module keeps the full model's FQNs (h is a ModuleDict keyed by the
+* Split by layers: stage s holds blocks layers[s]; the first stage also the embedding (GPT:
+  wte/wpe/drop; Llama: wte), the last ln_f/lm_head. A stage module keeps the full model's FQNs (h is a ModuleDict keyed by the
   original layer index: "h.5.attn.c_attn.weight" in the stage is the same key as in the GPT), so
   DCP checkpoints and the layout-independent init work across layouts unchanged.
-* Tied embeddings (Megatron's "embedding group"): the last stage holds its own copy of `wte`
+* Tied embeddings (Megatron's "embedding group", the GPT only): the last stage holds its own copy of `wte`
   (registered as `wte`, with lm_head.weight tied to it, exactly as in GPT), initialised to the same
   values by construction. After each backward the gradients of the two copies are summed across
   the first and last stage (`sync_tied_grads`), so both copies take identical optimizer steps and
@@ -34,35 +34,38 @@ from torch.distributed.pipelining.schedules import (
 from torch.distributed.tensor import DTensor, Shard
 
 from raytrain_lm.checks import split_layers  # noqa: F401  (pure; the planner uses it too)
-from raytrain_lm.model import GPT
+from raytrain_lm.model import Decoder, build_model
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B}
 
 
 class GPTStage(nn.Module):
-    """The part of a GPT one pipeline stage runs. It takes the GPT's own submodules (build the GPT
-    on the meta device first: taking them is free) and runs GPT.embed / Block / GPT.head, so the
-    math is model.py's."""
+    """The part of a decoder (model.GPT or llama.Llama) one pipeline stage runs. It takes the
+    model's own submodules (build it on the meta device first: taking them is free) and runs the
+    model class's embed / blocks / head, so the math is the model file's. A Llama's blocks bring
+    the rotary tables they share (llama.py), so every stage has them."""
 
-    def __init__(self, model: GPT, layers: range, is_first: bool, is_last: bool):
+    def __init__(self, model: Decoder, layers: range, is_first: bool, is_last: bool):
         super().__init__()
-        self.cfg = model.cfg
+        self.cfg, self.arch = model.cfg, type(model)
         self.is_first, self.is_last = is_first, is_last
-        if is_first or is_last:
-            self.wte = model.wte  # the last stage's copy serves lm_head (tied)
         if is_first:
-            self.wpe, self.drop = model.wpe, model.drop
+            for name in model.EMBED:
+                setattr(self, name, getattr(model, name))
+        if is_last and model.tied:
+            self.wte = model.wte  # the last stage's copy serves lm_head (tied)
         self.h = nn.ModuleDict({str(i): model.h[i] for i in layers})
         if is_last:
-            self.ln_f, self.lm_head = model.ln_f, model.lm_head
+            for name in model.HEAD:
+                setattr(self, name, getattr(model, name))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.is_first:
-            x = GPT.embed(self, x)  # token ids -> embeddings
+            x = self.arch.embed(self, x)  # token ids -> embeddings
         for block in self.h.values():
             x, _ = block(x)
         if self.is_last:
-            x = GPT.head(self, x)  # logits (the local vocab shard under TP)
+            x = self.arch.head(self, x)  # logits (the local vocab shard under TP)
         return x
 
 
@@ -75,7 +78,7 @@ def build_stage_modules(cfg, pp_rank: int, pp_size: int, stages_per_rank: int) -
     n_stages = pp_size * stages_per_rank
     splits = split_layers(cfg.n_layer, n_stages)
     with torch.device("meta"):
-        full = GPT(cfg)
+        full = build_model(cfg)
     out = []
     for s in stage_ids(pp_rank, pp_size, stages_per_rank):
         # This rank's stages take disjoint modules out of its meta GPT: wte goes to both the

@@ -1,6 +1,6 @@
-"""Tensor (and optional sequence) parallelism for the GPT of model.py, with DTensor's
-`parallelize_module` on the "tp" mesh dim. Works on the full model and on pipeline stages
-(parallel/pp.py: GPTStage), which hold a subset of the same attributes.
+"""Tensor (and optional sequence) parallelism for the decoders of model.py and llama.py, with
+DTensor's `parallelize_module` on the "tp" mesh dim. Works on the full model and on pipeline
+stages (parallel/pp.py: GPTStage), which hold a subset of the same attributes.
 
 Layouts (tp ranks r = 0..tp-1):
   c_attn, mlp.c_fc       ColwiseParallel: weight Shard(0). c_attn's rows are head-interleaved
@@ -16,7 +16,12 @@ Layouts (tp ranks r = 0..tp-1):
                           gathered.
   wpe                     RowwiseParallel too: Shard(0) over positions; its (T, C) output is
                           all-reduced, or reduce-scattered over T with SP.
-  LayerNorms              SequenceParallel with SP (Replicate params, sequence-sharded
+  Llama (llama.py)        q_proj, k_proj, v_proj, gate_proj, up_proj ColwiseParallel (rank r:
+                          query heads r*H/tp.., key/value heads r*KV/tp..: n_kv_head divisible
+                          by tp, checks.py); o_proj, down_proj RowwiseParallel; wte as above,
+                          lm_head untied ColwiseParallel; no wpe (rotary tables: plain buffers,
+                          every rank holds them whole).
+  LayerNorms, RMSNorms    SequenceParallel with SP (Replicate params, sequence-sharded
                           activations); without SP `ReplicateParallel` below makes their params
                           Replicate DTensors as well, so that every parameter is a DTensor
                           (optimizers, grad-norm and DCP then treat the model uniformly).
@@ -72,7 +77,7 @@ def _outputs_to_local(module, outputs, mesh):
 
 def apply_tp(module: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool = False,
              loss_parallel: bool = True, local_logits: bool = False) -> nn.Module:
-    """Parallelize a GPT or GPTStage in place (ideally still on the meta device).
+    """Parallelize a decoder or a GPTStage in place (ideally still on the meta device).
 
     loss_parallel: keep logits sharded over the vocabulary (the caller wraps forward+backward in
         `torch.distributed.tensor.parallel.loss_parallel()`); else all-gather them.
@@ -108,30 +113,31 @@ def apply_tp(module: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool 
         assert module.lm_head.weight.placements == module.wte.weight.placements
         module.lm_head.weight = module.wte.weight
 
+    colwise, rowwise = PROJECTIONS[module.cfg.arch]
     for block in _blocks(module):
-        if sp:
-            plan = {
-                "ln_1": SequenceParallel(),
-                "attn": PrepareModuleInput(input_layouts=(seq, None),
-                                           desired_input_layouts=(Replicate(), None)),
-                "attn.c_attn": ColwiseParallel(),
-                "attn.c_proj": RowwiseParallel(output_layouts=seq),
-                "ln_2": SequenceParallel(),
-                "mlp": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
-                "mlp.c_fc": ColwiseParallel(),
-                "mlp.c_proj": RowwiseParallel(output_layouts=seq),
-            }
-        else:
-            plan = {
-                "ln_1": ReplicateParallel(),
-                "attn.c_attn": ColwiseParallel(),
-                "attn.c_proj": RowwiseParallel(),
-                "ln_2": ReplicateParallel(),
-                "mlp.c_fc": ColwiseParallel(),
-                "mlp.c_proj": RowwiseParallel(),
-            }
+        plan = {
+            "ln_1": SequenceParallel() if sp else ReplicateParallel(),
+            "ln_2": SequenceParallel() if sp else ReplicateParallel(),
+            **{name: ColwiseParallel() for name in colwise},
+            **{name: RowwiseParallel(output_layouts=seq) if sp else RowwiseParallel()
+               for name in rowwise},
+        }
+        if sp:  # all-gather the sequence before attention and the MLP
+            plan["attn"] = PrepareModuleInput(input_layouts=(seq, None),
+                                              desired_input_layouts=(Replicate(), None))
+            plan["mlp"] = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),))
         parallelize_module(block, tp_mesh, plan)
     return module
+
+
+# Per architecture, a block's column-parallel linears (output features split: whole heads, a
+# slice of the MLP's hidden units) and its row-parallel ones (input features split, output
+# all-reduced or reduce-scattered).
+PROJECTIONS = {
+    "gpt": (("attn.c_attn", "mlp.c_fc"), ("attn.c_proj", "mlp.c_proj")),
+    "llama": (("attn.q_proj", "attn.k_proj", "attn.v_proj", "mlp.gate_proj", "mlp.up_proj"),
+              ("attn.o_proj", "mlp.down_proj")),
+}
 
 
 def _has(module: nn.Module, name: str) -> bool:

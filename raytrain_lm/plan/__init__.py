@@ -1,4 +1,4 @@
-"""Which layout to train a GPT with: per-GPU memory, per-step communication and an estimated step
+"""Which layout to train a GPT or a Llama with: per-GPU memory, per-step communication and an estimated step
 time for every (dp, tp, pp) layout that divides the GPUs, and the fastest one that fits. `plan`
 prints them; `train` checks its own layout with the same model (preflight.check_memory).
 
@@ -19,6 +19,9 @@ Memory per GPU (GB = 1e9 bytes), on the pipeline rank that needs the most:
   LayerNorm), divided by tp as parallel/tp.py shards them: c_attn and c_fc (weights and biases),
   both c_proj weights, wte (vocabulary-parallel) and wpe (positions) split; row-parallel biases
   and LayerNorms replicated.
+- A Llama (model.arch llama): every matrix (q, k, v, o, gate, up, down, the embedding and the
+  untied head) divided by tp, the RMSNorms whole, no position table; the first stage holds the
+  embedding, the last the head and the final norm, and there is no tied gradient to sum.
 - fp32 parameters, gradients and AdamW's two moments: 4 + 4 + 8 bytes per parameter; fsdp
   divides them by dp, ddp keeps all of them.
 - FSDP's working set ("gathered"), parameters gathered in the activation dtype:
@@ -37,7 +40,10 @@ Memory per GPU (GB = 1e9 bytes), on the pipeline rank that needs the most:
   and c_fc, the dropout masks) and 12 divide by tp (q/k/v, attention output, the MLP's two
   4x-wide tensors). Selective checkpointing keeps 11 (matmul and attention outputs and the block
   input): 3 whole (block input, the two row-parallel c_proj outputs) and 8 divided. With sequence
-  parallelism everything divides by tp. Full checkpointing keeps each block's input (the fp32
+  parallelism everything divides by tp. A Llama counted the same way (layout.activation_split):
+  4 whole (both norm inputs, the inputs of q/k/v and of the MLP) and 2 + 2 kv/H + 4 f/h divided
+  (rotated q and k, v, the attention output; SwiGLU's gate, up, silu(gate) and their product,
+  each f wide); selective keeps 3 whole and 2 + 2 kv/H + 2 f/h divided. Full checkpointing keeps each block's input (the fp32
   residual stream; divided by tp with sequence parallelism) plus one block's activations while it
   is recomputed. The first stage also keeps the embedding output (fp32).
 - Microbatches in flight (activations held at once): no pipeline: 1; gpipe: all m; 1f1b (torch's
@@ -112,7 +118,9 @@ from raytrain_lm.plan.layout import (  # noqa: F401
     Cluster,
     Layout,
     param_counts,
+    matmul_params,
     tp_param_counts,
+    activation_split,
     Stage,
     rank_stages,
     stage_params,
@@ -143,6 +151,7 @@ from raytrain_lm.plan.estimate import (  # noqa: F401
     estimate_layout,
     divisors,
     tp_sizes,
+    whole_heads,
     micro_batches,
     structures,
     variants,

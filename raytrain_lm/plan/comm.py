@@ -62,7 +62,8 @@ def pp_comm(m: ModelConfig, p: dict[str, float], lay: Layout, stages: list[Stage
     sends = sum((not st.last) + (not st.first) for st in stages)  # activations on, gradients back
     activation = lay.micro_batch * lay.seq_len * m.n_embd * 4 / (lay.tp if lay.sp else 1)
     out = lay.microbatches * sends * activation
-    if any(st.first or st.last for st in stages):  # the tied embedding's gradient, first + last
+    tied = p.get("head") is None  # GPT: the tied embedding's gradient, summed over first + last
+    if tied and any(st.first or st.last for st in stages):
         out += ring_bytes("all_reduce", 2, 4 * p["wte"] / (lay.dp if lay.sharded else 1))
     return out
 

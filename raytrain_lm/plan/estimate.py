@@ -10,16 +10,14 @@ from raytrain_lm.checks import PP_SCHEDULES
 from raytrain_lm.config import ModelConfig
 from raytrain_lm.errors import UserError
 from raytrain_lm.plan.layout import (AC_MODES, GPUS_PER_NODE, STRATEGIES, Cluster, Layout,
-                                     candidate_ranks, param_counts, rank_stages)
+                                     candidate_ranks, matmul_params, param_counts, rank_stages)
 from raytrain_lm.plan.memory import MemoryPlan, rank_memory
 from raytrain_lm.plan.comm import Comm, rank_comm
 
 
 def flops_per_token(m: ModelConfig, seq_len: int) -> float:
-    """model.flops_per_token (PaLM: 6N + 12 L H Q T) with N as loop.py counts it: every parameter
-    but the position embeddings."""
-    n = param_counts(m)["total"] - m.block_size * m.n_embd
-    return 6.0 * n + 12.0 * m.n_layer * m.n_embd * seq_len
+    """model.flops_per_token (PaLM: 6N + 12 L H Q T) with N as loop.py counts it (matmul_params)."""
+    return 6.0 * matmul_params(m) + 12.0 * m.n_layer * m.n_embd * seq_len
 
 
 def recompute_flops_per_token(m: ModelConfig, ac: str, seq_len: int) -> float:
@@ -93,8 +91,13 @@ def divisors(n: int) -> list[int]:
 
 def tp_sizes(m: ModelConfig, cl: Cluster) -> list[int]:
     """Tensor-parallel degrees that keep a group inside a node and whole heads on each rank."""
-    return [t for t in divisors(cl.node) if cl.gpus % t == 0 and m.n_head % t == 0
+    return [t for t in divisors(cl.node) if cl.gpus % t == 0 and whole_heads(m, t)
             and m.block_size % t == 0]
+
+
+def whole_heads(m: ModelConfig, tp: int) -> bool:
+    """Each tp rank holds whole query heads and (Llama) whole key/value heads."""
+    return m.n_head % tp == 0 and (m.arch != "llama" or m.kv_heads % tp == 0)
 
 
 def micro_batches(sequences: int) -> list[int]:
@@ -218,8 +221,9 @@ def check_tp(m: ModelConfig, cl: Cluster, tp: int, seq_len: int) -> None:
     if tp > cl.node or cl.node % tp:
         raise UserError(f"--tp {tp} does not fit in a node of {cl.node} GPUs: tensor parallelism "
                         f"all-reduces activations in every layer and needs the node's links")
-    if m.n_head % tp or m.block_size % tp:
-        raise UserError(f"--tp {tp} must divide model.n_head ({m.n_head}) and model.block_size "
+    if not whole_heads(m, tp) or m.block_size % tp:
+        kv = f", model.n_kv_head ({m.kv_heads})" if m.arch == "llama" else ""
+        raise UserError(f"--tp {tp} must divide model.n_head ({m.n_head}){kv} and model.block_size "
                         f"({m.block_size}): each tensor-parallel rank holds whole heads")
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from raytrain_lm.config import ModelConfig
-from raytrain_lm.plan.layout import (AC_SPLIT, Cluster, Layout, Stage, held_params, root_params,
-                                     tp_param_counts)
+from raytrain_lm.plan.layout import (Cluster, Layout, Stage, activation_split, held_params,
+                                     root_params, tp_param_counts)
 
 
 @dataclass
@@ -47,7 +47,7 @@ def layer_activation_bytes(m: ModelConfig, lay: Layout, cl: Cluster, ac: str) ->
     tokens, h, t = lay.micro_batch * lay.seq_len, m.n_embd, lay.tp
     if ac == "full":
         return tokens * h * 4 / (t if lay.sp else 1)  # the block input: fp32 residual stream
-    whole, split = AC_SPLIT[ac]
+    whole, split = activation_split(m, ac)
     per_token = (whole + split) / t if lay.sp else whole + split / t
     return tokens * h * per_token * cl.act_bytes
 

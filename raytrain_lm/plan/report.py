@@ -69,13 +69,13 @@ def _row(i: int, e: Estimate) -> str:
     pipeline = f"{lay.schedule} {e.bubble:.0%}" if lay.pp > 1 else "-"
     return (f"{i:>3} {lay.tp:>3} {lay.pp:>3} {lay.dp:>4}  {lay.strategy:<6}{lay.ac:<10}"
             f"{'yes' if lay.sp else 'no':<4}{pipeline:<21}{f'{lay.micro_batch} x {lay.microbatches}':<10}"
-            f"{e.memory.total / GB:>7.1f}{e.step_s:>9.3g}{e.mfu:>6.0%}"
+            f"{e.memory.model_state / GB:>9.1f}{e.memory.total / GB:>7.1f}{e.step_s:>9.3g}{e.mfu:>6.0%}"
             f"{c.tp / GB:>8.2f}{c.pp / GB:>7.2f}{c.dp / GB:>7.2f}  {'yes' if e.fits else 'no'}")
 
 
 def format_table(estimates: list[Estimate], start: int = 1) -> str:
     head = (f"{'#':>3} {'tp':>3} {'pp':>3} {'dp':>4}  {'dp as':<6}{'ckpt':<10}{'sp':<4}"
-            f"{'pipeline, bubble':<21}{'b x n':<10}{'GB/GPU':>7}{'step s':>9}{'MFU':>6}"
+            f"{'pipeline, bubble':<21}{'b x n':<10}{'state GB':>9}{'GB/GPU':>7}{'step s':>9}{'MFU':>6}"
             f"{'tp GB':>8}{'pp GB':>7}{'dp GB':>7}  fits")
     return "\n".join([head, "-" * len(head)] + [_row(start + i, e) for i, e in enumerate(estimates)])
 
@@ -86,8 +86,7 @@ def describe(name: str, n_params: int, global_batch: int, seq_len: int, cl: Clus
     fitting = sum(e.fits for e in ranked)
     shown = ranked if show_all else ranked[:top]
     lines = [
-        f"{name}: {n_params / 1e9:.3f}B parameters; fp32 weights {4 * n_params / GB:.1f} GB, with "
-        f"gradients and AdamW states {16 * n_params / GB:.1f} GB",
+        *model_memory(name, n_params),
         f"{cl.gpus} {'GPUs' if cl.gpu else 'workers'}, {cl.node} per node, {cl.memory_gb:g} GB each "
         f"({cl.budget / GB:.1f} usable); global batch {global_batch} x {seq_len} tokens; "
         f"{cl.tflops:g} TFLOP/s peak x {cl.efficiency:g} reached; links {cl.intra_gbps:g} Gb/s in a "
@@ -107,6 +106,16 @@ def describe(name: str, n_params: int, global_batch: int, seq_len: int, cl: Clus
         lines.append(f"why: {reason(best, ranked, cl)}")
     lines.append("assumptions: raytrain_lm/plan/__init__.py; comparisons with published runs: docs/planner.md")
     return "\n".join(lines)
+
+
+def model_memory(name: str, n_params: int) -> list[str]:
+    """What the parameters alone take, before any layout divides them (the 'state GB' column:
+    what a GPU of each layout holds of it)."""
+    return [f"{name}: {n_params:,} parameters ({n_params / 1e9:.2f}B)",
+            f"the model alone: fp32 weights {4 * n_params / GB:,.1f} GB ({n_params:,} x 4 bytes); "
+            f"with gradients and AdamW's two moments x4 = {16 * n_params / GB:,.1f} GB (16 bytes "
+            f"per parameter; mixed precision needs as much: bf16 weights and gradients, fp32 "
+            f"master weights and moments, 2 + 2 + 12); 'state GB': what one GPU holds of it"]
 
 
 def estimate_json(e: Estimate) -> dict:
