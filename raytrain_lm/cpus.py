@@ -59,7 +59,7 @@ def decide(asked: Optional[float], workers: int, own_ray: bool, cores: int, tria
     machine's `cores` shared among them; else 1. `omp_env`: OMP_NUM_THREADS as the workers will
     see it (None: unset). The line says what was chosen, on a Ray of our own only (on a cluster
     see idle_line)."""
-    cpus = asked if asked is not None else (local_share(cores, workers, trials) if own_ray else 1.0)
+    cpus = asked if asked is not None else (float(local_share(cores, workers, trials)) if own_ray else 1.0)
     threads = torch_threads(cpus, omp_env)
     if not own_ray:
         return WorkerCpus(cpus, threads, None)
