@@ -22,6 +22,8 @@ largest difference of any step's loss from the MKL path's (every path starts fro
 weights and sees the same batches, so the losses are comparable step by step).
 
     mkl        today's step
+    mkldnn-ieee  today's step with torch.backends.mkldnn.matmul.fp32_precision = "ieee" (set for
+               its blocks only)
     onednn     every nn.Linear through oneDNN's inner product (forward, and the backward's
                dX = dY W and dW = dY^T X as inner products too), a torch.autograd.Function
     inductor   --compile (torch.compile, inductor's CPU backend)
@@ -51,7 +53,7 @@ MM_PATHS = {
     "onednn": {}, "onednn-avx512": {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE"},
     "inductor": {}, "inductor-cpp": {},
 }
-MODEL_PATHS = ("mkl", "onednn", "inductor")
+MODEL_PATHS = ("mkl", "mkldnn-ieee", "onednn", "inductor")
 N = 2048
 
 
@@ -232,11 +234,17 @@ def part_model(args) -> dict:
 
         def run(path, n):
             _, step = built[path]
-            t0 = time.perf_counter()
-            for _ in range(n):
-                loss, _, _ = step(streams[path], lr_at(step.steps, cfg))
-                losses[path].append(float(loss))
-            return time.perf_counter() - t0
+            precision = torch.backends.mkldnn.matmul.fp32_precision
+            if path == "mkldnn-ieee":
+                torch.backends.mkldnn.matmul.fp32_precision = "ieee"
+            try:
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    loss, _, _ = step(streams[path], lr_at(step.steps, cfg))
+                    losses[path].append(float(loss))
+                return time.perf_counter() - t0
+            finally:
+                torch.backends.mkldnn.matmul.fp32_precision = precision
 
         for path in built:  # the first steps: allocator, AdamW state, compilation
             warm[path] = run(path, 2)

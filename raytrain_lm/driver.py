@@ -191,15 +191,15 @@ def choose_worker_cpus(cfg: TrainConfig, worker_env: Optional[dict[str, str]],
 
 
 def say_idle_cpus(cfg: TrainConfig, worker_env: Optional[dict[str, str]],
-                  say: Callable[[str], None]) -> None:
-    """On a cluster: one line when the workers, as Ray would pack them on its nodes, leave a
-    node's CPUs idle (cpus.idle_line)."""
+                  say: Callable[[str], None], workers: Optional[int] = None) -> None:
+    """On a cluster: one line when the workers (`workers`, default the run's), as Ray would
+    pack them on its nodes, leave a node's CPUs idle (cpus.idle_line)."""
     import ray
 
     from raytrain_lm.cpus import OMP_ENV, idle_line
 
     nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
-    line = idle_line(nodes, cfg.workers, cfg.worker_cpus, cfg.use_gpu,
+    line = idle_line(nodes, workers or cfg.workers, cfg.worker_cpus, cfg.use_gpu,
                      (worker_env or {}).get(OMP_ENV))
     if line:
         say(line)

@@ -338,8 +338,6 @@ def _run(cfg: TrainConfig, space: SearchSpace, settings: SweepSettings, folder: 
     own_ray = choose_worker_cpus(cfg, None, say, trials=settings.concurrent)
     connect_ray(cfg.address, cfg.workers * cfg.worker_cpus + TRIAL_CPUS, verbose, say)
     check_resources(cfg)
-    if not own_ray:
-        say_idle_cpus(cfg, None, say)
     capacity, why = trial_capacity(cfg)
     if capacity < 1:
         raise UserError(f"one trial of {cfg.workers} workers does not fit the cluster ({why})")
@@ -349,6 +347,8 @@ def _run(cfg: TrainConfig, space: SearchSpace, settings: SweepSettings, folder: 
             f"{'s' if capacity > 1 else ''} of {cfg.workers} workers at a time ({why}); "
             f"running {capacity} at once, the others wait in the queue")
         concurrent = capacity
+    if not own_ray:
+        say_idle_cpus(cfg, None, say, workers=cfg.workers * concurrent)
 
     from ray import tune
     from ray.tune.schedulers import ASHAScheduler
