@@ -10,12 +10,17 @@ attention, exact GELU, pre-LayerNorm, tied embeddings, an AdamW loop of four lin
 ms per step (median block, min-max), GFLOP/s by PaLM's 6N + 12·L·H·Q·T per token
 (model.flops_per_token), and that as a share of the ceiling.
 
+Part `threads` (no Ray): the project's tiny step in processes of 1 thread, 2 threads and 2
+threads with OMP_WAIT_POLICY=PASSIVE, alternated, --rounds rounds of --steps steps: what two
+threads cost when other processes want the cores too (OpenMP's waiting threads spin).
+
 Part `train` (Ray): `python cli.py train --workers 1 --address local` of the tiny preset, timed
 as whole processes at two step counts: per step = (time at --long-steps - time at --short-steps)
 / (difference of steps), so start-up, the final validation and checkpoint cancel out. With
 --before DIR, the same commands from an older checkout (its PYTHONPATH) alternate with this one.
 
     PYTHONPATH=. python bench/cpu_peer.py --part step --out bench/results/cpu_peer_step.json
+    PYTHONPATH=. python bench/cpu_peer.py --part threads --rounds 4 --steps 10
     flock /tmp/ray.lock env PYTHONPATH=. python bench/cpu_peer.py --part train \\
         --before /work/wt-cpu-old --out bench/results/cpu_peer_train.json
 """
@@ -225,6 +230,50 @@ def part_step(args) -> dict:
             "mm_ceiling_max": max(ceilings), "presets": out}
 
 
+# ------------------------------------------------------------------ part threads
+
+THREAD_SIDES = {"1 thread": {"OMP_NUM_THREADS": "1"}, "2 threads": {"OMP_NUM_THREADS": "2"},
+                "2 threads, OMP_WAIT_POLICY=PASSIVE": {"OMP_NUM_THREADS": "2",
+                                                       "OMP_WAIT_POLICY": "PASSIVE"}}
+
+
+def threads_child(steps: int) -> float:
+    """ms per step of the project's tiny TrainStep, on the threads the environment sets."""
+    from raytrain_lm.optim import lr_at
+
+    cfg, step = project_step("tiny")
+    g = torch.Generator().manual_seed(0)
+    data = []
+    for _ in range(4):
+        w = torch.randint(0, 256, (cfg.batch_size, cfg.seq_len + 1), generator=g)
+        data.append((w[:, :-1], w[:, 1:]))
+    stream = Batches(data)
+    for _ in range(2):
+        step(stream, lr_at(step.steps, cfg))
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step(stream, lr_at(step.steps, cfg))[0].item()
+    return (time.perf_counter() - t0) / steps * 1e3
+
+
+def part_threads(args) -> dict:
+    """The tiny step in processes of 1 thread, 2 threads, 2 passive-waiting threads, alternated:
+    what two threads cost when other processes want the cores."""
+    got: dict[str, list[float]] = {k: [] for k in THREAD_SIDES}
+    loads = []
+    for r in range(args.rounds):
+        for side in (list(THREAD_SIDES) if r % 2 == 0 else list(THREAD_SIDES)[::-1]):
+            env = {**os.environ, **THREAD_SIDES[side], "PYTHONPATH": str(ROOT)}
+            out = subprocess.run([sys.executable, __file__, "--child-threads", str(args.steps)],
+                                 capture_output=True, text=True, env=env, timeout=900)
+            got[side].append(float(out.stdout.strip().splitlines()[-1]))
+        loads.append(os.getloadavg()[0])
+        print(r, {k: round(v[-1]) for k, v in got.items()}, f"load {loads[-1]:.1f}", flush=True)
+    return {"loads": loads, "rows": {k: {"ms_per_step_median": statistics.median(v), "ms_min": min(v),
+                                         "ms_max": max(v), "ms_by_round": v}
+                                     for k, v in got.items()}}
+
+
 # ------------------------------------------------------------------ part train
 
 
@@ -273,7 +322,7 @@ def part_train(args) -> dict:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--part", choices=("step", "train"), default="step")
+    p.add_argument("--part", choices=("step", "threads", "train"), default="step")
     p.add_argument("--presets", nargs="+", default=["tiny", "small"])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=6, help="step: steps per block (small: half).")
@@ -282,10 +331,14 @@ def main(argv=None) -> None:
     p.add_argument("--long-steps", type=int, default=70)
     p.add_argument("--before", default=None, help="train: an older checkout to compare with.")
     p.add_argument("--out", default=None)
+    p.add_argument("--child-threads", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.child_threads:
+        print(threads_child(args.child_threads))
+        return
     t0 = time.time()
     load = os.getloadavg()[0]
-    rows = part_step(args) if args.part == "step" else part_train(args)
+    rows = {"step": part_step, "threads": part_threads, "train": part_train}[args.part](args)
     result = {"what": f"cpu_peer --part {args.part}", "settings": vars(args),
               "machine": f"{cpu_name()}, {os.cpu_count()} CPUs, torch {torch.__version__}",
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
