@@ -148,7 +148,7 @@ def main(argv=None) -> None:
     t["dataset_checked"] = time.time()
     import ray
     t["import_ray_done"] = time.time()
-    connect.connect_ray(None, cfg.workers * cfg.cpus_per_worker)
+    connect.connect_ray(None, cfg.workers * cfg.worker_cpus)
     t["ray_init_done"] = time.time()
     preflight.check_resources(cfg)
     t["queue_actor_created"] = time.time()  # (no queue since 2026-12-01: kept for the timeline)

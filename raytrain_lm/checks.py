@@ -144,7 +144,7 @@ def validate(cfg: TrainConfig) -> None:
     check_finite(cfg)
     if cfg.lr <= 0:
         raise UserError(f"--lr must be positive, got {cfg.lr}")
-    if cfg.cpus_per_worker <= 0:
+    if cfg.cpus_per_worker is not None and cfg.cpus_per_worker <= 0:
         raise UserError(f"cpus_per_worker must be positive, got {cfg.cpus_per_worker}")
     if cfg.scale_timeout < 0:
         raise UserError(f"--scale-timeout must be >= 0 seconds, got {cfg.scale_timeout:g}")

@@ -103,7 +103,10 @@ class TrainConfig:
     resize_interval: float = setting(60.0, help="Elastic: seconds between checks whether the "
                                      "cluster holds more (or fewer) workers than are training.")
     use_gpu: bool = setting(False, help="One GPU per worker, NCCL.")
-    cpus_per_worker: float = setting(1.0, help="CPUs Ray reserves for each worker.")
+    cpus_per_worker: Optional[float] = setting(None, help="CPUs Ray reserves for each worker, "
+                                               "and so its torch threads [default: on a Ray the "
+                                               "command starts, the machine's cores shared among "
+                                               "the workers; on a cluster, 1].")
     scale_timeout: float = setting(900.0, help="Seconds to wait for an autoscaler to add the nodes "
                                    "training needs.")
     # optimisation
@@ -174,6 +177,12 @@ class TrainConfig:
         cfg = cls()
         apply_overrides(cfg, d, source="config")
         return cfg
+
+    @property
+    def worker_cpus(self) -> float:
+        """The CPUs Ray reserves for each worker: cpus_per_worker, else (before the launch
+        decides it: cpus.py) Ray's own default, 1."""
+        return 1.0 if self.cpus_per_worker is None else self.cpus_per_worker
 
     @property
     def tokens_per_step(self) -> int:

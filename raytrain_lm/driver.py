@@ -142,8 +142,12 @@ def _launch(cfg: TrainConfig, run: RunFolder, t_launch: float, previous: dict,
     from raytrain_lm.callbacks import ForwardMetrics, HeldRows, KeepBest
     from raytrain_lm.cluster.connect import connect_ray
 
-    started_ray = connect_ray(cfg.address, cfg.workers * cfg.cpus_per_worker, verbose, say)
+    asked = cfg.cpus_per_worker  # None: the launch decides (cpus.py); a resume decides again
+    own_ray = choose_worker_cpus(cfg, worker_env, say)
+    started_ray = connect_ray(cfg.address, cfg.workers * cfg.worker_cpus, verbose, say)
     check_resources(cfg, say)
+    if not own_ray:
+        say_idle_cpus(cfg, worker_env, say)
     if not force and known is None:  # else from Ray's accelerator labels or memory resource
         check_memory(cfg, worker_memory_gb(cfg))
 
@@ -153,7 +157,7 @@ def _launch(cfg: TrainConfig, run: RunFolder, t_launch: float, previous: dict,
                             force=force, worker_env=worker_env,
                             pg_cleaner=False,  # this driver's job ends with the run
                             autoscaler=not started_ray)
-    run.write_json(files.CONFIG, cfg.to_dict())  # what a later --resume continues with
+    run.write_json(files.CONFIG, {**cfg.to_dict(), "cpus_per_worker": asked})  # for --resume
     if is_elastic(cfg):
         say(sizes_line(cfg))
     follower = Follower(cfg, run, t_launch, previous, resume, say, on_metrics)
@@ -170,6 +174,38 @@ def _launch(cfg: TrainConfig, run: RunFolder, t_launch: float, previous: dict,
         raise _user_error_inside(error) or UserError(
             f"training failed: {_describe(error)} (summary in {run.display_path(files.SUMMARY)})")
     return final
+
+
+def choose_worker_cpus(cfg: TrainConfig, worker_env: Optional[dict[str, str]],
+                       say: Callable[[str], None], trials: int = 1) -> bool:
+    """Set cfg.cpus_per_worker for this launch (cpus.decide: on a Ray this process is about to
+    start, the machine's cores shared among the workers of `trials` concurrent trials) and say
+    it in the launch line. Returns whether this process will start its own Ray."""
+    from raytrain_lm.cluster.connect import starts_own_ray
+    from raytrain_lm.cpus import OMP_ENV, decide, machine_cores
+
+    own_ray = starts_own_ray(cfg.address)
+    omp = (worker_env or {}).get(OMP_ENV) or (os.environ.get(OMP_ENV) if own_ray else None)
+    chosen = decide(cfg.cpus_per_worker, cfg.workers, own_ray, machine_cores(), trials, omp)
+    cfg.cpus_per_worker = chosen.cpus
+    if chosen.line:
+        say(chosen.line)
+    return own_ray
+
+
+def say_idle_cpus(cfg: TrainConfig, worker_env: Optional[dict[str, str]],
+                  say: Callable[[str], None], workers: Optional[int] = None) -> None:
+    """On a cluster: one line when the workers (`workers`, default the run's), as Ray would
+    pack them on its nodes, leave a node's CPUs idle (cpus.idle_line)."""
+    import ray
+
+    from raytrain_lm.cpus import OMP_ENV, idle_line
+
+    nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+    line = idle_line(nodes, workers or cfg.workers, cfg.worker_cpus, cfg.use_gpu,
+                     (worker_env or {}).get(OMP_ENV))
+    if line:
+        say(line)
 
 
 def run_folder(cfg: TrainConfig, resume: bool) -> RunFolder:

@@ -94,7 +94,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         if not (cadence.reports(step) or preempted):
             continue
         row = meter.row(step, lr, to_float(grad_norm), step_fn.parallel)
-        row.update(tokens=tokens, epoch=batches.epoch, workers=world)
+        row.update(tokens=tokens, epoch=batches.epoch, workers=world,
+                   threads=torch.get_num_threads())  # what the launch line said (cpus.py)
         if preempted:
             row["preemption"] = preempted  # the driver names it as the reason of the restart
         if cadence.validates(step):

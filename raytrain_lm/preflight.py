@@ -68,7 +68,7 @@ def check_resources(cfg: TrainConfig, say: Callable[[str], None] = print) -> Non
 
     workers = worker_counts(cfg)[0]  # an elastic run starts as soon as its smallest size fits
     flag, least = f"--workers {workers_text(cfg)}", "at least " if is_elastic(cfg) else ""
-    per_worker = {"CPU": cfg.cpus_per_worker, **({"GPU": 1} if cfg.use_gpu else {})}
+    per_worker = {"CPU": cfg.worker_cpus, **({"GPU": 1} if cfg.use_gpu else {})}
     total = ray.cluster_resources()
     if any(total.get(k, 0) < v * workers for k, v in per_worker.items()) and \
             wait_for_resources(per_worker, workers, cfg.scale_timeout, say):
@@ -77,7 +77,7 @@ def check_resources(cfg: TrainConfig, say: Callable[[str], None] = print) -> Non
         have = int(total.get("GPU", 0))
         raise UserError(f"--use-gpu with {flag} needs {least}{workers} GPUs but the "
                         f"cluster has {have}; drop --use-gpu or lower --workers")
-    need = workers * cfg.cpus_per_worker
+    need = workers * cfg.worker_cpus
     if total.get("CPU", 0) < need:
         raise UserError(f"{flag} needs {least}{need:g} CPUs but the cluster has "
                         f"{total.get('CPU', 0):g}; lower --workers or cpus_per_worker")

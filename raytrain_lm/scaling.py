@@ -44,7 +44,7 @@ logger = logging.getLogger(__name__)
 
 
 def scaling_config(cfg: TrainConfig) -> ScalingConfig:
-    resources = {"CPU": cfg.cpus_per_worker, **({"GPU": 1} if cfg.use_gpu else {})}
+    resources = {"CPU": cfg.worker_cpus, **({"GPU": 1} if cfg.use_gpu else {})}
     workers = (cfg.min_workers, cfg.workers) if is_elastic(cfg) else cfg.workers
     return ScalingConfig(num_workers=workers, use_gpu=cfg.use_gpu, resources_per_worker=resources,
                          elastic_resize_monitor_interval_s=cfg.resize_interval)

@@ -3,6 +3,7 @@ starts a Ray for itself, trains on it and stops it. The other tests run on the s
 or on clusters of their own; this one is the cold path, whole, in a process of its own."""
 
 import json
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -20,21 +21,28 @@ def _actor_classes(ray_tmp: Path) -> list[str]:
 
 
 def test_train_on_a_ray_of_its_own(tmp_path, pydoc_data):
-    """It trains, it starts no actor it does without (no autoscaler runs on a Ray the driver
-    started, so Ray Data's autoscaling coordinator, which Ray Train starts to ask one for the
-    workers' resources, would only be one more process beside the workers), and when it is done
-    nothing of its Ray is left running."""
+    """It trains, its one worker runs as many torch threads as the machine has cores, as the
+    launch line says (Ray's default would be one), it starts no actor it does without (no
+    autoscaler runs on a Ray the driver started, so Ray Data's autoscaling coordinator, which Ray
+    Train starts to ask one for the workers' resources, would only be one more process beside
+    the workers), and when it is done nothing of its Ray is left running."""
     ray_tmp = Path(tempfile.mkdtemp(prefix="rt-", dir="/tmp"))  # Ray's socket paths must be short
+    cores = len(os.sched_getaffinity(0))
     try:
-        r = run_cli("train", "--address", "local", "--workers", "2", "--max-steps", "4",
+        r = run_cli("train", "--address", "local", "--workers", "1", "--max-steps", "4",
                     "--log-every", "2", "--eval-every", "4", "--checkpoint-every", "4",
                     "--data", str(pydoc_data), "--storage", str(tmp_path / "runs"), "--name", "cold",
-                    "--quiet", env={"RAY_TMPDIR": str(ray_tmp)}, timeout=240)
+                    env={"RAY_TMPDIR": str(ray_tmp)}, timeout=240)
         assert r.returncode == 0, r.stderr[-2000:]
         summary = json.loads((tmp_path / "runs" / "cold" / "summary.json").read_text())
         assert summary["status"] == "completed" and summary["steps"] == 4
+        assert f"1 worker x {cores} CPU{'s' if cores > 1 else ''} ({cores} torch thread" in r.stdout
+        rows = [json.loads(line) for line in (tmp_path / "runs" / "cold" / "metrics.jsonl").open()]
+        assert [row["threads"] for row in rows] == [cores] * len(rows) and rows
+        saved = json.loads((tmp_path / "runs" / "cold" / "config.json").read_text())
+        assert saved["cpus_per_worker"] is None  # a resume decides again, wherever it runs
         actors = _actor_classes(ray_tmp)
-        assert actors.count("RayTrainWorker") == 2 and "Controller" in actors, actors
+        assert actors.count("RayTrainWorker") == 1 and "Controller" in actors, actors
         assert "_AutoscalingCoordinatorActor" not in actors, actors
         assert processes_where(lambda entry: str(ray_tmp).encode() in (entry / "cmdline").read_bytes()) == []
     finally:

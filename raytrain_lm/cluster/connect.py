@@ -187,6 +187,17 @@ def check_reachable(address: str, timeout: float = 3.0) -> None:
                         f"port, 6379 by default") from None
 
 
+def starts_own_ray(address: Optional[str]) -> bool:
+    """Whether `connect_ray(address, ...)` would start a Ray for this process (nothing to join:
+    no address, RAY_ADDRESS or running `cluster local-up` cluster; or `local`)."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    address = address or os.environ.get("RAY_ADDRESS")
+    return address == "local" or (not address and running_local_cluster() is None)
+
+
 def connect_ray(address: Optional[str], min_cpus: float, verbose: bool = False,
                 say=lambda message: None) -> bool:
     """Connect to `address` (or RAY_ADDRESS), else to a running `cluster local-up` cluster, else

@@ -250,7 +250,7 @@ def trial_capacity(cfg: TrainConfig) -> tuple[int, str]:
     import ray
 
     total = ray.cluster_resources()
-    per = cfg.workers * cfg.cpus_per_worker + TRIAL_CPUS
+    per = cfg.workers * cfg.worker_cpus + TRIAL_CPUS
     n = int(total.get("CPU", 0) // per)
     why = f"{total.get('CPU', 0):g} CPUs, {per:g} per trial"
     if cfg.use_gpu:
@@ -332,9 +332,11 @@ def _run(cfg: TrainConfig, space: SearchSpace, settings: SweepSettings, folder: 
          live: Optional[Callable[[str], None]], live_interval: float) -> dict:
     """run_sweep from connecting to Ray on, with the sweep's folder claimed."""
     from raytrain_lm.cluster.connect import connect_ray
+    from raytrain_lm.driver import choose_worker_cpus, say_idle_cpus
     from raytrain_lm.preflight import check_resources
 
-    connect_ray(cfg.address, cfg.workers * cfg.cpus_per_worker + TRIAL_CPUS, verbose, say)
+    own_ray = choose_worker_cpus(cfg, None, say, trials=settings.concurrent)
+    connect_ray(cfg.address, cfg.workers * cfg.worker_cpus + TRIAL_CPUS, verbose, say)
     check_resources(cfg)
     capacity, why = trial_capacity(cfg)
     if capacity < 1:
@@ -345,6 +347,8 @@ def _run(cfg: TrainConfig, space: SearchSpace, settings: SweepSettings, folder: 
             f"{'s' if capacity > 1 else ''} of {cfg.workers} workers at a time ({why}); "
             f"running {capacity} at once, the others wait in the queue")
         concurrent = capacity
+    if not own_ray:
+        say_idle_cpus(cfg, None, say, workers=cfg.workers * concurrent)
 
     from ray import tune
     from ray.tune.schedulers import ASHAScheduler

@@ -1,0 +1,26 @@
+"""bench/cpu_peer.py compares like with like: its nanoGPT-style reference has the project's GPT's
+parameters, shape for shape, for the presets it is run on."""
+
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "bench"))
+from cpu_peer import RefGPT  # noqa: E402
+
+from raytrain_lm.config import preset_config  # noqa: E402
+from raytrain_lm.model import build_model  # noqa: E402
+
+
+@pytest.mark.parametrize("preset", ["tiny", "small"])
+def test_the_reference_has_the_projects_parameter_shapes(preset):
+    m = preset_config(preset).model
+    m.vocab_size = 256
+    with torch.device("meta"):
+        ours = build_model(m, seed=0)
+        ref = RefGPT(256, m.block_size, m.n_layer, m.n_head, m.n_embd)
+    shapes = lambda model: sorted(tuple(p.shape) for p in model.parameters())  # noqa: E731
+    assert shapes(ref) == shapes(ours) and ref.lm_head.weight is ref.wte.weight
