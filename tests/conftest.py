@@ -14,13 +14,21 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
+# One intra-op thread for torch in this process and the CLI's subprocesses, as Ray gives each
+# worker: the tests' models are tiny, and two threads spin against each other when another
+# process holds the second core (a 150-step training here took 4 s on one thread, 83 s on two).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "own_cluster: starts its own Ray cluster(s); runs last, "
                                        "after the session cluster is shut down")
     config.addinivalue_line("markers", "ray: needs a Ray cluster (set on every test that uses the "
-                                       "session cluster or starts its own); `-m 'not ray'` is the "
-                                       "fast tier")
+                                       "session cluster or starts its own), or is `slow`; "
+                                       "`-m 'not ray'` is the fast tier")
+    config.addinivalue_line("markers", "slow: seconds of work without Ray (the local harness of "
+                                       "local_mode.py, a GPU smoke test): in the slow tier with the "
+                                       "Ray tests, not in the fast tier")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -28,7 +36,8 @@ def pytest_collection_modifyitems(config, items):
     others (a stable sort), so the session cluster of `ray_address` never has to coexist with
     them or restart."""
     for item in items:
-        if "ray_address" in getattr(item, "fixturenames", ()) or item.get_closest_marker("own_cluster"):
+        if "ray_address" in getattr(item, "fixturenames", ()) or item.get_closest_marker("own_cluster") \
+                or item.get_closest_marker("slow"):
             item.add_marker(pytest.mark.ray)
     items.sort(key=lambda item: item.get_closest_marker("own_cluster") is not None)
 

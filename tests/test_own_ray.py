@@ -7,6 +7,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import pytest
+
 from conftest import processes_where, run_cli
 
 
@@ -19,6 +21,7 @@ def _actor_classes(ray_tmp: Path) -> list[str]:
             if line.startswith(":actor_name:")]
 
 
+@pytest.mark.own_cluster  # a Ray of its own: after the session cluster is gone, in the Ray tier
 def test_train_on_a_ray_of_its_own(tmp_path, pydoc_data):
     """It trains, it starts no actor it does without (no autoscaler runs on a Ray the driver
     started, so Ray Data's autoscaling coordinator, which Ray Train starts to ask one for the

@@ -216,18 +216,23 @@ def test_checkpoint_contents_and_best_copy(reference_run, storage):
     assert summary["best_checkpoint"].endswith("best_checkpoint")
 
 
-def test_bad_resume_and_init_inputs(reference, pydoc_data, storage, tmp_path):
-    r = run_cli("train", "--storage", str(storage), "--name", "nope", "--resume")
-    assert r.returncode == 2 and "no run named 'nope'" in r.stderr
-    r = run_cli("train", "--storage", str(storage), "--name", "reference")
-    assert r.returncode == 2 and "already exists" in r.stderr
-    r = run_cli("train", "--data", str(pydoc_data), "--storage", str(tmp_path / "r"),
-                "--init-from", str(storage / "reference"))  # tiny preset: 4 layers, not 2
-    assert r.returncode == 2 and "another model shape" in r.stderr
-    broken = tmp_path / "broken"
+def test_bad_resume_and_init_inputs(trained_here, pydoc_data, tmp_path):
+    """Refused before any Ray: no such run to resume, a run of that name exists, --init-from a
+    checkpoint of another shape or a corrupted one. (A checkpoint trained in this process.)"""
     import shutil
 
-    shutil.copytree(storage / "reference" / f"checkpoint_{STEPS:08d}", broken)
+    storage = tmp_path / "runs"
+    (storage / "taken").mkdir(parents=True)
+    r = run_cli("train", "--storage", str(storage), "--name", "nope", "--resume")
+    assert r.returncode == 2 and "no run named 'nope'" in r.stderr
+    r = run_cli("train", "--storage", str(storage), "--name", "taken")
+    assert r.returncode == 2 and "already exists" in r.stderr
+    ckpt = trained_here["byte"].ckpt
+    r = run_cli("train", "--data", str(pydoc_data), "--storage", str(tmp_path / "r"),
+                "--init-from", str(ckpt))  # tiny preset: 4 layers, not 2
+    assert r.returncode == 2 and "another model shape" in r.stderr
+    broken = tmp_path / "broken"
+    shutil.copytree(ckpt, broken)
     (broken / "state.pt").write_bytes(b"garbage")
     r = run_cli("train", "--data", str(pydoc_data), "--storage", str(tmp_path / "r"),
                 "--init-from", str(broken))
