@@ -111,6 +111,53 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: float = 300, env: dict
     )
 
 
+CLOSED_ADDRESS = "127.0.0.1:1"  # where no Ray cluster answers
+
+
+def cli_here(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: float = 0):
+    """`python cli.py ARGS` in this process, through `raytrain_lm.cli.main()` itself (its error
+    boundary: one line, exit codes), without a subprocess's ~0.3-2 s of start-up and imports.
+    Returns what run_cli returns. For inputs refused before any cluster is reached: RAY_ADDRESS
+    is a closed port unless `env` names another, Ray is never connected to (a call that gets as
+    far as connecting fails as an unexpected AssertionError, exit code 1, after the address check
+    that a subprocess would make), and this process's environment, working folder and argv are
+    restored after. `timeout`: unused (run_cli's signature)."""
+    import contextlib
+    import io
+
+    from raytrain_lm import cli
+    from raytrain_lm.cluster import connect
+
+    def connect_refused(address, *rest, **kw):
+        address = address or os.environ.get("RAY_ADDRESS")
+        if address and address != "local":
+            connect.check_reachable(address)  # what connect_ray checks first
+        raise AssertionError("an in-process CLI call (conftest.cli_here) would connect to Ray")
+
+    saved_env, saved_cwd, saved_argv = dict(os.environ), os.getcwd(), sys.argv
+    saved_connect, saved_disconnect = connect.connect_ray, cli._disconnect_ray
+    out, err = io.StringIO(), io.StringIO()
+    code = 0
+    try:
+        os.environ.update({"RAY_ADDRESS": CLOSED_ADDRESS, **(env or {})})
+        os.chdir(cwd or ROOT)
+        sys.argv = ["cli.py", *args]
+        connect.connect_ray = connect_refused
+        cli._disconnect_ray = lambda: None  # a session cluster of this process stays up
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                cli.main()
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    finally:
+        connect.connect_ray, cli._disconnect_ray = saved_connect, saved_disconnect
+        sys.argv = saved_argv
+        os.chdir(saved_cwd)
+        os.environ.clear()
+        os.environ.update(saved_env)
+    return subprocess.CompletedProcess(["cli.py", *args], code, out.getvalue(), err.getvalue())
+
+
 def processes_where(test) -> list[int]:
     """The pids of this machine's processes for which `test(/proc/<pid> folder)` is true; a
     process that ends meanwhile is left out."""
