@@ -192,7 +192,10 @@ def test_export_refusals(trained_here, exported, tmp_path):
     res = run_cli("export", str(run.ckpt), "--format", "onnx", "--out", str(tmp_path / "x"))
     assert res.returncode == 2 and "--format must be one of native, hf" in res.stderr
     assert not (tmp_path / "x").exists()
-    export_checkpoint_hf(run.ckpt, exported["bpe"], force=True)  # --force replaces it
+    (exported["bpe"] / "config.json").write_text("{}")  # what --force must replace
+    export_checkpoint_hf(run.ckpt, exported["bpe"], force=True)
+    export_checkpoint_hf(run.ckpt, tmp_path / "fresh")
+    assert (exported["bpe"] / "config.json").read_text() == (tmp_path / "fresh" / "config.json").read_text()
 
 
 def test_c_attn_reaches_gpt2_in_its_qkv_order(tmp_path):

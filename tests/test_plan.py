@@ -4,6 +4,8 @@ numbers computed by hand, and the `plan` / `train` commands around it. No Ray.""
 import json
 from types import SimpleNamespace
 
+import re
+
 import pytest
 import torch
 
@@ -246,7 +248,8 @@ def test_plan_cli_table_and_reason():
     rec = next(line for line in lines if line.startswith("recommendation: --tp"))
     assert "GB per GPU" in rec and "MFU" in rec
     why = next(line for line in lines if line.startswith("why: "))
-    assert "does not fit" in why or "x as long" in why  # compared with data parallelism alone
+    # compared with data parallelism alone, which fits 70B on 64 GPUs of 80 GB (as FSDP) but is slower
+    assert re.search(r"; data parallelism alone would take \d+\.\dx as long$", why), why
     if "TP " in why:
         assert "inside a node" in why.split("TP ")[1].split(",")[0]
     assert run_cli(*PLAN_70B[:3], "--workers", "64", *PLAN_70B[5:]).stdout == r.stdout  # the alias
