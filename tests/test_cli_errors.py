@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from conftest import run_cli
+from conftest import cli_here, run_cli
 
 
 def assert_clean_error(result, expected: str):
@@ -26,7 +26,7 @@ def assert_clean_error(result, expected: str):
     (["--data", "no/such/dir"], "dataset not found"),
 ])
 def test_train_rejects_bad_flags(tmp_path, args, expected):
-    result = run_cli("train", "--storage", str(tmp_path / "runs"), *args)
+    result = cli_here("train", "--storage", str(tmp_path / "runs"), *args)
     assert_clean_error(result, expected)
     assert not (tmp_path / "runs").exists()
 
@@ -103,14 +103,14 @@ def test_names_that_are_not_one_plain_folder_are_refused(tmp_path, pydoc_data, c
     """A run or sweep name cannot lead out of --storage; refused before anything is written
     (RAY_ADDRESS is a closed port: input let through fails as "no Ray cluster answers")."""
     storage = tmp_path / "a" / "b" / "runs"
-    result = run_cli(*command, "--name", name, "--data", str(pydoc_data), "--storage", str(storage),
+    result = cli_here(*command, "--name", name, "--data", str(pydoc_data), "--storage", str(storage),
                      env={"RAY_ADDRESS": "127.0.0.1:1"})
     assert_clean_error(result, f"--name {name!r} is not a valid name: use letters, digits")
     assert list(tmp_path.iterdir()) == []
 
 
 def test_tune_resume_refuses_a_name_out_of_storage(tmp_path):
-    result = run_cli("tune", "--resume", "--name", "../elsewhere", "--storage", str(tmp_path / "runs"),
+    result = cli_here("tune", "--resume", "--name", "../elsewhere", "--storage", str(tmp_path / "runs"),
                      env={"RAY_ADDRESS": "127.0.0.1:1"})
     assert_clean_error(result, "--name '../elsewhere' is not a valid name")
 
@@ -132,7 +132,7 @@ def test_a_manifest_cannot_name_a_shard_outside_its_folder(tmp_path):
     (data / shard["file"]).rename(tmp_path / "evil.arrow")
     shard["file"] = "../evil.arrow"
     (data / "manifest.json").write_text(json.dumps(manifest))
-    result = run_cli("train", "--data", str(data), "--storage", str(tmp_path / "runs"),
+    result = cli_here("train", "--data", str(data), "--storage", str(tmp_path / "runs"),
                      env={"RAY_ADDRESS": "127.0.0.1:1"})
     assert_clean_error(result, "is not a valid dataset: shard file name '../evil.arrow' is not a "
                                "plain file name")
@@ -172,7 +172,7 @@ def test_paths_that_cannot_be_created_read_or_written(tmp_path, pydoc_data, comm
     args = command.format(tmp=tmp_path).split()
     if args[0] in ("train", "lr-find", "tune") and "--data" not in args:
         args += ["--data", str(pydoc_data)]
-    result = run_cli(*args, env={"RAY_ADDRESS": "127.0.0.1:1"})
+    result = cli_here(*args, env={"RAY_ADDRESS": "127.0.0.1:1"})
     assert_clean_error(result, expected.format(tmp=tmp_path))
     assert sorted(tmp_path.rglob("*")) == before
 

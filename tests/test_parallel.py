@@ -14,8 +14,8 @@ import pytest
 
 import torch
 
-from conftest import (LLAMA_SETTINGS, batches_as_read, run_cli, save_hf_llama, step_losses,
-                      validation_as_read)
+from conftest import (LLAMA_SETTINGS, batches_as_read, cli_here, run_cli, save_hf_llama,
+                      step_losses, validation_as_read)
 from local_mode import run_local
 from raytrain_lm.config import build_config
 from raytrain_lm.driver import run_training
@@ -253,6 +253,6 @@ def test_built_sharded_no_rank_holds_the_whole_model(ray_address, pydoc_data, st
 def test_layouts_that_cannot_work_are_refused(tmp_path, args, expected):
     from test_cli_errors import assert_clean_error
 
-    result = run_cli("train", "--storage", str(tmp_path / "runs"), *args)
+    result = cli_here("train", "--storage", str(tmp_path / "runs"), *args)
     assert_clean_error(result, expected)
     assert not (tmp_path / "runs").exists()
