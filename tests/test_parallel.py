@@ -14,7 +14,7 @@ import pytest
 
 import torch
 
-from conftest import (LLAMA_SETTINGS, batches_as_read, cli_here, run_cli, save_hf_llama,
+from conftest import (LLAMA_SETTINGS, batches_as_read, cli_here, save_hf_llama,
                       step_losses, validation_as_read)
 from local_mode import run_local
 from raytrain_lm.config import build_config
