@@ -112,6 +112,7 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: float = 300, env: dict
 
 
 CLOSED_ADDRESS = "127.0.0.1:1"  # where no Ray cluster answers
+NO_RAY = {"RAY_ADDRESS": ""}  # cli_here's env for commands that work without Ray (a small prepare)
 
 
 def cli_here(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: float = 0):

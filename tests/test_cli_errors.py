@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from conftest import cli_here, run_cli
+from conftest import NO_RAY, cli_here, run_cli
 
 
 def assert_clean_error(result, expected: str):
@@ -33,12 +33,12 @@ def test_train_rejects_bad_flags(tmp_path, args, expected):
 
 def test_data_that_is_not_a_dataset(tmp_path):
     (tmp_path / "notes.txt").write_text("hello")
-    result = run_cli("train", "--data", str(tmp_path), "--storage", str(tmp_path / "runs"))
+    result = cli_here("train", "--data", str(tmp_path), "--storage", str(tmp_path / "runs"))
     assert_clean_error(result, "is not a prepared dataset")
 
 
 def test_vocab_that_does_not_fit(tmp_path, pydoc_data):
-    result = run_cli("train", "--data", str(pydoc_data), "--set", "model.vocab_size=100",
+    result = cli_here("train", "--data", str(pydoc_data), "--set", "model.vocab_size=100",
                      "--storage", str(tmp_path / "runs"))
     assert_clean_error(result, "vocabulary of 256 tokens but the model's vocab_size is 100")
     assert not (tmp_path / "runs").exists()
@@ -47,10 +47,11 @@ def test_vocab_that_does_not_fit(tmp_path, pydoc_data):
 def test_unreadable_corpus(tmp_path):
     bad = tmp_path / "bad.txt"
     bad.write_bytes(b"\xff\xfe\xfa")
-    result = run_cli("prepare", "--input", str(bad), "--out", str(tmp_path / "out"))
+    result = cli_here("prepare", "--input", str(bad), "--out", str(tmp_path / "out"), env=NO_RAY)
     assert_clean_error(result, "cannot read corpus file")
     assert not (tmp_path / "out").exists()
-    result = run_cli("prepare", "--input", str(tmp_path / "missing.txt"), "--out", str(tmp_path / "o"))
+    result = cli_here("prepare", "--input", str(tmp_path / "missing.txt"), "--out", str(tmp_path / "o"),
+                      env=NO_RAY)
     assert_clean_error(result, "corpus not found")
 
 
@@ -88,7 +89,7 @@ def test_use_gpu_without_gpus(tmp_path, pydoc_data, ray_address):
 def test_prepare_json_output_parses(tmp_path):
     f = tmp_path / "t.txt"
     f.write_text("a few words of text. " * 2000)
-    result = run_cli("prepare", "--input", str(f), "--out", str(tmp_path / "d"), "--json")
+    result = cli_here("prepare", "--input", str(f), "--out", str(tmp_path / "d"), "--json", env=NO_RAY)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["vocab_size"] == 256
 

@@ -86,9 +86,9 @@ def test_an_fsdp_checkpoint_exports_its_tied_embedding_once(fsdp, storage, tmp_p
 
     from safetensors.torch import load_file
 
-    from conftest import run_cli
+    from conftest import cli_here
 
-    r = run_cli("export", str(storage / "fsdp"), "--out", str(tmp_path / "e"), "--json")
+    r = cli_here("export", str(storage / "fsdp"), "--out", str(tmp_path / "e"), "--json")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["tied"] == {"lm_head.weight": "wte.weight"}
     assert "lm_head.weight" not in load_file(str(tmp_path / "e" / "model.safetensors"))
