@@ -50,8 +50,8 @@ def test_unreadable_corpus(tmp_path):
     result = cli_here("prepare", "--input", str(bad), "--out", str(tmp_path / "out"), env=NO_RAY)
     assert_clean_error(result, "cannot read corpus file")
     assert not (tmp_path / "out").exists()
-    result = cli_here("prepare", "--input", str(tmp_path / "missing.txt"), "--out", str(tmp_path / "o"),
-                      env=NO_RAY)
+    result = cli_here("prepare", "--input", str(tmp_path / "missing.txt"),
+                      "--out", str(tmp_path / "o"), env=NO_RAY)
     assert_clean_error(result, "corpus not found")
 
 
@@ -89,7 +89,8 @@ def test_use_gpu_without_gpus(tmp_path, pydoc_data, ray_address):
 def test_prepare_json_output_parses(tmp_path):
     f = tmp_path / "t.txt"
     f.write_text("a few words of text. " * 2000)
-    result = cli_here("prepare", "--input", str(f), "--out", str(tmp_path / "d"), "--json", env=NO_RAY)
+    result = cli_here("prepare", "--input", str(f), "--out", str(tmp_path / "d"), "--json",
+                      env=NO_RAY)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["vocab_size"] == 256
 
@@ -104,8 +105,8 @@ def test_names_that_are_not_one_plain_folder_are_refused(tmp_path, pydoc_data, c
     """A run or sweep name cannot lead out of --storage; refused before anything is written
     (RAY_ADDRESS is a closed port: input let through fails as "no Ray cluster answers")."""
     storage = tmp_path / "a" / "b" / "runs"
-    result = cli_here(*command, "--name", name, "--data", str(pydoc_data), "--storage", str(storage),
-                     env={"RAY_ADDRESS": "127.0.0.1:1"})
+    result = cli_here(*command, "--name", name, "--data", str(pydoc_data), "--storage",
+                      str(storage), env={"RAY_ADDRESS": "127.0.0.1:1"})
     assert_clean_error(result, f"--name {name!r} is not a valid name: use letters, digits")
     assert list(tmp_path.iterdir()) == []
 
