@@ -56,6 +56,13 @@ def build_summary(cfg: TrainConfig, rows: list[dict], status: str, wall: float, 
     }
 
 
+def loop_config(cfg: TrainConfig, init_from: Optional[str] = None, fail_at: Optional[str] = None,
+                force: bool = False) -> dict:
+    """What every worker's `train_loop_per_worker` is given (see build_trainer)."""
+    return {"train": cfg.to_dict(), "run_name": cfg.name, "init_from": init_from,
+            "fail_at": fail_at, "force": force, "log_windows": bool(os.environ.get(WINDOWS_ENV))}
+
+
 def build_trainer(cfg: TrainConfig, run: RunFolder, callbacks: Optional[list] = None,
                   init_from: Optional[str] = None, fail_at: Optional[str] = None,
                   poll_seconds: Optional[float] = None, force: bool = False,
@@ -79,9 +86,7 @@ def build_trainer(cfg: TrainConfig, run: RunFolder, callbacks: Optional[list] = 
                     preemption_s=preemption_poll_seconds()),
         pg_cleaner=pg_cleaner,
         autoscaler=autoscaler,
-        train_loop_config={"train": cfg.to_dict(), "run_name": cfg.name, "init_from": init_from,
-                           "fail_at": fail_at, "force": force,
-                           "log_windows": bool(os.environ.get(WINDOWS_ENV))},
+        train_loop_config=loop_config(cfg, init_from, fail_at, force),
         scaling_config=scaling_config(cfg),
         run_config=RunConfig(
             name=cfg.name,

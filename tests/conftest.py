@@ -14,13 +14,21 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
+# One intra-op thread for torch in this process and the CLI's subprocesses, as Ray gives each
+# worker: the tests' models are tiny, and two threads spin against each other when another
+# process holds the second core (a 150-step training here took 4 s on one thread, 83 s on two).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "own_cluster: starts its own Ray cluster(s); runs last, "
                                        "after the session cluster is shut down")
     config.addinivalue_line("markers", "ray: needs a Ray cluster (set on every test that uses the "
-                                       "session cluster or starts its own); `-m 'not ray'` is the "
-                                       "fast tier")
+                                       "session cluster or starts its own), or is `slow`; "
+                                       "`-m 'not ray'` is the fast tier")
+    config.addinivalue_line("markers", "slow: seconds of work without Ray (the local harness of "
+                                       "local_mode.py, a GPU smoke test): in the slow tier with the "
+                                       "Ray tests, not in the fast tier")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -28,7 +36,8 @@ def pytest_collection_modifyitems(config, items):
     others (a stable sort), so the session cluster of `ray_address` never has to coexist with
     them or restart."""
     for item in items:
-        if "ray_address" in getattr(item, "fixturenames", ()) or item.get_closest_marker("own_cluster"):
+        if "ray_address" in getattr(item, "fixturenames", ()) or item.get_closest_marker("own_cluster") \
+                or item.get_closest_marker("slow"):
             item.add_marker(pytest.mark.ray)
     items.sort(key=lambda item: item.get_closest_marker("own_cluster") is not None)
 
@@ -100,6 +109,54 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: float = 300, env: dict
         [sys.executable, str(ROOT / "cli.py"), *args], cwd=cwd or ROOT, capture_output=True,
         text=True, timeout=timeout, env={**os.environ, **(env or {})},
     )
+
+
+CLOSED_ADDRESS = "127.0.0.1:1"  # where no Ray cluster answers
+NO_RAY = {"RAY_ADDRESS": ""}  # cli_here's env for commands that work without Ray (a small prepare)
+
+
+def cli_here(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: float = 0):
+    """`python cli.py ARGS` in this process, through `raytrain_lm.cli.main()` itself (its error
+    boundary: one line, exit codes), without a subprocess's ~0.3-2 s of start-up and imports.
+    Returns what run_cli returns. For inputs refused before any cluster is reached: RAY_ADDRESS
+    is a closed port unless `env` names another, Ray is never connected to (a call that gets as
+    far as connecting fails as an unexpected AssertionError, exit code 1, after the address check
+    that a subprocess would make), and this process's environment, working folder and argv are
+    restored after. `timeout`: unused (run_cli's signature)."""
+    import contextlib
+    import io
+
+    from raytrain_lm import cli
+    from raytrain_lm.cluster import connect
+
+    def connect_refused(address, *rest, **kw):
+        address = address or os.environ.get("RAY_ADDRESS")
+        if address and address != "local":
+            connect.check_reachable(address)  # what connect_ray checks first
+        raise AssertionError("an in-process CLI call (conftest.cli_here) would connect to Ray")
+
+    saved_env, saved_cwd, saved_argv = dict(os.environ), os.getcwd(), sys.argv
+    saved_connect, saved_disconnect = connect.connect_ray, cli._disconnect_ray
+    out, err = io.StringIO(), io.StringIO()
+    code = 0
+    try:
+        os.environ.update({"RAY_ADDRESS": CLOSED_ADDRESS, **(env or {})})
+        os.chdir(cwd or ROOT)
+        sys.argv = ["cli.py", *args]
+        connect.connect_ray = connect_refused
+        cli._disconnect_ray = lambda: None  # a session cluster of this process stays up
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                cli.main()
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    finally:
+        connect.connect_ray, cli._disconnect_ray = saved_connect, saved_disconnect
+        sys.argv = saved_argv
+        os.chdir(saved_cwd)
+        os.environ.clear()
+        os.environ.update(saved_env)
+    return subprocess.CompletedProcess(["cli.py", *args], code, out.getvalue(), err.getvalue())
 
 
 def processes_where(test) -> list[int]:

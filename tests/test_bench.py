@@ -18,6 +18,7 @@ from conftest import ROOT
 
 
 
+@pytest.mark.slow  # ~20 s of eager and compiled steps on the CPU
 def test_gpu_throughput_smoke_runs_on_cpu_without_ray(tmp_path):
     # A `ray` package that cannot be imported, first on the path: as on a GPU host without Ray.
     shadow = tmp_path / "no_ray" / "ray"

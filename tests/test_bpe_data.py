@@ -8,7 +8,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from conftest import run_cli
+from conftest import NO_RAY, cli_here, run_cli
 
 from raytrain_lm.data.manifest import dataset_tokenizer, load_manifest
 from raytrain_lm.data.prepare import prepare_dataset
@@ -160,7 +160,7 @@ def test_prepare_with_an_existing_tokenizer_json(tmp_path, bpe_pydoc):
 def test_bad_tokenizer_inputs_are_one_line_and_write_nothing(tmp_path, args, message):
     (tmp_path / "corrupt.json").write_text('{"model": {"type": "BPE", "vocab": ')
     before = sorted(p.name for p in tmp_path.iterdir())
-    result = run_cli("prepare", "--out", "ds", *args, cwd=tmp_path)
+    result = cli_here("prepare", "--out", "ds", *args, cwd=tmp_path, env=NO_RAY)
     assert result.returncode == 2, result.stderr
     assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1, result.stderr
     assert message in result.stderr
@@ -168,8 +168,8 @@ def test_bad_tokenizer_inputs_are_one_line_and_write_nothing(tmp_path, args, mes
 
 
 def test_prepare_bpe_from_the_command_line(tmp_path):
-    result = run_cli("prepare", "--tokenizer", "bpe", "--vocab-size", "1000", "--shard-tokens",
-                     "50000", "--out", "ds", "--json", cwd=tmp_path)
+    result = cli_here("prepare", "--tokenizer", "bpe", "--vocab-size", "1000", "--shard-tokens",
+                      "50000", "--out", "ds", "--json", cwd=tmp_path, env=NO_RAY)
     assert result.returncode == 0, result.stderr
     m = json.loads(result.stdout)
     assert m["tokenizer"]["type"] == "bpe" and m["vocab_size"] == 1000

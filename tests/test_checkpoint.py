@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import run_cli
+from conftest import cli_here, run_cli
 from raytrain_lm.checkpoint import load_checkpoint, load_state, save_checkpoint
 from raytrain_lm.checkpointer import restore_rng
 from raytrain_lm.config import build_config
@@ -57,7 +57,7 @@ def test_a_checkpoint_that_would_run_code_is_refused(tmp_path):
     record["state.pt"] = sha256_file(folder / "state.pt")
     (folder / "rank0.json").write_text(json.dumps(record))
     for command in (["generate", str(folder), "-n", "3", "-q"], ["export", str(folder), "--out", str(tmp_path / "x")]):
-        assert_clean_error(run_cli(*command), "refusing to load")
+        assert_clean_error(cli_here(*command), "refusing to load")
     assert not marker.exists()  # the payload never ran
     assert not (tmp_path / "x").exists()
 
@@ -108,7 +108,7 @@ def test_a_dcp_metadata_that_would_run_code_is_refused_by_every_loader(tmp_path)
     marker = tmp_path / "pwned"
     _plant_in_dcp_metadata(folder, marker)
     for command in (["generate", str(folder), "-n", "3", "-q"], ["export", str(folder), "--out", str(tmp_path / "x")]):
-        assert_clean_error(run_cli(*command), "refusing to load")
+        assert_clean_error(cli_here(*command), "refusing to load")
     with pytest.raises(UserError, match="refusing to load"):
         load_state(folder, SimpleNamespace(parts=[model], optimizers=[build_optimizer(
             model, build_config(), torch.device("cpu"))]), optimizer=False)

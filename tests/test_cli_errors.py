@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from conftest import run_cli
+from conftest import NO_RAY, cli_here, run_cli
 
 
 def assert_clean_error(result, expected: str):
@@ -26,19 +26,19 @@ def assert_clean_error(result, expected: str):
     (["--data", "no/such/dir"], "dataset not found"),
 ])
 def test_train_rejects_bad_flags(tmp_path, args, expected):
-    result = run_cli("train", "--storage", str(tmp_path / "runs"), *args)
+    result = cli_here("train", "--storage", str(tmp_path / "runs"), *args)
     assert_clean_error(result, expected)
     assert not (tmp_path / "runs").exists()
 
 
 def test_data_that_is_not_a_dataset(tmp_path):
     (tmp_path / "notes.txt").write_text("hello")
-    result = run_cli("train", "--data", str(tmp_path), "--storage", str(tmp_path / "runs"))
+    result = cli_here("train", "--data", str(tmp_path), "--storage", str(tmp_path / "runs"))
     assert_clean_error(result, "is not a prepared dataset")
 
 
 def test_vocab_that_does_not_fit(tmp_path, pydoc_data):
-    result = run_cli("train", "--data", str(pydoc_data), "--set", "model.vocab_size=100",
+    result = cli_here("train", "--data", str(pydoc_data), "--set", "model.vocab_size=100",
                      "--storage", str(tmp_path / "runs"))
     assert_clean_error(result, "vocabulary of 256 tokens but the model's vocab_size is 100")
     assert not (tmp_path / "runs").exists()
@@ -47,10 +47,11 @@ def test_vocab_that_does_not_fit(tmp_path, pydoc_data):
 def test_unreadable_corpus(tmp_path):
     bad = tmp_path / "bad.txt"
     bad.write_bytes(b"\xff\xfe\xfa")
-    result = run_cli("prepare", "--input", str(bad), "--out", str(tmp_path / "out"))
+    result = cli_here("prepare", "--input", str(bad), "--out", str(tmp_path / "out"), env=NO_RAY)
     assert_clean_error(result, "cannot read corpus file")
     assert not (tmp_path / "out").exists()
-    result = run_cli("prepare", "--input", str(tmp_path / "missing.txt"), "--out", str(tmp_path / "o"))
+    result = cli_here("prepare", "--input", str(tmp_path / "missing.txt"),
+                      "--out", str(tmp_path / "o"), env=NO_RAY)
     assert_clean_error(result, "corpus not found")
 
 
@@ -88,7 +89,8 @@ def test_use_gpu_without_gpus(tmp_path, pydoc_data, ray_address):
 def test_prepare_json_output_parses(tmp_path):
     f = tmp_path / "t.txt"
     f.write_text("a few words of text. " * 2000)
-    result = run_cli("prepare", "--input", str(f), "--out", str(tmp_path / "d"), "--json")
+    result = cli_here("prepare", "--input", str(f), "--out", str(tmp_path / "d"), "--json",
+                      env=NO_RAY)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["vocab_size"] == 256
 
@@ -103,14 +105,14 @@ def test_names_that_are_not_one_plain_folder_are_refused(tmp_path, pydoc_data, c
     """A run or sweep name cannot lead out of --storage; refused before anything is written
     (RAY_ADDRESS is a closed port: input let through fails as "no Ray cluster answers")."""
     storage = tmp_path / "a" / "b" / "runs"
-    result = run_cli(*command, "--name", name, "--data", str(pydoc_data), "--storage", str(storage),
-                     env={"RAY_ADDRESS": "127.0.0.1:1"})
+    result = cli_here(*command, "--name", name, "--data", str(pydoc_data), "--storage",
+                      str(storage), env={"RAY_ADDRESS": "127.0.0.1:1"})
     assert_clean_error(result, f"--name {name!r} is not a valid name: use letters, digits")
     assert list(tmp_path.iterdir()) == []
 
 
 def test_tune_resume_refuses_a_name_out_of_storage(tmp_path):
-    result = run_cli("tune", "--resume", "--name", "../elsewhere", "--storage", str(tmp_path / "runs"),
+    result = cli_here("tune", "--resume", "--name", "../elsewhere", "--storage", str(tmp_path / "runs"),
                      env={"RAY_ADDRESS": "127.0.0.1:1"})
     assert_clean_error(result, "--name '../elsewhere' is not a valid name")
 
@@ -132,7 +134,7 @@ def test_a_manifest_cannot_name_a_shard_outside_its_folder(tmp_path):
     (data / shard["file"]).rename(tmp_path / "evil.arrow")
     shard["file"] = "../evil.arrow"
     (data / "manifest.json").write_text(json.dumps(manifest))
-    result = run_cli("train", "--data", str(data), "--storage", str(tmp_path / "runs"),
+    result = cli_here("train", "--data", str(data), "--storage", str(tmp_path / "runs"),
                      env={"RAY_ADDRESS": "127.0.0.1:1"})
     assert_clean_error(result, "is not a valid dataset: shard file name '../evil.arrow' is not a "
                                "plain file name")
@@ -172,7 +174,7 @@ def test_paths_that_cannot_be_created_read_or_written(tmp_path, pydoc_data, comm
     args = command.format(tmp=tmp_path).split()
     if args[0] in ("train", "lr-find", "tune") and "--data" not in args:
         args += ["--data", str(pydoc_data)]
-    result = run_cli(*args, env={"RAY_ADDRESS": "127.0.0.1:1"})
+    result = cli_here(*args, env={"RAY_ADDRESS": "127.0.0.1:1"})
     assert_clean_error(result, expected.format(tmp=tmp_path))
     assert sorted(tmp_path.rglob("*")) == before
 

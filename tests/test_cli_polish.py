@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import run_cli
+from conftest import cli_here, run_cli
 
 COMMANDS = ["prepare", "train", "runs", "report", "generate", "export"]
 
@@ -35,7 +35,7 @@ def test_top_level_help_lists_every_command():
     (["nonsense"], "No such command 'nonsense'"),
 ])
 def test_bad_usage_is_one_line_with_exit_code_2(args, expected):
-    res = run_cli(*args)
+    res = cli_here(*args)
     assert res.returncode == 2
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], res.stderr

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import ROOT, run_cli
+from conftest import ROOT, cli_here, run_cli
 from test_cli_errors import assert_clean_error
 
 from raytrain_lm.cluster.jobs import job_train_args
@@ -161,7 +161,7 @@ def test_cluster_up_refuses_ray_s_open_defaults(tmp_path, drop, expected):
     config = yaml.safe_load(text)
     del config["available_node_types"][node]["node_config"][key]
     (tmp_path / "cluster.yaml").write_text(yaml.safe_dump(config))
-    assert_clean_error(run_cli("cluster", "up", str(tmp_path / "cluster.yaml"), "--yes"), expected)
+    assert_clean_error(cli_here("cluster", "up", str(tmp_path / "cluster.yaml"), "--yes"), expected)
 
 
 def test_a_broken_config_is_refused_with_the_schema_error(tmp_path):
@@ -184,7 +184,7 @@ def test_cluster_up_with_missing_or_invalid_yaml(tmp_path, text, expected):
     if text is not None:
         path = tmp_path / "cluster.yaml"
         path.write_text(text)
-    result = run_cli("cluster", "up", str(path), "--yes", cwd=tmp_path)
+    result = cli_here("cluster", "up", str(path), "--yes", cwd=tmp_path)
     assert_clean_error(result, expected)
 
 
@@ -199,19 +199,19 @@ def test_submit_without_training_args():
     ["jobs", "logs", "raysubmit_x", "--address", "127.0.0.1:9"],
 ])
 def test_unreachable_jobs_address(args):
-    assert_clean_error(run_cli(*args), "nothing answers at http://127.0.0.1:9")
+    assert_clean_error(cli_here(*args), "nothing answers at http://127.0.0.1:9")
 
 
 def test_unreachable_train_address(tmp_path, pydoc_data):
-    result = run_cli("train", "--address", "127.0.0.1:9", "--data", str(pydoc_data),
+    result = cli_here("train", "--address", "127.0.0.1:9", "--data", str(pydoc_data),
                      "--storage", str(tmp_path / "runs"))
     assert_clean_error(result, "no Ray cluster answers at 127.0.0.1:9")
     assert not (tmp_path / "runs").exists()
 
 
 def test_bad_jobs_address_and_scale_timeout():
-    assert_clean_error(run_cli("jobs", "--address", "ftp://host:21"), "--address must be the dashboard's")
-    assert_clean_error(run_cli("train", "--scale-timeout", "-5"), "--scale-timeout must be >= 0")
+    assert_clean_error(cli_here("jobs", "--address", "ftp://host:21"), "--address must be the dashboard's")
+    assert_clean_error(cli_here("train", "--scale-timeout", "-5"), "--scale-timeout must be >= 0")
 
 
 def test_job_arguments_make_local_paths_absolute(tmp_path, monkeypatch):
@@ -245,13 +245,13 @@ def test_local_up_refuses_a_busy_or_bad_port():
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        assert_clean_error(run_cli("cluster", "local-up", "--port", str(port)),
+        assert_clean_error(cli_here("cluster", "local-up", "--port", str(port)),
                            f"port {port} is already in use")
-    assert_clean_error(run_cli("cluster", "local-up", "--port", "80"), "--port must be between 1024")
+    assert_clean_error(cli_here("cluster", "local-up", "--port", "80"), "--port must be between 1024")
 
 
 def test_local_down_without_a_cluster_says_so():
-    result = run_cli("cluster", "local-down", "--port", "6399")
+    result = cli_here("cluster", "local-down", "--port", "6399")
     assert result.returncode == 0 and "no local Ray cluster was running on port 6399" in result.stdout
 
 
@@ -466,7 +466,7 @@ def test_local_down_sends_the_token_to_no_planted_address(own_state, tmp_path):
         folder = tmp_path / "tmp" / "raytrain-lm-ray-6398"
         folder.mkdir(mode=0o777)
         (folder / "raytrain-lm-cluster.json").write_text(json.dumps(planted))
-        result = run_cli("cluster", "local-down", "--port", "6398",
+        result = cli_here("cluster", "local-down", "--port", "6398",
                          env={"TMPDIR": str(tmp_path / "tmp"), "XDG_STATE_HOME": str(tmp_path / "state"),
                               "RAY_AUTH_TOKEN": "s3cret-token-value"})
     finally:

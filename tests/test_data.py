@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from conftest import run_cli
+from conftest import NO_RAY, cli_here, run_cli
 
 from raytrain_lm.data.manifest import load_manifest
 from raytrain_lm.data.prepare import prepare_dataset
@@ -80,8 +80,8 @@ def test_prepare_several_inputs_in_the_order_given(tmp_path):
     (tmp_path / "chapters" / "1.txt").write_text(TEXT[:9000])
     (tmp_path / "chapters" / "2.txt").write_text(TEXT[9000:])
     (tmp_path / "notes.jsonl").write_text(json.dumps({"text": "a note"}) + "\n")
-    result = run_cli("prepare", "--input", "intro.md", "--input", "chapters", "--input",
-                     "notes.jsonl", "--json", cwd=tmp_path)
+    result = cli_here("prepare", "--input", "intro.md", "--input", "chapters", "--input",
+                      "notes.jsonl", "--json", cwd=tmp_path, env=NO_RAY)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["source"] == ["intro.md", "chapters", "notes.jsonl"]
     check_dataset(tmp_path / "data" / "intro", "\n\n".join(

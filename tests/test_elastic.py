@@ -11,7 +11,7 @@ import pyarrow.fs as pafs
 import pytest
 import torch
 
-from conftest import run_cli
+from conftest import cli_here, run_cli
 from raytrain_lm.config import build_config
 from raytrain_lm.data.sampler import BatchPlan, BatchStream, epoch_order
 from raytrain_lm.drills import WindowLog, read_window_log
@@ -33,17 +33,17 @@ def test_workers_is_a_number_or_a_range(text, expected):
     ("2-", "'2-' is neither"),
 ])
 def test_bad_worker_ranges_are_one_line(tmp_path, value, expected):
-    result = run_cli("train", "--workers", value, "--storage", str(tmp_path / "runs"))
+    result = cli_here("train", "--workers", value, "--storage", str(tmp_path / "runs"))
     assert_clean_error(result, f"Invalid value for '--workers': {expected}")
     assert not (tmp_path / "runs").exists()
 
 
 def test_a_range_must_start_at_a_size_that_keeps_the_batch(tmp_path):
     """3 data-parallel ranks cannot share 128 sequences; with --tp 2 both ends are multiples of 2."""
-    assert_clean_error(run_cli("train", "--workers", "3-8", "--storage", str(tmp_path)),
+    assert_clean_error(cli_here("train", "--workers", "3-8", "--storage", str(tmp_path)),
                        "--workers 3-8: 3 data-parallel ranks cannot split the global batch of 128 "
                        "sequences")
-    assert_clean_error(run_cli("train", "--workers", "3-8", "--tp", "2", "--storage", str(tmp_path)),
+    assert_clean_error(cli_here("train", "--workers", "3-8", "--tp", "2", "--storage", str(tmp_path)),
                        "both ends must be multiples of --tp x --pp = 2")
 
 
@@ -112,9 +112,16 @@ def test_the_window_log_keeps_the_last_group_to_run_each_step(tmp_path):
     assert all(sorted(kept[(0, s)]["windows"]) == sorted(order[s:s + 4]) for s in (0, 4, 8))
 
 
-def test_a_stream_without_a_log_never_touches_one():
+def test_a_stream_without_a_log_never_touches_one(monkeypatch):
+    """Off (the default), the window log costs nothing: no step of any epoch writes to one."""
+    def touched(*args, **kwargs):
+        raise AssertionError("a stream without a window log wrote to one")
+
+    monkeypatch.setattr(WindowLog, "__init__", touched)
+    monkeypatch.setattr(WindowLog, "add", touched)
     stream = BatchStream(40, BatchPlan(2, 1, 0, 1), 1, lambda batches: iter(batches))
-    assert stream.log is None and len(stream.next()) == 2
+    assert all(len(stream.next()) == 2 for _ in range(45))  # past the end of an epoch of 40
+    assert stream.epoch == 2
 
 
 def test_worker_groups_count_restarts_and_say_why_a_size_changed():

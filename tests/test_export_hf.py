@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from conftest import run_cli
+from conftest import cli_here, run_cli
 
 from raytrain_lm.export import export_checkpoint_hf, export_hf
 from raytrain_lm.generate import sample
@@ -40,7 +40,7 @@ def exported(trained_here, tmp_path_factory):
     out = {}
     for kind, run in trained_here.items():
         out[kind] = tmp_path_factory.mktemp("hf") / kind
-        res = run_cli("export", str(run.ckpt), "--format", "hf", "--out", str(out[kind]))
+        res = cli_here("export", str(run.ckpt), "--format", "hf", "--out", str(out[kind]))
         assert res.returncode == 0, res.stderr
     return out
 
@@ -78,7 +78,7 @@ def test_greedy_generate_in_transformers_equals_our_generate(trained_here, expor
     hf, hf_tok = load_hf(exported[kind])
     eot = run.tok.eot_id
     for prompt in PROMPTS[:1] if kind == "llama" else PROMPTS:
-        res = run_cli("generate", str(run.ckpt), "--prompt", prompt, "--temperature", "0",
+        res = cli_here("generate", str(run.ckpt), "--prompt", prompt, "--temperature", "0",
                       "--max-new-tokens", "30", "--json", "--device", "cpu")
         assert res.returncode == 0, res.stderr
         ours = json.loads(res.stdout)["token_ids"]
@@ -100,7 +100,7 @@ def test_greedy_generate_in_transformers_equals_our_generate(trained_here, expor
 
 def test_the_tokenizer_file_is_the_same_in_dataset_checkpoint_and_export(trained_here, exported, tmp_path):
     run = trained_here["bpe"]
-    res = run_cli("export", str(run.ckpt), "--out", str(tmp_path / "native"))  # native keeps it too
+    res = cli_here("export", str(run.ckpt), "--out", str(tmp_path / "native"))  # native keeps it too
     assert res.returncode == 0, res.stderr
     files = [run.data / "tokenizer.json", run.ckpt / "tokenizer.json", exported["bpe"] / "tokenizer.json",
              tmp_path / "native" / "tokenizer.json"]
@@ -187,12 +187,15 @@ def test_export_refusals(trained_here, exported, tmp_path):
     cfg.vocab_size = 512
     with pytest.raises(UserError, match="512 token embeddings"):
         export_hf(GPT(cfg).state_dict(), cfg, run.tok, tmp_path / "small")
-    res = run_cli("export", str(run.ckpt), "--format", "hf", "--out", str(exported["bpe"]))
+    res = cli_here("export", str(run.ckpt), "--format", "hf", "--out", str(exported["bpe"]))
     assert res.returncode == 2 and "--force" in res.stderr
-    res = run_cli("export", str(run.ckpt), "--format", "onnx", "--out", str(tmp_path / "x"))
+    res = cli_here("export", str(run.ckpt), "--format", "onnx", "--out", str(tmp_path / "x"))
     assert res.returncode == 2 and "--format must be one of native, hf" in res.stderr
     assert not (tmp_path / "x").exists()
-    export_checkpoint_hf(run.ckpt, exported["bpe"], force=True)  # --force replaces it
+    (exported["bpe"] / "config.json").write_text("{}")  # what --force must replace
+    export_checkpoint_hf(run.ckpt, exported["bpe"], force=True)
+    export_checkpoint_hf(run.ckpt, tmp_path / "fresh")
+    assert (exported["bpe"] / "config.json").read_text() == (tmp_path / "fresh" / "config.json").read_text()
 
 
 def test_c_attn_reaches_gpt2_in_its_qkv_order(tmp_path):

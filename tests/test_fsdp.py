@@ -1,4 +1,5 @@
-"""FSDP2 and activation checkpointing on two real gloo workers, against DDP on the same data."""
+"""FSDP2 and activation checkpointing on two real gloo workers, against DDP on the same data: FSDP
+on Ray Train workers (with a killed worker), full activation checkpointing on the local harness."""
 
 
 import pytest
@@ -6,16 +7,16 @@ import pytest
 from conftest import SMALL_SETTINGS, SMALL_STEPS, small_config, step_losses
 from raytrain_lm.checkpoint import load_checkpoint
 from raytrain_lm.config import build_config
+from local_mode import run_local
 from raytrain_lm.driver import run_training
 from raytrain_lm.model import GPT
 
 STEPS = SMALL_STEPS
 
 
-def train(data, storage, name, **flags):
+def train(data, storage, name, on=run_training, **flags):
     rows = []
-    summary = run_training(small_config(data, storage, name, **flags), say=lambda m: None,
-                           on_metrics=rows.append)
+    summary = on(small_config(data, storage, name, **flags), say=lambda m: None, on_metrics=rows.append)
     assert summary["status"] == "completed"
     return step_losses(storage / name), rows
 
@@ -71,8 +72,9 @@ def test_fsdp_resume_after_killed_worker_with_selective_recompute(fsdp, pydoc_da
         assert losses[s] == pytest.approx(reference[s], rel=1e-6, abs=1e-7)
 
 
+@pytest.mark.slow
 def test_full_activation_checkpointing_gives_the_same_losses(ddp, pydoc_data, storage):
-    losses, _ = train(pydoc_data, storage, "ddp-ac", activation_checkpointing="full")
+    losses, _ = train(pydoc_data, storage, "ddp-ac", on=run_local, activation_checkpointing="full")
     for s in ddp[0]:
         assert losses[s] == pytest.approx(ddp[0][s], rel=1e-6, abs=1e-7)
 
@@ -84,9 +86,9 @@ def test_an_fsdp_checkpoint_exports_its_tied_embedding_once(fsdp, storage, tmp_p
 
     from safetensors.torch import load_file
 
-    from conftest import run_cli
+    from conftest import cli_here
 
-    r = run_cli("export", str(storage / "fsdp"), "--out", str(tmp_path / "e"), "--json")
+    r = cli_here("export", str(storage / "fsdp"), "--out", str(tmp_path / "e"), "--json")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["tied"] == {"lm_head.weight": "wte.weight"}
     assert "lm_head.weight" not in load_file(str(tmp_path / "e" / "model.safetensors"))

@@ -1,6 +1,6 @@
 """GPU models from real device names (as torch and NVML report them) and from Ray's accelerator
-labels: exact matches only, and no memory figure a label does not determine. No GPU needed,
-except for the last test."""
+labels: exact matches only, and no memory figure a label does not determine. No GPU needed (the
+memory check fakes the device's properties where there is none)."""
 
 import pytest
 import torch
@@ -60,29 +60,56 @@ def test_the_label_ray_derives_never_overstates_or_understates_memory(name, mode
     """Whatever label Ray gives a node with this device, the driver's figure is its memory or
     none at all (then the worker checks the device itself)."""
     label = NvidiaGPUAcceleratorManager._gpu_name_to_accelerator_type(name)
-    assert label_memory_gb(label) in (memory, None)
+    sharing = {m for n, _, _, m in DEVICES
+               if NvidiaGPUAcceleratorManager._gpu_name_to_accelerator_type(n) == label}
+    # its memory where every card of that label has the same (H200, L4, ...), else none (A100)
+    assert label_memory_gb(label) == (memory if sharing == {memory} else None)
 
 
-def test_force_reaches_the_workers(tmp_path):
-    """The workers' memory check reads --force from the trainer's train_loop_config."""
+def test_force_reaches_the_workers(tmp_path, monkeypatch):
+    """The workers' memory check reads --force from the trainer's train_loop_config: a plan beyond
+    the device's memory is refused with the config of a trainer built without --force, and
+    goes through with one built with it."""
     from raytrain_lm.driver import build_trainer
+    from raytrain_lm.preflight import check_device_memory
     from raytrain_lm.storage import RunFolder
 
-    cfg = build_config(flags=dict(storage=str(tmp_path), name="r"))
+    cfg = build_config(flags=dict(storage=str(tmp_path), name="r", use_gpu=True, workers=1),
+                       sets=BEYOND_80GB)
+    fake_device_memory(monkeypatch, 80e9)
     for force in (False, True):
         trainer = build_trainer(cfg, RunFolder(cfg.storage, cfg.name), force=force)
-        assert trainer.train_loop_config["force"] is force
+        passed = trainer.train_loop_config["force"]
+        if force:
+            check_device_memory(cfg, torch.device("cuda", 0), passed)
+        else:
+            with pytest.raises(UserError, match="--force"):
+                check_device_memory(cfg, torch.device("cuda", 0), passed)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-def test_a_gpu_worker_refuses_a_plan_beyond_its_device_memory():
+BEYOND_80GB = ["model.n_layer=48", "model.n_embd=4096", "model.n_head=32", "model.block_size=1024",
+               "model.vocab_size=50304", "batch_size=64", "seq_len=1024"]
+
+
+def fake_device_memory(monkeypatch, total: float) -> None:
+    """Without a GPU: the device properties torch would report for a card of `total` bytes (the
+    one call of torch.cuda that check_device_memory makes)."""
+    from types import SimpleNamespace
+
+    if not torch.cuda.is_available():
+        monkeypatch.setattr(torch.cuda, "get_device_properties",
+                            lambda device: SimpleNamespace(total_memory=total))
+
+
+def test_a_gpu_worker_refuses_a_plan_beyond_its_device_memory(monkeypatch):
+    """On a GPU its real memory; without one, an 80 GB card's reported properties."""
     from raytrain_lm.preflight import check_device_memory
 
-    cfg = build_config(flags=dict(use_gpu=True, workers=1, batch_size=64, seq_len=1024),
-                       sets=["model.n_layer=48", "model.n_embd=4096", "model.n_head=32",
-                             "model.block_size=1024", "model.vocab_size=50304"])
+    fake_device_memory(monkeypatch, 80e9)
+    cfg = build_config(flags=dict(use_gpu=True, workers=1), sets=BEYOND_80GB)
     device = torch.device("cuda", 0)
-    with pytest.raises(UserError, match=r"GB per worker .* but a worker has \d+ GB; .*--force"):
+    refused = r"GB per worker .* but a worker has 80 GB \(90% usable\); .*--force"
+    with pytest.raises(UserError, match=refused):
         check_device_memory(cfg, device, force=False)
     check_device_memory(cfg, device, force=True)
     check_device_memory(build_config(flags=dict(use_gpu=True, workers=1)), device, force=False)

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import batches_as_read, run_cli, save_hf_llama
+from conftest import batches_as_read, cli_here, run_cli, save_hf_llama
 from raytrain_lm.config import ModelConfig, build_config, preset_config
 from raytrain_lm.errors import UserError
 from raytrain_lm.model import architecture, build_model
@@ -220,7 +220,7 @@ def test_init_from_hf_checks_shape_and_tokenizer(hf_llama, tmp_path):
 
 def test_train_refuses_an_hf_folder_of_another_shape_in_one_line(hf_llama, tmp_path):
     folder, _, run = hf_llama
-    r = run_cli("train", "--data", str(run.data), "--storage", str(tmp_path / "runs"), "--preset",
+    r = cli_here("train", "--data", str(run.data), "--storage", str(tmp_path / "runs"), "--preset",
                 "llama-tiny", "--init-from", str(folder))
     assert_clean_error(r, "is another model shape")
     assert not (tmp_path / "runs").exists()
@@ -248,7 +248,7 @@ def test_plan_prints_the_seeds_arithmetic():
     GB"), x4 with gradients and AdamW's moments, and what each layout leaves per GPU."""
     from raytrain_lm.plan import param_counts
 
-    r = run_cli("plan", "--preset", "llama2-70b", "--gpus", "64", "--gpus-per-node", "8",
+    r = cli_here("plan", "--preset", "llama2-70b", "--gpus", "64", "--gpus-per-node", "8",
                 "--gpu-memory-gb", "80")
     assert r.returncode == 0, r.stderr
     n = param_counts(preset_config("llama2-70b").model)["total"]

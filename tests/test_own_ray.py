@@ -8,6 +8,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import pytest
+
 from conftest import processes_where, run_cli
 
 
@@ -20,6 +22,7 @@ def _actor_classes(ray_tmp: Path) -> list[str]:
             if line.startswith(":actor_name:")]
 
 
+@pytest.mark.own_cluster  # a Ray of its own: after the session cluster is gone, in the Ray tier
 def test_train_on_a_ray_of_its_own(tmp_path, pydoc_data):
     """It trains, its one worker runs as many torch threads as the machine has cores, as the
     launch line says (Ray's default would be one), it starts no actor it does without (no

@@ -1,5 +1,8 @@
-"""The three paradigms on real Ray workers over gloo: every layout trains the same model as one
-worker does, step for step; models are built sharded; checkpoints move between layouts."""
+"""The three paradigms over gloo: every layout trains the same model as one worker does, step for
+step; models are built sharded; checkpoints move between layouts. The layouts' arithmetic runs on
+the local harness (local_mode.py: the same loop on forked gloo ranks); one pipeline schedule runs
+on real Ray Train workers and matches the harness's one-worker run, and so do the sharded build
+(FSDP x TP) and the killed Llama run."""
 
 from __future__ import annotations
 
@@ -11,8 +14,9 @@ import pytest
 
 import torch
 
-from conftest import (LLAMA_SETTINGS, batches_as_read, run_cli, save_hf_llama, step_losses,
-                      validation_as_read)
+from conftest import (LLAMA_SETTINGS, batches_as_read, cli_here, save_hf_llama,
+                      step_losses, validation_as_read)
+from local_mode import run_local
 from raytrain_lm.config import build_config
 from raytrain_lm.driver import run_training
 
@@ -22,8 +26,7 @@ GLOBAL_BATCH = 16  # sequences per step, whatever the layout
 # dropout: the same math in every layout, up to float rounding.
 MODEL = ["model.n_layer=4", "model.n_head=4", "model.n_embd=64", "model.block_size=64",
          "model.dropout=0"]
-# Each schedule and sequence parallelism once, composed where a layout can carry them (a run
-# here is mostly Ray start-up: ~18 s each on 2 cores).
+# Each schedule and sequence parallelism once, composed where a layout can carry them.
 LAYOUTS = {  # name: (workers, flags); batch_size is per data-parallel rank
     "one": (1, {}),
     "tp2": (2, dict(tp=2)),
@@ -35,12 +38,14 @@ LAYOUTS = {  # name: (workers, flags); batch_size is per data-parallel rank
 # The Llama (same width, 2 kv heads: one per tp rank) on a subset: tp (q/k/v and gate/up
 # column-wise, whole kv heads per rank), one pipeline schedule (rotary tables on each stage),
 # FSDP2 x TP with sequence parallelism on the RMSNorms. Every Llama run starts from one Hugging
-# Face Llama folder made by transformers (--init-from: the import into each layout). Ray runs:
-# these 4 and the kill drill below (candidates for the forked-gloo harness when it lands).
+# Face Llama folder made by transformers (--init-from: the import into each layout).
 ARCHS = {
     "gpt": (MODEL, LAYOUTS),
     "llama": (MODEL + LLAMA_SETTINGS, {k: LAYOUTS[k] for k in ("one", "tp2", "pp2-1f1b", "fsdp2xtp2-sp")}),
 }
+# Trained by real Ray Train workers; every other layout on the local harness. With the Ray runs of
+# other modules, each of DDP, FSDP, FSDP x TP and a pipeline schedule runs on Ray at least once.
+ON_RAY = {("gpt", "pp2-1f1b")}
 
 
 def layout_config(data, storage, name, workers, flags, arch="gpt", **more):
@@ -75,9 +80,9 @@ def run_name(arch, name):
 
 
 @pytest.fixture(scope="module")
-def runs(ray_address, pydoc_data, storage, request):
-    """runs(arch): every layout's per-step losses and metrics rows (one Ray run each, made on
-    first use)."""
+def runs(pydoc_data, storage, request):
+    """runs(arch): every layout's per-step losses and metrics rows (one run each, on Ray or the
+    harness, made on first use)."""
     done = {}
 
     def get(arch):
@@ -87,7 +92,12 @@ def runs(ray_address, pydoc_data, storage, request):
             for name, (workers, flags) in ARCHS[arch][1].items():
                 rows = []
                 cfg = layout_config(pydoc_data, storage, run_name(arch, name), workers, flags, arch)
-                summary = run_training(cfg, init_from=init_from, say=lambda m: None, on_metrics=rows.append)
+                if (arch, name) in ON_RAY:
+                    request.getfixturevalue("ray_address")
+                    train = run_training
+                else:
+                    train = run_local
+                summary = train(cfg, init_from=init_from, say=lambda m: None, on_metrics=rows.append)
                 assert summary["status"] == "completed", (arch, name)
                 done[arch][name] = (step_losses(storage / run_name(arch, name)), rows)
         return done[arch]
@@ -95,6 +105,7 @@ def runs(ray_address, pydoc_data, storage, request):
     return get
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch,layout", [(a, n) for a in ARCHS for n in ARCHS[a][1] if n != "one"])
 def test_every_layout_trains_the_one_worker_model(runs, arch, layout):
     """Within 1e-4 relative at each of 20 steps (AdamW, clipping, warmup and cosine): the same
@@ -112,6 +123,7 @@ def test_every_layout_trains_the_one_worker_model(runs, arch, layout):
     assert rows[-1]["val_bpb"] == pytest.approx(rows[-1]["val_loss"] / math.log(2), rel=1e-9)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
 def test_the_layouts_report_what_they_hold_and_move(runs, arch):
     """tp2 holds half the parameters per rank, its tp dimension moves bytes, the pipelines
@@ -126,6 +138,7 @@ def test_the_layouts_report_what_they_hold_and_move(runs, arch):
     assert both["comm_bytes"]["dp"] > 0 and both["param_fraction"] == pytest.approx(0.25, abs=0.02)
 
 
+@pytest.mark.slow
 def test_a_llama_starts_from_the_hf_models_weights(runs, hf_folder, pydoc_data, storage):
     """--init-from a Hugging Face Llama folder: the first step's loss is the transformers
     model's loss on that step's batch (the same windows, read here as the run read them)."""
@@ -139,7 +152,8 @@ def test_a_llama_starts_from_the_hf_models_weights(runs, hf_folder, pydoc_data, 
     assert runs("llama")["one"][0][1] == pytest.approx(expected, rel=1e-5, abs=1e-5)
 
 
-def test_a_killed_llama_run_resumes_bit_identically(runs, hf_folder, pydoc_data, storage, monkeypatch):
+def test_a_killed_llama_run_resumes_bit_identically(ray_address, runs, hf_folder, pydoc_data, storage,
+                                                    monkeypatch):
     """The one-worker Llama run again, its worker killed after step 13: restarted from step 10's
     checkpoint (not from --init-from again), every step's loss is the uninterrupted run's, bit for
     bit. (A Ray run of its own, with the restart.)"""
@@ -151,6 +165,7 @@ def test_a_killed_llama_run_resumes_bit_identically(runs, hf_folder, pydoc_data,
     assert step_losses(storage / "llama-killed") == runs("llama")["one"][0]
 
 
+@pytest.mark.slow
 def test_a_sharded_llama_checkpoint_loads_in_one_process(runs, storage, pydoc_data):
     """The tp2 run's final checkpoint (two ranks' shards, dcp/) gathered in one process, as
     generate and export load it: its validation loss on the run's validation windows is the one
@@ -173,6 +188,7 @@ def test_a_sharded_llama_checkpoint_loads_in_one_process(runs, storage, pydoc_da
     assert total / tokens == pytest.approx(runs("llama")["tp2"][1][-1]["val_loss"], rel=1e-5)
 
 
+@pytest.mark.slow
 def test_a_tp2_checkpoint_resumes_as_fsdp_on_two_workers(runs, storage, pydoc_data):
     """Saved at --tp 2 (one data-parallel rank of 16 sequences), continued at --strategy fsdp
     --workers 2 (two ranks of 8): the next step's loss is the uninterrupted tp2 run's."""
@@ -184,7 +200,7 @@ def test_a_tp2_checkpoint_resumes_as_fsdp_on_two_workers(runs, storage, pydoc_da
                               "max_steps": 12})
     cfg.name = "tp2-to-fsdp"
     rows = []
-    summary = run_training(cfg, resume=True, say=lambda m: None, on_metrics=rows.append)
+    summary = run_local(cfg, resume=True, say=lambda m: None, on_metrics=rows.append)
     assert summary["resumed_from_step"] == 10
     resumed, uninterrupted = step_losses(storage / "tp2-to-fsdp"), runs("gpt")["tp2"][0]
     for step in (11, 12):
@@ -237,6 +253,6 @@ def test_built_sharded_no_rank_holds_the_whole_model(ray_address, pydoc_data, st
 def test_layouts_that_cannot_work_are_refused(tmp_path, args, expected):
     from test_cli_errors import assert_clean_error
 
-    result = run_cli("train", "--storage", str(tmp_path / "runs"), *args)
+    result = cli_here("train", "--storage", str(tmp_path / "runs"), *args)
     assert_clean_error(result, expected)
     assert not (tmp_path / "runs").exists()

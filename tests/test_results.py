@@ -1,7 +1,8 @@
 """What a user does with a finished run: runs, report, TensorBoard, generate, export.
 
 One real 2-worker training run (tiny preset, 120 steps on the pydoc corpus) is shared by every
-test here; the commands are run as a user runs them, in subprocesses.
+test here; the commands run through the CLI's own entry point, cli.main(), in this process
+(conftest.cli_here), and the colour test in a subprocess on a terminal.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT, run_cli
+from conftest import ROOT, cli_here, run_cli
 
 STEPS = 120
 
@@ -43,7 +44,7 @@ def clean_error(result, expected):
 def test_runs_lists_the_run(trained):
     storage, run_dir = trained
     (storage / "not-a-run").mkdir()  # a stray folder is not listed
-    res = run_cli("runs", "--storage", str(storage), "--json")
+    res = cli_here("runs", "--storage", str(storage), "--json")
     assert res.returncode == 0, res.stderr
     listed = json.loads(res.stdout)
     assert [r["name"] for r in listed] == ["looked-at"]
@@ -51,14 +52,14 @@ def test_runs_lists_the_run(trained):
     assert r["status"] == "completed" and r["steps"] == STEPS and r["checkpoints"] == 2
     assert r["final_val_loss"] == pytest.approx(metrics(run_dir)[-1]["val_loss"])
 
-    table = run_cli("runs", "--storage", str(storage))
+    table = cli_here("runs", "--storage", str(storage))
     assert table.returncode == 0
     line = next(l for l in table.stdout.splitlines() if l.startswith("looked-at"))
     assert "completed" in line and f"{STEPS}/{STEPS}" in line and f"{r['final_val_loss']:.4f}" in line
     assert "\033[" not in table.stdout  # no colour codes into a pipe
-    assert run_cli("runs", "--storage", str(storage), "-q").stdout.split() == ["looked-at"]
+    assert cli_here("runs", "--storage", str(storage), "-q").stdout.split() == ["looked-at"]
     # Without --storage, the same default as `train`: RAYTRAIN_LM_STORAGE (a cluster's shared one)
-    assert run_cli("runs", "-q", env={"RAYTRAIN_LM_STORAGE": str(storage)}).stdout.split() == ["looked-at"]
+    assert cli_here("runs", "-q", env={"RAYTRAIN_LM_STORAGE": str(storage)}).stdout.split() == ["looked-at"]
 
 
 def test_runs_colours_only_on_a_terminal(trained):
@@ -91,7 +92,7 @@ def test_runs_colours_only_on_a_terminal(trained):
 
 
 def test_runs_of_an_empty_or_missing_storage(tmp_path):
-    res = run_cli("runs", "--storage", str(tmp_path / "nothing"), "--json")
+    res = cli_here("runs", "--storage", str(tmp_path / "nothing"), "--json")
     assert res.returncode == 0 and json.loads(res.stdout) == []
 
 
@@ -156,7 +157,7 @@ C0, C1 = (0x1F / 255, 0x77 / 255, 0xB4 / 255), (0xFF / 255, 0x7F / 255, 0x0E / 2
 
 def test_report_writes_a_png_of_the_real_curves(trained):
     storage, run_dir = trained
-    res = run_cli("report", "looked-at", "--storage", str(storage))
+    res = cli_here("report", "looked-at", "--storage", str(storage))
     assert res.returncode == 0, res.stderr
     assert "looked-at" in res.stdout and "val loss" in res.stdout
     plot = res.stdout.strip().splitlines()[-1].removeprefix("plot: ")
@@ -190,14 +191,14 @@ def test_report_compare_overlays_runs_and_json_parses(trained, tmp_path):
     (other / "metrics.jsonl").write_text("".join(
         json.dumps({**r, "loss": r["loss"] + 0.5}) + "\n" for r in metrics(run_dir)))
     out = tmp_path / "cmp.png"
-    res = run_cli("report", "looked-at", "--compare", "other", "--storage", str(storage),
+    res = cli_here("report", "looked-at", "--compare", "other", "--storage", str(storage),
                   "--out", str(out), "--json")
     assert res.returncode == 0, res.stderr
     rep = json.loads(res.stdout)
     assert rep["plot"] == str(out) and [r["name"] for r in rep["runs"]] == ["looked-at", "other"]
     img = _png(out)
     assert _pixels_of(img, C0).sum() > 1000 and _pixels_of(img, C1).sum() > 1000
-    table = run_cli("report", "looked-at", "--compare", "other", "--storage", str(storage), "--out", str(out))
+    table = cli_here("report", "looked-at", "--compare", "other", "--storage", str(storage), "--out", str(out))
     header = table.stdout.splitlines()[0].split()
     assert header == ["run", "looked-at", "other"]
     shutil.rmtree(other)
@@ -224,7 +225,7 @@ def looks_like_the_corpus(text: str) -> bool:
 
 
 def generate_json(storage, *args):
-    res = run_cli("generate", "looked-at", "--storage", str(storage), "--json", *args)
+    res = cli_here("generate", "looked-at", "--storage", str(storage), "--json", *args)
     assert res.returncode == 0, res.stderr
     return json.loads(res.stdout)
 
@@ -244,12 +245,12 @@ def test_generate_exact_count_and_deterministic_for_a_seed(trained):
 def test_generate_streams_the_same_text(trained):
     storage, _ = trained
     j = generate_json(storage, "--prompt", "import ", "-n", "80", "--seed", "1")
-    plain = run_cli("generate", "looked-at", "--storage", str(storage), "--prompt", "import ",
+    plain = cli_here("generate", "looked-at", "--storage", str(storage), "--prompt", "import ",
                     "-n", "80", "--seed", "1")
     assert plain.returncode == 0, plain.stderr
     assert plain.stdout == "import " + j["text"] + "\n"
     assert "checkpoint" in plain.stderr and "80 tokens in" in plain.stderr
-    quiet = run_cli("generate", "looked-at", "--storage", str(storage), "--prompt", "import ",
+    quiet = cli_here("generate", "looked-at", "--storage", str(storage), "--prompt", "import ",
                     "-n", "80", "--seed", "1", "-q")
     assert quiet.stdout == j["text"] + "\n" and quiet.stderr == ""
 
@@ -308,14 +309,14 @@ def test_generate_best_takes_the_lowest_validation_loss(trained):
     shutil.copytree(run_dir, copy)
     shutil.rmtree(copy / "best_checkpoint")
     shutil.copytree(copy / "checkpoint_00000060", copy / "best_checkpoint")
-    res = run_cli("generate", "best-is-60", "--storage", str(storage), "--best", "-n", "5", "--json")
+    res = cli_here("generate", "best-is-60", "--storage", str(storage), "--best", "-n", "5", "--json")
     assert json.loads(res.stdout)["step"] == 60
     shutil.rmtree(copy)
 
 
 def test_generate_from_a_checkpoint_folder(trained):
     _, run_dir = trained
-    res = run_cli("generate", str(run_dir / "checkpoint_00000060"), "-n", "7", "--json")
+    res = cli_here("generate", str(run_dir / "checkpoint_00000060"), "-n", "7", "--json")
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
     assert out["step"] == 60 and out["tokens"] == 7
@@ -329,10 +330,10 @@ def test_generate_from_a_checkpoint_folder(trained):
     (["looked-at", "--device", "cuda:0"], "no CUDA GPU is visible"),
 ])
 def test_generate_rejects_bad_input(trained, args, expected):
-    if "cuda" in args and torch.cuda.is_available():
+    if any(a.startswith("cuda") for a in args) and torch.cuda.is_available():
         pytest.skip("a GPU is visible here")
     storage, _ = trained
-    clean_error(run_cli("generate", *args, "--storage", str(storage)), expected)
+    clean_error(cli_here("generate", *args, "--storage", str(storage)), expected)
 
 
 # ------------------------------------------------------------------ export
@@ -341,7 +342,7 @@ def test_generate_rejects_bad_input(trained, args, expected):
 def test_export_round_trips_the_weights_bit_exactly(trained, tmp_path):
     storage, run_dir = trained
     out = tmp_path / "export"
-    res = run_cli("export", "looked-at", "--storage", str(storage), "--out", str(out), "--json")
+    res = cli_here("export", "looked-at", "--storage", str(storage), "--out", str(out), "--json")
     assert res.returncode == 0, res.stderr
     assert json.loads(res.stdout)["step"] == STEPS
 
@@ -373,9 +374,9 @@ def test_export_round_trips_the_weights_bit_exactly(trained, tmp_path):
     assert torch.equal(model.eval()(x)[0], ref.eval()(x)[0])
 
     # Into an existing folder only with --force; nothing else is touched.
-    again = run_cli("export", "looked-at", "--storage", str(storage), "--out", str(out))
+    again = cli_here("export", "looked-at", "--storage", str(storage), "--out", str(out))
     clean_error(again, "exists and is not empty")
-    best = run_cli("export", "looked-at", "--storage", str(storage), "--out", str(out), "--force", "--best")
+    best = cli_here("export", "looked-at", "--storage", str(storage), "--out", str(out), "--force", "--best")
     assert best.returncode == 0, best.stderr
     assert "exported step" in best.stdout
 
@@ -387,14 +388,14 @@ def test_export_round_trips_the_weights_bit_exactly(trained, tmp_path):
 def test_export_to_a_place_that_cannot_hold_it(trained, tmp_path, out, expected):
     storage, _ = trained
     (tmp_path / "afile").write_text("a file")
-    res = run_cli("export", "looked-at", "--storage", str(storage), "--out", out.format(tmp=tmp_path))
+    res = cli_here("export", "looked-at", "--storage", str(storage), "--out", out.format(tmp=tmp_path))
     clean_error(res, expected.format(tmp=tmp_path))
     assert [p.name for p in tmp_path.iterdir()] == ["afile"]
 
 
 def test_export_needs_out_and_a_run(tmp_path):
-    res = run_cli("export", "missing", "--storage", str(tmp_path))
+    res = cli_here("export", "missing", "--storage", str(tmp_path))
     assert res.returncode == 2 and res.stderr.startswith("error: Missing option '--out'")
-    clean_error(run_cli("export", "missing", "--storage", str(tmp_path), "--out", str(tmp_path / "o")),
+    clean_error(cli_here("export", "missing", "--storage", str(tmp_path), "--out", str(tmp_path / "o")),
                 "no run 'missing'")
     assert not (tmp_path / "o").exists()

@@ -11,9 +11,10 @@ import time
 import pytest
 import torch
 
-from conftest import (ROOT, SMALL_SETTINGS, SMALL_STEPS, kill_train_workers, libraries_of_pid, run_cli,
-                      small_config, step_losses)
+from conftest import (ROOT, SMALL_SETTINGS, SMALL_STEPS, cli_here, kill_train_workers,
+                      libraries_of_pid, run_cli, small_config, step_losses)
 from raytrain_lm.config import build_config
+from local_mode import run_local
 from raytrain_lm.driver import run_training
 
 STEPS = SMALL_STEPS
@@ -144,7 +145,8 @@ def test_resume_without_storage_uses_the_default(reference_run, storage, ray_add
 
 def test_fp16_resume_of_an_fp32_run_and_more_workers(reference_run, storage):
     """--precision fp16 on a run saved without a gradient scaler starts a fresh scale instead of
-    crashing every worker; 3 workers continue the 2 workers' data position."""
+    crashing every worker; 3 workers continue the 2 workers' data position. (The Ray run's
+    checkpoint, continued on 3 ranks of the local harness.)"""
     import shutil
 
     shutil.copytree(storage / "reference", storage / "fp16")
@@ -153,7 +155,7 @@ def test_fp16_resume_of_an_fp32_run_and_more_workers(reference_run, storage):
                               "cpus_per_worker": 0.5})
     cfg.name = "fp16"
     rows = []
-    summary = run_training(cfg, resume=True, say=lambda m: None, on_metrics=rows.append)
+    summary = run_local(cfg, resume=True, on_metrics=rows.append)
     assert summary["status"] == "completed" and summary["steps"] == STEPS + 10
     assert all(math.isfinite(r["loss"]) for r in rows) and rows[-1]["replica_spread"] == 0.0
     state = torch.load(storage / "fp16" / f"checkpoint_{STEPS + 10:08d}" / "state.pt", weights_only=True)
@@ -188,8 +190,7 @@ def test_init_from_loads_weights_and_restarts_schedule(reference, pydoc_data, st
     rows = []
     cfg = config(pydoc_data, storage, "finetune", max_steps=5)
     cfg.log_every = 1
-    summary = run_training(cfg, init_from=str(storage / "reference"), say=lambda m: None,
-                           on_metrics=rows.append)
+    summary = run_local(cfg, init_from=str(storage / "reference"), on_metrics=rows.append)
     assert rows[0]["lr"] == pytest.approx(cfg.lr / (cfg.warmup_steps + 1))  # warmup from step 0
     assert rows[0]["resumed_from_step"] is None and summary["steps"] == 5
     # A fresh model starts near ln(256) = 5.5; the loaded one where the reference ended.
@@ -216,20 +217,25 @@ def test_checkpoint_contents_and_best_copy(reference_run, storage):
     assert summary["best_checkpoint"].endswith("best_checkpoint")
 
 
-def test_bad_resume_and_init_inputs(reference, pydoc_data, storage, tmp_path):
-    r = run_cli("train", "--storage", str(storage), "--name", "nope", "--resume")
-    assert r.returncode == 2 and "no run named 'nope'" in r.stderr
-    r = run_cli("train", "--storage", str(storage), "--name", "reference")
-    assert r.returncode == 2 and "already exists" in r.stderr
-    r = run_cli("train", "--data", str(pydoc_data), "--storage", str(tmp_path / "r"),
-                "--init-from", str(storage / "reference"))  # tiny preset: 4 layers, not 2
-    assert r.returncode == 2 and "another model shape" in r.stderr
-    broken = tmp_path / "broken"
+def test_bad_resume_and_init_inputs(trained_here, pydoc_data, tmp_path):
+    """Refused before any Ray: no such run to resume, a run of that name exists, --init-from a
+    checkpoint of another shape or a corrupted one. (A checkpoint trained in this process.)"""
     import shutil
 
-    shutil.copytree(storage / "reference" / f"checkpoint_{STEPS:08d}", broken)
+    storage = tmp_path / "runs"
+    (storage / "taken").mkdir(parents=True)
+    r = cli_here("train", "--storage", str(storage), "--name", "nope", "--resume")
+    assert r.returncode == 2 and "no run named 'nope'" in r.stderr
+    r = cli_here("train", "--storage", str(storage), "--name", "taken")
+    assert r.returncode == 2 and "already exists" in r.stderr
+    ckpt = trained_here["byte"].ckpt
+    r = cli_here("train", "--data", str(pydoc_data), "--storage", str(tmp_path / "r"),
+                "--init-from", str(ckpt))  # tiny preset: 4 layers, not 2
+    assert r.returncode == 2 and "another model shape" in r.stderr
+    broken = tmp_path / "broken"
+    shutil.copytree(ckpt, broken)
     (broken / "state.pt").write_bytes(b"garbage")
-    r = run_cli("train", "--data", str(pydoc_data), "--storage", str(tmp_path / "r"),
+    r = cli_here("train", "--data", str(pydoc_data), "--storage", str(tmp_path / "r"),
                 "--init-from", str(broken))
     assert r.returncode == 2 and "corrupted" in r.stderr and len(r.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "r").exists()

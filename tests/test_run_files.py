@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_cli
+from conftest import cli_here, run_cli
 from test_cli_errors import assert_clean_error
 
 from raytrain_lm.errors import UserError
@@ -122,12 +122,12 @@ def test_one_damaged_summary_does_not_break_runs_for_the_others(tmp_path):
     _write_run(tmp_path, "odd-types", json.dumps({"status": "completed", "steps": "many",
                                                   "finished": 5}), ROW % 10)
     _write_run(tmp_path, "no-summary", None, ROW % 10 + '{"step": 20, "lo')  # killed mid-append
-    result = run_cli("runs", "--storage", str(tmp_path))
+    result = cli_here("runs", "--storage", str(tmp_path))
     assert result.returncode == 0, result.stderr
     lines = {line.split()[0]: line.split()[1] for line in result.stdout.splitlines()[1:]}
     assert lines == {"good": "completed", "torn-summary": "damaged", "odd-types": "damaged",
                      "no-summary": "unfinished"}
-    listed = json.loads(run_cli("runs", "--storage", str(tmp_path), "--json").stdout)
+    listed = json.loads(cli_here("runs", "--storage", str(tmp_path), "--json").stdout)
     [torn] = [r for r in listed if r["name"] == "torn-summary"]
     assert torn["error"].startswith(f"{tmp_path}/torn-summary/summary.json is damaged")
 
@@ -136,7 +136,7 @@ def test_a_torn_last_line_of_the_metrics_is_left_out_and_the_next_row_starts_a_l
     """A kill in the middle of an append leaves a last line without its end: `report` reads the
     rows before it, and a resumed run's next row must not be glued to it."""
     _write_run(tmp_path, "r", None, ROW % 10 + ROW % 20 + '{"step": 30, "lo')
-    result = run_cli("report", "r", "--storage", str(tmp_path), "--json")
+    result = cli_here("report", "r", "--storage", str(tmp_path), "--json")
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["runs"][0]["steps"] == 20
     log = MetricsLog(RunFolder(str(tmp_path), "r"))
@@ -171,7 +171,7 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before(tmp_path):
                                                   "world_size": 0}))
     shard = next((newest / "dcp").glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[:100])
-    result = run_cli("generate", "r", "--storage", str(tmp_path / "runs"), "-n", "3", "--json")
+    result = cli_here("generate", "r", "--storage", str(tmp_path / "runs"), "-n", "3", "--json")
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["step"] == 3
 
@@ -190,7 +190,7 @@ def test_a_killed_prepares_staging_folder_is_cleaned_by_the_next_one(tmp_path):
     other_name = tmp_path / f".dsx.tmp-{dead_pid()}-0123abcd-{host}"
     for folder in (dead, before_hosts, live, elsewhere, other_name):
         (folder / "half").mkdir(parents=True)
-    result = run_cli("prepare", "--input", str(tmp_path / "c.txt"), "--out", str(tmp_path / "ds"),
+    result = cli_here("prepare", "--input", str(tmp_path / "c.txt"), "--out", str(tmp_path / "ds"),
                      "--no-ray", "-q")
     assert result.returncode == 0, result.stderr
     assert not dead.exists() and not before_hosts.exists()

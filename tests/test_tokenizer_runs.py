@@ -7,8 +7,9 @@ import math
 import shutil
 import time
 
+import pytest
 
-from conftest import run_cli
+from conftest import cli_here, run_cli
 
 
 def test_a_byte_runs_val_bpb_is_its_val_loss_over_ln2(tiny_run):
@@ -21,9 +22,9 @@ def test_a_byte_runs_val_bpb_is_its_val_loss_over_ln2(tiny_run):
         assert abs(r["val_bpb"] - r["val_loss"] / math.log(2)) < 1e-9
     summary = json.loads((run / "summary.json").read_text())
     assert summary["final_val_bpb"] == evals[-1]["val_bpb"]
-    listed = run_cli("runs", "--storage", str(storage))
+    listed = cli_here("runs", "--storage", str(storage))
     assert "val bpb" in listed.stdout.splitlines()[0] and f"{evals[-1]['val_bpb']:.4f}" in listed.stdout
-    report = run_cli("report", "looked-at", "--storage", str(storage), "--out", str(storage / "r.png"))
+    report = cli_here("report", "looked-at", "--storage", str(storage), "--out", str(storage / "r.png"))
     assert "val bits/byte" in report.stdout
 
 
@@ -98,15 +99,16 @@ def test_prepare_on_ray_gives_the_same_shards_at_any_cpu_count(ray_address, tmp_
         assert len(digests) == 1, f
 
 
-def test_gpt2_preset_on_an_8k_bpe_of_the_stdlib_trains_on_2_workers(ray_address, tmp_path):
+@pytest.mark.slow
+def test_gpt2_preset_on_an_8k_bpe_of_the_stdlib_trains_on_2_workers(tmp_path):
     """The gpt2 preset (12 layers, 768 wide: 92M parameters with an 8k vocabulary) for 10 steps
-    on 2 CPU workers. Shrunk to fit this 2-core machine: seq_len 64, batch 2, 8 validation
+    on 2 gloo ranks of the local harness (local_mode.py: the arithmetic, not Ray). Shrunk to fit this 2-core machine: seq_len 64, batch 2, 8 validation
     windows. The BPE is trained on the first 6 MB of the standard library's sources, one document
     per file (all 30 MB took 12-30 s to prepare here; this, 7 s)."""
     from raytrain_lm.config import build_config
     from raytrain_lm.data.prepare import prepare_dataset
     from raytrain_lm.data.sources import _read_stdlib_file, _stdlib_files
-    from raytrain_lm.driver import run_training
+    from local_mode import run_local
 
     corpus, size = tmp_path / "stdlib-6mb.jsonl", 0
     with corpus.open("w") as out:
@@ -125,14 +127,14 @@ def test_gpt2_preset_on_an_8k_bpe_of_the_stdlib_trains_on_2_workers(ray_address,
         checkpoint_every=0, data=str(data), storage=str(tmp_path / "runs"), name="gpt2-bpe"),
         sets=["eval_windows=8", "warmup_steps=5", "lr=3e-4"])
     rows = []
-    summary = run_training(cfg, say=lambda s: None, on_metrics=rows.append)
+    summary = run_local(cfg, on_metrics=rows.append)
     assert summary["status"] == "completed" and summary["steps"] == 10
     assert cfg.model.vocab_size == 8192 and 90e6 < summary["num_parameters"] < 95e6
     assert rows[-1]["loss"] < rows[0]["loss"] and math.log(8192) > rows[-1]["val_loss"]
     assert 0 < summary["final_val_bpb"] < summary["final_val_loss"] / math.log(2)  # > 1 byte/token
     ckpt = tmp_path / "runs" / "gpt2-bpe" / "checkpoint_00000010"
     assert (ckpt / "tokenizer.json").read_bytes() == (data / "tokenizer.json").read_bytes()
-    res = run_cli("generate", str(ckpt), "--prompt", "def ", "--max-new-tokens", "8", "--json")
+    res = cli_here("generate", str(ckpt), "--prompt", "def ", "--max-new-tokens", "8", "--json")
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
     assert len(out["token_ids"]) == 8 and max(out["token_ids"]) < 8192
@@ -167,14 +169,14 @@ def test_init_from_with_another_tokenizers_data_is_refused(trained_here, tmp_pat
     storage = tmp_path / "runs"
     for ckpt, data, told in [(bpe.ckpt, other, "a BPE of 1000 tokens"),
                              (trained_here["byte"].ckpt, bpe.data, "the byte tokenizer")]:
-        res = run_cli("train", "--data", str(data), "--init-from", str(ckpt), "--storage", str(storage),
+        res = cli_here("train", "--data", str(data), "--init-from", str(ckpt), "--storage", str(storage),
                       *small_flags(bpe))
         assert res.returncode == 2, res.stderr
         assert res.stderr.startswith("error: checkpoint ") and res.stderr.count("\n") == 1, res.stderr
         assert f"was trained with {told}" in res.stderr and "uses a BPE of 1000 tokens" in res.stderr
     assert not storage.exists()
     # the same tokenizer's data: past the check (stops later, at the unreachable address)
-    res = run_cli("train", "--data", str(bpe.data), "--init-from", str(bpe.ckpt), "--storage",
+    res = cli_here("train", "--data", str(bpe.data), "--init-from", str(bpe.ckpt), "--storage",
                   str(storage), "--address", "127.0.0.1:1", *small_flags(bpe))
     assert res.returncode == 2 and "tokenizer" not in res.stderr, res.stderr
 
@@ -187,7 +189,7 @@ def test_resume_with_another_tokenizers_data_is_refused(trained_here, tmp_path, 
     shutil.copytree(bpe.ckpt, run / "checkpoint_00000150")
     cfg = bpe.cfg.to_dict() | {"name": "bpe-run", "storage": str(tmp_path / "runs")}
     (run / "config.json").write_text(json.dumps(cfg))
-    res = run_cli("train", "--storage", str(tmp_path / "runs"), "--name", "bpe-run", "--resume",
+    res = cli_here("train", "--storage", str(tmp_path / "runs"), "--name", "bpe-run", "--resume",
                   "--data", str(other))
     assert res.returncode == 2 and res.stderr.count("\n") == 1, res.stderr
     assert "error: run 'bpe-run' was trained with a BPE of 1000 tokens" in res.stderr

@@ -4,7 +4,7 @@ loudly ("no Ray cluster answers") instead of quietly starting a cluster."""
 
 import pytest
 
-from conftest import run_cli
+from conftest import cli_here, run_cli
 from test_cli_errors import assert_clean_error
 
 NO_RAY = {"RAY_ADDRESS": "127.0.0.1:1"}
@@ -28,7 +28,7 @@ NO_RAY = {"RAY_ADDRESS": "127.0.0.1:1"}
     (["--resume", "--name", "nosuch"], "cannot resume: no sweep named 'nosuch'"),
 ])
 def test_tune_rejects_bad_input(tmp_path, args, expected):
-    result = run_cli("tune", "--storage", str(tmp_path / "runs"), *args, env=NO_RAY)
+    result = cli_here("tune", "--storage", str(tmp_path / "runs"), *args, env=NO_RAY)
     assert_clean_error(result, expected)
     assert not (tmp_path / "runs").exists()
 
@@ -36,7 +36,7 @@ def test_tune_rejects_bad_input(tmp_path, args, expected):
 def test_tune_refuses_an_invalid_space_file(tmp_path):
     f = tmp_path / "space.yaml"
     f.write_text("lr: {normal: [0, 1]}\n")
-    result = run_cli("tune", "--space-file", str(f), "--storage", str(tmp_path / "runs"), env=NO_RAY)
+    result = cli_here("tune", "--space-file", str(f), "--storage", str(tmp_path / "runs"), env=NO_RAY)
     assert_clean_error(result, "expected one of loguniform, uniform, randint, choice, grid")
 
 
@@ -46,6 +46,6 @@ def test_tune_refuses_an_invalid_space_file(tmp_path):
     ("train", ["--scale-lr", "cubic"], "--scale-lr must be one of none, linear, sqrt"),
 ])
 def test_lr_commands_reject_bad_input(tmp_path, command, args, expected):
-    result = run_cli(command, "--storage", str(tmp_path / "runs"), *args, env=NO_RAY)
+    result = cli_here(command, "--storage", str(tmp_path / "runs"), *args, env=NO_RAY)
     assert_clean_error(result, expected)
     assert not (tmp_path / "runs").exists()
