@@ -82,7 +82,7 @@ def test_a_gpu_worker_refuses_a_plan_beyond_its_device_memory():
                        sets=["model.n_layer=48", "model.n_embd=4096", "model.n_head=32",
                              "model.block_size=1024", "model.vocab_size=50304"])
     device = torch.device("cuda", 0)
-    with pytest.raises(UserError, match=r"GB per worker .* but a worker has \d+ GB; .*--force"):
+    with pytest.raises(UserError, match=r"GiB per worker .* but a worker has \d+ GiB \(90% usable\); .*--force"):
         check_device_memory(cfg, device, force=False)
     check_device_memory(cfg, device, force=True)
     check_device_memory(build_config(flags=dict(use_gpu=True, workers=1)), device, force=False)

@@ -106,12 +106,13 @@ estimate.py (step time; which layouts exist and how they rank), report.py (what 
 
 from raytrain_lm.plan.layout import (  # noqa: F401
     GB,
+    GIB,
     USABLE_FRACTION,
     H100_NVLINK_GBPS,
     IB_400_GBPS,
     H100_TFLOPS,
-    COMPUTE_EFFICIENCY,
     GPUS_PER_NODE,
+    PRECISIONS,
     AC_SPLIT,
     AC_MODES,
     STRATEGIES,
@@ -138,6 +139,7 @@ from raytrain_lm.plan.memory import (  # noqa: F401
 from raytrain_lm.plan.comm import (  # noqa: F401
     ring_bytes,
     Comm,
+    pp_send_bytes,
     dp_comm,
     tp_comm,
     pp_comm,
@@ -153,6 +155,8 @@ from raytrain_lm.plan.estimate import (  # noqa: F401
     tp_sizes,
     whole_heads,
     micro_batches,
+    virtual_stage_counts,
+    strategies,
     structures,
     variants,
     best_variant,
@@ -173,4 +177,12 @@ from raytrain_lm.plan.report import (  # noqa: F401
     describe,
     estimate_json,
     report_json,
+    parse_layout,
+    explained,
+    explain_text,
     plan_command)
+from raytrain_lm.plan.efficiency import (  # noqa: F401
+    F_HALF,
+    PEAK_FRACTION,
+    matmul_flops,
+    compute_efficiency)
