@@ -197,6 +197,12 @@ def validate(cfg: TrainConfig) -> None:
         raise UserError(f"precision must be auto, fp32, bf16 or fp16, got {cfg.precision!r}")
     check_layout(cfg)
     check_elastic(cfg)
+    if cfg.layout not in (None, "auto"):
+        raise UserError(f"--layout must be auto (or left out), got {cfg.layout!r}")
+    if cfg.gpus_per_node is not None and cfg.gpus_per_node < 1:
+        raise UserError(f"--gpus-per-node must be at least 1, got {cfg.gpus_per_node}")
+    if cfg.layout == "auto" and cfg.min_workers is not None and cfg.min_workers != cfg.workers:
+        raise UserError("--layout auto plans one worker count: give --workers N, not MIN-MAX")
     if cfg.strategy not in STRATEGIES:
         raise UserError(f"--strategy must be one of {', '.join(STRATEGIES)}, got {cfg.strategy!r}")
     if cfg.activation_checkpointing not in ("none", "full", "selective"):

@@ -146,6 +146,14 @@ class TrainConfig:
                                "(--virtual-stages stages per worker).")
     virtual_stages: int = setting(0, help="Stages per worker of --pp-schedule interleaved-1f1b "
                                   "(a smaller bubble, more sends); 0: 2.")
+    layout: Optional[str] = setting(None, help="auto: let the planner choose --tp, --pp, "
+                                    "--strategy, checkpointing, sequence parallelism, the "
+                                    "schedule and the micro-batches for --workers on the "
+                                    "cluster Ray reports (GPUs per node, GPU memory; or "
+                                    "--gpus-per-node, --gpu-memory-gb); the global batch stays "
+                                    "workers x batch-size x grad-accum.")
+    gpus_per_node: Optional[int] = setting(None, help="GPUs (workers) per node for --layout auto "
+                                           "[default: what Ray reports].")
     sequence_parallel: bool = setting(False, help="With --tp: shard LayerNorm and dropout "
                                       "activations over the sequence too.")
     activation_checkpointing: str = setting("none", help="Recompute activations in backward: none, "

@@ -23,7 +23,7 @@ TRAIN_SETTINGS = ("use_gpu", "preset", "data", "max_steps", "batch_size", "seq_l
                   "grad_accum", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints",
                   "checkpoint_upload", "max_failures", "max_preemptions", "resize_interval",
                   "seed", "compile", "strategy", "tp", "pp", "microbatches", "pp_schedule",
-                  "virtual_stages",
+                  "virtual_stages", "layout", "gpus_per_node", "gpu_memory_gb",
                   "sequence_parallel", "activation_checkpointing", "precision", "name", "storage",
                   "address", "scale_timeout")
 
@@ -49,6 +49,7 @@ def workers_value(text: str):
                              "python cli.py train --preset llama-tiny --workers 4 --tp 2",
                              "python cli.py train --workers 4 --pp 2 --microbatches 8 --pp-schedule 1f1b",
                              "python cli.py train --workers 8 --tp 2 --pp 2 --strategy fsdp",
+                             "python cli.py train --workers 16 --use-gpu --preset llama3-8b --layout auto",
                              "python cli.py train --config best.yaml --set model.dropout=0.1",
                              "python cli.py train --config best.yaml --workers 8 --scale-lr sqrt",
                              "python cli.py train --name my-run --resume"))
