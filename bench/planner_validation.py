@@ -24,7 +24,7 @@ def fit() -> None:
     runs = load_runs()
     kinds = sorted({run["cluster"]["gpu"] for run in runs})
     results = []
-    for f_half in (3e8, 1e9, 3e9, 1e10):
+    for f_half in (1e9, 3e9, 1e10, 2e10, 3e10):
         efficiency.F_HALF = f_half
         total, ceilings = 0.0, {}
         for kind in kinds:

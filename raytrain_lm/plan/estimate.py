@@ -71,7 +71,8 @@ def rank_step(lay: Layout, cl: Cluster, comm: Comm, compute: float, idle: float,
     - dp without a pipeline: gathers and gradient reductions overlap the compute (FSDP2
       prefetches its gathers, DDP and FSDP2 reduce buckets or blocks during backward), up to the
       compute time; zero1's parameter broadcast follows the optimizer step: all of it. With a
-      pipeline the gathers overlap, the reductions (after the last microbatch) do not."""
+      pipeline the gathers overlap, the reductions (after the last microbatch) do not; nor do
+      they where the framework reduces after backward (Cluster.overlap_reduce False)."""
     t_tp = comm.tp / cl.bandwidth(lay.blocks["tp"])
     bw_pp = cl.bandwidth(lay.blocks["pp"])
     t_pp = 0.0
@@ -81,7 +82,9 @@ def rank_step(lay: Layout, cl: Cluster, comm: Comm, compute: float, idle: float,
         t_pp = chain + max(0.0, sends - chain - compute) + comm.pp_tied / bw_pp
     gather = comm.dp_gather / cl.bandwidth(lay.blocks["dp"])
     reduce = comm.dp_reduce / cl.bandwidth(lay.blocks["dp"])
-    if lay.strategy == "zero1":
+    if not cl.overlap_reduce:
+        exposed = reduce + (gather if lay.strategy == "zero1" else max(0.0, gather - compute))
+    elif lay.strategy == "zero1":
         exposed = gather + max(0.0, reduce - compute)
     elif lay.pp > 1:
         exposed = max(0.0, gather - compute) + reduce

@@ -43,6 +43,9 @@ class Cluster:
     gpu: bool = True  # False: CPU workers (fp32 activations)
     precision: str = "auto"  # the run's --precision: auto is bf16 on GPU, fp32 on CPU
     peak_fraction: Optional[float] = None  # efficiency.py's ceiling; None: its default
+    # Whether the training framework overlaps the gradient reduction with backward (this
+    # project's DDP and FSDP2 do; Megatron-LM's DDP of 2021 reduced after the backward pass)
+    overlap_reduce: bool = True
 
     @property
     def budget(self) -> float:

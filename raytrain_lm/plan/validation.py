@@ -6,10 +6,11 @@ with the published tp, pp, data-parallel strategy and activation checkpointing, 
 where published: it picks the schedule and split itself); that layout's rank; its memory and
 tokens/s per GPU against the published ones.
 
-Rank: the published split's place among the distinct (tp, pp, strategy) splits the planner
-considers, each at its fastest variant that fits, whatever its checkpointing, schedule or
-micro-batch (one row per way of splitting the GPUs); ties (within 0.1%) count for it. The
-throughput and memory compared are those of the published layout itself (its checkpointing too).
+Rank: the published split's place among the (tp, pp) splits the planner considers, each at its
+fastest variant that fits with the published data-parallel strategy (what the run's framework
+offered: Megatron-LM of 2021 had no sharded data parallelism to choose), whatever its
+checkpointing, schedule or micro-batch; ties (within 0.1%) count for it. The throughput and
+memory compared are those of the published layout itself (its checkpointing too).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ def run_cluster(run: dict, peak_fraction: Optional[float] = None) -> Cluster:
     return Cluster(gpus=c["gpus"], gpus_per_node=c["gpus_per_node"], memory_gb=c["memory_gib"],
                    intra_gbps=c["intra_gbps"], inter_gbps=c["inter_gbps"], tflops=c["tflops"],
                    precision=run.get("precision", "bf16"),
+                   overlap_reduce=run.get("overlap_reduce", True),
                    peak_fraction=peak_fraction if peak_fraction is not None else PEAK_FRACTION[c["gpu"]])
 
 
@@ -93,8 +95,9 @@ class Row:
     pick: Estimate
     mine: Optional[Estimate]  # the published layout as planned
     rank: Optional[int]
-    splits: int  # (tp, pp, strategy) layouts that fit
+    splits: int  # (tp, pp) splits that fit with the published strategy
     published_tps: float
+    behind: Optional[float] = None  # the published split's step time / the fastest split's
 
     @property
     def throughput_ratio(self) -> Optional[float]:
@@ -106,24 +109,39 @@ class Row:
         return self.mine.memory.total / GIB / pub if self.mine and pub else None
 
 
+def split_estimates(m: ModelConfig, cl: Cluster, run: dict) -> dict[tuple, Estimate]:
+    """(tp, pp) -> the fastest fitting variant of that split with the published strategy."""
+    from raytrain_lm.plan.estimate import tp_sizes, divisors
+
+    strategy = run["layout"]["strategy"]
+    out: dict[tuple, Estimate] = {}
+    for t in tp_sizes(m, cl):
+        for p in (d for d in divisors(cl.gpus // t) if d <= m.n_layer):
+            if cl.gpus // (t * p) == 1 and strategy != "ddp":
+                continue  # nothing to shard over
+            found = [estimate_layout(m, lay, cl)
+                     for s in structures(m, cl, run["seq_len"], t, p, strategy)
+                     for lay in variants(s, run["global_batch"], run["seq_len"])]
+            fitting = [e for e in found if e.fits]
+            if fitting:
+                out[(t, p)] = best_variant(fitting)
+    return out
+
+
 def validate_run(run: dict, peak_fraction: Optional[float] = None) -> Row:
     m, cl = run_model(run), run_cluster(run, peak_fraction)
     ranked = plan(m, cl, run["global_batch"], run["seq_len"])
     mine = published_estimate(m, cl, run)
-    best: dict[tuple, Estimate] = {}
-    for e in ranked:
-        if e.fits:
-            key = (e.layout.tp, e.layout.pp, e.layout.strategy)
-            if key not in best or e.step_s < best[key].step_s:
-                best[key] = e
-    rank = None
+    best = split_estimates(m, cl, run)
     want = run["layout"]
-    own = (want["tp"], want["pp"], want["strategy"])
-    split = best.get(own, mine)
+    own = (want["tp"], want["pp"])
+    split = best.get(own)
+    rank = behind = None
     if split is not None:
         rank = 1 + sum(1 for k, e in best.items()
                        if k != own and _bucket(e.step_s) < _bucket(split.step_s))
-    return Row(run, ranked[0], mine, rank, len(best), published_tokens_per_s(run, m))
+        behind = split.step_s / min(e.step_s for e in best.values())
+    return Row(run, ranked[0], mine, rank, len(best), published_tokens_per_s(run, m), behind)
 
 
 def validate(path: Path = RUNS) -> list[Row]:
@@ -134,6 +152,7 @@ def summary(rows: list[Row]) -> dict:
     ratios = [r.throughput_ratio for r in rows if r.throughput_ratio]
     mems = [r.memory_ratio for r in rows if r.memory_ratio]
     return {"rows": len(rows), "top3": sum(1 for r in rows if r.rank and r.rank <= 3),
+            "within_5_percent": sum(1 for r in rows if r.behind is not None and r.behind <= 1.05),
             "fit": sum(1 for r in rows if r.mine is not None),
             "throughput_min": min(ratios), "throughput_max": max(ratios),
             "throughput_geomean": math.exp(sum(map(math.log, ratios)) / len(ratios)),
@@ -149,8 +168,9 @@ def describe_layout(e: Estimate) -> str:
 
 
 def markdown(rows: list[Row]) -> str:
-    head = ("| run | GPUs | published layout | planner's pick | rank of published | memory GiB "
-            "plan / published | tokens/s/GPU plan / published (ratio) |\n|---|---:|---|---|---:|---:|---:|")
+    head = ("| run | GPUs | published layout | planner's pick | rank of published split (its "
+            "step / the fastest split's) | memory GiB plan / published | tokens/s/GPU plan / "
+            "published (ratio) |\n|---|---:|---|---|---:|---:|---:|")
     out = [head]
     for r in rows:
         lay = r.run["layout"]
@@ -161,5 +181,6 @@ def markdown(rows: list[Row]) -> str:
         tps = (f"{tokens_per_s(r.mine):,.0f} / {r.published_tps:,.0f} ({r.throughput_ratio:.2f})"
                if r.mine else f"- / {r.published_tps:,.0f}")
         out.append(f"| {r.run['name']} | {r.run['cluster']['gpus']} | {pub} | "
-                   f"{describe_layout(r.pick)} | {r.rank or '-'} of {r.splits} | {mem} | {tps} |")
+                   f"{describe_layout(r.pick)} | {r.rank or '-'} of {r.splits}"
+                   f"{f' ({r.behind:.3f})' if r.behind else ''} | {mem} | {tps} |")
     return "\n".join(out)
