@@ -156,10 +156,12 @@ def virtual_stage_counts(m: ModelConfig, pp: int, fixed: Optional[int] = None) -
 
 def strategies(dp: int, tp: int, pp: int) -> list[str]:
     """The data-parallel strategies `train` runs at this layout: all four over dp > 1 (zero1 only
-    without tp and pp: it wraps DDP's optimizer), ddp alone at dp 1 (nothing to shard over)."""
+    without tp and pp: it wraps DDP's optimizer; zero2 only without pp: a pipelined fsdp keeps
+    its stages gathered already, so the two are the same), ddp alone at dp 1 (nothing to shard
+    over)."""
     if dp == 1:
         return ["ddp"]
-    return [s for s in STRATEGIES if s != "zero1" or tp == pp == 1]
+    return [s for s in STRATEGIES if (s != "zero1" or tp == pp == 1) and (s != "zero2" or pp == 1)]
 
 
 def structures(m: ModelConfig, cl: Cluster, seq_len: int, tp: Optional[int] = None,
