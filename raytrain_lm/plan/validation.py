@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Optional
 
 from raytrain_lm.config import ModelConfig, preset_config
-from raytrain_lm.plan.estimate import (Estimate, _bucket, best_variant, estimate_layout, plan,
+from raytrain_lm.plan.estimate import (Estimate, _bucket, best_variant, estimate_layout,
                                        structures, variants)
 from raytrain_lm.plan.layout import GIB, Cluster, param_counts
 
@@ -109,30 +109,37 @@ class Row:
         return self.mine.memory.total / GIB / pub if self.mine and pub else None
 
 
-def split_estimates(m: ModelConfig, cl: Cluster, run: dict) -> dict[tuple, Estimate]:
-    """(tp, pp) -> the fastest fitting variant of that split with the published strategy."""
-    from raytrain_lm.plan.estimate import tp_sizes, divisors
+def split_estimates(m: ModelConfig, cl: Cluster, run: dict) -> tuple[dict[tuple, Estimate], list[Estimate]]:
+    """((tp, pp) -> the fastest fitting variant of that split with the published strategy,
+    every layout the planner considers at its best variant, ranked as `plan` ranks them)."""
+    from raytrain_lm.plan.estimate import divisors, rank_key, strategies, tp_sizes
 
     strategy = run["layout"]["strategy"]
     out: dict[tuple, Estimate] = {}
+    ranked: list[Estimate] = []
     for t in tp_sizes(m, cl):
         for p in (d for d in divisors(cl.gpus // t) if d <= m.n_layer):
-            if cl.gpus // (t * p) == 1 and strategy != "ddp":
-                continue  # nothing to shard over
-            found = [estimate_layout(m, lay, cl)
-                     for s in structures(m, cl, run["seq_len"], t, p, strategy)
-                     for lay in variants(s, run["global_batch"], run["seq_len"])]
-            fitting = [e for e in found if e.fits]
-            if fitting:
-                out[(t, p)] = best_variant(fitting)
-    return out
+            dp = cl.gpus // (t * p)
+            kinds = strategies(dp, t, p)
+            for kind in kinds + ([strategy] if strategy not in kinds and dp > 1 else []):
+                for s in structures(m, cl, run["seq_len"], t, p, kind):
+                    found = [estimate_layout(m, lay, cl)
+                             for lay in variants(s, run["global_batch"], run["seq_len"])]
+                    if not found:
+                        continue
+                    best = best_variant(found)
+                    if kind in kinds:
+                        ranked.append(best)
+                    if kind == strategy and best.fits and \
+                            ((t, p) not in out or best.step_s < out[(t, p)].step_s):
+                        out[(t, p)] = best
+    return out, sorted(ranked, key=rank_key)
 
 
 def validate_run(run: dict, peak_fraction: Optional[float] = None) -> Row:
     m, cl = run_model(run), run_cluster(run, peak_fraction)
-    ranked = plan(m, cl, run["global_batch"], run["seq_len"])
     mine = published_estimate(m, cl, run)
-    best = split_estimates(m, cl, run)
+    best, ranked = split_estimates(m, cl, run)
     want = run["layout"]
     own = (want["tp"], want["pp"])
     split = best.get(own)
