@@ -447,3 +447,16 @@ def test_explain_breaks_the_step_and_the_memory_down():
     for part in ("compute", "exposed tp", "bubble", "exposed pp", "exposed dp", "parameters",
                  "optimizer", "FSDP working set", "activations", "logits", "rank 1 of"):
         assert part in text, part
+
+
+def test_framework_inputs_reduce_dtype_and_overlap():
+    """A framework that reduces fp16 gradients sends half the bytes; one that reduces after
+    backward exposes all of it (Megatron-LM of 2021, in docs/planner.md's validation)."""
+    cl = Cluster(gpus=4, efficiency=0.5)
+    only = rank_stages(TINY, 1, 1)[0]
+    ddp = Layout(4, 1, 1, "ddp", "none", False, "-", 2, 1, 8)
+    assert rank_comm(TINY, ddp, Cluster(gpus=4, reduce_bytes=2), only).dp_reduce == 10608 / 2
+    hidden = estimate_layout(TINY, ddp, cl)
+    exposed = estimate_layout(TINY, ddp, Cluster(gpus=4, efficiency=0.5, overlap_reduce=False))
+    assert hidden.dp_exposed_s == max(0.0, 10608 / cl.bandwidth(4) - hidden.compute_s)
+    assert exposed.dp_exposed_s == pytest.approx(10608 / cl.bandwidth(4))

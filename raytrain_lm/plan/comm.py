@@ -43,9 +43,10 @@ def dp_comm(p: dict[str, float], lay: Layout, cl: Cluster, stages: list[Stage]) 
     held = held_params(p, stages)
     if lay.dp == 1:
         return 0.0, 0.0
+    g = cl.reduce_bytes
     if lay.strategy in ("ddp", "zero1"):
         params = ring_bytes("all_gather", lay.dp, 4 * held) if lay.strategy == "zero1" else 0.0
-        return params, ring_bytes("all_reduce", lay.dp, 4 * held)
+        return params, ring_bytes("all_reduce", lay.dp, g * held)
     if lay.pp > 1:
         gathered = held  # once, kept for every microbatch
     elif lay.strategy == "zero2":
@@ -54,7 +55,7 @@ def dp_comm(p: dict[str, float], lay: Layout, cl: Cluster, stages: list[Stage]) 
         root = root_params(p, stages)
         gathered = lay.microbatches * (2 * (held - root) + root)
     return (ring_bytes("all_gather", lay.dp, cl.act_bytes * gathered),
-            ring_bytes("reduce_scatter", lay.dp, 4 * held))
+            ring_bytes("reduce_scatter", lay.dp, g * held))
 
 
 def tp_comm(m: ModelConfig, lay: Layout, cl: Cluster, stages: list[Stage]) -> float:

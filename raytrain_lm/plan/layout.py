@@ -46,6 +46,10 @@ class Cluster:
     # Whether the training framework overlaps the gradient reduction with backward (this
     # project's DDP and FSDP2 do; Megatron-LM's DDP of 2021 reduced after the backward pass)
     overlap_reduce: bool = True
+    # Bytes a gradient value takes in the data-parallel reduction: fp32 here (FSDP2's
+    # reduce_dtype, DDP's fp32 gradients); Megatron-LM reduces fp16 gradients in fp16 unless
+    # --accumulate-allreduce-grads-in-fp32
+    reduce_bytes: int = 4
 
     @property
     def budget(self) -> float:

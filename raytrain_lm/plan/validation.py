@@ -52,6 +52,7 @@ def run_cluster(run: dict, peak_fraction: Optional[float] = None) -> Cluster:
                    intra_gbps=c["intra_gbps"], inter_gbps=c["inter_gbps"], tflops=c["tflops"],
                    precision=run.get("precision", "bf16"),
                    overlap_reduce=run.get("overlap_reduce", True),
+                   reduce_bytes=run.get("reduce_bytes", 4),
                    peak_fraction=peak_fraction if peak_fraction is not None else PEAK_FRACTION[c["gpu"]])
 
 
