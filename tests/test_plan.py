@@ -299,14 +299,6 @@ def test_plan_cli_json_and_restrictions():
     (["--preset", "gpt-70b", "--gpus", "64", "--tp", "8", "--pp", "16"],
      "not a multiple of tp x pp = 8 x 16"),
     (["--strategy", "zero3"], "--strategy must be one of ddp, zero1, zero2, fsdp"),
-    (["--strategy", "zero1", "--tp", "2"], "--strategy zero1 works with --tp 1 --pp 1"),
-    (["--virtual-stages", "1"], "--virtual-stages must be at least 2"),
-    (["--peak-fraction", "2"], "--peak-fraction must be in (0, 1]"),
-    (["--precision", "fp8"], "--precision must be one of"),
-    (["--global-batch", "7", "--gpus", "8", "--tp", "1", "--pp", "1"], "can split a global batch of 7 sequences"),
-    (["--explain", "tp=3x"], "tp must be a positive whole number"),
-    (["--explain", "colour=red"], "expected a row number"),
-    (["--explain", "tp=8", "--preset", "gpt2"], "no layout of the plan matches"),
     (["--gpu-memory-gb", "0"], "--gpu-memory-gb must be positive"),
     (["--inter-node-gbps", "-1"], "--inter-node-gbps must be positive"),
     (["--compute-efficiency", "1.5"], "--compute-efficiency must be in (0, 1]"),
@@ -344,11 +336,41 @@ def test_train_passes_a_layout_that_fits(tmp_path, pydoc_data):
     assert_clean_error(r, "no Ray cluster answers at 127.0.0.1:1")  # past the memory check
 
 
+def gpt2_plan(**kw) -> str:
+    """`plan`'s output for GPT-2 on 8 H100s, in process (what the CLI prints)."""
+    from raytrain_lm.plan import plan_command
+
+    cfg = build_config(preset="gpt2", flags={"workers": 8, "model": {"vocab_size": 50304}})
+    cluster = kw.pop("cluster", Cluster(gpus=8))
+    return plan_command(cfg, cluster, **kw)
+
+
 def test_memory_is_planned_in_gib_as_cards_are_sold():
     """--gpu-memory-gb 80 is an 80 GB card: 80 x 2^30 bytes, 90% of it planned for."""
+    import typer.main
+
+    from raytrain_lm.cli import app
+
     assert Cluster(gpus=8, memory_gb=80).budget == 80 * 2 ** 30 * 0.9
-    r = run_cli("plan", "--help")
-    assert "GiB" in r.stdout and "as cards are sold" in r.stdout
+    command = typer.main.get_command(app).commands["plan"]
+    option = next(p for p in command.params if p.name == "gpu_memory_gb")
+    assert "GiB" in option.help and "as cards are sold" in option.help
+
+
+@pytest.mark.parametrize("kw,expected", [
+    (dict(strategy="zero1", tp=2), "--strategy zero1 works with --tp 1 --pp 1"),
+    (dict(virtual_stages=1), "--virtual-stages must be at least 2"),
+    (dict(cluster=Cluster(gpus=8, peak_fraction=2.0)), "--peak-fraction must be in (0, 1]"),
+    (dict(cluster=Cluster(gpus=8, precision="fp8")), "--precision must be one of"),
+    (dict(global_batch=7, tp=1, pp=1), "can split a global batch of 7 sequences"),
+    (dict(explain="tp=3x"), "tp must be a positive whole number"),
+    (dict(explain="colour=red"), "expected a row number"),
+    (dict(explain="tp=8"), "no layout of the plan matches"),
+    (dict(explain="999999"), "the plan has rows 1 to"),
+])
+def test_plan_rejects_bad_new_inputs(kw, expected):
+    with pytest.raises(UserError, match=expected.replace("(", r"\(").replace(")", r"\)")):
+        gpt2_plan(**kw)
 
 
 def test_zero1_and_zero2_memory_and_comm_by_hand():
@@ -427,23 +449,22 @@ def test_global_batch_any_size_a_layout_splits():
     ranked = plan(m, Cluster(gpus=8), global_batch=12, seq_len=1024)
     assert ranked and {e.layout.dp for e in ranked} <= {1, 2, 4}  # 8 does not divide 12
     assert all(e.layout.dp * e.layout.sequences == 12 for e in ranked)
-    r = run_cli("plan", "--preset", "gpt2", "--gpus", "8", "--global-batch", "12", "--json")
-    assert r.returncode == 0, r.stderr
-    assert json.loads(r.stdout)["global_batch"] == 12
+    assert json.loads(gpt2_plan(global_batch=12, as_json=True))["global_batch"] == 12
 
 
 def test_explain_breaks_the_step_and_the_memory_down():
-    r = run_cli("plan", "--preset", "gpt-70b", "--gpus", "64", "--explain",
-                "tp=8,pp=8,strategy=ddp,ac=full,schedule=1f1b", "--json")
-    assert r.returncode == 0, r.stderr
-    out = json.loads(r.stdout)
+    from raytrain_lm.plan import plan_command
+
+    cfg = build_config(preset="gpt-70b", flags={"workers": 64, "model": {"vocab_size": 50304}})
+    out = json.loads(plan_command(cfg, Cluster(gpus=64), as_json=True,
+                                  explain="tp=8,pp=8,strategy=ddp,ac=full,schedule=1f1b"))
     assert (out["tp"], out["pp"], out["strategy"], out["ac"]) == (8, 8, "ddp", "full")
     sec = out["seconds"]  # the parts add up to the step
     assert sec["compute"] + sec["tp"] + sec["bubble"] + sec["pp"] + sec["dp_exposed"] == \
         pytest.approx(sec["step"])
     mem = out["memory_gib"]
     assert sum(v for k, v in mem.items() if k != "total") == pytest.approx(mem["total"])
-    text = run_cli("plan", "--preset", "gpt-70b", "--gpus", "64", "--explain", "1").stdout
+    text = run_cli("plan", "--preset", "gpt-70b", "--gpus", "64", "--explain", "1").stdout  # the CLI
     for part in ("compute", "exposed tp", "bubble", "exposed pp", "exposed dp", "parameters",
                  "optimizer", "FSDP working set", "activations", "logits", "rank 1 of"):
         assert part in text, part
