@@ -105,8 +105,8 @@ def test_data_parallel_memory_and_comm_by_hand():
     # Each micro-step gathers the blocks twice (forward, backward) and the root once, in bf16:
     # 2 * (2 * 1568 + 200) elements * 2 bytes * 3/4; gradients reduce-scattered once: 3/4 * 4 * 1768.
     assert (c.dp_gather, c.dp_reduce) == (10008, 5304)
-    # Working set (FSDP2): the current block and the prefetched next one and the root (kept
-    # gathered by the root from forward to backward) in bf16, (2 * 784 + 200) * 2, plus every
+    # Working set (FSDP2), at the start of backward: the current block and the prefetched next
+    # one and the root (gathered for the head's backward) in bf16, (2 * 784 + 200) * 2, plus every
     # unsharded fp32 gradient kept between micro-steps, 1768 * 4, and the block's bf16 gradient
     # being computed, 784 * 2.
     assert rank_memory(TINY, fsdp, cl, only, 0).gathered == 3536 + 7072 + 1568

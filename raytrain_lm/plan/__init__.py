@@ -29,8 +29,8 @@ the pipeline rank that needs the most:
   zero2 divide all three by dp, zero1 the moments only, ddp keeps all of them.
 - FSDP2's working set ("gathered"; memory.gathered_bytes), parameters gathered in the
   activation dtype, at the start of backward:
-  - fsdp, no pipeline: the current block and the next (prefetched) and the root group (kept
-    from forward to backward), plus one block's unsharded gradient in the compute dtype and its
+  - fsdp, no pipeline: the current block and the next (prefetched) and the root group
+    (gathered at the start of backward, for the head), plus one block's unsharded gradient in the compute dtype and its
     fp32 copy for the reduce-scatter, plus the head's unsharded gradient;
   - zero2, no pipeline: every parameter of the rank gathered, plus the same gradients;
   - gradient accumulation: also the unsharded fp32 gradient of every parameter, which FSDP2

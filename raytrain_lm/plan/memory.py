@@ -76,8 +76,10 @@ def logits_bytes(m: ModelConfig, lay: Layout, cl: Cluster, stages: list[Stage]) 
 def gathered_bytes(p: dict[str, float], lay: Layout, cl: Cluster, stages: list[Stage]) -> float:
     """FSDP2's unsharded working set at the peak (the start of backward), as torch's FSDP2 runs:
     - fsdp, no pipeline: the block being computed and the next one, all-gathered ahead
-      (FSDP2's implicit prefetch), plus the root group (embeddings, head, final norm), which the
-      root keeps gathered from forward to backward; in backward one block's unsharded gradient in
+      (FSDP2's implicit prefetch), plus the root group (embeddings, head, final norm), gathered
+      at the start of backward (the head's backward comes first; fsdp.py passes
+      reshard_after_forward explicitly, so FSDP2's keep-the-root-gathered default does not
+      apply, but the peak is the same); in backward one block's unsharded gradient in
       the compute dtype and, with bf16/fp16 compute, its fp32 copy for the reduce-scatter (the
       sharded result is the gradient already counted), plus the head's unsharded gradient (it is
       computed first and reduced with the root group at the end);
