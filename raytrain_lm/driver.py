@@ -135,7 +135,10 @@ def _launch(cfg: TrainConfig, run: RunFolder, t_launch: float, previous: dict,
             poll_seconds: Optional[float], worker_env: Optional[dict[str, str]]) -> dict:
     """run_training from connecting to Ray on, with the run's folder claimed."""
     # Ray Train and the Ray connection are imported only now: a bad input above fails in a
-    # second, not after ~2 s of imports
+    # second, not after ~2 s of imports; nor does an address where nothing answers
+    from raytrain_lm.cluster.connect import check_reachable
+
+    check_reachable(cfg.address or os.environ.get("RAY_ADDRESS") or "local")
     from raytrain_lm.callbacks import ForwardMetrics, HeldRows, KeepBest
     from raytrain_lm.cluster.connect import connect_ray
 

@@ -107,7 +107,8 @@ def test_each_node_has_a_least_privilege_role_and_ssh_only_from_the_users_networ
 
     setup = "\n".join(filled["setup_commands"])
     bucket, runs = re.search(r"RAYTRAIN_LM_STORAGE=s3://([^/]+)/(\S+?)'", setup).groups()
-    datasets = set(re.findall(rf"s3://{bucket}/(\S+?)/", (ROOT / "README.md").read_text())) - {"raytrain-lm"}
+    docs = "".join(p.read_text() for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))])
+    datasets = set(re.findall(rf"s3://{bucket}/(\S+?)/", docs)) - {"raytrain-lm"}
     assert runs.startswith("raytrain-lm/") and datasets == {"data"}
     write = {"s3:GetObject", "s3:PutObject", "s3:DeleteObject", "s3:AbortMultipartUpload",
              "s3:ListMultipartUploadParts"}

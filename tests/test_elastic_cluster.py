@@ -153,7 +153,7 @@ ELASTIC_STEPS = 300  # both resizes are over by step ~150 here
 def elastic_run(cluster, small_data, tmp_path_factory):
     """`--workers 1-3` on two nodes; a node added once it trains, one removed once it grew.
 
-    One failure allowed, for the one node lost (README: one per node)."""
+    One failure allowed, for the one node lost (docs/checkpoints.md: one per node)."""
     storage = tmp_path_factory.mktemp("elastic")
     run_dir = storage / "elastic"
     ensure_worker_nodes(cluster, 2)

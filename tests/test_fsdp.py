@@ -79,7 +79,7 @@ def test_full_activation_checkpointing_gives_the_same_losses(ddp, pydoc_data, st
 
 def test_an_fsdp_checkpoint_exports_its_tied_embedding_once(fsdp, storage, tmp_path):
     """A sharded checkpoint gathers the tied embedding and output weights as two tensors; the
-    export stores one and says so in "tied", as the README promises."""
+    export stores one and says so in "tied", as docs/results.md promises."""
     import json
 
     from safetensors.torch import load_file

@@ -304,7 +304,7 @@ def test_bf16_autocast_runs_close_to_fp32():
 
 def test_native_export_of_a_llama_loads_into_llama_py(trained_here, tmp_path):
     """`export` (native): llama.py's names as they are, nothing tied, the format named; the
-    README's loading recipe gives the same model."""
+    loading recipe of docs/results.md gives the same model."""
     from safetensors.torch import load_file
 
     from raytrain_lm.export import export_checkpoint

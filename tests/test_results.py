@@ -345,7 +345,7 @@ def test_export_round_trips_the_weights_bit_exactly(trained, tmp_path):
     assert res.returncode == 0, res.stderr
     assert json.loads(res.stdout)["step"] == STEPS
 
-    # The README's plain-PyTorch loading code, verbatim in spirit:
+    # docs/results.md's plain-PyTorch loading code, verbatim in spirit:
     from safetensors.torch import load_file
 
     weights = load_file(str(out / "model.safetensors"))

@@ -113,7 +113,7 @@ def test_truncated_checkpoint_is_skipped_and_a_longer_run_keeps_its_schedule(ref
 
 
 def test_resume_without_storage_uses_the_default(reference_run, storage, ray_address, tmp_path):
-    """--resume with no --storage: RAYTRAIN_LM_STORAGE, else ./runs (the README's own recovery
+    """--resume with no --storage: RAYTRAIN_LM_STORAGE, else ./runs (docs/checkpoints.md's own recovery
     command). The run resumed is finished and its driver died with the rows after step 10 still
     in flight in Ray: nothing is trained, but the rows its final checkpoint carries come back."""
     import shutil

@@ -53,18 +53,18 @@ def check_privileges(config: dict, path: Path) -> None:
     """On AWS, what Ray does when a config leaves them out is too open: a node type without
     SecurityGroupIds gets a group Ray creates with SSH open to 0.0.0.0/0, and a head without an
     IamInstanceProfile gets ray-autoscaler-v1 (full EC2 and S3 access) while it runs every
-    job's driver. Both must be set (README: "A GPU cluster in the cloud")."""
+    job's driver. Both must be set (docs/clusters.md: "A GPU cluster in the cloud")."""
     if config["provider"].get("type") != "aws":
         return
     for name, node_type in config["available_node_types"].items():
         if not node_type.get("node_config", {}).get("SecurityGroupIds"):
             raise UserError(f"{path}: node type {name} has no SecurityGroupIds, so Ray would "
                             f"create a security group with SSH open to 0.0.0.0/0; create one "
-                            f"with SSH from your network only and name it there (README)")
+                            f"with SSH from your network only and name it there (docs/clusters.md)")
     head = config["available_node_types"][config["head_node_type"]]["node_config"]
     if not head.get("IamInstanceProfile"):
         raise UserError(f"{path}: the head node has no IamInstanceProfile, so Ray would give it "
-                        f"full EC2 and S3 access; name the head's own role (README)")
+                        f"full EC2 and S3 access; name the head's own role (docs/clusters.md)")
 
 
 LAUNCHER = {

@@ -6,7 +6,7 @@ decade of learning rates to search.
 The suggestion is the point of steepest descent of the smoothed loss against log(lr): where a
 step of the learning rate buys the most progress. The lr at the minimum of the smoothed loss is
 reported too; it is the edge of stability, not a learning rate to train at. The other common rule,
-minimum / 10, was too timid on the built-in corpus (README: minimum 5.3e-3, so 5e-4, where a sweep
+minimum / 10, was too timid on the built-in corpus (docs/tuning.md: minimum 5.3e-3, so 5e-4, where a sweep
 found 4.9e-3 best and trials near 3e-4 among the worst). The loss is smoothed with a centered
 moving average: an exponential one lags, and on the long plateau this corpus shows at high
 learning rates it moved the minimum by a decade and a half in one run.
