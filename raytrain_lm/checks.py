@@ -55,11 +55,13 @@ def check_name(name: Optional[str]) -> None:
 
 
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+STRATEGIES = ("ddp", "zero1", "zero2", "fsdp")
 
 
 def pipeline_stages(cfg: TrainConfig) -> int:
-    """Pipeline stages in all: two per worker for the interleaved schedule."""
-    return cfg.pp * (2 if cfg.pp_schedule == "interleaved-1f1b" else 1)
+    """Pipeline stages in all: --virtual-stages (default 2) per worker for the interleaved
+    schedule, one for the others."""
+    return cfg.pp * ((cfg.virtual_stages or 2) if cfg.pp_schedule == "interleaved-1f1b" else 1)
 
 
 def pipeline_microbatches(cfg: TrainConfig) -> int:
@@ -106,6 +108,17 @@ def check_layout(cfg: TrainConfig) -> None:
         raise UserError(f"--pp-schedule must be one of {', '.join(PP_SCHEDULES)}, got {cfg.pp_schedule!r}")
     if cfg.microbatches < 0:
         raise UserError(f"--microbatches must be >= 0 (0: twice the stages), got {cfg.microbatches}")
+    if cfg.virtual_stages < 0 or cfg.virtual_stages == 1:
+        raise UserError(f"--virtual-stages must be 0 (2) or at least 2, got {cfg.virtual_stages}")
+    if cfg.virtual_stages and cfg.pp_schedule != "interleaved-1f1b":
+        raise UserError(f"--virtual-stages needs --pp-schedule interleaved-1f1b (--pp-schedule "
+                        f"{cfg.pp_schedule} runs one stage per worker)")
+    if cfg.strategy == "zero1" and (cfg.tp > 1 or cfg.pp > 1):
+        raise UserError("--strategy zero1 works with --tp 1 --pp 1 (it shards DDP's optimizer); "
+                        "use zero2 or fsdp with --tp/--pp")
+    if cfg.strategy == "zero1" and cfg.precision == "fp16":
+        raise UserError("--precision fp16 (a gradient scaler) is not supported with --strategy "
+                        "zero1; use bf16")
     if cfg.pp == 1:
         return
     stages, micro = pipeline_stages(cfg), pipeline_microbatches(cfg)
@@ -184,8 +197,14 @@ def validate(cfg: TrainConfig) -> None:
         raise UserError(f"precision must be auto, fp32, bf16 or fp16, got {cfg.precision!r}")
     check_layout(cfg)
     check_elastic(cfg)
-    if cfg.strategy not in ("ddp", "fsdp"):
-        raise UserError(f"--strategy must be ddp or fsdp, got {cfg.strategy!r}")
+    if cfg.layout not in (None, "auto"):
+        raise UserError(f"--layout must be auto (or left out), got {cfg.layout!r}")
+    if cfg.gpus_per_node is not None and cfg.gpus_per_node < 1:
+        raise UserError(f"--gpus-per-node must be at least 1, got {cfg.gpus_per_node}")
+    if cfg.layout == "auto" and cfg.min_workers is not None and cfg.min_workers != cfg.workers:
+        raise UserError("--layout auto plans one worker count: give --workers N, not MIN-MAX")
+    if cfg.strategy not in STRATEGIES:
+        raise UserError(f"--strategy must be one of {', '.join(STRATEGIES)}, got {cfg.strategy!r}")
     if cfg.activation_checkpointing not in ("none", "full", "selective"):
         raise UserError("--activation-checkpointing must be none, full or selective, got "
                         f"{cfg.activation_checkpointing!r}")

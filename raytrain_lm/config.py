@@ -136,15 +136,27 @@ class TrainConfig:
                              "on GPU, fp32 on CPU.")
     compile: bool = setting(False, help="torch.compile the model.")
     strategy: str = setting("ddp", help="The data-parallel dimension: ddp (a full replica per "
-                            "data-parallel rank) or fsdp (FSDP2: shard parameters, gradients, "
-                            "optimizer state).")
+                            "data-parallel rank), zero1 (DDP with AdamW's states sharded over the "
+                            "ranks; --tp 1 --pp 1), zero2 (FSDP2 keeping the parameters gathered "
+                            "from forward to backward: gradients and optimizer states sharded) or "
+                            "fsdp (FSDP2: parameters, gradients and optimizer states sharded).")
     tp: int = setting(1, help="Tensor-parallel degree: each layer's matrices split over this many "
                       "workers (keep it within a node).")
     pp: int = setting(1, help="Pipeline-parallel degree: the layers split into this many stages.")
     microbatches: int = setting(0, help="Pipeline microbatches per step (--pp); they split "
                                 "--batch-size. 0: 2 x the stages.")
     pp_schedule: str = setting("1f1b", help="Pipeline schedule: gpipe, 1f1b or interleaved-1f1b "
-                               "(two stages per worker).")
+                               "(--virtual-stages stages per worker).")
+    virtual_stages: int = setting(0, help="Stages per worker of --pp-schedule interleaved-1f1b "
+                                  "(a smaller bubble, more sends); 0: 2.")
+    layout: Optional[str] = setting(None, help="auto: let the planner choose --tp, --pp, "
+                                    "--strategy, checkpointing, sequence parallelism, the "
+                                    "schedule and the micro-batches for --workers on the "
+                                    "cluster Ray reports (GPUs per node, GPU memory; or "
+                                    "--gpus-per-node, --gpu-memory-gb); the global batch stays "
+                                    "workers x batch-size x grad-accum.")
+    gpus_per_node: Optional[int] = setting(None, help="GPUs (workers) per node for --layout auto "
+                                           "[default: what Ray reports].")
     sequence_parallel: bool = setting(False, help="With --tp: shard LayerNorm and dropout "
                                       "activations over the sequence too.")
     activation_checkpointing: str = setting("none", help="Recompute activations in backward: none, "
@@ -166,8 +178,9 @@ class TrainConfig:
     # metrics
     peak_tflops: Optional[float] = setting(None, help="GPU peak TFLOP/s for MFU [default: from the "
                                            "GPU's name].")
-    gpu_memory_gb: Optional[float] = setting(None, help="Memory per GPU, GB, for the pre-launch "
-                                             "memory check [default: the GPU's].")
+    gpu_memory_gb: Optional[float] = setting(None, help="Memory per GPU in GiB as cards are sold "
+                                             "(80: an 80 GB card), for the pre-launch memory "
+                                             "check [default: the GPU's].")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -124,7 +124,7 @@ def run_training(
         init_from = check_init_from(init_from, cfg, manifest)
     previous = previous_summary(run) if resume else {}
     known = configured_memory_gb(cfg)
-    if not force:  # before Ray starts when --set gpu_memory_gb tells the memory
+    if not force and cfg.layout != "auto":  # before Ray starts when --gpu-memory-gb tells it
         check_memory(cfg, known)
     # The folder is this driver's from here on, before Ray is reached (another `train --name`
     # of the same run is refused), until it returns.
@@ -153,6 +153,8 @@ def _launch(cfg: TrainConfig, run: RunFolder, t_launch: float, previous: dict,
     check_resources(cfg, say)
     if not own_ray:
         say_idle_cpus(cfg, worker_env, say)
+    if cfg.layout == "auto":
+        auto_layout(cfg, say)
     if not force and known is None:  # else from Ray's accelerator labels or memory resource
         check_memory(cfg, worker_memory_gb(cfg))
 
@@ -211,6 +213,22 @@ def say_idle_cpus(cfg: TrainConfig, worker_env: Optional[dict[str, str]],
                      (worker_env or {}).get(OMP_ENV))
     if line:
         say(line)
+
+
+def auto_layout(cfg: TrainConfig, say: Callable[[str], None]) -> None:
+    """--layout auto: ask Ray for the cluster's shape, let the planner choose, say what and why,
+    and train with it (cfg changed in place; the run's saved config records the choice)."""
+    import ray
+
+    from raytrain_lm.checks import validate
+    from raytrain_lm.plan.auto import apply_layout, auto_cluster, choose_layout, cluster_shape
+
+    per_node, memory = cluster_shape(cfg, ray.nodes(), worker_memory_gb(cfg))
+    best, why = choose_layout(cfg, auto_cluster(cfg, per_node, memory))
+    apply_layout(cfg, best.layout)
+    validate(cfg)
+    say(f"layout auto: {best.layout.flags()} (~{best.memory.total / 2**30:.1f} GiB per worker of "
+        f"{memory:g}); {why}")
 
 
 def run_folder(cfg: TrainConfig, resume: bool) -> RunFolder:

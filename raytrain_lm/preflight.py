@@ -97,7 +97,7 @@ def worker_memory_gb(cfg: TrainConfig) -> Optional[float]:
         labels = [k.split(":", 1)[1] for k in ray.cluster_resources() if k.startswith("accelerator_type:")]
         sizes = [size for size in map(label_memory_gb, labels) if size]
         return min(sizes) if sizes else None
-    return ray.cluster_resources().get("memory", 0) / 1e9 / cfg.workers or None
+    return ray.cluster_resources().get("memory", 0) / 2 ** 30 / cfg.workers or None
 
 
 def configured_memory_gb(cfg: TrainConfig) -> Optional[float]:
@@ -120,23 +120,23 @@ def check_memory(cfg: TrainConfig, memory_gb: Optional[float]) -> None:
 
 
 def _check_memory_at(cfg: TrainConfig, memory_gb: float) -> None:
-    from raytrain_lm.plan import GB, USABLE_FRACTION, config_cluster, config_layout, estimate_layout
+    from raytrain_lm.plan import GIB, USABLE_FRACTION, config_cluster, config_layout, estimate_layout
 
     layout, cluster = config_layout(cfg), config_cluster(cfg, memory_gb)
     mine = estimate_layout(cfg.model, layout, cluster)
     if mine.fits:
         return
     m = mine.memory
-    raise UserError(f"this run needs ~{m.total / GB:.1f} GB per worker (model state "
-                    f"{m.model_state / GB:.1f}, FSDP working set {m.gathered / GB:.1f}, activations "
-                    f"{m.activations / GB:.1f}, logits {m.logits / GB:.1f}) but a worker has "
-                    f"{memory_gb:.0f} GB ({USABLE_FRACTION:.0%} usable); {_better_layout(cfg, cluster, layout)}; "
+    raise UserError(f"this run needs ~{m.total / GIB:.1f} GiB per worker (model state "
+                    f"{m.model_state / GIB:.1f}, FSDP working set {m.gathered / GIB:.1f}, activations "
+                    f"{m.activations / GIB:.1f}, logits {m.logits / GIB:.1f}) but a worker has "
+                    f"{memory_gb:.0f} GiB ({USABLE_FRACTION:.0%} usable); {_better_layout(cfg, cluster, layout)}; "
                     f"see `python cli.py plan`, or pass --force")
 
 
 def _better_layout(cfg: TrainConfig, cluster, layout) -> str:
     """The plan's fastest layout that fits, at this run's global batch, as a hint."""
-    from raytrain_lm.plan import GB, plan, recommendation
+    from raytrain_lm.plan import GIB, plan, recommendation
 
     try:
         best = recommendation(plan(cfg.model, cluster, layout.dp * layout.sequences, cfg.seq_len))
@@ -144,7 +144,7 @@ def _better_layout(cfg: TrainConfig, cluster, layout) -> str:
         best = None
     if best is None:
         return "nothing fits on this many workers: add workers or use a smaller model"
-    return f"try {best.layout.flags()} (~{best.memory.total / GB:.1f} GB per worker)"
+    return f"try {best.layout.flags()} (~{best.memory.total / GIB:.1f} GiB per worker)"
 
 
 def resume_step(cfg: TrainConfig, run, manifest: dict) -> Optional[int]:
@@ -167,7 +167,7 @@ def check_device_memory(cfg: TrainConfig, device, force: bool) -> None:
 
     if force or device.type != "cuda":
         return
-    check_memory(cfg, torch.cuda.get_device_properties(device).total_memory / 1e9)
+    check_memory(cfg, torch.cuda.get_device_properties(device).total_memory / 2 ** 30)
 
 
 def check_init_from(path: str, cfg: TrainConfig, manifest: dict) -> str:

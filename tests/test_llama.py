@@ -253,8 +253,8 @@ def test_plan_prints_the_seeds_arithmetic():
     assert r.returncode == 0, r.stderr
     n = param_counts(preset_config("llama2-70b").model)["total"]
     assert f"{n:,} parameters" in r.stdout
-    assert f"fp32 weights {4 * n / 1e9:,.1f} GB" in r.stdout and f"x4 = {16 * n / 1e9:,.1f} GB" in r.stdout
-    assert "state GB" in r.stdout and "recommendation: --tp" in r.stdout
+    assert f"fp32 weights {4 * n / 2**30:,.1f} GiB" in r.stdout and f"x4 = {16 * n / 2**30:,.1f} GiB" in r.stdout
+    assert "state GiB" in r.stdout and "recommendation: --tp" in r.stdout
 
 
 def test_the_planner_counts_the_llama_as_built():

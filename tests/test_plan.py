@@ -14,7 +14,7 @@ from raytrain_lm.config import ModelConfig, build_config, preset_config
 from raytrain_lm.errors import UserError
 from raytrain_lm.model import GPT, flops_per_token as model_flops_per_token
 from raytrain_lm.plan import (
-    GB, Cluster, Layout, bubble, chunks_in_flight, config_layout, estimate, estimate_layout,
+    GB, GIB, Cluster, Layout, bubble, chunks_in_flight, config_layout, estimate, estimate_layout,
     flops_per_token, param_counts, plan, rank_comm, rank_memory, rank_stages, recommendation,
     ring_bytes, tp_param_counts,
 )
@@ -62,26 +62,32 @@ def test_memory_of_tp2_pp2_fsdp2_by_hand():
     assert (m0.params, m0.grads, m0.optimizer) == (4 * 496 / 2, 4 * 496 / 2, 8 * 496 / 2)  # fsdp /2
     assert m0.gathered == 496 * (2 + 4)  # pipelined FSDP: bf16 params gathered + fp32 grad accumulators
     # 16 tokens per microbatch; a layer keeps (5 + 12/2) * 8 elements per token in bf16: 2816 bytes;
-    # the embedding output 16 * 8 * 4 = 512; 1f1b: rank 0 holds min(2, 2 - 0) = 2 microbatches.
-    assert m0.activations == 2 * (2816 + 512)
-    assert m0.logits == 0 and m0.total == 3968 + 2976 + 6656 == 13600
+    # the embedding output 16 * 8 * 2 = 256 (bf16 too); 1f1b: rank 0 holds min(2, 2 - 0) = 2.
+    assert m0.activations == 2 * (2816 + 256)
+    assert m0.logits == 0 and m0.total == 3968 + 2976 + 6144 == 13088
     m1 = rank_memory(TINY, lay, cl, last, rank=1)
     # one microbatch in flight; logits 16 tokens * 16/2 vocab * (2 + 4 + 4) bytes.
     assert m1.activations == 2816 and m1.logits == 1280
     assert m1.total == 16 * 472 / 2 + 472 * 6 + 2816 + 1280 == 10704
-    assert estimate_layout(TINY, lay, cl).memory.total == 13600  # the worst rank
+    assert estimate_layout(TINY, lay, cl).memory.total == 13088  # the worst rank
+    # An fp32 run keeps every activation in 4 bytes: twice as much.
+    fp32 = rank_memory(TINY, lay, Cluster(gpus=8, precision="fp32"), first, rank=0)
+    assert fp32.activations == 2 * m0.activations
 
 
 def test_activation_variants_by_hand():
     cl = Cluster(gpus=8)
     first = rank_stages(TINY, 2, 1)[0]
     # Sequence parallelism: all 17 elements and the embedding output divide by tp:
-    # 2 * (16*8*17/2*2 + 16*8*4/2) = 2 * (2176 + 256).
-    assert rank_memory(TINY, tiny_layout(sp=True), cl, first, 0).activations == 4864
+    # 2 * (16*8*17/2*2 + 16*8*2/2) = 2 * (2176 + 128).
+    assert rank_memory(TINY, tiny_layout(sp=True), cl, first, 0).activations == 4608
     # Selective: (3 + 8/2) * 8 * 2 bytes * 16 tokens = 1792 per layer.
-    assert rank_memory(TINY, tiny_layout(ac="selective"), cl, first, 0).activations == 2 * (1792 + 512)
-    # Full: the fp32 block input 16*8*4 = 512 per layer and microbatch, plus one layer recomputed (2816).
-    assert rank_memory(TINY, tiny_layout(ac="full"), cl, first, 0).activations == 2 * (512 + 512) + 2816
+    assert rank_memory(TINY, tiny_layout(ac="selective"), cl, first, 0).activations == 2 * (1792 + 256)
+    # Full: the block input in bf16, 16*8*2 = 256 per layer and microbatch (a bf16 run
+    # checkpoints bf16 inputs), plus one layer recomputed (2816); fp32 doubles the inputs.
+    assert rank_memory(TINY, tiny_layout(ac="full"), cl, first, 0).activations == 2 * (256 + 256) + 2816
+    fp32 = Cluster(gpus=8, precision="fp32")
+    assert rank_memory(TINY, tiny_layout(ac="full"), fp32, first, 0).activations == 2 * (512 + 512) + 2 * 2816
     # GPipe holds both microbatches everywhere; the last stage keeps the other one's fp32
     # log-softmax too: 1280 + 128 * 4.
     last = rank_stages(TINY, 2, 1)[1]
@@ -101,11 +107,18 @@ def test_data_parallel_memory_and_comm_by_hand():
     # Each micro-step gathers the blocks twice (forward, backward) and the root once, in bf16:
     # 2 * (2 * 1568 + 200) elements * 2 bytes * 3/4; gradients reduce-scattered once: 3/4 * 4 * 1768.
     assert (c.dp_gather, c.dp_reduce) == (10008, 5304)
-    # Working set: two blocks and the root in bf16, (2 * 784 + 200) * 2, plus every unsharded fp32
-    # gradient kept between micro-steps, 1768 * 4.
-    assert rank_memory(TINY, fsdp, cl, only, 0).gathered == 3536 + 7072
-    assert rank_memory(TINY, Layout(4, 1, 1, "fsdp", "none", False, "-", 2, 1, 8), cl, only,
-                       0).gathered == 3536 + 784 * 4  # one step: one block's gradient
+    # Working set (FSDP2), at the start of backward: the current block and the prefetched next
+    # one and the root (gathered for the head's backward) in bf16, (2 * 784 + 200) * 2, plus every
+    # unsharded fp32 gradient kept between micro-steps, 1768 * 4, and the block's bf16 gradient
+    # being computed, 784 * 2.
+    assert rank_memory(TINY, fsdp, cl, only, 0).gathered == 3536 + 7072 + 1568
+    # One micro-step: the block's gradient in bf16 and its fp32 copy for the reduce-scatter,
+    # 784 * (2 + 4), and the tied head's (wte, 128) bf16 gradient, reduced with the root at the end.
+    one = Layout(4, 1, 1, "fsdp", "none", False, "-", 2, 1, 8)
+    assert rank_memory(TINY, one, cl, only, 0).gathered == 3536 + 784 * 6 + 128 * 2
+    # In fp32 the gradient needs no copy: 784 * 4 + 128 * 4; the gathered parameters 4 bytes.
+    assert rank_memory(TINY, one, Cluster(gpus=4, precision="fp32"), only, 0).gathered == \
+        2 * 3536 + 784 * 4 + 128 * 4
 
 
 def test_comm_of_tp2_pp2_fsdp2_by_hand():
@@ -117,14 +130,16 @@ def test_comm_of_tp2_pp2_fsdp2_by_hand():
     # tp (2 ranks): 4 all-reduces for its layer + 1 for the embedding, each of S*seq*h bf16 =
     # 4*8*8*2 = 512 bytes, times 2(2-1)/2 = 1.
     assert c0.tp == 5 * 512
-    # pp: 2 microbatches forward of 2*8*8 fp32 = 512 bytes, plus the tied wte gradient shard
-    # (16*8/2/2 fp32 = 128 bytes) all-reduced between first and last stage.
-    assert c0.pp == 2 * 512 + 128
+    # pp: 2 microbatches forward of 2*8*8 bf16 = 256 bytes (the run's dtype), plus the tied wte
+    # gradient shard (16*8/2/2 fp32 = 128 bytes) all-reduced between first and last stage.
+    assert c0.pp == 2 * 256 + 128
     c1 = rank_comm(TINY, lay, cl, last)
-    assert (c1.dp_gather, c1.dp_reduce, c1.tp, c1.pp) == (472, 944, 2560, 1152)
-    # Sequence parallelism: the same tp volume; the pipeline sends each rank's half of the sequence.
+    assert (c1.dp_gather, c1.dp_reduce, c1.tp, c1.pp) == (472, 944, 2560, 640)
+    # Sequence parallelism: the same tp volume; each tp rank sends its half of the sequence.
     sp = rank_comm(TINY, tiny_layout(sp=True), cl, first)
-    assert sp.tp == 2560 and sp.pp == 2 * 256 + 128
+    assert sp.tp == 2560 and sp.pp == 2 * 128 + 128
+    # fp32 sends 4 bytes a value.
+    assert rank_comm(TINY, tiny_layout(), Cluster(gpus=8, precision="fp32"), first).pp == 2 * 512 + 128
     # Recomputation re-runs the attention output's all-reduce: 5 per layer.
     assert rank_comm(TINY, tiny_layout(ac="full"), cl, first).tp == 6 * 512
 
@@ -179,11 +194,16 @@ def test_step_time_by_hand():
     # FLOPs per token 6 * (1768 - 64) + 12 * 2 * 8 * 8 = 11760; 2 dp x 4 sequences x 8 tokens = 64
     # tokens: 752640 FLOPs over 8 GPUs at 1e6 FLOP/s = 0.09408 s.
     assert e.compute_s == pytest.approx(0.09408)
-    # Rank 0 is the slowest: tp 2560 B / 1e6 = 0.00256 s, stretched with compute by the bubble 1/3;
-    # pp 1152 B / 1e5 = 0.01152 s; dp gather (0.000496 s) hides under compute, the gradient
-    # reduce-scatter (0.000992 s) runs after the last microbatch.
+    # Rank 0 is the slowest: tp 2560 B / 1e6 = 0.00256 s, all exposed, stretched with compute
+    # by the bubble 1/3. pp: one send (2 x 8 x 8 bf16 = 256 B) takes 0.00256 s; the fill and
+    # drain cross the one boundary twice (2 (v pp - 1) = 2 sends, 0.00512 s); the steady state's
+    # other sends hide under compute; the tied wte gradient (128 B, 0.00128 s) follows the last
+    # microbatch. dp: the gather (0.000496 s) hides under compute, the gradient reduce-scatter
+    # (0.000992 s) runs after the last microbatch.
     assert e.bubble == pytest.approx(1 / 3)
-    assert e.step_s == pytest.approx((0.09408 + 0.00256) / (2 / 3) + 0.01152 + 0.000992)
+    assert e.pp_s == pytest.approx(0.00512 + 0.00128)
+    assert e.step_s == pytest.approx((0.09408 + 0.00256) / (2 / 3) + 0.00512 + 0.00128 + 0.000992)
+    assert e.bubble_s == pytest.approx((0.09408 + 0.00256) / 2)
     assert e.mfu == pytest.approx(752640 / (e.step_s * 8 * 1e6))
 
 
@@ -194,11 +214,11 @@ def test_70b_on_64_h100s_needs_sharding_and_keeps_tp_in_a_node():
     cl = Cluster(gpus=64, gpus_per_node=8, memory_gb=80)
     ranked = plan(m, cl, global_batch=64, seq_len=4096)
     fitting = [e for e in ranked if e.fits]
-    assert fitting and all(e.memory.total <= 72 * GB for e in fitting)
+    assert fitting and all(e.memory.total <= 72 * GIB for e in fitting)
     # 16 bytes per parameter of a full replica (1.1 TB) never fits: every layout that fits shards.
     for e in fitting:
         lay = e.layout
-        assert lay.sharded or lay.tp > 1 or lay.pp > 1
+        assert lay.sharded or lay.optimizer_shards > 1 or lay.tp > 1 or lay.pp > 1
         assert e.memory.model_state < 16 * n / 8
     best = recommendation(ranked)
     assert best is fitting[0] and best.layout.tp in (1, 2, 4, 8)  # tp never leaves a node
@@ -227,7 +247,7 @@ def test_config_layout_and_memory_check():
     lay = config_layout(cfg)
     assert (lay.dp, lay.tp, lay.pp, lay.micro_batch, lay.microbatches) == (4, 8, 2, 1, 8)
     check_memory(cfg, 80)  # fits: nothing raised
-    with pytest.raises(UserError, match="GB per worker.*try --tp"):
+    with pytest.raises(UserError, match="GiB per worker.*try --tp"):
         check_memory(cfg, 24)
 
 
@@ -246,7 +266,7 @@ def test_plan_cli_table_and_reason():
     lines = r.stdout.splitlines()
     assert len(table_rows(r.stdout)) == 10  # the best ten, not hundreds
     rec = next(line for line in lines if line.startswith("recommendation: --tp"))
-    assert "GB per GPU" in rec and "MFU" in rec
+    assert "GiB per GPU" in rec and "MFU" in rec
     why = next(line for line in lines if line.startswith("why: "))
     # compared with data parallelism alone, which fits 70B on 64 GPUs of 80 GB (as FSDP) but is slower
     assert re.search(r"; data parallelism alone would take \d+\.\dx as long$", why), why
@@ -281,7 +301,7 @@ def test_plan_cli_json_and_restrictions():
     (["--gpus", "64", "--pp", "3"], "--gpus 64 is not a multiple of tp x pp = 1 x 3"),
     (["--preset", "gpt-70b", "--gpus", "64", "--tp", "8", "--pp", "16"],
      "not a multiple of tp x pp = 8 x 16"),
-    (["--strategy", "zero3"], "--strategy must be ddp or fsdp"),
+    (["--strategy", "zero3"], "--strategy must be one of ddp, zero1, zero2, fsdp"),
     (["--gpu-memory-gb", "0"], "--gpu-memory-gb must be positive"),
     (["--inter-node-gbps", "-1"], "--inter-node-gbps must be positive"),
     (["--compute-efficiency", "1.5"], "--compute-efficiency must be in (0, 1]"),
@@ -301,12 +321,12 @@ TRAIN_70B = ["train", "--preset", "gpt-70b", "--use-gpu", "--set", "gpu_memory_g
 def test_train_refuses_a_layout_that_does_not_fit_before_ray(tmp_path, pydoc_data):
     r = cli_here(*TRAIN_70B, "--workers", "64", "--strategy", "ddp", "--data", str(pydoc_data),
                 "--storage", str(tmp_path / "runs"))
-    assert_clean_error(r, "GB per worker")
+    assert_clean_error(r, "GiB per worker")
     assert "try --tp" in r.stderr and "--force" in r.stderr and not (tmp_path / "runs").exists()
     r = cli_here(*TRAIN_70B, "--workers", "64", "--tp", "8", "--pp", "2", "--strategy", "fsdp",
                 "--batch-size", "64", "--microbatches", "2", "--data", str(pydoc_data),
                 "--storage", str(tmp_path / "runs"))
-    assert_clean_error(r, "GB per worker")  # tp x pp alone: too many microbatch sequences
+    assert_clean_error(r, "GiB per worker")  # tp x pp alone: too many microbatch sequences
     r = cli_here(*TRAIN_70B, "--workers", "8", "--tp", "8", "--data", str(pydoc_data),
                 "--storage", str(tmp_path / "runs"))
     assert_clean_error(r, "nothing fits on this many workers")
@@ -317,3 +337,150 @@ def test_train_passes_a_layout_that_fits(tmp_path, pydoc_data):
                 "--batch-size", "8", "--microbatches", "8", "--data", str(pydoc_data),
                 "--storage", str(tmp_path / "runs"), timeout=60)
     assert_clean_error(r, "no Ray cluster answers at 127.0.0.1:1")  # past the memory check
+
+
+def gpt2_plan(**kw) -> str:
+    """`plan`'s output for GPT-2 on 8 H100s, in process (what the CLI prints)."""
+    from raytrain_lm.plan import plan_command
+
+    cfg = build_config(preset="gpt2", flags={"workers": 8, "model": {"vocab_size": 50304}})
+    cluster = kw.pop("cluster", Cluster(gpus=8))
+    return plan_command(cfg, cluster, **kw)
+
+
+def test_memory_is_planned_in_gib_as_cards_are_sold():
+    """--gpu-memory-gb 80 is an 80 GB card: 80 x 2^30 bytes, 90% of it planned for."""
+    import typer.main
+
+    from raytrain_lm.cli import app
+
+    assert Cluster(gpus=8, memory_gb=80).budget == 80 * 2 ** 30 * 0.9
+    command = typer.main.get_command(app).commands["plan"]
+    option = next(p for p in command.params if p.name == "gpu_memory_gb")
+    assert "GiB" in option.help and "as cards are sold" in option.help
+
+
+@pytest.mark.parametrize("kw,expected", [
+    (dict(strategy="zero1", tp=2), "--strategy zero1 works with --tp 1 --pp 1"),
+    (dict(virtual_stages=1), "--virtual-stages must be at least 2"),
+    (dict(cluster=Cluster(gpus=8, peak_fraction=2.0)), "--peak-fraction must be in (0, 1]"),
+    (dict(cluster=Cluster(gpus=8, precision="fp8")), "--precision must be one of"),
+    (dict(global_batch=7, tp=1, pp=1), "can split a global batch of 7 sequences"),
+    (dict(explain="tp=3x"), "tp must be a positive whole number"),
+    (dict(explain="colour=red"), "expected a row number"),
+    (dict(explain="tp=8"), "no layout of the plan matches"),
+    (dict(explain="999999"), "the plan has rows 1 to"),
+])
+def test_plan_rejects_bad_new_inputs(kw, expected):
+    with pytest.raises(UserError, match=expected.replace("(", r"\(").replace(")", r"\)")):
+        gpt2_plan(**kw)
+
+
+def test_zero1_and_zero2_memory_and_comm_by_hand():
+    cl = Cluster(gpus=4)
+    only = rank_stages(TINY, 1, 1)[0]
+    z1 = Layout(4, 1, 1, "zero1", "none", False, "-", 2, 1, 8)
+    m1 = rank_memory(TINY, z1, cl, only, 0)
+    # ZeRO-1: fp32 weights and gradients whole, AdamW's moments over the 4 ranks; no working set.
+    assert (m1.params, m1.grads, m1.optimizer, m1.gathered) == (4 * 1768, 4 * 1768, 2 * 1768, 0)
+    c1 = rank_comm(TINY, z1, cl, only)
+    # DDP's all-reduce 2 * 3/4 * 4 * 1768, then each rank's updated weights to the others (an
+    # all-gather's volume, 3/4 * 4 * 1768).
+    assert (c1.dp_reduce, c1.dp_gather) == (10608, 5304)
+    z2 = Layout(4, 1, 1, "zero2", "none", False, "-", 2, 1, 8)
+    m2 = rank_memory(TINY, z2, cl, only, 0)
+    # ZeRO-2 on FSDP2 (reshard_after_forward=False): everything sharded at rest; every
+    # parameter stays gathered (bf16) from forward to backward, plus the same gradients as fsdp.
+    assert (m2.params, m2.grads, m2.optimizer) == (1768, 1768, 2 * 1768)
+    assert m2.gathered == 1768 * 2 + 784 * 6 + 128 * 2
+    c2 = rank_comm(TINY, z2, cl, only)
+    assert (c2.dp_gather, c2.dp_reduce) == (3 / 4 * 2 * 1768, 5304)  # one gather per micro-step
+
+
+def test_zero1_broadcast_is_exposed_and_zero2_gathers_once():
+    """ZeRO-1's parameter broadcast follows the optimizer step; FSDP's backward re-gather makes
+    it send more than ZeRO-2."""
+    m = preset_config("gpt2").model
+    m.vocab_size = 50304
+    cl = Cluster(gpus=16, gpus_per_node=8, efficiency=0.5)
+    base = dict(dp=16, tp=1, pp=1, ac="none", sp=False, schedule="-", micro_batch=8,
+                microbatches=1, seq_len=1024)
+    z1 = estimate_layout(m, Layout(strategy="zero1", **base), cl)
+    ddp = estimate_layout(m, Layout(strategy="ddp", **base), cl)
+    assert z1.dp_exposed_s == pytest.approx(z1.comm.dp_gather / cl.bandwidth(16) + ddp.dp_exposed_s)
+    z2 = estimate_layout(m, Layout(strategy="zero2", **base), cl)
+    fsdp = estimate_layout(m, Layout(strategy="fsdp", **base), cl)
+    assert z2.comm.dp_gather < fsdp.comm.dp_gather and z2.memory.gathered > fsdp.memory.gathered
+
+
+def test_efficiency_grows_with_matmul_size_and_a_flag_overrides_it():
+    from raytrain_lm.plan import F_HALF, compute_efficiency, matmul_flops
+
+    m = preset_config("gpt2").model
+    small, large = (compute_efficiency(m, b, 1024, 1) for b in (1, 64))
+    assert small < large < 1
+    assert compute_efficiency(m, 1, 1024, 4) < small  # tp narrows each GPU's matmul
+    f = matmul_flops(m, 1, 1024, 1)
+    assert f == 2 * 1024 * 768 * 768
+    assert compute_efficiency(m, 1, 1024, 1, peak_fraction=0.8) == pytest.approx(0.8 * f / (f + F_HALF))
+    assert compute_efficiency(m, 1, 1024, 1, constant=0.37) == 0.37
+    lay = Layout(8, 1, 1, "ddp", "none", False, "-", 4, 1, 1024)
+    e = estimate_layout(m, lay, Cluster(gpus=8, efficiency=0.25))
+    assert e.efficiency == 0.25
+
+
+def test_virtual_stages_any_number():
+    """Interleaving v stages per GPU: the bubble (p-1)/(v m + p-1), v m chunks of 1/v of the
+    layers, and the layouts tried (v that split the layers evenly, or as asked)."""
+    from raytrain_lm.plan import virtual_stage_counts
+
+    m = ModelConfig(vocab_size=256, block_size=64, n_layer=16, n_head=4, n_embd=64)
+    assert virtual_stage_counts(m, 2) == [2, 4, 8]
+    assert virtual_stage_counts(m, 4) == [2, 4]
+    assert virtual_stage_counts(m, 4, fixed=3) == [3]
+    lay = Layout(1, 1, 4, "ddp", "none", False, "interleaved-1f1b", 1, 8, 64, virtual=4)
+    e = estimate_layout(m, lay, Cluster(gpus=4, efficiency=0.5))
+    assert lay.v == 4 and e.bubble == pytest.approx(3 / (4 * 8 + 3))
+    assert "--virtual-stages 4" in lay.flags()
+    ranked = plan(m, Cluster(gpus=4, efficiency=0.5), 8, 64, pp=4, virtual_stages=4)
+    assert {e.layout.v for e in ranked if e.layout.schedule == "interleaved-1f1b"} == {4}
+
+
+def test_global_batch_any_size_a_layout_splits():
+    m = preset_config("gpt2").model
+    m.vocab_size = 50304
+    ranked = plan(m, Cluster(gpus=8), global_batch=12, seq_len=1024)
+    assert ranked and {e.layout.dp for e in ranked} <= {1, 2, 4}  # 8 does not divide 12
+    assert all(e.layout.dp * e.layout.sequences == 12 for e in ranked)
+    assert json.loads(gpt2_plan(global_batch=12, as_json=True))["global_batch"] == 12
+
+
+def test_explain_breaks_the_step_and_the_memory_down():
+    from raytrain_lm.plan import plan_command
+
+    cfg = build_config(preset="gpt-70b", flags={"workers": 64, "model": {"vocab_size": 50304}})
+    out = json.loads(plan_command(cfg, Cluster(gpus=64), as_json=True,
+                                  explain="tp=8,pp=8,strategy=ddp,ac=full,schedule=1f1b"))
+    assert (out["tp"], out["pp"], out["strategy"], out["ac"]) == (8, 8, "ddp", "full")
+    sec = out["seconds"]  # the parts add up to the step
+    assert sec["compute"] + sec["tp"] + sec["bubble"] + sec["pp"] + sec["dp_exposed"] == \
+        pytest.approx(sec["step"])
+    mem = out["memory_gib"]
+    assert sum(v for k, v in mem.items() if k != "total") == pytest.approx(mem["total"])
+    text = run_cli("plan", "--preset", "gpt-70b", "--gpus", "64", "--explain", "1").stdout  # the CLI
+    for part in ("compute", "exposed tp", "bubble", "exposed pp", "exposed dp", "parameters",
+                 "optimizer", "FSDP working set", "activations", "logits", "rank 1 of"):
+        assert part in text, part
+
+
+def test_framework_inputs_reduce_dtype_and_overlap():
+    """A framework that reduces fp16 gradients sends half the bytes; one that reduces after
+    backward exposes all of it (Megatron-LM of 2021, in docs/planner.md's validation)."""
+    cl = Cluster(gpus=4, efficiency=0.5)
+    only = rank_stages(TINY, 1, 1)[0]
+    ddp = Layout(4, 1, 1, "ddp", "none", False, "-", 2, 1, 8)
+    assert rank_comm(TINY, ddp, Cluster(gpus=4, reduce_bytes=2), only).dp_reduce == 10608 / 2
+    hidden = estimate_layout(TINY, ddp, cl)
+    exposed = estimate_layout(TINY, ddp, Cluster(gpus=4, efficiency=0.5, overlap_reduce=False))
+    assert hidden.dp_exposed_s == max(0.0, 10608 / cl.bandwidth(4) - hidden.compute_s)
+    assert exposed.dp_exposed_s == pytest.approx(10608 / cl.bandwidth(4))

@@ -12,7 +12,7 @@ from raytrain_lm.cli.app import app, examples
 from raytrain_lm.cli.options import (CONFIG, JSON, QUIET, SET, VERBOSE, ConfigPath, SetList,
                                      only_json_on_stdout, say_for, settings)
 from raytrain_lm.elastic import parse_workers
-from raytrain_lm.plan import COMPUTE_EFFICIENCY, H100_NVLINK_GBPS, H100_TFLOPS, IB_400_GBPS
+from raytrain_lm.plan import H100_NVLINK_GBPS, H100_TFLOPS, IB_400_GBPS
 
 ARCH = typer.Option(None, help="The model's architecture: gpt (GPT-2) or llama (RMSNorm, "
                     "rotary positions, SwiGLU, grouped-query attention, untied head; no biases) "
@@ -23,6 +23,7 @@ TRAIN_SETTINGS = ("use_gpu", "preset", "data", "max_steps", "batch_size", "seq_l
                   "grad_accum", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints",
                   "checkpoint_upload", "max_failures", "max_preemptions", "resize_interval",
                   "seed", "compile", "strategy", "tp", "pp", "microbatches", "pp_schedule",
+                  "virtual_stages", "layout", "gpus_per_node", "gpu_memory_gb",
                   "sequence_parallel", "activation_checkpointing", "precision", "name", "storage",
                   "address", "scale_timeout")
 
@@ -48,6 +49,7 @@ def workers_value(text: str):
                              "python cli.py train --preset llama-tiny --workers 4 --tp 2",
                              "python cli.py train --workers 4 --pp 2 --microbatches 8 --pp-schedule 1f1b",
                              "python cli.py train --workers 8 --tp 2 --pp 2 --strategy fsdp",
+                             "python cli.py train --workers 16 --use-gpu --preset llama3-8b --layout auto",
                              "python cli.py train --config best.yaml --set model.dropout=0.1",
                              "python cli.py train --config best.yaml --workers 8 --scale-lr sqrt",
                              "python cli.py train --name my-run --resume"))
@@ -143,18 +145,28 @@ def train_paths(args: list[str]) -> dict:
 @app.command(epilog=examples("python cli.py plan --preset gpt2 --gpus 8",
                              "python cli.py plan --preset gpt-70b --gpus 64 --gpus-per-node 8 --gpu-memory-gb 80",
                              "python cli.py plan --preset gpt-70b --gpus 512 --tp 8 --strategy fsdp --json",
+                             "python cli.py plan --preset llama3-8b --gpus 8 --explain tp=1,pp=1,strategy=fsdp",
                              "python cli.py plan --preset llama2-70b --gpus 64 --gpus-per-node 8 --gpu-memory-gb 80",
                              "python cli.py plan --preset small --set model.n_layer=24 --batch-size 32"))
-@settings("batch_size", "seq_len", "grad_accum",
+@settings("batch_size", "seq_len", "grad_accum", "precision",
           help={"batch_size": "Sequences per GPU per micro-step under plain data parallelism: the "
                               "global batch, the same for every layout, is GPUs x this x "
-                              "--grad-accum [default: the preset's]."})
+                              "--grad-accum unless --global-batch gives it [default: the "
+                              "preset's].",
+                "precision": "The run's precision: activations, checkpointed block inputs, "
+                             "gathered parameters and pipeline sends take 2 bytes in bf16/fp16, "
+                             "4 in fp32; auto: bf16 on GPU, fp32 with --cpu."})
 def plan(
     settings: dict,
     preset: str = typer.Option("gpt2", help="Model preset (any field overridable with --set)."),
     gpus: int = typer.Option(8, "--gpus", "--workers", help="GPUs (workers) in all."),
     gpus_per_node: int = typer.Option(8, help="GPUs per node: tensor parallelism stays inside one."),
-    gpu_memory_gb: float = typer.Option(80.0, help="Memory per GPU, GB."),
+    gpu_memory_gb: float = typer.Option(80.0, help="Memory per GPU in GiB, as cards are sold: 80 "
+                                        "for an 80 GB H100 or A100 (80 x 2^30 bytes); 90% of it "
+                                        "is planned for."),
+    global_batch: Optional[int] = typer.Option(None, help="Sequences per step, any number a "
+                                               "layout's data-parallel size divides [default: "
+                                               "GPUs x --batch-size x --grad-accum]."),
     intra_node_gbps: float = typer.Option(H100_NVLINK_GBPS, help="Bandwidth inside a node, Gb/s per "
                                           "GPU per direction [default: H100 NVLink 4, 900 GB/s "
                                           "both ways = 3600 Gb/s each way]."),
@@ -162,12 +174,26 @@ def plan(
                                           "per direction [default: a 400 Gb/s InfiniBand NIC per GPU]."),
     gpu_tflops: float = typer.Option(H100_TFLOPS, help="Peak dense bf16 TFLOP/s per GPU [default: "
                                      "H100 SXM]."),
-    compute_efficiency: float = typer.Option(COMPUTE_EFFICIENCY, help="Fraction of the peak the "
-                                             "matmuls reach when nothing waits."),
+    compute_efficiency: Optional[float] = typer.Option(None, help="Fraction of the peak the "
+                                                       "matmuls reach when nothing waits, the "
+                                                       "same for every layout [default: by "
+                                                       "matmul size, raytrain_lm/plan/"
+                                                       "efficiency.py]."),
+    peak_fraction: Optional[float] = typer.Option(None, help="The efficiency formula's ceiling: "
+                                                  "the fraction of the peak large matmuls reach "
+                                                  "[default: H100's, plan/efficiency.py]."),
     tp: Optional[int] = typer.Option(None, help="Only layouts with this tensor-parallel degree."),
     pp: Optional[int] = typer.Option(None, help="Only layouts with this many pipeline stages."),
     strategy: Optional[str] = typer.Option(None, help="Only layouts whose data-parallel dimension is "
-                                           "this: ddp or fsdp."),
+                                           "this: ddp, zero1, zero2 or fsdp."),
+    virtual_stages: Optional[int] = typer.Option(None, help="Only pipelines of interleaved-1f1b "
+                                                 "with this many stages per GPU [default: 2 to "
+                                                 "8 tried]."),
+    explain: Optional[str] = typer.Option(None, metavar="LAYOUT", help="Explain one layout: its "
+                                          "step time (compute, exposed tp, bubble, exposed pp, "
+                                          "exposed dp) and memory, by part. LAYOUT: a row "
+                                          "number, or keys such as tp=8,pp=4,strategy=ddp,"
+                                          "ac=full (tp, pp, dp, strategy, ac, sp, schedule, v, b)."),
     top: int = typer.Option(10, help="Layouts shown, fastest first."),
     show_all: bool = typer.Option(False, "--all", help="Show every layout planned."),
     vocab_size: Optional[int] = typer.Option(None, help="The tokenizer's vocabulary, padded "
@@ -186,7 +212,8 @@ def plan(
 
     cluster = Cluster(gpus=gpus, gpus_per_node=gpus_per_node, memory_gb=gpu_memory_gb,
                       intra_gbps=intra_node_gbps, inter_gbps=inter_node_gbps, tflops=gpu_tflops,
-                      efficiency=compute_efficiency, gpu=not cpu)
+                      efficiency=compute_efficiency, peak_fraction=peak_fraction, gpu=not cpu,
+                      precision=settings.get("precision") or "auto")
     check_cluster(cluster)
     from raytrain_lm.config import PRESETS
 
@@ -194,4 +221,5 @@ def plan(
     model = {"vocab_size": vocab_size or preset_vocab or 50304, **({"arch": arch} if arch else {})}
     cfg = build_config(preset=preset, sets=set_, flags={**settings, "workers": gpus, "model": model})
     typer.echo(plan_command(cfg, cluster, tp=tp, pp=pp, strategy=strategy, top=top,
-                            show_all=show_all, as_json=as_json))
+                            show_all=show_all, as_json=as_json, global_batch=global_batch,
+                            virtual_stages=virtual_stages, explain=explain))

@@ -3,8 +3,9 @@
 
 Two ways to build, one interface (`Parallelized`):
 - replicated (DDP, no --tp/--pp): the whole model on every worker, wrapped by Ray Train's
-  `prepare_model` (parallel/ddp.py): activation checkpointing, then compile, then DDP.
-- sharded (--strategy fsdp, --tp, --pp): built on the meta device, split into pipeline stages
+  `prepare_model` (parallel/ddp.py): activation checkpointing, then compile, then DDP; with
+  --strategy zero1, AdamW's states sharded over the workers (optim.ZeroOneAdamW).
+- sharded (--strategy fsdp or zero2, --tp, --pp): built on the meta device, split into pipeline stages
   (pp.py), tensor-parallelized (tp.py), sharded or replicated over dp (fsdp.py), and only then
   materialised: each rank allocates its own shards and fills them with the layout-independent
   initial values (init.py), so no rank ever holds the whole model and every layout starts from
@@ -51,7 +52,7 @@ class Parallelized:
         rank = dist.get_rank() if is_distributed() else 0
         self.coords: Coords = rank_coords(rank, world, cfg.tp, cfg.pp)
         self.dp = world // (cfg.tp * cfg.pp)
-        self.replicated = cfg.tp == cfg.pp == 1 and (cfg.strategy == "ddp" or world == 1)
+        self.replicated = cfg.tp == cfg.pp == 1 and (cfg.strategy in ("ddp", "zero1") or world == 1)
         self.mesh = None if self.replicated else build_mesh(device, cfg.tp, cfg.pp)
         self.schedule = self.tied_group = self.pp_group = self.timer = None
         self.norm_exclude: set[int] = set()

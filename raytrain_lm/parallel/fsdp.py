@@ -22,6 +22,9 @@ def apply_dp(part: nn.Module, dp_mesh, cfg: TrainConfig, device: torch.device,
     already DTensors on the tp dim) and with pipeline stages:
       fsdp: FSDP2 `fully_shard`, one group per block, then the part's root (embeddings, final
             norm and the tied head share one group: a shared parameter lives in one group);
+      zero2: the same with reshard_after_forward=False: each group's parameters are gathered
+            once per micro-step and stay gathered until its backward (ZeRO-2's full parameters
+            during the step, sharded gradients and optimizer states; resharded after backward);
       ddp:  the FSDP2-based `replicate` (unlike nn.parallel.DistributedDataParallel it takes
             DTensor parameters, and a pipeline stage knows to all-reduce its gradients after the
             last microbatch only). Plain DDP without tp or pp goes through Ray (parallel/ddp.py).
@@ -35,8 +38,9 @@ def apply_dp(part: nn.Module, dp_mesh, cfg: TrainConfig, device: torch.device,
         return part
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    kwargs = {"mesh": dp_mesh, "reshard_after_forward": not pipelined}  # (each microbatch would
-    if device.type == "cuda" and cfg.precision in ("auto", "bf16"):      # re-gather otherwise)
+    # Pipelined: kept gathered (each microbatch would re-gather otherwise); zero2: kept to backward.
+    kwargs = {"mesh": dp_mesh, "reshard_after_forward": not pipelined and cfg.strategy != "zero2"}
+    if device.type == "cuda" and cfg.precision in ("auto", "bf16"):
         # Gather parameters and compute in bf16; reduce gradients in fp32 for accuracy.
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
                                                    reduce_dtype=torch.float32)

@@ -27,6 +27,7 @@ class Comm:
     dp_reduce: float = 0.0
     tp: float = 0.0
     pp: float = 0.0
+    pp_tied: float = 0.0  # of pp: the tied embedding's gradient all-reduce (GPT)
 
     @property
     def dp(self) -> float:
@@ -34,17 +35,27 @@ class Comm:
 
 
 def dp_comm(p: dict[str, float], lay: Layout, cl: Cluster, stages: list[Stage]) -> tuple[float, float]:
-    """(gathers, gradient reduction) of the data-parallel dimension."""
+    """(gathers, gradient reduction) of the data-parallel dimension: ddp all-reduces the fp32
+    gradients; zero1 too, then each rank broadcasts the fp32 parameters it updated (an
+    all-gather's volume); zero2 gathers the parameters once per micro-step (kept through
+    backward); fsdp gathers the blocks in forward and again in backward; both reduce-scatter the
+    fp32 gradients once per step. Pipelined, FSDP2 gathers once per step."""
     held = held_params(p, stages)
-    if not lay.sharded:
-        return 0.0, ring_bytes("all_reduce", lay.dp, 4 * held)
+    if lay.dp == 1:
+        return 0.0, 0.0
+    g = cl.reduce_bytes
+    if lay.strategy in ("ddp", "zero1"):
+        params = ring_bytes("all_gather", lay.dp, 4 * held) if lay.strategy == "zero1" else 0.0
+        return params, ring_bytes("all_reduce", lay.dp, g * held)
     if lay.pp > 1:
         gathered = held  # once, kept for every microbatch
+    elif lay.strategy == "zero2":
+        gathered = lay.microbatches * held
     else:  # each micro-step: blocks in forward and again in backward, the root stays gathered
         root = root_params(p, stages)
         gathered = lay.microbatches * (2 * (held - root) + root)
     return (ring_bytes("all_gather", lay.dp, cl.act_bytes * gathered),
-            ring_bytes("reduce_scatter", lay.dp, 4 * held))
+            ring_bytes("reduce_scatter", lay.dp, g * held))
 
 
 def tp_comm(m: ModelConfig, lay: Layout, cl: Cluster, stages: list[Stage]) -> float:
@@ -56,20 +67,29 @@ def tp_comm(m: ModelConfig, lay: Layout, cl: Cluster, stages: list[Stage]) -> fl
     return calls * ring_bytes("all_reduce", lay.tp, size)
 
 
-def pp_comm(m: ModelConfig, p: dict[str, float], lay: Layout, stages: list[Stage]) -> float:
+def pp_send_bytes(m: ModelConfig, lay: Layout, cl: Cluster) -> float:
+    """One microbatch's activation (or its gradient) crossing one stage boundary, as each tp rank
+    sends it: (b, seq, width) in the activation dtype; with sequence parallelism each tp rank
+    holds and sends its part of the sequence, otherwise every tp rank sends a full copy."""
+    return lay.micro_batch * lay.seq_len * m.n_embd * cl.act_bytes / (lay.tp if lay.sp else 1)
+
+
+def pp_comm(m: ModelConfig, p: dict[str, float], lay: Layout, cl: Cluster,
+            stages: list[Stage]) -> tuple[float, float]:
+    """(all the pipeline's bytes, of which the tied embedding's gradient all-reduce)."""
     if lay.pp == 1:
-        return 0.0
+        return 0.0, 0.0
     sends = sum((not st.last) + (not st.first) for st in stages)  # activations on, gradients back
-    activation = lay.micro_batch * lay.seq_len * m.n_embd * 4 / (lay.tp if lay.sp else 1)
-    out = lay.microbatches * sends * activation
+    out, tied_bytes = lay.microbatches * sends * pp_send_bytes(m, lay, cl), 0.0
     tied = p.get("head") is None  # GPT: the tied embedding's gradient, summed over first + last
     if tied and any(st.first or st.last for st in stages):
-        out += ring_bytes("all_reduce", 2, 4 * p["wte"] / (lay.dp if lay.sharded else 1))
-    return out
+        tied_bytes = ring_bytes("all_reduce", 2, 4 * p["wte"] / (lay.dp if lay.sharded else 1))
+    return out + tied_bytes, tied_bytes
 
 
 def rank_comm(m: ModelConfig, lay: Layout, cl: Cluster, stages: list[Stage]) -> Comm:
     p = tp_param_counts(m, lay.tp)
     gather, reduce = dp_comm(p, lay, cl, stages)
-    return Comm(dp_gather=gather, dp_reduce=reduce, tp=tp_comm(m, lay, cl, stages),
-                pp=pp_comm(m, p, lay, stages))
+    pp, tied = pp_comm(m, p, lay, cl, stages)
+    return Comm(dp_gather=gather, dp_reduce=reduce, tp=tp_comm(m, lay, cl, stages), pp=pp,
+                pp_tied=tied)

@@ -9,10 +9,12 @@ from typing import Iterator, Optional
 from raytrain_lm.checks import PP_SCHEDULES
 from raytrain_lm.config import ModelConfig
 from raytrain_lm.errors import UserError
-from raytrain_lm.plan.layout import (AC_MODES, GPUS_PER_NODE, STRATEGIES, Cluster, Layout,
-                                     candidate_ranks, matmul_params, param_counts, rank_stages)
+from raytrain_lm.plan.efficiency import compute_efficiency
+from raytrain_lm.plan.layout import (AC_MODES, GPUS_PER_NODE, PRECISIONS, STRATEGIES, Cluster,
+                                     Layout, candidate_ranks, matmul_params, param_counts,
+                                     rank_stages)
 from raytrain_lm.plan.memory import MemoryPlan, rank_memory
-from raytrain_lm.plan.comm import Comm, rank_comm
+from raytrain_lm.plan.comm import Comm, pp_send_bytes, rank_comm
 
 
 def flops_per_token(m: ModelConfig, seq_len: int) -> float:
@@ -40,21 +42,51 @@ class Estimate:
     comm: Comm  # the slowest rank's
     compute_s: float
     bubble: float
-    tp_s: float
-    pp_s: float
+    tp_s: float  # exposed (all of it)
+    pp_s: float  # exposed: the fill and drain sends, and what the steady state cannot hide
     dp_exposed_s: float
     step_s: float
     mfu: float
     fits: bool
+    efficiency: float = 0.0  # of the peak, reached by the matmuls (efficiency.py)
+
+    @property
+    def bubble_s(self) -> float:
+        """Seconds the pipeline bubble adds: (compute + tp) x bubble / (1 - bubble)."""
+        return (self.compute_s + self.tp_s) * self.bubble / (1 - self.bubble) if self.bubble else 0.0
 
 
-def rank_step(lay: Layout, cl: Cluster, comm: Comm, compute: float, idle: float) -> tuple[float, ...]:
-    """(tp, pp, exposed dp, step) seconds for one rank."""
+def rank_step(lay: Layout, cl: Cluster, comm: Comm, compute: float, idle: float,
+              send_s: float = 0.0) -> tuple[float, ...]:
+    """(tp, pp, dp, step) seconds for one rank: what each dimension's traffic adds to the step,
+    the part compute does not hide.
+    - tp: all of it. Each all-reduce (or all-gather / reduce-scatter with sequence
+      parallelism) sits between two matmuls that need its result (vanilla TP, parallel/tp.py);
+      the pipeline bubble stretches it with compute.
+    - pp: the sends along the pipeline's fill and drain (the first microbatch's activations
+      through every stage boundary, its last gradient back: 2 (v pp - 1) sends of `send_s`),
+      plus whatever the steady state's sends take beyond the compute they overlap
+      (torch.distributed.pipelining posts them asynchronously), plus the tied embedding's
+      gradient all-reduce after the last microbatch (in comm.pp beyond the sends).
+    - dp without a pipeline: gathers and gradient reductions overlap the compute (FSDP2
+      prefetches its gathers, DDP and FSDP2 reduce buckets or blocks during backward), up to the
+      compute time; zero1's parameter broadcast follows the optimizer step: all of it. With a
+      pipeline the gathers overlap, the reductions (after the last microbatch) do not; nor do
+      they where the framework reduces after backward (Cluster.overlap_reduce False)."""
     t_tp = comm.tp / cl.bandwidth(lay.blocks["tp"])
-    t_pp = comm.pp / cl.bandwidth(lay.blocks["pp"])
+    bw_pp = cl.bandwidth(lay.blocks["pp"])
+    t_pp = 0.0
+    if lay.pp > 1:
+        chain = 2 * (lay.v * lay.pp - 1) * send_s
+        sends = (comm.pp - comm.pp_tied) / bw_pp
+        t_pp = chain + max(0.0, sends - chain - compute) + comm.pp_tied / bw_pp
     gather = comm.dp_gather / cl.bandwidth(lay.blocks["dp"])
     reduce = comm.dp_reduce / cl.bandwidth(lay.blocks["dp"])
-    if lay.pp > 1:
+    if not cl.overlap_reduce:
+        exposed = reduce + (gather if lay.strategy == "zero1" else max(0.0, gather - compute))
+    elif lay.strategy == "zero1":
+        exposed = gather + max(0.0, reduce - compute)
+    elif lay.pp > 1:
         exposed = max(0.0, gather - compute) + reduce
     else:
         exposed = max(0.0, gather + reduce - compute)
@@ -68,19 +100,22 @@ def estimate_layout(m: ModelConfig, lay: Layout, cl: Cluster) -> Estimate:
     tokens = lay.dp * lay.sequences * lay.seq_len
     model_flops = flops_per_token(m, lay.seq_len) * tokens
     work = model_flops + recompute_flops_per_token(m, lay.ac, lay.seq_len) * tokens
-    compute = work / (lay.gpus * cl.tflops * 1e12 * cl.efficiency)
+    eff = compute_efficiency(m, lay.micro_batch, lay.seq_len, lay.tp, cl.peak_fraction,
+                             cl.efficiency)
+    compute = work / (lay.gpus * cl.tflops * 1e12 * eff)
     idle = bubble(lay.pp, lay.microbatches, lay.v) if lay.pp > 1 else 0.0
+    send_s = pp_send_bytes(m, lay, cl) / cl.bandwidth(lay.blocks["pp"]) if lay.pp > 1 else 0.0
     slowest = None
     for r in candidates:
         comm = rank_comm(m, lay, cl, ranks[r])
-        times = rank_step(lay, cl, comm, compute, idle)
+        times = rank_step(lay, cl, comm, compute, idle, send_s)
         if slowest is None or times[-1] > slowest[1][-1]:
             slowest = (comm, times)
     comm, (t_tp, t_pp, exposed, step) = slowest
     return Estimate(layout=lay, memory=memory, comm=comm, compute_s=compute, bubble=idle,
                     tp_s=t_tp, pp_s=t_pp, dp_exposed_s=exposed, step_s=step,
                     mfu=model_flops / (step * lay.gpus * cl.tflops * 1e12),
-                    fits=memory.total <= cl.budget)
+                    fits=memory.total <= cl.budget, efficiency=eff)
 
 
 # ---------------------------------------------------------------- which layouts
@@ -111,29 +146,56 @@ def micro_batches(sequences: int) -> list[int]:
     return sorted(out)
 
 
+def virtual_stage_counts(m: ModelConfig, pp: int, fixed: Optional[int] = None) -> list[int]:
+    """Stages per GPU tried with the interleaved schedule: `fixed` if given, else 2 and every v
+    up to 8 that splits the layers evenly (pp x v stages of n_layer / (pp v) layers)."""
+    if fixed is not None:
+        return [fixed] if pp * fixed <= m.n_layer else []
+    return [v for v in range(2, 9) if pp * v <= m.n_layer and (v == 2 or m.n_layer % (pp * v) == 0)]
+
+
+def strategies(dp: int, tp: int, pp: int) -> list[str]:
+    """The data-parallel strategies `train` runs at this layout: all four over dp > 1 (zero1 only
+    without tp and pp: it wraps DDP's optimizer; zero2 only without pp: a pipelined fsdp keeps
+    its stages gathered already, so the two are the same), ddp alone at dp 1 (nothing to shard
+    over)."""
+    if dp == 1:
+        return ["ddp"]
+    return [s for s in STRATEGIES if (s != "zero1" or tp == pp == 1) and (s != "zero2" or pp == 1)]
+
+
 def structures(m: ModelConfig, cl: Cluster, seq_len: int, tp: Optional[int] = None,
-               pp: Optional[int] = None, strategy: Optional[str] = None) -> Iterator[tuple]:
-    """(tp, pp, dp, strategy, ac, sp, schedule) for every layout the GPUs and model allow;
-    tp, pp and strategy fixed when given."""
+               pp: Optional[int] = None, strategy: Optional[str] = None,
+               virtual_stages: Optional[int] = None) -> Iterator[tuple]:
+    """(tp, pp, dp, strategy, ac, sp, schedule, v) for every layout the GPUs and model allow;
+    tp, pp, strategy and the interleaved schedule's stages per GPU fixed when given."""
     for t in [tp] if tp else tp_sizes(m, cl):
         for p in [pp] if pp else [d for d in divisors(cl.gpus // t) if d <= m.n_layer]:
             if cl.gpus % (t * p):
                 continue
             dp = cl.gpus // (t * p)
-            kinds = [strategy] if strategy else (list(STRATEGIES) if dp > 1 else ["ddp"])
-            schedules = [s for s in PP_SCHEDULES if p * (2 if s == "interleaved-1f1b" else 1)
-                         <= m.n_layer] if p > 1 else ["-"]
+            kinds = [strategy] if strategy else strategies(dp, t, p)
+            schedules = []
+            if p > 1:
+                for name in PP_SCHEDULES:
+                    if name == "interleaved-1f1b":
+                        schedules += [(name, v) for v in virtual_stage_counts(m, p, virtual_stages)]
+                    elif virtual_stages is None:
+                        schedules.append((name, 1))
+            else:
+                schedules = [("-", 1)]
             sps = [False, True] if t > 1 and seq_len % t == 0 else [False]
             for kind in kinds:
                 for ac in AC_MODES:
                     for sp in sps:
-                        for schedule in schedules:
-                            yield t, p, dp, kind, ac, sp, schedule
+                        for schedule, v in schedules:
+                            yield t, p, dp, kind, ac, sp, schedule, v
 
 
 def variants(structure: tuple, global_batch: int, seq_len: int) -> Iterator[Layout]:
-    """The micro-batch splits of one structure (check_layout's rules for pipelines)."""
-    t, p, dp, kind, ac, sp, schedule = structure
+    """The micro-batch splits of one structure (check_layout's rules for pipelines): any global
+    batch that dp divides."""
+    t, p, dp, kind, ac, sp, schedule, v = structure
     if global_batch % dp:
         return
     sequences = global_batch // dp
@@ -141,7 +203,7 @@ def variants(structure: tuple, global_batch: int, seq_len: int) -> Iterator[Layo
         n = sequences // b
         if p > 1 and (n < p or (schedule == "interleaved-1f1b" and n % p)):
             continue
-        yield Layout(dp, t, p, kind, ac, sp, schedule, b, n, seq_len)
+        yield Layout(dp, t, p, kind, ac, sp, schedule, b, n, seq_len, v if v > 1 else 2)
 
 
 def _bucket(seconds: float) -> int:
@@ -164,22 +226,24 @@ def rank_key(e: Estimate) -> tuple:
     lay = e.layout
     if not e.fits:
         return (1, e.memory.total)
-    return (0, _bucket(e.step_s), AC_MODES.index(lay.ac), lay.sp, lay.strategy == "fsdp",
-            lay.pp, lay.tp, e.memory.total)
+    return (0, _bucket(e.step_s), AC_MODES.index(lay.ac), lay.sp, STRATEGIES.index(lay.strategy),
+            lay.pp, lay.v, lay.tp, e.memory.total)
 
 
 def plan(m: ModelConfig, cl: Cluster, global_batch: int, seq_len: int, tp: Optional[int] = None,
-         pp: Optional[int] = None, strategy: Optional[str] = None) -> list[Estimate]:
+         pp: Optional[int] = None, strategy: Optional[str] = None,
+         virtual_stages: Optional[int] = None) -> list[Estimate]:
     """Every layout (each with its best micro-batch split), ranked: fitting ones fastest first."""
-    check_request(m, cl, global_batch, seq_len, tp, pp, strategy)
+    check_request(m, cl, global_batch, seq_len, tp, pp, strategy, virtual_stages)
     out = []
-    for structure in structures(m, cl, seq_len, tp, pp, strategy):
+    for structure in structures(m, cl, seq_len, tp, pp, strategy, virtual_stages):
         estimates = [estimate_layout(m, lay, cl) for lay in variants(structure, global_batch, seq_len)]
         if estimates:
             out.append(best_variant(estimates))
     if not out:
         raise UserError(f"no layout of {cl.gpus} GPUs can split a global batch of {global_batch} "
-                        f"sequences: raise --batch-size or --grad-accum, or drop --tp/--pp")
+                        f"sequences: change --global-batch (or --batch-size / --grad-accum), or "
+                        f"drop --tp/--pp/--virtual-stages")
     return sorted(out, key=rank_key)
 
 
@@ -195,18 +259,28 @@ def check_cluster(cl: Cluster) -> None:
                         ("--inter-node-gbps", cl.inter_gbps), ("--gpu-tflops", cl.tflops)):
         if not 0 < value < math.inf:
             raise UserError(f"{name} must be positive and finite, got {value:g}")
-    if not 0 < cl.efficiency <= 1:
-        raise UserError(f"--compute-efficiency must be in (0, 1], got {cl.efficiency:g}")
+    for name, value in (("--compute-efficiency", cl.efficiency), ("--peak-fraction", cl.peak_fraction)):
+        if value is not None and not 0 < value <= 1:
+            raise UserError(f"{name} must be in (0, 1], got {value:g}")
+    if cl.precision not in PRECISIONS:
+        raise UserError(f"--precision must be one of {', '.join(PRECISIONS)}, got {cl.precision!r}")
 
 
 def check_request(m: ModelConfig, cl: Cluster, global_batch: int, seq_len: int,
-                  tp: Optional[int], pp: Optional[int], strategy: Optional[str]) -> None:
+                  tp: Optional[int], pp: Optional[int], strategy: Optional[str],
+                  virtual_stages: Optional[int] = None) -> None:
     """Bad inputs of `plan`, one line each."""
     check_cluster(cl)
     if global_batch < 1:
         raise UserError(f"the global batch must be at least 1 sequence, got {global_batch}")
     if strategy is not None and strategy not in STRATEGIES:
-        raise UserError(f"--strategy must be ddp or fsdp, got {strategy!r}")
+        raise UserError(f"--strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
+    if strategy == "zero1" and ((tp or 1) > 1 or (pp or 1) > 1):
+        raise UserError("--strategy zero1 works with --tp 1 --pp 1 (it shards DDP's optimizer); "
+                        "use zero2 or fsdp with --tp/--pp")
+    if virtual_stages is not None and virtual_stages < 2:
+        raise UserError(f"--virtual-stages must be at least 2 (stages per GPU of "
+                        f"interleaved-1f1b), got {virtual_stages}")
     if tp is not None:
         check_tp(m, cl, tp, seq_len)
     if pp is not None:
@@ -242,11 +316,14 @@ def config_layout(cfg) -> Layout:
     """The layout a TrainConfig trains with."""
     from raytrain_lm.checks import pipeline_microbatches
 
+    from raytrain_lm.checks import pipeline_stages
+
     dp = cfg.workers // (cfg.tp * cfg.pp)
     if cfg.pp > 1:
         n = pipeline_microbatches(cfg)
         return Layout(dp, cfg.tp, cfg.pp, cfg.strategy, cfg.activation_checkpointing,
-                      cfg.sequence_parallel, cfg.pp_schedule, cfg.batch_size // n, n, cfg.seq_len)
+                      cfg.sequence_parallel, cfg.pp_schedule, cfg.batch_size // n, n, cfg.seq_len,
+                      max(2, pipeline_stages(cfg) // cfg.pp))
     return Layout(dp, cfg.tp, 1, cfg.strategy, cfg.activation_checkpointing,
                   cfg.sequence_parallel, "-", cfg.batch_size, cfg.grad_accum, cfg.seq_len)
 
@@ -255,7 +332,7 @@ def config_cluster(cfg, memory_gb: float) -> Cluster:
     """The cluster `train` checks against: GPUs per node unknown before Ray starts, so the
     largest of 1, 2, 4, 8 that divides the workers (8-GPU nodes)."""
     return Cluster(gpus=cfg.workers, gpus_per_node=math.gcd(cfg.workers, GPUS_PER_NODE),
-                   memory_gb=memory_gb, gpu=cfg.use_gpu)
+                   memory_gb=memory_gb, gpu=cfg.use_gpu, precision=cfg.precision)
 
 
 def estimate(m: ModelConfig, workers: int, strategy: str, ac: str, micro_batch: int, seq_len: int,

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
-from raytrain_lm.checks import split_layers
+from raytrain_lm.checks import STRATEGIES, split_layers  # noqa: F401 (STRATEGIES: re-exported)
 from raytrain_lm.config import ModelConfig
 
 
-GB = 1e9
+GB = 1e9  # bytes sent (link speeds are decimal)
+GIB = 2 ** 30  # bytes of memory: an "80 GB" card holds 80 GiB (torch reports 80 x 2^30 for an A100 80GB)
 USABLE_FRACTION = 0.9
 # Defaults of the cluster (H100 SXM nodes of 8 GPUs):
 # NVLink 4: 900 GB/s per GPU both directions together = 450 GB/s = 3600 Gb/s per direction.
@@ -16,14 +18,17 @@ H100_NVLINK_GBPS = 3600.0
 # One 400 Gb/s InfiniBand (or RoCE) NIC per GPU, as in DGX H100 and Meta's Grand Teton hosts.
 IB_400_GBPS = 400.0
 H100_TFLOPS = 989.0  # H100 SXM dense bf16 (gpus.py)
-COMPUTE_EFFICIENCY = 0.5
 GPUS_PER_NODE = 8
 
 # Activation elements per layer per token, in units of the width: (whole on every tp rank without
 # sequence parallelism, divided by tp). Sums: 17 without recomputation, 11 selective.
 AC_SPLIT = {"none": (5, 12), "selective": (3, 8)}
 AC_MODES = ("none", "selective", "full")
-STRATEGIES = ("ddp", "fsdp")
+# STRATEGIES (checks.py), of the data-parallel dimension: ddp replicates everything; zero1 shards
+# AdamW's states over dp; zero2 also the gradients (FSDP2 with reshard_after_forward=False:
+# parameters gathered once per micro-step and kept through backward); fsdp (ZeRO-3) also the
+# parameters between uses.
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 
 
 @dataclass(frozen=True)
@@ -34,18 +39,30 @@ class Cluster:
     intra_gbps: float = H100_NVLINK_GBPS  # per GPU per direction, gigabits per second
     inter_gbps: float = IB_400_GBPS
     tflops: float = H100_TFLOPS  # peak per GPU
-    efficiency: float = COMPUTE_EFFICIENCY  # of the peak, reached by the matmuls
+    efficiency: Optional[float] = None  # of the peak, reached by the matmuls; None: efficiency.py
     gpu: bool = True  # False: CPU workers (fp32 activations)
+    precision: str = "auto"  # the run's --precision: auto is bf16 on GPU, fp32 on CPU
+    peak_fraction: Optional[float] = None  # efficiency.py's ceiling; None: its default
+    # Whether the training framework overlaps the gradient reduction with backward (this
+    # project's DDP and FSDP2 do; Megatron-LM's DDP of 2021 reduced after the backward pass)
+    overlap_reduce: bool = True
+    # Bytes a gradient value takes in the data-parallel reduction: fp32 here (FSDP2's
+    # reduce_dtype, DDP's fp32 gradients); Megatron-LM reduces fp16 gradients in fp16 unless
+    # --accumulate-allreduce-grads-in-fp32
+    reduce_bytes: int = 4
 
     @property
     def budget(self) -> float:
-        """Bytes a GPU may plan for."""
-        return self.memory_gb * GB * USABLE_FRACTION
+        """Bytes a GPU may plan for: --gpu-memory-gb is GiB, as cards are sold."""
+        return self.memory_gb * GIB * USABLE_FRACTION
 
     @property
     def act_bytes(self) -> int:
-        """Activations, gathered FSDP parameters, tp collectives: bf16 on GPU, fp32 on CPU."""
-        return 2 if self.gpu else 4
+        """Activations, checkpointed block inputs, gathered FSDP parameters, tp collectives and
+        pipeline sends: 2 bytes in bf16/fp16, 4 in fp32 (auto: bf16 on GPU, fp32 on CPU)."""
+        if self.precision == "auto":
+            return 2 if self.gpu else 4
+        return 4 if self.precision == "fp32" else 2
 
     @property
     def node(self) -> int:
@@ -67,13 +84,14 @@ class Layout:
     dp: int
     tp: int
     pp: int
-    strategy: str  # of the dp dimension: ddp or fsdp
+    strategy: str  # of the dp dimension: ddp, zero1, zero2 or fsdp
     ac: str  # activation checkpointing: none, selective, full
     sp: bool  # sequence parallelism
     schedule: str  # gpipe, 1f1b, interleaved-1f1b; "-" without pp
     micro_batch: int  # b: sequences per micro-batch
     microbatches: int  # n: pipeline microbatches (pp > 1), else gradient-accumulation steps
     seq_len: int
+    virtual: int = 2  # stages per GPU of the interleaved schedule (the others run one)
 
     @property
     def gpus(self) -> int:
@@ -82,7 +100,7 @@ class Layout:
     @property
     def v(self) -> int:
         """Pipeline stages per GPU."""
-        return 2 if self.schedule == "interleaved-1f1b" else 1
+        return self.virtual if self.schedule == "interleaved-1f1b" else 1
 
     @property
     def sequences(self) -> int:
@@ -91,8 +109,14 @@ class Layout:
 
     @property
     def sharded(self) -> bool:
-        """FSDP shards only over a dp dimension of 2 or more (fsdp.apply_dp)."""
-        return self.strategy == "fsdp" and self.dp > 1
+        """Gradients (zero2) and parameters (fsdp) shard only over a dp dimension of 2 or more
+        (fsdp.apply_dp); both run on FSDP2."""
+        return self.strategy in ("zero2", "fsdp") and self.dp > 1
+
+    @property
+    def optimizer_shards(self) -> int:
+        """Ranks AdamW's states are spread over: dp for every strategy but ddp."""
+        return self.dp if self.strategy != "ddp" else 1
 
     @property
     def blocks(self) -> dict[str, int]:
@@ -108,6 +132,8 @@ class Layout:
         if self.pp > 1:
             out += [f"--pp-schedule {self.schedule}", f"--batch-size {self.sequences}",
                     f"--microbatches {self.microbatches}"]
+            if self.schedule == "interleaved-1f1b" and self.v != 2:
+                out.append(f"--virtual-stages {self.v}")
         else:
             out += [f"--batch-size {self.micro_batch}", f"--grad-accum {self.microbatches}"]
         return " ".join(out)

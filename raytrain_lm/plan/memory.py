@@ -45,8 +45,8 @@ def chunks_in_flight(lay: Layout, rank: int) -> int:
 def layer_activation_bytes(m: ModelConfig, lay: Layout, cl: Cluster, ac: str) -> float:
     """One layer's saved activations for one micro-batch."""
     tokens, h, t = lay.micro_batch * lay.seq_len, m.n_embd, lay.tp
-    if ac == "full":
-        return tokens * h * 4 / (t if lay.sp else 1)  # the block input: fp32 residual stream
+    if ac == "full":  # the block input, in the run's activation dtype
+        return tokens * h * cl.act_bytes / (t if lay.sp else 1)
     whole, split = activation_split(m, ac)
     per_token = (whole + split) / t if lay.sp else whole + split / t
     return tokens * h * per_token * cl.act_bytes
@@ -58,7 +58,7 @@ def activation_bytes(m: ModelConfig, lay: Layout, cl: Cluster, stages: list[Stag
     for st in stages:
         per_microbatch += st.layers * layer_activation_bytes(m, lay, cl, lay.ac)
         if st.first:
-            per_microbatch += tokens * m.n_embd * 4 / (lay.tp if lay.sp else 1)  # embedding output
+            per_microbatch += tokens * m.n_embd * cl.act_bytes / (lay.tp if lay.sp else 1)  # embedding output
     held = chunks_in_flight(lay, rank) / lay.v * per_microbatch
     if lay.ac == "full":  # one block's activations exist again while it is recomputed
         held += layer_activation_bytes(m, lay, cl, "none")
@@ -74,23 +74,48 @@ def logits_bytes(m: ModelConfig, lay: Layout, cl: Cluster, stages: list[Stage]) 
 
 
 def gathered_bytes(p: dict[str, float], lay: Layout, cl: Cluster, stages: list[Stage]) -> float:
+    """FSDP2's unsharded working set at the peak (the start of backward), as torch's FSDP2 runs:
+    - fsdp, no pipeline: the block being computed and the next one, all-gathered ahead
+      (FSDP2's implicit prefetch), plus the root group (embeddings, head, final norm), gathered
+      at the start of backward (the head's backward comes first; fsdp.py passes
+      reshard_after_forward explicitly, so FSDP2's keep-the-root-gathered default does not
+      apply, but the peak is the same); in backward one block's unsharded gradient in
+      the compute dtype and, with bf16/fp16 compute, its fp32 copy for the reduce-scatter (the
+      sharded result is the gradient already counted), plus the head's unsharded gradient (it is
+      computed first and reduced with the root group at the end);
+    - zero2 (reshard_after_forward=False), no pipeline: every parameter stays gathered from its
+      forward to its backward, so all the rank's parameters, plus the same gradients;
+    - gradient accumulation (either): also every parameter's unsharded fp32 gradient, which
+      FSDP2 keeps between micro-steps while gradient sync is off (ddp.no_sync);
+    - pipelined (either): the stage's parameters stay gathered (reshard_after_forward=False,
+      fsdp.py) and torch.distributed.pipelining accumulates their unsharded fp32 gradients until
+      the last microbatch."""
     if not lay.sharded:
         return 0.0
+    a = cl.act_bytes
     held = held_params(p, stages)
-    if lay.pp > 1:  # stays gathered; unsharded fp32 gradients accumulate over the microbatches
-        return held * (cl.act_bytes + 4)
+    if lay.pp > 1:
+        return held * (a + 4)
     root = root_params(p, stages)
-    working = (2 * p["block"] + root) * cl.act_bytes
+    if lay.strategy == "zero2":
+        working = held * a
+    else:
+        working = (2 * p["block"] + root) * a
+    head = (p.get("head") or p["wte"]) if any(st.last for st in stages) else 0.0
+    grads = (p["block"] + head) * a + (p["block"] * 4 if a != 4 else 0)
     if lay.microbatches > 1:  # every unsharded gradient waits for the last micro-step
-        return working + held * 4
-    return working + max(p["block"], root) * 4
+        return working + held * 4 + p["block"] * a
+    return working + grads
 
 
 def rank_memory(m: ModelConfig, lay: Layout, cl: Cluster, stages: list[Stage], rank: int) -> MemoryPlan:
     p = tp_param_counts(m, lay.tp)
     held = held_params(p, stages)
     shard = lay.dp if lay.sharded else 1
-    return MemoryPlan(params=4 * held / shard, grads=4 * held / shard, optimizer=8 * held / shard,
+    # fp32 parameters and gradients (divided by dp under FSDP2: zero2 and fsdp shard both at
+    # rest), AdamW's two fp32 moments (divided by dp for all but ddp)
+    return MemoryPlan(params=4 * held / shard, grads=4 * held / shard,
+                      optimizer=8 * held / lay.optimizer_shards,
                       gathered=gathered_bytes(p, lay, cl, stages),
                       activations=activation_bytes(m, lay, cl, stages, rank),
                       logits=logits_bytes(m, lay, cl, stages))

@@ -6,8 +6,10 @@ from dataclasses import asdict
 from typing import Optional
 
 from raytrain_lm.errors import UserError
-from raytrain_lm.plan.layout import Cluster, GB, Layout, param_counts
-from raytrain_lm.plan.estimate import Estimate, plan
+from raytrain_lm.plan.layout import GB, GIB, Cluster, Layout, param_counts
+from raytrain_lm.plan.estimate import Estimate, estimate_layout, plan
+
+STRATEGY_NAMES = {"ddp": "DDP", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "fsdp": "FSDP"}
 
 
 def recommendation(ranked: list[Estimate]) -> Optional[Estimate]:
@@ -25,11 +27,12 @@ def reason(best: Estimate, ranked: list[Estimate], cl: Cluster) -> str:
     if lay.tp > 1:
         parts.append(f"TP {lay.tp} {where('tp')}" + (" with sequence parallelism" if lay.sp else ""))
     if lay.pp > 1:
-        parts.append(f"PP {lay.pp} {where('pp')} ({lay.schedule}, {lay.microbatches} microbatches, "
-                     f"{best.bubble:.0%} bubble)")
+        stages = f" x {lay.v} stages" if lay.v > 1 else ""
+        parts.append(f"PP {lay.pp} {where('pp')} ({lay.schedule}{stages}, {lay.microbatches} "
+                     f"microbatches, {best.bubble:.0%} bubble)")
     if lay.dp > 1:
         rest = "the remaining" if lay.tp * lay.pp > 1 else "all"
-        parts.append(f"{lay.strategy.upper()} over {rest} {lay.dp} ({where('dp')})")
+        parts.append(f"{STRATEGY_NAMES[lay.strategy]} over {rest} {lay.dp} ({where('dp')})")
     if lay.ac != "none":
         parts.append(f"{lay.ac} activation checkpointing")
     fitting = [e for e in ranked if e.fits]
@@ -41,7 +44,7 @@ def short(lay: Layout) -> str:
     """A layout in a few words."""
     out = f"tp {lay.tp}, pp {lay.pp}, {lay.strategy} {lay.dp}"
     if lay.pp > 1:
-        out += f", {lay.schedule}"
+        out += f", {lay.schedule}" + (f" x{lay.v}" if lay.v > 1 else "")
     ckpt = "no checkpointing" if lay.ac == "none" else f"{lay.ac} checkpointing"
     return f"{out}, {ckpt}" + (", SP" if lay.sp else "")
 
@@ -66,16 +69,18 @@ def _versus_plain(best: Estimate, ranked: list[Estimate]) -> str:
 
 def _row(i: int, e: Estimate) -> str:
     lay, c = e.layout, e.comm
-    pipeline = f"{lay.schedule} {e.bubble:.0%}" if lay.pp > 1 else "-"
+    pipeline = "-"
+    if lay.pp > 1:
+        pipeline = f"{lay.schedule}{f' x{lay.v}' if lay.v > 1 else ''} {e.bubble:.0%}"
     return (f"{i:>3} {lay.tp:>3} {lay.pp:>3} {lay.dp:>4}  {lay.strategy:<6}{lay.ac:<10}"
-            f"{'yes' if lay.sp else 'no':<4}{pipeline:<21}{f'{lay.micro_batch} x {lay.microbatches}':<10}"
-            f"{e.memory.model_state / GB:>9.1f}{e.memory.total / GB:>7.1f}{e.step_s:>9.3g}{e.mfu:>6.0%}"
+            f"{'yes' if lay.sp else 'no':<4}{pipeline:<24}{f'{lay.micro_batch} x {lay.microbatches}':<10}"
+            f"{e.memory.model_state / GIB:>10.1f}{e.memory.total / GIB:>8.1f}{e.step_s:>9.3g}{e.mfu:>6.0%}"
             f"{c.tp / GB:>8.2f}{c.pp / GB:>7.2f}{c.dp / GB:>7.2f}  {'yes' if e.fits else 'no'}")
 
 
 def format_table(estimates: list[Estimate], start: int = 1) -> str:
     head = (f"{'#':>3} {'tp':>3} {'pp':>3} {'dp':>4}  {'dp as':<6}{'ckpt':<10}{'sp':<4}"
-            f"{'pipeline, bubble':<21}{'b x n':<10}{'state GB':>9}{'GB/GPU':>7}{'step s':>9}{'MFU':>6}"
+            f"{'pipeline, bubble':<24}{'b x n':<10}{'state GiB':>10}{'GiB/GPU':>8}{'step s':>9}{'MFU':>6}"
             f"{'tp GB':>8}{'pp GB':>7}{'dp GB':>7}  fits")
     return "\n".join([head, "-" * len(head)] + [_row(start + i, e) for i, e in enumerate(estimates)])
 
@@ -87,9 +92,9 @@ def describe(name: str, n_params: int, global_batch: int, seq_len: int, cl: Clus
     shown = ranked if show_all else ranked[:top]
     lines = [
         *model_memory(name, n_params),
-        f"{cl.gpus} {'GPUs' if cl.gpu else 'workers'}, {cl.node} per node, {cl.memory_gb:g} GB each "
-        f"({cl.budget / GB:.1f} usable); global batch {global_batch} x {seq_len} tokens; "
-        f"{cl.tflops:g} TFLOP/s peak x {cl.efficiency:g} reached; links {cl.intra_gbps:g} Gb/s in a "
+        f"{cl.gpus} {'GPUs' if cl.gpu else 'workers'}, {cl.node} per node, {cl.memory_gb:g} GiB each "
+        f"({cl.budget / GIB:.1f} usable); global batch {global_batch} x {seq_len} tokens; "
+        f"{cl.tflops:g} TFLOP/s peak x {_efficiency_text(cl)} reached; links {cl.intra_gbps:g} Gb/s in a "
         f"node, {cl.inter_gbps:g} Gb/s between nodes (per GPU per direction)",
         f"{len(shown)} of {len(ranked)} layouts ({fitting} fit; --all or --json for all); b x n: "
         f"micro-batch x micro-batches per step (pipeline microbatches with pp, else accumulation); "
@@ -101,7 +106,7 @@ def describe(name: str, n_params: int, global_batch: int, seq_len: int, cl: Clus
         lines.append("recommendation: nothing fits; add GPUs, use GPUs with more memory, or lower "
                      "--batch-size / --seq-len")
     else:
-        lines.append(f"recommendation: {best.layout.flags()} (~{best.memory.total / GB:.1f} GB per "
+        lines.append(f"recommendation: {best.layout.flags()} (~{best.memory.total / GIB:.1f} GiB per "
                      f"GPU, ~{best.step_s:.3g} s per step, ~{best.mfu:.0%} MFU)")
         lines.append(f"why: {reason(best, ranked, cl)}")
     lines.append("assumptions: raytrain_lm/plan/__init__.py; comparisons with published runs: docs/planner.md")
@@ -109,25 +114,34 @@ def describe(name: str, n_params: int, global_batch: int, seq_len: int, cl: Clus
 
 
 def model_memory(name: str, n_params: int) -> list[str]:
-    """What the parameters alone take, before any layout divides them (the 'state GB' column:
+    """What the parameters alone take, before any layout divides them (the 'state GiB' column:
     what a GPU of each layout holds of it)."""
     return [f"{name}: {n_params:,} parameters ({n_params / 1e9:.2f}B)",
-            f"the model alone: fp32 weights {4 * n_params / GB:,.1f} GB ({n_params:,} x 4 bytes); "
-            f"with gradients and AdamW's two moments x4 = {16 * n_params / GB:,.1f} GB (16 bytes "
+            f"the model alone: fp32 weights {4 * n_params / GIB:,.1f} GiB ({n_params:,} x 4 bytes); "
+            f"with gradients and AdamW's two moments x4 = {16 * n_params / GIB:,.1f} GiB (16 bytes "
             f"per parameter; mixed precision needs as much: bf16 weights and gradients, fp32 "
-            f"master weights and moments, 2 + 2 + 12); 'state GB': what one GPU holds of it"]
+            f"master weights and moments, 2 + 2 + 12); 'state GiB': what one GPU holds of it"]
+
+
+def _efficiency_text(cl: Cluster) -> str:
+    if cl.efficiency is not None:
+        return f"{cl.efficiency:g}"
+    from raytrain_lm.plan.efficiency import DEFAULT_GPU, PEAK_FRACTION
+
+    ceiling = PEAK_FRACTION[DEFAULT_GPU] if cl.peak_fraction is None else cl.peak_fraction
+    return f"up to {ceiling:g} (by matmul size: plan/efficiency.py)"
 
 
 def estimate_json(e: Estimate) -> dict:
     return {**asdict(e.layout), "flags": e.layout.flags(), "fits": e.fits,
-            "memory_gb": {**{k: v / GB for k, v in asdict(e.memory).items()},
-                          "total": e.memory.total / GB},
+            "memory_gib": {**{k: v / GIB for k, v in asdict(e.memory).items()},
+                           "total": e.memory.total / GIB},
             "comm_gb": {"dp": e.comm.dp / GB, "dp_gather": e.comm.dp_gather / GB,
                         "dp_reduce": e.comm.dp_reduce / GB, "tp": e.comm.tp / GB,
                         "pp": e.comm.pp / GB},
             "seconds": {"compute": e.compute_s, "tp": e.tp_s, "pp": e.pp_s,
-                        "dp_exposed": e.dp_exposed_s, "step": e.step_s},
-            "bubble": e.bubble, "mfu": e.mfu}
+                        "dp_exposed": e.dp_exposed_s, "bubble": e.bubble_s, "step": e.step_s},
+            "bubble": e.bubble, "mfu": e.mfu, "efficiency": e.efficiency}
 
 
 def report_json(n_params: int, global_batch: int, seq_len: int, cl: Cluster,
@@ -141,17 +155,138 @@ def report_json(n_params: int, global_batch: int, seq_len: int, cl: Cluster,
 
 def plan_command(cfg, cl: Cluster, tp: Optional[int] = None, pp: Optional[int] = None,
                  strategy: Optional[str] = None, top: int = 10, show_all: bool = False,
-                 as_json: bool = False) -> str:
+                 as_json: bool = False, global_batch: Optional[int] = None,
+                 virtual_stages: Optional[int] = None, explain: Optional[str] = None) -> str:
     """`plan`: every layout of `cl` for cfg's model, sequence length and global batch
-    (GPUs x --batch-size x --grad-accum: what plain data parallelism would train with), as text or
-    JSON."""
+    (--global-batch, else GPUs x --batch-size x --grad-accum: what plain data parallelism would
+    train with), as text or JSON; with `explain`, one layout's step time and memory, by part."""
     import json
 
     if top < 1:
         raise UserError(f"--top must be at least 1, got {top}")
-    global_batch = cl.gpus * cfg.batch_size * cfg.grad_accum
-    ranked = plan(cfg.model, cl, global_batch, cfg.seq_len, tp, pp, strategy)
+    if global_batch is None:
+        global_batch = cl.gpus * cfg.batch_size * cfg.grad_accum
+    ranked = plan(cfg.model, cl, global_batch, cfg.seq_len, tp, pp, strategy, virtual_stages)
     n_params = param_counts(cfg.model)["total"]
+    if explain is not None:
+        e, rank = explained(cfg.model, cl, ranked, explain, global_batch, cfg.seq_len)
+        if as_json:
+            return json.dumps({"rank": rank, "layouts": len(ranked), **estimate_json(e)}, indent=2)
+        return explain_text(e, rank, ranked, cl)
     if as_json:
         return json.dumps(report_json(n_params, global_batch, cfg.seq_len, cl, ranked), indent=2)
     return describe(cfg.preset, n_params, global_batch, cfg.seq_len, cl, ranked, top, show_all)
+
+
+# ---------------------------------------------------------------- plan --explain
+
+LAYOUT_KEYS = {"tp": int, "pp": int, "dp": int, "strategy": str, "ac": str, "sp": bool,
+               "schedule": str, "v": int, "b": int}
+LAYOUT_HELP = ("a row number of the table, or key=value pairs separated by commas: tp, pp, dp, "
+               "strategy, ac, sp (yes/no), schedule, v (stages per GPU), b (micro-batch); "
+               "e.g. tp=8,pp=4,strategy=ddp,ac=full")
+
+
+def parse_layout(text: str) -> dict:
+    """--explain's LAYOUT as {key: value}; a row number as {"row": n}."""
+    text = text.strip()
+    if text.isdigit():
+        return {"row": int(text)}
+    out = {}
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if key not in LAYOUT_KEYS or (not sep and key != "sp"):
+            raise UserError(f"--explain {text!r}: expected {LAYOUT_HELP}")
+        kind = LAYOUT_KEYS[key]
+        if kind is bool:
+            out[key] = value.strip().lower() in ("", "yes", "true", "1", "on")
+        elif kind is int:
+            if not value.strip().isdigit() or int(value) < 1:
+                raise UserError(f"--explain: {key} must be a positive whole number, got {value!r}")
+            out[key] = int(value)
+        else:
+            out[key] = value.strip()
+    return out
+
+
+def explained(m, cl: Cluster, ranked: list[Estimate], text: str, global_batch: int,
+              seq_len: int) -> tuple[Estimate, int]:
+    """The estimate --explain describes and its 1-based rank: the row asked for, or the best
+    layout matching the keys given (with b: that micro-batch, estimated as asked)."""
+    want = parse_layout(text)
+    if "row" in want:
+        if not 1 <= want["row"] <= len(ranked):
+            raise UserError(f"--explain {want['row']}: the plan has rows 1 to {len(ranked)}")
+        return ranked[want["row"] - 1], want["row"]
+
+    def matches(lay: Layout) -> bool:
+        return all(getattr(lay, field) == want[key] for key, field in
+                   (("tp", "tp"), ("pp", "pp"), ("dp", "dp"), ("strategy", "strategy"),
+                    ("ac", "ac"), ("sp", "sp"), ("schedule", "schedule"), ("v", "v"))
+                   if key in want)
+
+    for i, e in enumerate(ranked):
+        if matches(e.layout):
+            if "b" in want and e.layout.micro_batch != want["b"]:
+                lay = e.layout
+                if lay.sequences % want["b"]:
+                    raise UserError(f"--explain: b={want['b']} does not divide the "
+                                    f"{lay.sequences} sequences per data-parallel rank")
+                from dataclasses import replace
+
+                lay = replace(lay, micro_batch=want["b"], microbatches=lay.sequences // want["b"])
+                e = estimate_layout(m, lay, cl)
+                fitting = [x for x in ranked if x.fits]
+                if not e.fits:  # after every layout that fits
+                    return e, len(fitting) + 1
+                return e, sum(1 for x in fitting if x.step_s < e.step_s) + 1
+            return e, i + 1
+    raise UserError(f"--explain {text!r}: no layout of the plan matches (see the table, or "
+                    f"relax --tp/--pp/--strategy)")
+
+
+def explain_text(e: Estimate, rank: int, ranked: list[Estimate], cl: Cluster) -> str:
+    """One layout's step time and memory, by part, and where it ranks."""
+    lay, c, mem = e.layout, e.comm, e.memory
+
+    def bw(dim: str) -> str:
+        where = "inside a node" if cl.inside(lay.blocks[dim]) else "across nodes"
+        return f"{cl.bandwidth(lay.blocks[dim]) / 1e9:g} GB/s, {where}"
+
+    def line(name: str, seconds: float, note: str) -> str:
+        share = seconds / e.step_s if e.step_s else 0.0
+        return f"  {name:<16}{seconds:>10.4g} s {share:>5.0%}  {note}"
+
+    fitting = sum(x.fits for x in ranked)
+    lines = [f"layout: {short(lay)}, micro-batch {lay.micro_batch} x {lay.microbatches}"
+             f" ({lay.flags()})",
+             f"rank {rank} of {len(ranked)} ({fitting} fit); "
+             + ("fits" if e.fits else "does NOT fit")
+             + f"; ~{e.mfu:.0%} MFU",
+             f"step time {e.step_s:.4g} s:",
+             line("compute", e.compute_s, f"the step's FLOPs at {e.efficiency:.3f} of "
+                  f"{cl.tflops:g} TFLOP/s"),
+             line("exposed tp", e.tp_s, f"{c.tp / GB:.3g} GB sent per GPU at {bw('tp')}; none "
+                  f"hidden" if lay.tp > 1 else "no tensor parallelism"),
+             line("bubble", e.bubble_s, f"{e.bubble:.1%} of a pipelined step idle" if lay.pp > 1
+                  else "no pipeline"),
+             line("exposed pp", e.pp_s, f"{c.pp / GB:.3g} GB sent per GPU at {bw('pp')}; the "
+                  f"fill and drain sends exposed" if lay.pp > 1 else "no pipeline"),
+             line("exposed dp", e.dp_exposed_s, f"gathers {c.dp_gather / GB:.3g} GB + "
+                  f"reductions {c.dp_reduce / GB:.3g} GB per GPU at {bw('dp')}"
+                  if lay.dp > 1 else "no data parallelism"),
+             f"memory per GPU {mem.total / GIB:.2f} GiB of {cl.budget / GIB:.1f} GiB usable "
+             f"(the pipeline rank that needs the most):"]
+    for name, value, note in (
+            ("parameters", mem.params, "fp32" + (", sharded over dp" if lay.sharded else "")),
+            ("gradients", mem.grads, "fp32" + (", sharded over dp" if lay.sharded else "")),
+            ("optimizer", mem.optimizer, "AdamW's two fp32 moments" +
+             (", sharded over dp" if lay.optimizer_shards > 1 else "")),
+            ("FSDP working set", mem.gathered, "gathered parameters and unsharded gradients"
+             if lay.sharded else "none (not sharded)"),
+            ("activations", mem.activations, f"{lay.ac} checkpointing, {cl.act_bytes} bytes a "
+             f"value"),
+            ("logits", mem.logits, "last stage")):
+        lines.append(f"  {name:<16}{value / GIB:>10.2f} GiB  {note}")
+    return "\n".join(lines)
