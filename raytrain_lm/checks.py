@@ -133,7 +133,7 @@ def validate(cfg: TrainConfig) -> None:
     check_name(cfg.name)
     m = cfg.model
     positive = dict(workers=cfg.workers, max_steps=cfg.max_steps, batch_size=cfg.batch_size,
-                    seq_len=cfg.seq_len, grad_accum=cfg.grad_accum, log_every=cfg.log_every,
+                    seq_len=cfg.seq_len, grad_accum=cfg.grad_accum,
                     eval_every=cfg.eval_every,
                     keep_checkpoints=cfg.keep_checkpoints, **{"model.n_layer": m.n_layer,
                     "model.n_head": m.n_head, "model.n_embd": m.n_embd,
@@ -159,6 +159,9 @@ def validate(cfg: TrainConfig) -> None:
     for key in ("peak_tflops", "gpu_memory_gb"):
         if getattr(cfg, key) is not None and getattr(cfg, key) <= 0:
             raise UserError(f"{key} must be positive, got {getattr(cfg, key)}")
+    if cfg.log_every < 0 or not cfg.log_seconds > 0:
+        raise UserError(f"--log-every must be >= 0 (0: paced by --log-seconds) and --log-seconds "
+                        f"positive, got {cfg.log_every} and {cfg.log_seconds:g}")
     if cfg.warmup_steps < 0 or cfg.checkpoint_every < 0 or cfg.max_failures < -1 or cfg.eval_windows < 0:
         raise UserError("warmup_steps, checkpoint_every and eval_windows must be >= 0, max_failures >= -1")
     if cfg.max_preemptions < -1 or cfg.resize_interval < 0:

@@ -148,7 +148,12 @@ class TrainConfig:
                                             "full or selective.")
     seed: int = setting(1337, help="Random seed.")
     # cadence
-    log_every: int = setting(10, help="Steps between metric reports.")
+    log_every: int = setting(0, help="Steps between metric reports, exactly; 0: paced by "
+                             "--log-seconds. A report is a barrier and waits for Ray's poll of "
+                             "the workers (every 0.5 s): reporting more often stalls training.")
+    log_seconds: float = setting(1.0, help="With --log-every 0: seconds between metric reports; "
+                                 "each report sets the step of the next from the measured step "
+                                 "time (the same on every rank).")
     eval_every: int = setting(100, help="Steps between validations.")
     eval_windows: int = setting(256, help="Validation windows (the first ones of the split, the "
                                 "same whatever the worker count); 0: all of them.")

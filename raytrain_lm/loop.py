@@ -104,16 +104,28 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         if save and step_fn.parallel.replicated:
             row["replica_spread"] = meter.replica_spread(step_fn.parallel.parts[0])  # 0.0: they agree
         checkpointer.report(row, save=save, step_fn=step_fn, stream=batches)
+        cadence.paced(step, meter.slowest_step_time)
         meter.next_interval(exclude_since_row=save or cadence.validates(step))
     checkpointer.report_final_rows(meter.start_unix)
 
 
 class Cadence:
     """When a step reports metrics, validates and checkpoints. Every checkpoint is also a
-    validation (so each checkpoint knows its validation loss) and every validation a report."""
+    validation (so each checkpoint knows its validation loss) and every validation a report.
+
+    Reports every `log_every` steps, or (log_every 0) paced by time: `paced` sets the next
+    report's step so that about `log_seconds` pass between two reports at the step time just
+    measured. A report waits for Ray's poll of the workers when the previous one is still queued
+    (one report per poll), so reports by step count throttle fast steps; by time they cost a
+    barrier per `log_seconds`. The decision adds no collective: it is a pure function of the
+    slowest rank's interval, which every rank receives from the report's own all-reduce (Meter),
+    so all ranks call `ray.train.report` at the same steps."""
+
+    FIRST_REPORT = 1  # the first step's report (compilation, warm-up) gives the first step time
 
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
+        self.next_report = self.FIRST_REPORT
 
     def checkpoints(self, step: int) -> bool:
         every = self.cfg.checkpoint_every
@@ -123,4 +135,13 @@ class Cadence:
         return step % self.cfg.eval_every == 0 or self.checkpoints(step)
 
     def reports(self, step: int) -> bool:
-        return step % self.cfg.log_every == 0 or self.validates(step)
+        if self.cfg.log_every:
+            return step % self.cfg.log_every == 0 or self.validates(step)
+        return step >= self.next_report or self.validates(step)
+
+    def paced(self, step: int, seconds_per_step: float) -> int:
+        """After the report of `step`: the step of the next time-paced report, from the step time
+        of the interval just reported (the same value on every rank). Returns it."""
+        steps = math.ceil(self.cfg.log_seconds / seconds_per_step) if seconds_per_step > 0 else 1
+        self.next_report = step + max(1, steps)
+        return self.next_report

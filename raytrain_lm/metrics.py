@@ -86,6 +86,7 @@ class Meter:
         self.start, self.start_unix = time.perf_counter(), time.time()
         self.first_step_unix: Optional[float] = None  # when this worker group's first step ended
         self._row_done = 0.0
+        self.slowest_step_time = 0.0  # seconds per step of the last reported interval, max over ranks
 
     def add_step(self, loss: torch.Tensor, tokens: int, data_wait: float) -> None:
         if self.first_step_unix is None:
@@ -104,8 +105,12 @@ class Meter:
         wait = all_reduce(torch.tensor([self.timer.data_wait], dtype=torch.float64, device=self.device))
         mem = all_reduce(torch.tensor([peak_memory_gb(self.device),
                                        held_bytes(parallel.parts, parallel.optimizers) / 1e9,
-                                       peak_memory_gb(self.device) - self.baseline_mem, self.build_mem],
+                                       peak_memory_gb(self.device) - self.baseline_mem, self.build_mem,
+                                       elapsed / self.timer.steps],
                                       dtype=torch.float64, device=self.device), op="max")
+        # The slowest rank's step time in this interval: identical on every rank after the
+        # all-reduce, so the loop's time-paced cadence (loop.Cadence) agrees everywhere.
+        self.slowest_step_time = mem[4].item()
         tps = self.timer.tokens / elapsed
         row = {
             "step": step,
