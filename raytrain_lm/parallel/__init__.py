@@ -3,7 +3,7 @@
 
 Two ways to build, one interface (`Parallelized`):
 - replicated (DDP, no --tp/--pp): the whole model on every worker, wrapped by Ray Train's
-  `prepare_model` (parallel/ddp.py): activation checkpointing, then compile, then DDP.
+  `prepare_model` (parallel/ddp.py): activation checkpointing, then DDP, then compile.
 - sharded (--strategy fsdp, --tp, --pp): built on the meta device, split into pipeline stages
   (pp.py), tensor-parallelized (tp.py), sharded or replicated over dp (fsdp.py), and only then
   materialised: each rank allocates its own shards and fills them with the layout-independent
