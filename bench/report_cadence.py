@@ -3,8 +3,11 @@ cadences, before and after the loop paced its reports by time (loop.Cadence).
 
 A report waits while the previous one is still in Ray's queue (one per worker), which the
 controller empties when it polls the workers (every 0.5 s here), so reports by step count cap a
-fast run at one report per poll. Per-step wall time comes from whole-process times at two step
-counts, (wall(hi) - wall(lo)) / (hi - lo): start-up, the final validation and checkpoint cancel.
+fast run at one report per poll. Per-step wall time comes from times at two step counts,
+(t(hi) - t(lo)) / (hi - lo), so start-up, the final validation and checkpoint cancel: t is the
+whole process's wall time, and also the run's training part (summary.json's wall_seconds less
+its time_to_first_step), which leaves out the start-up's run-to-run spread (seconds on a loaded
+machine).
 
 Sides: `before`, a checkout of the code before the change (`git worktree add DIR 7eba488`, given
 as --before DIR, run with PYTHONPATH=DIR), and `after`, this tree. Cases (`--log-every`):
@@ -39,7 +42,7 @@ MODELS = {  # name: train flags
 # (model, cadence, low steps, high steps): enough steps between the two counts that the
 # difference stands well above the run-to-run noise of start-up (a few tenths of a second).
 CASES = [
-    ("micro", "1", 5, 20),
+    ("micro", "1", 5, 30),
     ("micro", "10", 50, 300),
     ("micro", "1000", 100, 2100),
     ("micro", "default", 100, 2100),
@@ -49,7 +52,8 @@ CASES = [
 
 
 def one_run(tree: Path, data: str, storage: str, model: str, cadence: str, steps: int,
-            name: str) -> float:
+            name: str) -> tuple[float, float]:
+    """(whole-process wall seconds, seconds from the first step to the end of the run)."""
     cmd = [sys.executable, "cli.py", "train", "--workers", "2", "--data", data,
            "--max-steps", str(steps), "--eval-every", "100000", "--checkpoint-every", "0",
            "--set", "eval_windows=4", "--storage", storage, "--name", name, *MODELS[model]]
@@ -58,7 +62,9 @@ def one_run(tree: Path, data: str, storage: str, model: str, cadence: str, steps
     env = {**os.environ, "PYTHONPATH": str(tree)}
     t0 = time.perf_counter()
     subprocess.run(cmd, cwd=tree, env=env, check=True, capture_output=True, text=True)
-    return time.perf_counter() - t0
+    wall = time.perf_counter() - t0
+    summary = json.loads((Path(storage) / name / "summary.json").read_text())
+    return wall, summary["wall_seconds"] - summary["time_to_first_step"]
 
 
 def main() -> None:
@@ -81,19 +87,24 @@ def main() -> None:
         for i, (model, cadence, lo, hi) in enumerate(cases):
             order = ("before", "after") if i % 2 == 0 else ("after", "before")
             for side in order:
-                walls = {n: one_run(sides[side], data, tmp, model, cadence, n,
+                times = {n: one_run(sides[side], data, tmp, model, cadence, n,
                                     f"{side}-{model}-{cadence}-{n}") for n in (lo, hi)}
-                per_step = (walls[hi] - walls[lo]) / (hi - lo)
+                per_step = [(times[hi][k] - times[lo][k]) / (hi - lo) * 1e3 for k in (0, 1)]
                 rows.append({"side": side, "model": model, "cadence": cadence, "steps": [lo, hi],
-                             "wall_s": [walls[lo], walls[hi]], "per_step_ms": per_step * 1e3,
+                             "wall_s": [times[lo][0], times[hi][0]],
+                             "train_s": [times[lo][1], times[hi][1]],
+                             "per_step_ms_wall": per_step[0], "per_step_ms_train": per_step[1],
                              "loadavg_1m": os.getloadavg()[0]})
-                print(f"{model:5} log_every {cadence:>7} {side:6}: {per_step * 1e3:7.2f} ms/step "
-                      f"(wall {walls[lo]:.1f} s at {lo}, {walls[hi]:.1f} s at {hi})", flush=True)
-    print("\nmodel  cadence   before ms/step  after ms/step")
+                print(f"{model:5} log_every {cadence:>7} {side:6}: {per_step[1]:7.2f} ms/step "
+                      f"training ({per_step[0]:7.2f} whole process; training "
+                      f"{times[lo][1]:.1f} s at {lo}, {times[hi][1]:.1f} s at {hi})", flush=True)
+    print("\nms per step (training part; whole process in brackets)")
+    print("model  cadence          before            after")
     for model, cadence, _, _ in cases:
-        got = {r["side"]: r["per_step_ms"] for r in rows
-               if r["model"] == model and r["cadence"] == cadence}
-        print(f"{model:6} {cadence:>7}  {got['before']:14.2f}  {got['after']:13.2f}")
+        got = {r["side"]: r for r in rows if r["model"] == model and r["cadence"] == cadence}
+        cell = {k: f"{r['per_step_ms_train']:7.2f} ({r['per_step_ms_wall']:7.2f})"
+                for k, r in got.items()}
+        print(f"{model:6} {cadence:>7}  {cell['before']:>17}  {cell['after']:>17}")
     Path(a.out).write_text(json.dumps({"machine": os.uname().nodename, "cpus": os.cpu_count(),
                                        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                                        "rows": rows}, indent=2) + "\n")

@@ -130,7 +130,9 @@ class TrainConfig:
     beta2: float = setting(0.95, help="AdamW beta2.")
     grad_clip: float = setting(1.0, help="Clip the global gradient norm to this.")
     precision: str = setting("auto", help="fp32, bf16 or fp16 (with a gradient scaler); auto: bf16 "
-                             "on GPU, fp32 on CPU.")
+                             "on a GPU with bf16 units, fp16 on one without (T4, V100; fp32 with "
+                             "--pp), fp32 on CPU. FSDP computes in it by its mixed-precision "
+                             "policy, other layouts by autocast.")
     compile: bool = setting(False, help="torch.compile the model.")
     strategy: str = setting("ddp", help="The data-parallel dimension: ddp (a full replica per "
                             "data-parallel rank) or fsdp (FSDP2: shard parameters, gradients, "

@@ -45,14 +45,18 @@ class Parallelized:
     """The model as this rank holds it: its parts (one, or its pipeline stages), the modules to
     call, one optimizer per part, and how a step, a clip and a validation run on this layout."""
 
-    def __init__(self, cfg: TrainConfig, device: torch.device):
-        self.cfg, self.device = cfg, device
+    def __init__(self, cfg: TrainConfig, device: torch.device,
+                 dtype: Optional[torch.dtype] = None):
+        """`dtype`: mixed precision's (None: fp32); FSDP takes it as its MixedPrecisionPolicy
+        where it shards over dp (`mixed_by_fsdp`: then nothing else may cast, see step.py)."""
+        self.cfg, self.device, self.dtype = cfg, device, dtype
         world = dist.get_world_size() if is_distributed() else 1
         rank = dist.get_rank() if is_distributed() else 0
         self.coords: Coords = rank_coords(rank, world, cfg.tp, cfg.pp)
         self.dp = world // (cfg.tp * cfg.pp)
         self.replicated = cfg.tp == cfg.pp == 1 and (cfg.strategy == "ddp" or world == 1)
         self.mesh = None if self.replicated else build_mesh(device, cfg.tp, cfg.pp)
+        self.mixed_by_fsdp = dtype is not None and fsdp.shards(cfg, self.dp, self.replicated)
         self.schedule = self.tied_group = self.pp_group = self.timer = None
         self.norm_exclude: set[int] = set()
         self.comm_bytes: dict[str, int] = {}  # per mesh dim, one step (step.py counts them)
@@ -87,7 +91,7 @@ class Parallelized:
             if cfg.tp > 1:
                 tp.apply_tp(part, self.mesh["tp"], sequence_parallel=cfg.sequence_parallel,
                             local_logits=cfg.pp > 1)
-            fsdp.apply_dp(part, self.mesh["dp"], cfg, self.device, pipelined=cfg.pp > 1)
+            fsdp.apply_dp(part, self.mesh["dp"], cfg, self.dtype, pipelined=cfg.pp > 1)
             materialize_(part, cfg.model, cfg.seed, self.device)
         return [part for _, part in self.stages]
 

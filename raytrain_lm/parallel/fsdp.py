@@ -4,6 +4,7 @@ rank can say about the shards it holds."""
 from __future__ import annotations
 
 import warnings
+from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -15,7 +16,13 @@ from raytrain_lm.config import TrainConfig
 warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
 
 
-def apply_dp(part: nn.Module, dp_mesh, cfg: TrainConfig, device: torch.device,
+def shards(cfg: TrainConfig, dp: int, replicated: bool) -> bool:
+    """Whether FSDP's fully_shard manages the parameters (and so the mixed precision) of this
+    layout: --strategy fsdp over a dp dim of 2 or more."""
+    return not replicated and cfg.strategy == "fsdp" and dp > 1
+
+
+def apply_dp(part: nn.Module, dp_mesh, cfg: TrainConfig, dtype: Optional[torch.dtype],
              pipelined: bool) -> nn.Module:
     """Shard (fsdp) or replicate (ddp) a model part over the "dp" mesh dim, in place, before its
     parameters are materialised. Both compose with tensor parallelism (the parameters are
@@ -36,10 +43,10 @@ def apply_dp(part: nn.Module, dp_mesh, cfg: TrainConfig, device: torch.device,
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     kwargs = {"mesh": dp_mesh, "reshard_after_forward": not pipelined}  # (each microbatch would
-    if device.type == "cuda" and cfg.precision in ("auto", "bf16"):      # re-gather otherwise)
-        # Gather parameters and compute in bf16; reduce gradients in fp32 for accuracy.
-        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
-                                                   reduce_dtype=torch.float32)
+    if dtype is not None:                                                 # re-gather otherwise)
+        # Gather parameters and compute in `dtype`; reduce gradients in fp32 for accuracy. The
+        # run's only mixed precision (no autocast around it: step.py).
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     if cfg.compile:
         for block in blocks(part):
             block.compile()  # per block, as torchtitan does: FSDP's hooks stay outside graphs
