@@ -81,8 +81,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     fpt = flops_per_token(cfg.model, matmul_params(cfg.model), cfg.seq_len)
     cadence, preemption = Cadence(cfg), PreemptionWatch()
     step_tokens = sized.batch_size * cfg.seq_len * sized.grad_accum * step_fn.parallel.dp
-    meter = Meter(device, world, fpt, gpu_peak_tflops(device, cfg.peak_tflops), n_params, baseline_mem,
-                  build_mem, loss_ranks=step_fn.parallel.dp)
+    peak = gpu_peak_tflops(device, cfg.peak_tflops, step_fn.precision)
+    meter = Meter(device, world, fpt, peak, n_params, baseline_mem, build_mem,
+                  loss_ranks=step_fn.parallel.dp)
     step_fn.parallel.train()
     while step < cfg.max_steps:
         lr = lr_at(step, cfg)

@@ -49,6 +49,7 @@ class TrainStep:
     def __init__(self, cfg: TrainConfig, device: torch.device):
         self.cfg, self.device = cfg, device
         dtype = autocast_dtype(cfg, device)
+        self.precision = {v: k for k, v in DTYPES.items()}[dtype]  # fp32, bf16 or fp16
         self.parallel = Parallelized(cfg, device, dtype)
         by_fsdp = self.parallel.mixed_by_fsdp
         self.autocast = torch.autocast(device.type, dtype=dtype) if dtype and not by_fsdp \

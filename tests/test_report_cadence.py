@@ -65,3 +65,4 @@ def test_meter_gives_the_interval_step_time_for_the_pace():
         meter.add_step(torch.tensor(1.0), 10, 0.0)
     row = meter.row(4, 1e-3, 1.0, Layout())
     assert meter.slowest_step_time == row["step_time"] > 0
+    assert row["peak_mem_reserved_gb"] is None  # CPU: no caching allocator
