@@ -128,6 +128,25 @@ def check_layout(cfg: TrainConfig) -> None:
         raise UserError("--precision fp16 (a gradient scaler) is not supported with --pp; use bf16")
 
 
+def check_tp_in_node(tp: int, workers_on_node: int) -> None:
+    """On a GPU worker: its tp group (tp consecutive ranks, and Ray gives a node's workers
+    consecutive ranks) stays inside its node only if the node runs a multiple of tp workers.
+    Tensor parallelism all-reduces activations in every layer: across nodes it crawls."""
+    if tp > 1 and (workers_on_node < tp or workers_on_node % tp):
+        raise UserError(f"--tp {tp} needs each tensor-parallel group's {tp} GPUs on one node, but "
+                        f"a node runs {workers_on_node} of this run's workers; use nodes with a "
+                        f"multiple of {tp} GPUs (cluster.yaml: gpu_8x) or a smaller --tp")
+
+
+def check_tp_fits_nodes(tp: int, gpus_per_node: list[float]) -> None:
+    """Before launch, where the cluster's nodes are known: some node holds tp GPUs."""
+    most = int(max(gpus_per_node, default=0))
+    if tp > 1 and most and most < tp:
+        raise UserError(f"--tp {tp} needs {tp} GPUs on one node (tensor parallelism all-reduces "
+                        f"activations in every layer) but the cluster's nodes have at most {most}; "
+                        f"use nodes with {tp} or more GPUs (cluster.yaml: gpu_8x) or a smaller --tp")
+
+
 def validate(cfg: TrainConfig) -> None:
     """Checks that need no cluster and no dataset."""
     check_name(cfg.name)

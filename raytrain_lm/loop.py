@@ -20,6 +20,7 @@ import torch
 
 from raytrain_lm import checkpoint as ckpt_io, hf_llama
 from raytrain_lm.checkpointer import Checkpointer, restore_rng
+from raytrain_lm.checks import check_tp_in_node
 from raytrain_lm.config import TrainConfig
 from raytrain_lm.data.loaders import Validation, train_stream
 from raytrain_lm.data.manifest import dataset_tokenizer
@@ -47,6 +48,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     if sized is None:  # the trainer starts only sizes that can (scaling.py)
         raise UserError(f"a group of {world} workers cannot split this run's global batch evenly")
     check_device_memory(sized, device, loop_config.get("force", False))  # the GPU's real memory
+    if device.type == "cuda":
+        check_tp_in_node(cfg.tp, ctx.get_local_world_size())  # NVLink, not the network
     if device.type == "cuda":
         torch.set_float32_matmul_precision("high")  # TF32 for any matmul left in fp32
     tokenizer = dataset_tokenizer(cfg.data)  # a BPE's file travels into every checkpoint
