@@ -37,7 +37,7 @@ from raytrain_lm.model import architecture, build_model
 from raytrain_lm.optim import build_optimizer
 from raytrain_lm.parallel import ddp, fsdp
 from raytrain_lm.parallel.ac import apply_activation_checkpointing
-from raytrain_lm.parallel.comm import PipelineTimer
+from raytrain_lm.parallel.comm import PipelineTimer, clock_for
 from raytrain_lm.parallel.mesh import Coords, all_reduce, build_mesh, is_distributed, rank_coords
 
 
@@ -104,7 +104,7 @@ class Parallelized:
         self.schedule = pp.build_schedule(cfg.pp_schedule, self.stages, pipeline_stages(cfg),
                                           pipeline_microbatches(cfg), self.mesh["pp"],
                                           self.loss_fn, self.device)
-        self.timer = PipelineTimer(self.schedule)
+        self.timer = PipelineTimer(self.schedule, clock_for(self.device))
         self.has_first = any(m.is_first for m in self.parts)
         self.has_last = any(m.is_last for m in self.parts)
         self.pp_group = self.mesh["pp"].get_group()
