@@ -61,7 +61,8 @@ class Parallelized:
         self.norm_exclude: set[int] = set()
         self.comm_bytes: dict[str, int] = {}  # per mesh dim, one step (step.py counts them)
         if self.replicated:
-            model = build_model(cfg.model, seed=cfg.seed)
+            with torch.device(device):  # built and initialised on the device (model.init_device)
+                model = build_model(cfg.model, seed=cfg.seed)
             apply_activation_checkpointing(model, cfg.activation_checkpointing)
             self.parts, self.modules = [model], [ddp.replicate(model, cfg.compile)]
         else:
