@@ -80,3 +80,41 @@ def label_memory_gb(label: str) -> Optional[float]:
     sizes = {gpu.memory for model, gpu in GPUS.items()
              if model.split()[0] == chip and (not size or model == f"{chip} {size}B")}
     return sizes.pop() if len(sizes) == 1 else None
+
+
+def cuda_mismatch(torch_cuda: Optional[str], driver_version: Optional[int]) -> Optional[str]:
+    """One line when torch's CUDA build (torch.version.cuda, "12.8") needs a newer driver than
+    the node's (cuDriverGetVersion: 12040 for CUDA 12.4), else None (a CPU build, no driver,
+    or a driver new enough)."""
+    if not torch_cuda or not driver_version:
+        return None
+    major, minor = (int(x) for x in torch_cuda.split(".")[:2])
+    have = (driver_version // 1000, driver_version % 1000 // 10)
+    if have >= (major, minor):
+        return None
+    runs = ("most kernels run under CUDA's minor-version compatibility, some may not load"
+            if have[0] == major else "CUDA will not start")
+    return (f"torch is built for CUDA {major}.{minor} but this node's NVIDIA driver supports "
+            f"{have[0]}.{have[1]} ({runs}); use an image with a newer driver or a torch build "
+            f"for CUDA {have[0]}.{have[1]} or older")
+
+
+def driver_cuda_version() -> Optional[int]:
+    """The CUDA version the installed NVIDIA driver supports (cuDriverGetVersion), or None."""
+    import ctypes
+
+    try:
+        libcuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    version = ctypes.c_int(0)
+    return version.value if libcuda.cuDriverGetVersion(ctypes.byref(version)) == 0 else None
+
+
+def say_cuda_mismatch() -> None:
+    """cluster.yaml's setup: print the mismatch line, if any (never fails the setup)."""
+    import torch
+
+    line = cuda_mismatch(torch.version.cuda, driver_cuda_version())
+    if line:
+        print(f"WARNING: {line}", flush=True)
