@@ -46,11 +46,12 @@ def autocast_dtype(cfg: TrainConfig, device: torch.device) -> Optional[torch.dty
 
 
 class TrainStep:
-    def __init__(self, cfg: TrainConfig, device: torch.device):
+    def __init__(self, cfg: TrainConfig, device: torch.device, **layout):
+        """`layout`: Parallelized's `force` and `ddp_wrap` (bench/gpu_check.py)."""
         self.cfg, self.device = cfg, device
         dtype = autocast_dtype(cfg, device)
         self.precision = {v: k for k, v in DTYPES.items()}[dtype]  # fp32, bf16 or fp16
-        self.parallel = Parallelized(cfg, device, dtype)
+        self.parallel = Parallelized(cfg, device, dtype, **layout)
         by_fsdp = self.parallel.mixed_by_fsdp
         self.autocast = torch.autocast(device.type, dtype=dtype) if dtype and not by_fsdp \
             else nullcontext()

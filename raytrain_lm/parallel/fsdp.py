@@ -16,14 +16,14 @@ from raytrain_lm.config import TrainConfig
 warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
 
 
-def shards(cfg: TrainConfig, dp: int, replicated: bool) -> bool:
+def shards(cfg: TrainConfig, dp: int, replicated: bool, force: bool = False) -> bool:
     """Whether FSDP's fully_shard manages the parameters (and so the mixed precision) of this
-    layout: --strategy fsdp over a dp dim of 2 or more."""
-    return not replicated and cfg.strategy == "fsdp" and dp > 1
+    layout: --strategy fsdp over a dp dim of 2 or more (or of one, `force`d)."""
+    return not replicated and cfg.strategy == "fsdp" and (dp > 1 or force)
 
 
 def apply_dp(part: nn.Module, dp_mesh, cfg: TrainConfig, dtype: Optional[torch.dtype],
-             pipelined: bool) -> nn.Module:
+             pipelined: bool, force: bool = False) -> nn.Module:
     """Shard (fsdp) or replicate (ddp) a model part over the "dp" mesh dim, in place, before its
     parameters are materialised. Both compose with tensor parallelism (the parameters are
     already DTensors on the tp dim) and with pipeline stages:
@@ -33,7 +33,7 @@ def apply_dp(part: nn.Module, dp_mesh, cfg: TrainConfig, dtype: Optional[torch.d
             DTensor parameters, and a pipeline stage knows to all-reduce its gradients after the
             last microbatch only). Plain DDP without tp or pp goes through Ray (parallel/ddp.py).
     Both average the gradients over dp, so dp-sharded batches give the whole batch's gradient."""
-    if dp_mesh.size() == 1:
+    if dp_mesh.size() == 1 and not force:  # (force: fully_shard on one rank, for checks)
         return part
     if cfg.strategy == "ddp":
         from torch.distributed._composable.replicate_with_fsdp import replicate
