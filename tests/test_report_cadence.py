@@ -66,3 +66,17 @@ def test_meter_gives_the_interval_step_time_for_the_pace():
     row = meter.row(4, 1e-3, 1.0, Layout())
     assert meter.slowest_step_time == row["step_time"] > 0
     assert row["peak_mem_reserved_gb"] is None  # CPU: no caching allocator
+
+
+def test_a_negative_count_or_a_pace_of_no_time_is_refused_in_one_line():
+    import pytest
+
+    from raytrain_lm.checks import validate
+    from raytrain_lm.errors import UserError
+
+    for settings in (dict(log_every=-1), dict(log_seconds=0.0)):
+        cfg = TrainConfig()
+        for k, v in settings.items():
+            setattr(cfg, k, v)
+        with pytest.raises(UserError, match="--log-every must be >= 0 .* --log-seconds positive"):
+            validate(cfg)
