@@ -50,7 +50,6 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     check_device_memory(sized, device, loop_config.get("force", False))  # the GPU's real memory
     if device.type == "cuda":
         check_tp_in_node(cfg.tp, ctx.get_local_world_size())  # NVLink, not the network
-    if device.type == "cuda":
         torch.set_float32_matmul_precision("high")  # TF32 for any matmul left in fp32
     tokenizer = dataset_tokenizer(cfg.data)  # a BPE's file travels into every checkpoint
     checkpointer = Checkpointer(cfg, rank, world, tokenizer, loop_config.get("fail_at"),
