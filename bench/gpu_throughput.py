@@ -245,8 +245,8 @@ def main(argv=None) -> None:
     n_params, n_matmul = probe.num_params(), probe.num_params(exclude_position=True)
     del probe
     fpt = flops_per_token(model_cfg, n_matmul, cfg.seq_len)
-    peak = gpu_peak_tflops(device, args.peak_tflops)
     amp_dtype = torch.bfloat16 if device.type == "cuda" and args.precision != "fp32" else None
+    peak = gpu_peak_tflops(device, args.peak_tflops, "bf16" if amp_dtype else "fp32")
 
     info = {"device": str(device), "torch": torch.__version__, "python": platform.python_version()}
     if device.type == "cuda":

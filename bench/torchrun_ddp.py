@@ -44,7 +44,8 @@ def parse_args(argv=None):
     p.add_argument("--data", default="data/pydoc")
     p.add_argument("--out", required=True, help="folder for metrics.jsonl and the final checkpoint")
     p.add_argument("--max-steps", type=int, default=300)
-    p.add_argument("--log-every", type=int, default=None)
+    # A fixed count (the loop paces by time unless told a count): like for like in both sides.
+    p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--eval-every", type=int, default=None)
     p.add_argument("--checkpoint-every", type=int, default=None)
     p.add_argument("--batch-size", type=int, default=None)

@@ -53,13 +53,28 @@ def _options(**kwargs):
 
 
 def rng_state() -> dict[str, Any]:
-    """Every RNG state of this process, as tensors and plain Python data only."""
+    """Every RNG state of this process, as tensors and plain Python data only. On CUDA, the state
+    of this worker's own device only (Ray sets it with torch.cuda.set_device): every worker of a
+    node sees all the node's GPUs, and the other devices' states are not this worker's to keep
+    (nor restorable where a resumed worker sees a different number of GPUs)."""
     name, keys, pos, has_gauss, cached = np.random.get_state()
     state = {"python": random.getstate(), "torch": torch.get_rng_state(),
              "numpy": [name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached]}
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda"] = torch.cuda.get_rng_state(torch.cuda.current_device())
     return state
+
+
+def cuda_state_for(saved: Any, device_index: int) -> Optional[torch.Tensor]:
+    """The CUDA RNG state to restore on device `device_index` from a saved state: this format's
+    one state (the saving worker's device), or, from a checkpoint that saved one state per visible
+    GPU (a list), the entry of this device where the list has one, else None (resumed where a
+    worker sees more GPUs than the saving one did: that device keeps its fresh seed)."""
+    if isinstance(saved, torch.Tensor):
+        return saved
+    if isinstance(saved, (list, tuple)) and 0 <= device_index < len(saved):
+        return saved[device_index]
+    return None
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
@@ -68,7 +83,10 @@ def set_rng_state(state: dict[str, Any]) -> None:
     np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        device = torch.cuda.current_device()
+        cuda = cuda_state_for(state["cuda"], device)
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda, device)
 
 
 def safe_load(path: Path, map_location: str | torch.device = "cpu") -> Any:

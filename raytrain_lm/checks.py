@@ -141,12 +141,31 @@ def check_layout(cfg: TrainConfig) -> None:
         raise UserError("--precision fp16 (a gradient scaler) is not supported with --pp; use bf16")
 
 
+def check_tp_in_node(tp: int, workers_on_node: int) -> None:
+    """On a GPU worker: its tp group (tp consecutive ranks, and Ray gives a node's workers
+    consecutive ranks) stays inside its node only if the node runs a multiple of tp workers.
+    Tensor parallelism all-reduces activations in every layer: across nodes it crawls."""
+    if tp > 1 and (workers_on_node < tp or workers_on_node % tp):
+        raise UserError(f"--tp {tp} needs each tensor-parallel group's {tp} GPUs on one node, but "
+                        f"a node runs {workers_on_node} of this run's workers; use nodes with a "
+                        f"multiple of {tp} GPUs (cluster.yaml: gpu_8x) or a smaller --tp")
+
+
+def check_tp_fits_nodes(tp: int, gpus_per_node: list[float]) -> None:
+    """Before launch, where the cluster's nodes are known: some node holds tp GPUs."""
+    most = int(max(gpus_per_node, default=0))
+    if tp > 1 and most and most < tp:
+        raise UserError(f"--tp {tp} needs {tp} GPUs on one node (tensor parallelism all-reduces "
+                        f"activations in every layer) but the cluster's nodes have at most {most}; "
+                        f"use nodes with {tp} or more GPUs (cluster.yaml: gpu_8x) or a smaller --tp")
+
+
 def validate(cfg: TrainConfig) -> None:
     """Checks that need no cluster and no dataset."""
     check_name(cfg.name)
     m = cfg.model
     positive = dict(workers=cfg.workers, max_steps=cfg.max_steps, batch_size=cfg.batch_size,
-                    seq_len=cfg.seq_len, grad_accum=cfg.grad_accum, log_every=cfg.log_every,
+                    seq_len=cfg.seq_len, grad_accum=cfg.grad_accum,
                     eval_every=cfg.eval_every,
                     keep_checkpoints=cfg.keep_checkpoints, **{"model.n_layer": m.n_layer,
                     "model.n_head": m.n_head, "model.n_embd": m.n_embd,
@@ -172,6 +191,9 @@ def validate(cfg: TrainConfig) -> None:
     for key in ("peak_tflops", "gpu_memory_gb"):
         if getattr(cfg, key) is not None and getattr(cfg, key) <= 0:
             raise UserError(f"{key} must be positive, got {getattr(cfg, key)}")
+    if cfg.log_every < 0 or not cfg.log_seconds > 0:
+        raise UserError(f"--log-every must be >= 0 (0: paced by --log-seconds) and --log-seconds "
+                        f"positive, got {cfg.log_every} and {cfg.log_seconds:g}")
     if cfg.warmup_steps < 0 or cfg.checkpoint_every < 0 or cfg.max_failures < -1 or cfg.eval_windows < 0:
         raise UserError("warmup_steps, checkpoint_every and eval_windows must be >= 0, max_failures >= -1")
     if cfg.max_preemptions < -1 or cfg.resize_interval < 0:

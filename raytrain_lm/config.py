@@ -133,7 +133,9 @@ class TrainConfig:
     beta2: float = setting(0.95, help="AdamW beta2.")
     grad_clip: float = setting(1.0, help="Clip the global gradient norm to this.")
     precision: str = setting("auto", help="fp32, bf16 or fp16 (with a gradient scaler); auto: bf16 "
-                             "on GPU, fp32 on CPU.")
+                             "on a GPU with bf16 units, fp16 on one without (T4, V100; fp32 with "
+                             "--pp), fp32 on CPU. FSDP computes in it by its mixed-precision "
+                             "policy, other layouts by autocast.")
     compile: bool = setting(False, help="torch.compile the model.")
     strategy: str = setting("ddp", help="The data-parallel dimension: ddp (a full replica per "
                             "data-parallel rank), zero1 (DDP with AdamW's states sharded over the "
@@ -163,7 +165,12 @@ class TrainConfig:
                                             "full or selective.")
     seed: int = setting(1337, help="Random seed.")
     # cadence
-    log_every: int = setting(10, help="Steps between metric reports.")
+    log_every: int = setting(0, help="Steps between metric reports, exactly; 0: paced by "
+                             "--log-seconds. A report is a barrier and waits for Ray's poll of "
+                             "the workers (every 0.5 s): reporting more often stalls training.")
+    log_seconds: float = setting(1.0, help="With --log-every 0: seconds between metric reports; "
+                                 "each report sets the step of the next from the measured step "
+                                 "time (the same on every rank).")
     eval_every: int = setting(100, help="Steps between validations.")
     eval_windows: int = setting(256, help="Validation windows (the first ones of the split, the "
                                 "same whatever the worker count); 0: all of them.")

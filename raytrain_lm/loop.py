@@ -20,6 +20,7 @@ import torch
 
 from raytrain_lm import checkpoint as ckpt_io, hf_llama
 from raytrain_lm.checkpointer import Checkpointer, restore_rng
+from raytrain_lm.checks import check_tp_in_node
 from raytrain_lm.config import TrainConfig
 from raytrain_lm.data.loaders import Validation, train_stream
 from raytrain_lm.data.manifest import dataset_tokenizer
@@ -48,6 +49,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         raise UserError(f"a group of {world} workers cannot split this run's global batch evenly")
     check_device_memory(sized, device, loop_config.get("force", False))  # the GPU's real memory
     if device.type == "cuda":
+        check_tp_in_node(cfg.tp, ctx.get_local_world_size())  # NVLink, not the network
         torch.set_float32_matmul_precision("high")  # TF32 for any matmul left in fp32
     tokenizer = dataset_tokenizer(cfg.data)  # a BPE's file travels into every checkpoint
     checkpointer = Checkpointer(cfg, rank, world, tokenizer, loop_config.get("fail_at"),
@@ -81,8 +83,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     fpt = flops_per_token(cfg.model, matmul_params(cfg.model), cfg.seq_len)
     cadence, preemption = Cadence(cfg), PreemptionWatch()
     step_tokens = sized.batch_size * cfg.seq_len * sized.grad_accum * step_fn.parallel.dp
-    meter = Meter(device, world, fpt, gpu_peak_tflops(device, cfg.peak_tflops), n_params, baseline_mem,
-                  build_mem, loss_ranks=step_fn.parallel.dp)
+    peak = gpu_peak_tflops(device, cfg.peak_tflops, step_fn.precision)
+    meter = Meter(device, world, fpt, peak, n_params, baseline_mem, build_mem,
+                  loss_ranks=step_fn.parallel.dp)
     step_fn.parallel.train()
     while step < cfg.max_steps:
         lr = lr_at(step, cfg)
@@ -105,16 +108,28 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         if save and step_fn.parallel.replicated:
             row["replica_spread"] = meter.replica_spread(step_fn.parallel.parts[0])  # 0.0: they agree
         checkpointer.report(row, save=save, step_fn=step_fn, stream=batches)
+        cadence.paced(step, meter.slowest_step_time)
         meter.next_interval(exclude_since_row=save or cadence.validates(step))
     checkpointer.report_final_rows(meter.start_unix)
 
 
 class Cadence:
     """When a step reports metrics, validates and checkpoints. Every checkpoint is also a
-    validation (so each checkpoint knows its validation loss) and every validation a report."""
+    validation (so each checkpoint knows its validation loss) and every validation a report.
+
+    Reports every `log_every` steps, or (log_every 0) paced by time: `paced` sets the next
+    report's step so that about `log_seconds` pass between two reports at the step time just
+    measured. A report waits for Ray's poll of the workers when the previous one is still queued
+    (one report per poll), so reports by step count throttle fast steps; by time they cost a
+    barrier per `log_seconds`. The decision adds no collective: it is a pure function of the
+    slowest rank's interval, which every rank receives from the report's own all-reduce (Meter),
+    so all ranks call `ray.train.report` at the same steps."""
+
+    FIRST_REPORT = 1  # the first step's report (compilation, warm-up) gives the first step time
 
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
+        self.next_report = self.FIRST_REPORT
 
     def checkpoints(self, step: int) -> bool:
         every = self.cfg.checkpoint_every
@@ -124,4 +139,13 @@ class Cadence:
         return step % self.cfg.eval_every == 0 or self.checkpoints(step)
 
     def reports(self, step: int) -> bool:
-        return step % self.cfg.log_every == 0 or self.validates(step)
+        if self.cfg.log_every:
+            return step % self.cfg.log_every == 0 or self.validates(step)
+        return step >= self.next_report or self.validates(step)
+
+    def paced(self, step: int, seconds_per_step: float) -> int:
+        """After the report of `step`: the step of the next time-paced report, from the step time
+        of the interval just reported (the same value on every rank). Returns it."""
+        steps = math.ceil(self.cfg.log_seconds / seconds_per_step) if seconds_per_step > 0 else 1
+        self.next_report = step + max(1, steps)
+        return self.next_report

@@ -10,16 +10,17 @@ from typing import Optional
 import torch
 
 
-def gpu_peak_tflops(device: torch.device, override: Optional[float] = None) -> Optional[float]:
-    """The peak used for MFU: `override`, else the dense bf16 peak of this GPU's model
-    (gpus.GPUS), else None (no MFU)."""
+def gpu_peak_tflops(device: torch.device, override: Optional[float] = None,
+                    precision: str = "bf16") -> Optional[float]:
+    """The peak used for MFU: `override`, else the dense peak of this GPU's model (gpus.GPUS) in
+    the run's `precision` (fp32: TF32 where the GPU has it), else None (no MFU)."""
     from raytrain_lm.gpus import peak_tflops
 
     if override:
         return override
     if device.type != "cuda":
         return None
-    return peak_tflops(torch.cuda.get_device_name(device))
+    return peak_tflops(torch.cuda.get_device_name(device), precision)
 
 
 def mfu(tokens_per_second: float, flops_per_token: float, num_devices: int,
@@ -37,6 +38,15 @@ def peak_memory_gb(device: torch.device) -> float:
         return torch.cuda.max_memory_allocated(device) / 1e9
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
     return rss * (1 if sys.platform == "darwin" else 1024) / 1e9
+
+
+def reserved_memory_gb(device: torch.device) -> Optional[float]:
+    """Peak memory PyTorch's CUDA caching allocator reserved (allocated plus its cached free
+    blocks); None on CPU. nvidia-smi shows more still: the CUDA context, NCCL's buffers and
+    libraries' workspaces sit outside the allocator."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_reserved(device) / 1e9
+    return None
 
 
 class StepTimer:
@@ -86,6 +96,7 @@ class Meter:
         self.start, self.start_unix = time.perf_counter(), time.time()
         self.first_step_unix: Optional[float] = None  # when this worker group's first step ended
         self._row_done = 0.0
+        self.slowest_step_time = 0.0  # seconds per step of the last reported interval, max over ranks
 
     def add_step(self, loss: torch.Tensor, tokens: int, data_wait: float) -> None:
         if self.first_step_unix is None:
@@ -104,8 +115,13 @@ class Meter:
         wait = all_reduce(torch.tensor([self.timer.data_wait], dtype=torch.float64, device=self.device))
         mem = all_reduce(torch.tensor([peak_memory_gb(self.device),
                                        held_bytes(parallel.parts, parallel.optimizers) / 1e9,
-                                       peak_memory_gb(self.device) - self.baseline_mem, self.build_mem],
+                                       peak_memory_gb(self.device) - self.baseline_mem, self.build_mem,
+                                       elapsed / self.timer.steps,
+                                       reserved_memory_gb(self.device) or 0.0],
                                       dtype=torch.float64, device=self.device), op="max")
+        # The slowest rank's step time in this interval: identical on every rank after the
+        # all-reduce, so the loop's time-paced cadence (loop.Cadence) agrees everywhere.
+        self.slowest_step_time = mem[4].item()
         tps = self.timer.tokens / elapsed
         row = {
             "step": step,
@@ -118,6 +134,8 @@ class Meter:
             "data_wait_frac": wait[0].item() / self.world / elapsed,
             "mfu": mfu(tps, self.fpt, self.world, self.peak),
             "peak_mem_gb": mem[0].item(),
+            # what the allocator holds (allocated + cached); None on CPU
+            "peak_mem_reserved_gb": mem[5].item() if self.device.type == "cuda" else None,
             "model_state_gb": mem[1].item(),  # params + grads + optimizer states, max over ranks
             "mem_above_baseline_gb": mem[2].item(),  # max over ranks of what the run added
             "build_mem_gb": mem[3].item(),  # max over ranks of what building the model added

@@ -256,9 +256,17 @@ def block_rows(shape: Sequence[int]) -> int:
     return max(1, INIT_BLOCK_ELEMS // cols)
 
 
-def _block_generator(seed: int, name: str, block: int) -> torch.Generator:
+def init_device(device: torch.device) -> torch.device:
+    """Where a parameter's initial values are drawn: on its own device (a GPU draws and scales
+    its blocks itself: no host generator, no copy per block), on the CPU for CPU and meta
+    tensors. A block's values depend on the device's generator: a GPU run starts from other
+    values than a CPU run with the same seed, and all layouts on one GPU model from the same."""
+    return device if device.type not in ("cpu", "meta") else torch.device("cpu")
+
+
+def _block_generator(seed: int, name: str, block: int, device: torch.device) -> torch.Generator:
     digest = hashlib.blake2b(f"{seed}/{name}/{block}".encode(), digest_size=8).digest()
-    return torch.Generator(device="cpu").manual_seed(int.from_bytes(digest, "little") >> 1)
+    return torch.Generator(device=device).manual_seed(int.from_bytes(digest, "little") >> 1)
 
 
 def init_spec(cfg: ModelConfig, module: nn.Module, fqn: str) -> tuple[str, float]:
@@ -310,9 +318,11 @@ def init_region_(out: torch.Tensor, name: str, spec: tuple[str, float], global_s
     c1 = c0 + (out.shape[1] if len(global_shape) == 2 else 1)
     out2d = out.view(out.shape[0], -1)
     rows_per_block = block_rows(global_shape)
+    device = init_device(out.device)
     for b in range(r0 // rows_per_block, (r1 - 1) // rows_per_block + 1 if r1 > r0 else 0):
         b0, b1 = b * rows_per_block, min((b + 1) * rows_per_block, n_rows)
-        block = torch.randn(b1 - b0, n_cols, generator=_block_generator(seed, name, b))
+        block = torch.randn(b1 - b0, n_cols, device=device,
+                            generator=_block_generator(seed, name, b, device))
         lo, hi = max(b0, r0), min(b1, r1)
         out2d[lo - r0:hi - r0].copy_(block[lo - b0:hi - b0, c0:c1].mul_(std))
 

@@ -72,7 +72,9 @@ def check_resources(cfg: TrainConfig, say: Callable[[str], None] = print) -> Non
     total = ray.cluster_resources()
     if any(total.get(k, 0) < v * workers for k, v in per_worker.items()) and \
             wait_for_resources(per_worker, workers, cfg.scale_timeout, say):
+        _check_tp_nodes(cfg)
         return  # an autoscaler brought the nodes up
+    _check_tp_nodes(cfg)
     if cfg.use_gpu and total.get("GPU", 0) < workers:
         have = int(total.get("GPU", 0))
         raise UserError(f"--use-gpu with {flag} needs {least}{workers} GPUs but the "
@@ -81,6 +83,17 @@ def check_resources(cfg: TrainConfig, say: Callable[[str], None] = print) -> Non
     if total.get("CPU", 0) < need:
         raise UserError(f"{flag} needs {least}{need:g} CPUs but the cluster has "
                         f"{total.get('CPU', 0):g}; lower --workers or cpus_per_worker")
+
+
+def _check_tp_nodes(cfg: TrainConfig) -> None:
+    """A GPU run's --tp fits on one of the cluster's nodes (each worker checks its own node
+    again: checks.check_tp_in_node)."""
+    import ray
+
+    from raytrain_lm.checks import check_tp_fits_nodes
+
+    if cfg.use_gpu and cfg.tp > 1:
+        check_tp_fits_nodes(cfg.tp, [n["Resources"].get("GPU", 0) for n in ray.nodes() if n["Alive"]])
 
 
 def worker_memory_gb(cfg: TrainConfig) -> Optional[float]:

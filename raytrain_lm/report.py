@@ -38,7 +38,8 @@ def progress_line(row: dict[str, Any], max_steps: int) -> str:
         f"{_fmt_rate(row['tokens_per_second'])} tok/s",
         f"mfu {row['mfu'] * 100:.1f}%" if row.get("mfu") is not None else None,
         f"data-wait {row['data_wait_frac'] * 100:.1f}%",
-        f"mem {row['peak_mem_gb']:.2f} GB",
+        f"mem {row['peak_mem_gb']:.2f} GB" + (f" ({row['peak_mem_reserved_gb']:.2f} reserved)"
+                                              if row.get("peak_mem_reserved_gb") is not None else ""),
         f"ETA {_fmt_seconds(eta)}",
         "ckpt" if row.get("checkpoint") else None,
     ]
@@ -56,7 +57,7 @@ def _fmt_value(key: str, v: Any) -> str:
         return f"{v:.1f} s"
     if key == "tokens_per_second":
         return f"{v:,.0f}"
-    if key == "peak_mem_gb":
+    if key in ("peak_mem_gb", "peak_mem_reserved_gb"):
         return f"{v:.2f} GB"
     if isinstance(v, float):
         return f"{v:.4f}"

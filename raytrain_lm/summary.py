@@ -30,6 +30,8 @@ def from_metrics(rows: list[dict]) -> dict[str, Any]:
         "mfu": _median([r["mfu"] for r in steady if r.get("mfu") is not None]),
         "data_wait_frac": _median([r["data_wait_frac"] for r in steady if "data_wait_frac" in r]),
         "peak_mem_gb": max((r["peak_mem_gb"] for r in rows if "peak_mem_gb" in r), default=None),
+        "peak_mem_reserved_gb": max((r["peak_mem_reserved_gb"] for r in rows
+                                     if r.get("peak_mem_reserved_gb") is not None), default=None),
         "num_parameters": last.get("num_parameters"),
         "resumed_from_step": last.get("resumed_from_step"),
     }

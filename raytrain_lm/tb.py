@@ -35,6 +35,7 @@ TAGS = {
     "step_time": "perf/step_time_s",
     "data_wait_frac": "perf/data_wait_frac",
     "peak_mem_gb": "perf/peak_mem_gb",
+    "peak_mem_reserved_gb": "perf/peak_mem_reserved_gb",
     "tokens": "progress/tokens",
     "epoch": "progress/epoch",
     "workers": "progress/workers",

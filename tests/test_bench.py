@@ -161,3 +161,23 @@ def test_llama_vs_gpt_bench_times_both_at_equal_parameters(tmp_path):
     assert llama["parameters"] == pytest.approx(gpt["parameters"], rel=1e-3)
     assert json.loads(out.read_text())["llama_over_gpt"] == pytest.approx(
         llama["tokens_per_s_median"] / gpt["tokens_per_s_median"])
+
+
+@pytest.mark.ray  # the integration tier: every layout on CPU plus two compilations (minutes)
+def test_gpu_check_smoke_runs_every_layout_on_cpu_without_ray(tmp_path):
+    """bench/gpu_check.py, prepared for one GPU, runs the same code here on the CPU."""
+    shadow = tmp_path / "no_ray" / "ray"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ImportError('ray is not installed on this host')\n")
+    out = tmp_path / "check.json"
+    env = {**os.environ, "PYTHONPATH": str(shadow.parent), "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--smoke",
+                           "--out", str(out)], capture_output=True, text=True, timeout=900, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["ray_imported"] is False and result["gpt_layouts_start_equal"] is True
+    rows = {r["layout"]: r for r in result["layouts"]}
+    assert all(r["status"] == "ok" for r in rows.values()), rows
+    assert rows["fsdp"]["fsdp_mixed"] is False and rows["ddp fp16+scaler"]["precision"] == "fp16"
+    assert [(r["mode"], r["status"]) for r in result["gpt2"]["results"]] == [("eager", "ok")] * 2
+    assert len(result["memory_plan"]) == 2 and "written:" in proc.stdout

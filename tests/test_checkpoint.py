@@ -206,3 +206,15 @@ def test_the_best_checkpoint_on_s3_is_a_copy_written_meta_last(tmp_path):
                 found.cleanup()
         best = {k.rsplit("best_checkpoint/", 1)[1] for k in s3_keys("best", "runs/r/best_checkpoint/")}
         assert "rng-rank0-moved.pt" in best and "rng-rank0.pt" not in best
+
+
+def test_the_cuda_rng_state_restored_is_this_workers_device_whatever_the_gpus_seen():
+    """A worker saves its own device's CUDA state; a checkpoint that saved one per visible GPU
+    (a list) gives this device its entry, or nothing where the saving worker saw fewer GPUs
+    (resumed on larger nodes) instead of an IndexError that failed every restart."""
+    from raytrain_lm.checkpoint import cuda_state_for
+
+    states = [torch.full((16,), i, dtype=torch.uint8) for i in range(8)]
+    assert torch.equal(cuda_state_for(states[5], 3), states[5])  # this format: one state
+    assert torch.equal(cuda_state_for(states, 3), states[3])  # one per GPU of an 8-GPU node
+    assert cuda_state_for(states[:1], 3) is None  # saved on 1-GPU nodes, resumed on 8

@@ -1,6 +1,7 @@
 """cluster.yaml against Ray's own launcher validation, and the bad inputs of `cluster` / `submit`
 / `jobs` that need no running cluster."""
 
+import copy
 import json
 import re
 import subprocess
@@ -41,10 +42,13 @@ def test_head_schedules_no_training_and_gpu_workers_autoscale(filled):
     head = types[filled["head_node_type"]]
     assert head["resources"] == {"CPU": 0} and head["max_workers"] == 0
     workers = [t for name, t in types.items() if name != filled["head_node_type"]]
-    assert len(workers) == 1
-    gpu = workers[0]
-    assert gpu["min_workers"] == 0 and gpu["max_workers"] == filled["max_workers"] >= 1
-    assert gpu["resources"]["GPU"] >= 1
+    for gpu in workers:
+        assert gpu["min_workers"] == 0 and 1 <= gpu["max_workers"] <= filled["max_workers"]
+        assert gpu["resources"]["GPU"] >= 1
+    # one GPU per node for DDP; eight in one node for tensor parallelism (its groups stay inside
+    # a node), each with the training workers' role
+    assert sorted(t["resources"]["GPU"] for t in workers) == [1, 8]
+    assert all(t["node_config"]["IamInstanceProfile"] == {"Name": "raytrain-lm-worker"} for t in workers)
     assert 0 < filled["idle_timeout_minutes"] <= 30
 
 
@@ -473,3 +477,32 @@ def test_local_down_sends_the_token_to_no_planted_address(own_state, tmp_path):
         server.shutdown()
     assert result.returncode == 0, result.stderr
     assert not [h for h in seen if "s3cret-token-value" in str(h)], seen
+
+
+def test_an_efa_node_type_names_its_security_group_on_each_interface(filled, tmp_path):
+    """cluster.yaml's EFA recipe: the groups move onto the interfaces (Ray allows no
+    SecurityGroupIds beside NetworkInterfaces); the privilege check accepts that, not a missing
+    group."""
+    from raytrain_lm.cluster.launcher import check_privileges
+
+    config = copy.deepcopy(filled)
+    node = config["available_node_types"]["gpu_8x"]["node_config"]
+    del node["SecurityGroupIds"]
+    node["NetworkInterfaces"] = [{"DeviceIndex": min(i, 1), "NetworkCardIndex": i,
+                                  "InterfaceType": "efa", "SubnetId": "subnet-1",
+                                  "Groups": ["sg-YOUR-SECURITY-GROUP"]} for i in range(4)]
+    check_privileges(config, tmp_path / "c.yaml")
+    node["NetworkInterfaces"][2]["Groups"] = []
+    with pytest.raises(UserError, match="node type gpu_8x has no SecurityGroupIds"):
+        check_privileges(config, tmp_path / "c.yaml")
+
+
+@pytest.mark.parametrize("torch_cuda, driver, says", [
+    ("12.8", 12080, None), ("12.8", 13000, None), (None, 12040, None), ("12.8", None, None),
+    ("12.8", 12040, "minor-version compatibility"), ("13.0", 12080, "CUDA will not start"),
+])
+def test_setup_says_in_one_line_when_torchs_cuda_needs_a_newer_driver(torch_cuda, driver, says):
+    from raytrain_lm.gpus import cuda_mismatch
+
+    line = cuda_mismatch(torch_cuda, driver)
+    assert (line is None) if says is None else (says in line and "\n" not in line)

@@ -25,7 +25,11 @@ DEVICES = [
     ("NVIDIA L40", "L40", 181.0, 48),
     ("NVIDIA L4", "L4", 121.0, 24),
     ("NVIDIA A10", "A10", 125.0, 24),
-    ("NVIDIA A10G", "A10G", None, 24),
+    ("NVIDIA A10G", "A10G", 125.0, 24),
+    ("NVIDIA GH200 480GB", "GH200", 989.0, 96),
+    ("NVIDIA H800", "H800", 989.0, 80),
+    ("NVIDIA H800 PCIe", "H800 PCIe", 756.0, 80),
+    ("NVIDIA B200", "B200", 2250.0, 180),
     ("Tesla V100-SXM2-16GB", "V100 16GB", None, 16),
     ("Tesla V100-PCIE-32GB", "V100 32GB", None, 32),
     ("Tesla T4", "T4", None, 16),
@@ -35,21 +39,30 @@ DEVICES = [
 @pytest.mark.parametrize("name,model,peak,memory", DEVICES)
 def test_device_names_name_exactly_one_model(name, model, peak, memory):
     assert gpu_model(name) == model
-    assert peak_tflops(name) == peak and GPUS[model][1] == memory
+    assert peak_tflops(name) == peak and GPUS[model].memory == memory
 
 
 @pytest.mark.parametrize("name", ["NVIDIA H100 80GB HBM3 MIG 3g.40gb", "NVIDIA GeForce RTX 4090",
-                                  "NVIDIA RTX 6000 Ada Generation", "NVIDIA B200", "NVIDIA L4000",
+                                  "NVIDIA RTX 6000 Ada Generation", "NVIDIA L4000",
                                   "NVIDIA A1000", ""])
 def test_unknown_models_and_mig_slices_have_no_peak(name):
     assert gpu_model(name) is None and peak_tflops(name) is None
+
+
+@pytest.mark.parametrize("name,model,peak,memory", DEVICES)
+def test_an_fp32_run_is_measured_against_the_fp32_or_tf32_peak(name, model, peak, memory):
+    """MFU of an fp32 run against the bf16 peak would understate it by 2x (TF32) or more; a GPU
+    without bf16 units is measured in fp16, which `precision auto` runs there."""
+    fp32, fp16 = peak_tflops(name, "fp32"), peak_tflops(name, "fp16")
+    assert fp32 == GPUS[model].fp32 and fp32 is not None and fp16 is not None
+    assert fp32 < fp16 and (peak is None or fp32 < peak)
 
 
 @pytest.mark.parametrize("label,memory", [
     ("A100", None), ("H100", None), ("V100", None),  # models of different memory share these
     ("A100-80G", 80), ("A100-40G", 40),  # the labels Ray documents for adding by hand
     ("H200", 141), ("L40S", 48), ("L40", 48), ("L4", 24), ("A10G", 24), ("T4", 16),
-    ("RTX-PRO-6000", None), ("B200", None), ("GeForce-RTX-5090", None),
+    ("RTX-PRO-6000", None), ("B200", 180), ("GeForce-RTX-5090", None),
 ])
 def test_ray_labels_give_memory_only_when_they_determine_it(label, memory):
     assert label_memory_gb(label) == memory
@@ -112,3 +125,12 @@ def test_a_gpu_worker_refuses_a_plan_beyond_its_device_memory(monkeypatch):
         check_device_memory(cfg, device, force=False)
     check_device_memory(cfg, device, force=True)
     check_device_memory(build_config(flags=dict(use_gpu=True, workers=1)), device, force=False)
+
+
+def test_the_progress_line_shows_the_allocators_reservation_beside_the_allocated_peak():
+    from raytrain_lm.report import progress_line
+
+    row = {"step": 4, "loss": 2.5, "lr": 1e-3, "tokens_per_second": 5e3, "data_wait_frac": 0.0,
+           "peak_mem_gb": 10.0, "peak_mem_reserved_gb": 12.5, "step_time": 0.1}
+    assert "mem 10.00 GB (12.50 reserved)" in progress_line(row, 10)
+    assert "reserved" not in progress_line({**row, "peak_mem_reserved_gb": None}, 10)  # CPU

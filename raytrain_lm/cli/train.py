@@ -20,7 +20,8 @@ ARCH = typer.Option(None, help="The model's architecture: gpt (GPT-2) or llama (
                     "model.* settings (--set) choose the rest.")
 # `--workers` is train's own option (N or MIN-MAX), not generated from the setting.
 TRAIN_SETTINGS = ("use_gpu", "preset", "data", "max_steps", "batch_size", "seq_len", "lr",
-                  "grad_accum", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints",
+                  "grad_accum", "log_every", "log_seconds", "eval_every", "checkpoint_every",
+                  "keep_checkpoints",
                   "checkpoint_upload", "max_failures", "max_preemptions", "resize_interval",
                   "seed", "compile", "strategy", "tp", "pp", "microbatches", "pp_schedule",
                   "virtual_stages", "layout", "gpus_per_node", "gpu_memory_gb",

@@ -57,7 +57,9 @@ def check_privileges(config: dict, path: Path) -> None:
     if config["provider"].get("type") != "aws":
         return
     for name, node_type in config["available_node_types"].items():
-        if not node_type.get("node_config", {}).get("SecurityGroupIds"):
+        node = node_type.get("node_config", {})
+        interfaces = node.get("NetworkInterfaces")  # EFA: the groups are the interfaces' own
+        if not (node.get("SecurityGroupIds") or interfaces and all(i.get("Groups") for i in interfaces)):
             raise UserError(f"{path}: node type {name} has no SecurityGroupIds, so Ray would "
                             f"create a security group with SSH open to 0.0.0.0/0; create one "
                             f"with SSH from your network only and name it there (docs/clusters.md)")

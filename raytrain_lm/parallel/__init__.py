@@ -3,7 +3,7 @@
 
 Two ways to build, one interface (`Parallelized`):
 - replicated (DDP, no --tp/--pp): the whole model on every worker, wrapped by Ray Train's
-  `prepare_model` (parallel/ddp.py): activation checkpointing, then compile, then DDP; with
+  `prepare_model` (parallel/ddp.py): activation checkpointing, then DDP, then compile; with
   --strategy zero1, AdamW's states sharded over the workers (optim.ZeroOneAdamW).
 - sharded (--strategy fsdp or zero2, --tp, --pp): built on the meta device, split into pipeline stages
   (pp.py), tensor-parallelized (tp.py), sharded or replicated over dp (fsdp.py), and only then
@@ -38,7 +38,7 @@ from raytrain_lm.model import architecture, build_model
 from raytrain_lm.optim import build_optimizer
 from raytrain_lm.parallel import ddp, fsdp
 from raytrain_lm.parallel.ac import apply_activation_checkpointing
-from raytrain_lm.parallel.comm import PipelineTimer
+from raytrain_lm.parallel.comm import PipelineTimer, clock_for
 from raytrain_lm.parallel.mesh import Coords, all_reduce, build_mesh, is_distributed, rank_coords
 
 
@@ -46,26 +46,39 @@ class Parallelized:
     """The model as this rank holds it: its parts (one, or its pipeline stages), the modules to
     call, one optimizer per part, and how a step, a clip and a validation run on this layout."""
 
-    def __init__(self, cfg: TrainConfig, device: torch.device):
-        self.cfg, self.device = cfg, device
+    def __init__(self, cfg: TrainConfig, device: torch.device,
+                 dtype: Optional[torch.dtype] = None, force: frozenset = frozenset(),
+                 ddp_wrap=None):
+        """`dtype`: mixed precision's (None: fp32); FSDP takes it as its MixedPrecisionPolicy
+        where it shards over dp (`mixed_by_fsdp`: then nothing else may cast, see step.py).
+        `force` ("tp", "pp", "fsdp"): apply those even on a mesh dim of one rank, so one
+        process runs every layout's code (bench/gpu_check.py); `ddp_wrap`: DDP's wrapper in
+        place of Ray Train's prepare_model (parallel/ddp.py)."""
+        self.cfg, self.device, self.dtype = cfg, device, dtype
         world = dist.get_world_size() if is_distributed() else 1
         rank = dist.get_rank() if is_distributed() else 0
         self.coords: Coords = rank_coords(rank, world, cfg.tp, cfg.pp)
         self.dp = world // (cfg.tp * cfg.pp)
-        self.replicated = cfg.tp == cfg.pp == 1 and (cfg.strategy in ("ddp", "zero1") or world == 1)
+        self.tp_on, self.pp_on = cfg.tp > 1 or "tp" in force, cfg.pp > 1 or "pp" in force
+        self.force_fsdp = "fsdp" in force and cfg.strategy in ("fsdp", "zero2")
+        self.replicated = not (self.tp_on or self.pp_on or self.force_fsdp) and \
+            (cfg.strategy in ("ddp", "zero1") or world == 1)
         self.mesh = None if self.replicated else build_mesh(device, cfg.tp, cfg.pp)
+        self.mixed_by_fsdp = dtype is not None and \
+            fsdp.shards(cfg, self.dp, self.replicated, self.force_fsdp)
         self.schedule = self.tied_group = self.pp_group = self.timer = None
         self.norm_exclude: set[int] = set()
         self.comm_bytes: dict[str, int] = {}  # per mesh dim, one step (step.py counts them)
         if self.replicated:
-            model = build_model(cfg.model, seed=cfg.seed)
+            with torch.device(device):  # built and initialised on the device (model.init_device)
+                model = build_model(cfg.model, seed=cfg.seed)
             apply_activation_checkpointing(model, cfg.activation_checkpointing)
-            self.parts, self.modules = [model], [ddp.replicate(model, cfg.compile)]
+            self.parts, self.modules = [model], [ddp.replicate(model, cfg.compile, ddp_wrap)]
         else:
             self.parts = self._build_sharded()
             self.modules = self.parts
         self.optimizers = [build_optimizer(part, cfg, device) for part in self.parts]
-        if cfg.pp > 1:
+        if self.pp_on:
             self._build_pipeline()
         # The ranks whose loss is their dp group's (tp ranks hold copies; with pp, the last stage).
         self.reports_loss = self.coords.tp == 0 and self.coords.pp == cfg.pp - 1
@@ -77,7 +90,7 @@ class Parallelized:
         from raytrain_lm.parallel.init import materialize_
 
         cfg = self.cfg
-        if cfg.pp > 1:
+        if self.pp_on:
             per_rank = pipeline_stages(cfg) // cfg.pp
             self.stages = pp.build_stage_modules(cfg.model, self.coords.pp, cfg.pp, per_rank)
         else:
@@ -85,10 +98,11 @@ class Parallelized:
                 self.stages = [(0, build_model(cfg.model))]
         for _, part in self.stages:
             apply_activation_checkpointing(part, cfg.activation_checkpointing)
-            if cfg.tp > 1:
+            if self.tp_on:
                 tp.apply_tp(part, self.mesh["tp"], sequence_parallel=cfg.sequence_parallel,
-                            local_logits=cfg.pp > 1)
-            fsdp.apply_dp(part, self.mesh["dp"], cfg, self.device, pipelined=cfg.pp > 1)
+                            local_logits=self.pp_on)
+            fsdp.apply_dp(part, self.mesh["dp"], cfg, self.dtype, pipelined=self.pp_on,
+                          force=self.force_fsdp)
             materialize_(part, cfg.model, cfg.seed, self.device)
         return [part for _, part in self.stages]
 
@@ -96,12 +110,12 @@ class Parallelized:
         from raytrain_lm.parallel import pp
 
         cfg = self.cfg
-        tp_mesh = self.mesh["tp"] if cfg.tp > 1 else None
+        tp_mesh = self.mesh["tp"] if self.tp_on else None
         self.loss_fn = pp.PipelineLoss(tp_mesh)
         self.schedule = pp.build_schedule(cfg.pp_schedule, self.stages, pipeline_stages(cfg),
                                           pipeline_microbatches(cfg), self.mesh["pp"],
                                           self.loss_fn, self.device)
-        self.timer = PipelineTimer(self.schedule)
+        self.timer = PipelineTimer(self.schedule, clock_for(self.device))
         self.has_first = any(m.is_first for m in self.parts)
         self.has_last = any(m.is_last for m in self.parts)
         self.pp_group = self.mesh["pp"].get_group()
@@ -117,7 +131,7 @@ class Parallelized:
     def _loss_ctx(self):
         """Under tensor parallelism the logits stay sharded over the vocabulary and the loss is
         computed on the shards (forward and backward inside loss_parallel)."""
-        if self.cfg.tp > 1:
+        if self.tp_on:
             from torch.distributed.tensor.parallel import loss_parallel
 
             return loss_parallel()

@@ -151,48 +151,85 @@ class CommCounter(TorchDispatchMode):
         return out
 
 
+class HostClock:
+    """Marks are host times: on CPU the host runs the work, so its time is the work's."""
+
+    def mark(self) -> float:
+        return time.perf_counter()
+
+    def seconds(self, start: float, end: float) -> float:
+        return end - start
+
+
+class CudaClock:
+    """Marks are CUDA events recorded on the current stream: on a GPU the host only launches
+    kernels, so host time around a chunk measures the launch, not the GPU's work. An event pair
+    is read (`seconds`) only once the step's work is done: the report's sync (metrics.StepTimer)
+    precedes every read, so timing adds no host sync to a step."""
+
+    def mark(self):
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, start, end) -> float:
+        return start.elapsed_time(end) / 1e3
+
+
+def clock_for(device: torch.device):
+    return CudaClock() if device.type == "cuda" else HostClock()
+
+
 class PipelineTimer:
     """Busy time of this rank's stages inside a schedule step: forward_one_chunk,
     backward_one_chunk and backward_weight_one_chunk are pure compute (the schedule waits for
-    receives before calling them and only posts sends after). Bubble = 1 - busy / step time:
-    waiting for neighbours, p2p and schedule overhead. Theory for p stages, m microbatches and
-    v stages per rank: (p - 1) / (v m + p - 1)."""
+    receives before calling them and only posts sends after; on CUDA that wait is enqueued on the
+    stream before the chunk's first mark). Bubble = 1 - busy / step time: waiting for
+    neighbours, p2p and schedule overhead. Marks come from `clock` (host times on CPU, CUDA
+    events on a GPU) and are read only in take(), after the step's sync. Theory for p stages,
+    m microbatches and v stages per rank: (p - 1) / (v m + p - 1)."""
 
-    def __init__(self, schedule):
+    def __init__(self, schedule, clock=None):
         stages = getattr(schedule, "_stages", None) or [schedule._stage]
-        self.busy = 0.0
-        self.step_time = 0.0
-        self._busy_in_steps = 0.0  # busy time inside measured steps, since the last take()
+        self.clock = clock or HostClock()
+        self._chunks: list[tuple] = []  # (start, end) marks of every chunk since the last take()
+        self._steps: list[tuple] = []  # ... and of every schedule step
         for st in stages:
             for meth in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
                 setattr(st, meth, self._timed(getattr(st, meth)))
 
     def _timed(self, fn):
         def wrapper(*a, **k):
-            t = time.perf_counter()
+            if not self._in_step:  # validation's chunks (schedule.eval) are not timed
+                return fn(*a, **k)
+            start = self.clock.mark()
             try:
                 return fn(*a, **k)
             finally:
-                self.busy += time.perf_counter() - t
+                self._chunks.append((start, self.clock.mark()))
         return wrapper
 
-    def measure(self, step_fn):
-        """Run step_fn() (one schedule.step) and return its bubble fraction on this rank."""
-        busy0 = self.busy
-        t = time.perf_counter()
-        step_fn()
-        dt = time.perf_counter() - t
-        self.step_time += dt
-        self._busy_in_steps += self.busy - busy0
-        return 1.0 - (self.busy - busy0) / dt
+    _in_step = False
+
+    def measure(self, step_fn) -> None:
+        """Run step_fn() (one schedule.step), marking it and its chunks."""
+        start = self.clock.mark()
+        self._in_step = True
+        try:
+            step_fn()
+        finally:
+            self._in_step = False
+        self._steps.append((start, self.clock.mark()))
 
     def take(self) -> Optional[float]:
-        """Bubble fraction over the steps measured since the last take()."""
-        if not self.step_time:
+        """Bubble fraction over the steps measured since the last take(); call after a sync."""
+        if not self._steps:
             return None
-        bubble = 1.0 - self._busy_in_steps / self.step_time
-        self.step_time = self._busy_in_steps = 0.0
-        return bubble
+        seconds = self.clock.seconds
+        busy = sum(seconds(a, b) for a, b in self._chunks)
+        step = sum(seconds(a, b) for a, b in self._steps)
+        self._chunks, self._steps = [], []
+        return 1.0 - busy / step if step > 0 else None
 
     @staticmethod
     def theory(pp: int, microbatches: int, stages_per_rank: int = 1) -> float:

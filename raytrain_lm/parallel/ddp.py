@@ -7,13 +7,19 @@ import contextlib
 import torch
 
 
-def replicate(model: torch.nn.Module, compile: bool) -> torch.nn.Module:
-    """The DDP-wrapped module to train (compiled first, if asked)."""
+def replicate(model: torch.nn.Module, compile: bool, wrap=None) -> torch.nn.Module:
+    """The DDP-wrapped module to train, compiled after wrapping if asked: compiling the DDP module
+    lets Dynamo's DDPOptimizer split the graph at DDP's bucket boundaries, so each bucket's
+    all-reduce starts while the backward of the layers before it still runs (a compiled bare
+    model inside DDP is one graph whose gradients all arrive at its end: no overlap).
+    `wrap`: the DDP wrapper [Ray Train's prepare_model]."""
+    module = (wrap or _prepare_model)(model)
+    return torch.compile(module) if compile else module
+
+
+def _prepare_model(model: torch.nn.Module) -> torch.nn.Module:
     import ray.train.torch
 
-    if compile:
-        # Compile the bare module, then wrap (as nanoGPT does): DDP's hooks stay outside the graph.
-        model = torch.compile(model)
     # gradient_as_bucket_view: gradients live inside DDP's all-reduce buckets, saving one copy.
     return ray.train.torch.prepare_model(
         model, parallel_strategy="ddp",

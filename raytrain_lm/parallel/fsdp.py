@@ -4,6 +4,7 @@ rank can say about the shards it holds."""
 from __future__ import annotations
 
 import warnings
+from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -15,8 +16,14 @@ from raytrain_lm.config import TrainConfig
 warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
 
 
-def apply_dp(part: nn.Module, dp_mesh, cfg: TrainConfig, device: torch.device,
-             pipelined: bool) -> nn.Module:
+def shards(cfg: TrainConfig, dp: int, replicated: bool, force: bool = False) -> bool:
+    """Whether FSDP's fully_shard manages the parameters (and so the mixed precision) of this
+    layout: --strategy fsdp or zero2 over a dp dim of 2 or more (or of one, `force`d)."""
+    return not replicated and cfg.strategy in ("fsdp", "zero2") and (dp > 1 or force)
+
+
+def apply_dp(part: nn.Module, dp_mesh, cfg: TrainConfig, dtype: Optional[torch.dtype],
+             pipelined: bool, force: bool = False) -> nn.Module:
     """Shard (fsdp) or replicate (ddp) a model part over the "dp" mesh dim, in place, before its
     parameters are materialised. Both compose with tensor parallelism (the parameters are
     already DTensors on the tp dim) and with pipeline stages:
@@ -29,7 +36,7 @@ def apply_dp(part: nn.Module, dp_mesh, cfg: TrainConfig, device: torch.device,
             DTensor parameters, and a pipeline stage knows to all-reduce its gradients after the
             last microbatch only). Plain DDP without tp or pp goes through Ray (parallel/ddp.py).
     Both average the gradients over dp, so dp-sharded batches give the whole batch's gradient."""
-    if dp_mesh.size() == 1:
+    if dp_mesh.size() == 1 and not force:  # (force: fully_shard on one rank, for checks)
         return part
     if cfg.strategy == "ddp":
         from torch.distributed._composable.replicate_with_fsdp import replicate
@@ -40,10 +47,10 @@ def apply_dp(part: nn.Module, dp_mesh, cfg: TrainConfig, device: torch.device,
 
     # Pipelined: kept gathered (each microbatch would re-gather otherwise); zero2: kept to backward.
     kwargs = {"mesh": dp_mesh, "reshard_after_forward": not pipelined and cfg.strategy != "zero2"}
-    if device.type == "cuda" and cfg.precision in ("auto", "bf16"):
-        # Gather parameters and compute in bf16; reduce gradients in fp32 for accuracy.
-        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
-                                                   reduce_dtype=torch.float32)
+    if dtype is not None:
+        # Gather parameters and compute in `dtype`; reduce gradients in fp32 for accuracy. The
+        # run's only mixed precision (no autocast around it: step.py).
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     if cfg.compile:
         for block in blocks(part):
             block.compile()  # per block, as torchtitan does: FSDP's hooks stay outside graphs

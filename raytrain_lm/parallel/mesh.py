@@ -42,7 +42,31 @@ def build_mesh(device: torch.device, tp: int = 1, pp: int = 1):
     world = dist.get_world_size()
     if world % (tp * pp):
         raise ValueError(f"{world} workers are not a multiple of tp x pp = {tp} x {pp}")
-    return init_device_mesh(device.type, (pp, world // (tp * pp), tp), mesh_dim_names=DIMS)
+    mesh = init_device_mesh(device.type, (pp, world // (tp * pp), tp), mesh_dim_names=DIMS)
+    for dim in DIMS:
+        match_world_timeout(mesh.get_group(dim))
+    return mesh
+
+
+def world_timeout():
+    """The timeout of the world process group (Ray Train sets it: TorchConfig.timeout_s), a
+    timedelta; None where the backend does not say."""
+    pg = dist.distributed_c10d._get_default_group()
+    for device in pg._device_types:
+        options = getattr(pg._get_backend(device), "options", None)
+        if options is not None and hasattr(options, "_timeout"):
+            return options._timeout
+    return None
+
+
+def match_world_timeout(group) -> None:
+    """Give a sub-group the world group's timeout (as torchtitan's set_pg_timeouts). Sub-groups
+    otherwise get the backend's default (NCCL: 10 minutes) while Ray gives the world 30: a rank
+    waiting in a mesh dim's collective for a peer that downloads a shard or uploads a checkpoint
+    would time out on the sub-group first."""
+    timeout = world_timeout()
+    if timeout is not None and group is not None:
+        dist.distributed_c10d._set_pg_timeout(timeout, group)
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from raytrain_lm.checks import split_layers  # noqa: F401  (pure; the planner uses it too)
 from raytrain_lm.model import Decoder, build_model
+from raytrain_lm.parallel.mesh import world_timeout
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B}
 
@@ -141,7 +142,7 @@ def tied_group(mesh: DeviceMesh) -> dist.ProcessGroup | None:
     for d in range(grid.shape[1]):
         for t in range(grid.shape[2]):
             ranks = [int(grid[0, d, t]), int(grid[-1, d, t])]
-            g = dist.new_group(ranks)
+            g = dist.new_group(ranks, timeout=world_timeout())
             if dist.get_rank() in ranks:
                 mine = g
     return mine

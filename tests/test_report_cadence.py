@@ -1,0 +1,82 @@
+"""When the loop reports: by a fixed step count when asked, else paced by time (loop.Cadence),
+the same steps on every rank because the pace comes from the report's own all-reduce (Meter)."""
+
+from __future__ import annotations
+
+import torch
+
+from raytrain_lm.config import TrainConfig
+from raytrain_lm.loop import Cadence
+from raytrain_lm.metrics import Meter
+
+
+def cadence(**settings) -> Cadence:
+    cfg = TrainConfig()
+    for k, v in {**dict(max_steps=100_000, eval_every=100_000, checkpoint_every=0), **settings}.items():
+        setattr(cfg, k, v)
+    return Cadence(cfg)
+
+
+def reported(c: Cadence, step_time: float, steps: int) -> list[int]:
+    out = []
+    for step in range(1, steps + 1):
+        if c.reports(step):
+            out.append(step)
+            c.paced(step, step_time)
+    return out
+
+
+def test_fast_steps_report_about_once_per_log_seconds():
+    # 2 ms steps, one report a second: every 500 steps, after the first step's own report.
+    assert reported(cadence(log_seconds=1.0), 0.002, 2000) == [1, 501, 1001, 1501]
+
+
+def test_slow_steps_report_every_step():
+    assert reported(cadence(log_seconds=1.0), 3.0, 4) == [1, 2, 3, 4]
+
+
+def test_the_pace_follows_the_measured_step_time():
+    c = cadence(log_seconds=2.0)
+    assert c.reports(1)
+    assert c.paced(1, 0.5) == 5  # the warm-up step: 4 steps of 0.5 s
+    assert c.paced(5, 0.01) == 205  # steps got fast: 200 more
+
+
+def test_an_explicit_log_every_is_exact_whatever_the_step_time():
+    c = cadence(log_every=10, log_seconds=1.0)
+    assert reported(c, 0.001, 40) == [10, 20, 30, 40]
+
+
+def test_validation_and_the_last_step_still_report():
+    c = cadence(log_seconds=1000.0, eval_every=7, max_steps=20)
+    assert reported(c, 0.001, 20) == [1, 7, 14, 20]
+
+
+def test_meter_gives_the_interval_step_time_for_the_pace():
+    class Layout:  # what Meter.row reads of a layout, as parallel.Parallelized has it
+        parts = [torch.nn.Linear(2, 2)]
+        optimizers, comm_bytes = [], {}
+
+        def take_bubble(self):
+            return None
+
+    meter = Meter(torch.device("cpu"), 1, 1.0, None, 6, 0.0)
+    for _ in range(4):
+        meter.add_step(torch.tensor(1.0), 10, 0.0)
+    row = meter.row(4, 1e-3, 1.0, Layout())
+    assert meter.slowest_step_time == row["step_time"] > 0
+    assert row["peak_mem_reserved_gb"] is None  # CPU: no caching allocator
+
+
+def test_a_negative_count_or_a_pace_of_no_time_is_refused_in_one_line():
+    import pytest
+
+    from raytrain_lm.checks import validate
+    from raytrain_lm.errors import UserError
+
+    for settings in (dict(log_every=-1), dict(log_seconds=0.0)):
+        cfg = TrainConfig()
+        for k, v in settings.items():
+            setattr(cfg, k, v)
+        with pytest.raises(UserError, match="--log-every must be >= 0 .* --log-seconds positive"):
+            validate(cfg)
