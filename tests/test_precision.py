@@ -62,9 +62,10 @@ def _projection_dtype(step: TrainStep) -> torch.dtype:
 
 
 def test_fsdp_computes_in_bf16_by_its_policy_alone_and_tp_by_autocast(two_ranks):
-    fsdp = _step(strategy="fsdp")
-    assert fsdp.parallel.mixed_by_fsdp and isinstance(fsdp.autocast, nullcontext)
-    assert _projection_dtype(fsdp) == torch.bfloat16  # the MixedPrecisionPolicy's gather
+    for strategy in ("fsdp", "zero2"):  # zero2 is fully_shard too: the same single mechanism
+        fsdp = _step(strategy=strategy)
+        assert fsdp.parallel.mixed_by_fsdp and isinstance(fsdp.autocast, nullcontext), strategy
+        assert _projection_dtype(fsdp) == torch.bfloat16  # the MixedPrecisionPolicy's gather
     tp = _step(tp=2)
     assert not tp.parallel.mixed_by_fsdp and isinstance(tp.autocast, torch.autocast)
     assert _projection_dtype(tp) == torch.bfloat16  # autocast over DTensor matmuls
