@@ -66,9 +66,10 @@ def test_memory_of_tp2_pp2_fsdp2_by_hand():
     assert m0.activations == 2 * (2816 + 256)
     assert m0.logits == 0 and m0.total == 3968 + 2976 + 6144 == 13088
     m1 = rank_memory(TINY, lay, cl, last, rank=1)
-    # one microbatch in flight; logits 16 tokens * 16/2 vocab * (2 + 4 + 4) bytes.
-    assert m1.activations == 2816 and m1.logits == 1280
-    assert m1.total == 16 * 472 / 2 + 472 * 6 + 2816 + 1280 == 10704
+    # one microbatch in flight; logits 16 tokens * 16/2 vocab * 12 bytes: the loss's backward
+    # holds three fp32 tensors of the logits' size (more than its forward's 2 + 4 + 4).
+    assert m1.activations == 2816 and m1.logits == 1536
+    assert m1.total == 16 * 472 / 2 + 472 * 6 + 2816 + 1536 == 10960
     assert estimate_layout(TINY, lay, cl).memory.total == 13088  # the worst rank
     # An fp32 run keeps every activation in 4 bytes: twice as much.
     fp32 = rank_memory(TINY, lay, Cluster(gpus=8, precision="fp32"), first, rank=0)
@@ -92,7 +93,29 @@ def test_activation_variants_by_hand():
     # log-softmax too: 1280 + 128 * 4.
     last = rank_stages(TINY, 2, 1)[1]
     gpipe = rank_memory(TINY, tiny_layout(schedule="gpipe"), cl, last, 1)
-    assert gpipe.activations == 2 * 2816 and gpipe.logits == 1280 + 512
+    assert gpipe.activations == 2 * 2816 and gpipe.logits == 1536 + 512
+    # Op (every other matmul kept): the block input whole, the c_attn, attention and c_fc outputs
+    # divided, (1 + 8/2) * 8 * 2 * 16 = 1280 per layer; while a block runs backward what it did
+    # not keep exists again: 2816 - 1280.
+    assert rank_memory(TINY, tiny_layout(ac="op"), cl, first, 0).activations == \
+        2 * (1280 + 256) + 2816 - 1280
+
+
+def test_op_checkpointing_counted_by_hand():
+    """Op recomputes the 2nd, 4th, ... matmul of each block but not its last (parallel/ac.py;
+    tests/test_ac.py counts them in torch): the GPT's attention output projection (h x h), the
+    Llama's k, o and up projections; it keeps the Llama's block input and down output whole and
+    the q, v, attention and gate outputs divided."""
+    from raytrain_lm.plan.estimate import recompute_flops_per_token
+    from raytrain_lm.plan.layout import activation_split
+
+    assert recompute_flops_per_token(TINY, "op", 8) == 2 * 2 * 8 * 8
+    llama = ModelConfig(arch="llama", bias=False, vocab_size=320, block_size=64, n_layer=2,
+                        n_head=4, n_kv_head=2, n_embd=64, multiple_of=32)
+    kv, f = 2 * 16, llama.hidden_dim  # k/v width: 2 kv heads of 16
+    assert recompute_flops_per_token(llama, "op", 64) == 2 * 2 * (64 * kv + 64 * 64 + 64 * f)
+    assert activation_split(llama, "op") == (2, 1 + 0.5 + 1 + f / 64)
+    assert sum(activation_split(llama, "op")) < sum(activation_split(llama, "selective"))
 
 
 def test_data_parallel_memory_and_comm_by_hand():

@@ -61,7 +61,9 @@ def dp_comm(p: dict[str, float], lay: Layout, cl: Cluster, stages: list[Stage]) 
 def tp_comm(m: ModelConfig, lay: Layout, cl: Cluster, stages: list[Stage]) -> float:
     if lay.tp == 1:
         return 0.0
-    per_layer = 4 + (0 if lay.ac == "none" else 1)  # fwd 2, bwd 2, recomputed attention output
+    # fwd 2, bwd 2, and the attention output's again where it is recomputed (op keeps
+    # sequence parallelism's reduce-scatters: parallel/ac.py)
+    per_layer = 4 + (0 if lay.ac == "none" or (lay.ac == "op" and lay.sp) else 1)
     calls = sum(st.layers * per_layer + st.first + st.last for st in stages)
     size = lay.sequences * lay.seq_len * m.n_embd * cl.act_bytes  # every micro-batch of the step
     return calls * ring_bytes("all_reduce", lay.tp, size)

@@ -22,9 +22,24 @@ def flops_per_token(m: ModelConfig, seq_len: int) -> float:
     return 6.0 * matmul_params(m) + 12.0 * m.n_layer * m.n_embd * seq_len
 
 
+def block_matmuls(m: ModelConfig) -> list[int]:
+    """A block's matmuls in forward order, by weight elements (their forward FLOPs: 2 per
+    element per token)."""
+    h = m.n_embd
+    if m.arch == "llama":
+        kv = m.kv_heads * m.head_dim
+        return [h * h, h * kv, h * kv, h * h, h * m.hidden_dim, h * m.hidden_dim, h * m.hidden_dim]
+    return [3 * h * h, h * h, 4 * h * h, 4 * h * h]
+
+
 def recompute_flops_per_token(m: ModelConfig, ac: str, seq_len: int) -> float:
     """Full checkpointing runs every block's forward again (a third of its 6N + 12 L H Q T);
+    op runs every other matmul again (the 2nd, 4th, ... of a block, but not its last: torch's
+    checkpoint stops recomputing once backward has what it needs; attention's output is kept);
     selective recomputes elementwise ops only (counted as free)."""
+    if ac == "op":
+        mms = block_matmuls(m)
+        return 2.0 * m.n_layer * sum(w for i, w in enumerate(mms[:-1]) if i % 2 == 1)
     if ac != "full":
         return 0.0
     return 2.0 * m.n_layer * param_counts(m)["block"] + 4.0 * m.n_layer * m.n_embd * seq_len
