@@ -51,6 +51,15 @@ class Cluster:
     # reduce_dtype, DDP's fp32 gradients); Megatron-LM reduces fp16 gradients in fp16 unless
     # --accumulate-allreduce-grads-in-fp32
     reduce_bytes: int = 4
+    # Whether full recomputation stops once backward has what it needs (torch.utils.checkpoint's
+    # non-reentrant default, this project's and torchtitan's: a block's last matmul and its
+    # all-reduce are not run again); Megatron-LM's and DeepSpeed's checkpointing reruns the
+    # whole block
+    recompute_early_stop: bool = True
+    # Whether pipeline sends overlap compute (torch.distributed.pipelining posts them
+    # asynchronously); Megatron-LM's p2p of 2021 (and Megatron-DeepSpeed's) waits for each
+    # batched send/receive and synchronizes the device before computing on
+    overlap_pp: bool = True
 
     @property
     def budget(self) -> float:
