@@ -507,3 +507,25 @@ def test_framework_inputs_reduce_dtype_and_overlap():
     exposed = estimate_layout(TINY, ddp, Cluster(gpus=4, efficiency=0.5, overlap_reduce=False))
     assert hidden.dp_exposed_s == max(0.0, 10608 / cl.bandwidth(4) - hidden.compute_s)
     assert exposed.dp_exposed_s == pytest.approx(10608 / cl.bandwidth(4))
+
+
+def test_framework_inputs_recompute_and_pipeline_sends():
+    """torch's checkpoint stops before a block's last matmul (tests/test_ac.py counts it), so
+    full recomputation skips the GPT's MLP output projection (4 h^2) and its all-reduce;
+    Megatron-LM's reruns the whole block. A framework that waits for each pipeline send exposes
+    all of them (Megatron-LM of 2021)."""
+    from raytrain_lm.plan.comm import tp_comm
+    from raytrain_lm.plan.estimate import recompute_flops_per_token
+
+    block, attention = 12 * 8 * 8 + 2 * 8, 4 * 2 * 8 * 8  # TINY: h 8, 2 layers, 8 tokens, no biases
+    assert recompute_flops_per_token(TINY, "full", 8) == 2 * 2 * (block - 4 * 8 * 8) + attention
+    assert recompute_flops_per_token(TINY, "full", 8, early_stop=False) == 2 * 2 * block + attention
+    only = rank_stages(TINY, 1, 1)[0]
+    full = Layout(1, 2, 1, "ddp", "full", False, "-", 2, 1, 8)
+    cl, whole = Cluster(gpus=2), Cluster(gpus=2, recompute_early_stop=False)
+    assert tp_comm(TINY, full, cl, only) / 12 == tp_comm(TINY, full, whole, only) / 14  # 2 x 5 + 2, 2 x 6 + 2
+    lay, ecl = tiny_layout(microbatches=8), Cluster(gpus=8, efficiency=0.5)
+    comm = rank_comm(TINY, lay, ecl, rank_stages(TINY, 2, 1)[0])
+    waits = estimate_layout(TINY, lay, Cluster(gpus=8, efficiency=0.5, overlap_pp=False))
+    overlaps = estimate_layout(TINY, lay, ecl)
+    assert waits.pp_s == pytest.approx(comm.pp / ecl.bandwidth(8)) and overlaps.pp_s < waits.pp_s
