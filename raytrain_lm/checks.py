@@ -227,8 +227,8 @@ def validate(cfg: TrainConfig) -> None:
         raise UserError("--layout auto plans one worker count: give --workers N, not MIN-MAX")
     if cfg.strategy not in STRATEGIES:
         raise UserError(f"--strategy must be one of {', '.join(STRATEGIES)}, got {cfg.strategy!r}")
-    if cfg.activation_checkpointing not in ("none", "full", "selective"):
-        raise UserError("--activation-checkpointing must be none, full or selective, got "
+    if cfg.activation_checkpointing not in ("none", "selective", "op", "full"):
+        raise UserError("--activation-checkpointing must be none, selective, op or full, got "
                         f"{cfg.activation_checkpointing!r}")
     if cfg.schedule not in SCHEDULES:
         raise UserError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {cfg.schedule!r}")

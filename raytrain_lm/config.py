@@ -161,8 +161,11 @@ class TrainConfig:
                                            "[default: what Ray reports].")
     sequence_parallel: bool = setting(False, help="With --tp: shard LayerNorm and dropout "
                                       "activations over the sequence too.")
-    activation_checkpointing: str = setting("none", help="Recompute activations in backward: none, "
-                                            "full or selective.")
+    activation_checkpointing: str = setting("none", help="Recompute activations in backward: none; "
+                                            "selective (all but matmul and attention outputs); "
+                                            "op (torchtitan's per-op policy: all but attention "
+                                            "outputs and every other matmul's); full (each "
+                                            "block from its input).")
     seed: int = setting(1337, help="Random seed.")
     # cadence
     log_every: int = setting(0, help="Steps between metric reports, exactly; 0: paced by "

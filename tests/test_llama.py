@@ -275,7 +275,7 @@ def test_the_planner_counts_the_llama_as_built():
         plan(m, Cluster(gpus=4, gpus_per_node=4), 4, 64, tp=4)
 
 
-@pytest.mark.parametrize("mode", ["full", "selective"])
+@pytest.mark.parametrize("mode", ["full", "selective", "op"])
 def test_activation_checkpointing_gives_the_same_gradients(mode):
     """parallel/ac.py wraps the Llama's blocks as the GPT's: recomputed, the same gradients."""
     from raytrain_lm.parallel.ac import apply_activation_checkpointing

@@ -66,9 +66,10 @@ def test_memory_of_tp2_pp2_fsdp2_by_hand():
     assert m0.activations == 2 * (2816 + 256)
     assert m0.logits == 0 and m0.total == 3968 + 2976 + 6144 == 13088
     m1 = rank_memory(TINY, lay, cl, last, rank=1)
-    # one microbatch in flight; logits 16 tokens * 16/2 vocab * (2 + 4 + 4) bytes.
-    assert m1.activations == 2816 and m1.logits == 1280
-    assert m1.total == 16 * 472 / 2 + 472 * 6 + 2816 + 1280 == 10704
+    # one microbatch in flight; logits 16 tokens * 16/2 vocab * 12 bytes: the loss's backward
+    # holds three fp32 tensors of the logits' size (more than its forward's 2 + 4 + 4).
+    assert m1.activations == 2816 and m1.logits == 1536
+    assert m1.total == 16 * 472 / 2 + 472 * 6 + 2816 + 1536 == 10960
     assert estimate_layout(TINY, lay, cl).memory.total == 13088  # the worst rank
     # An fp32 run keeps every activation in 4 bytes: twice as much.
     fp32 = rank_memory(TINY, lay, Cluster(gpus=8, precision="fp32"), first, rank=0)
@@ -92,7 +93,29 @@ def test_activation_variants_by_hand():
     # log-softmax too: 1280 + 128 * 4.
     last = rank_stages(TINY, 2, 1)[1]
     gpipe = rank_memory(TINY, tiny_layout(schedule="gpipe"), cl, last, 1)
-    assert gpipe.activations == 2 * 2816 and gpipe.logits == 1280 + 512
+    assert gpipe.activations == 2 * 2816 and gpipe.logits == 1536 + 512
+    # Op (every other matmul kept): the block input whole, the c_attn, attention and c_fc outputs
+    # divided, (1 + 8/2) * 8 * 2 * 16 = 1280 per layer; while a block runs backward what it did
+    # not keep exists again: 2816 - 1280.
+    assert rank_memory(TINY, tiny_layout(ac="op"), cl, first, 0).activations == \
+        2 * (1280 + 256) + 2816 - 1280
+
+
+def test_op_checkpointing_counted_by_hand():
+    """Op recomputes the 2nd, 4th, ... matmul of each block but not its last (parallel/ac.py;
+    tests/test_ac.py counts them in torch): the GPT's attention output projection (h x h), the
+    Llama's k, o and up projections; it keeps the Llama's block input and down output whole and
+    the q, v, attention and gate outputs divided."""
+    from raytrain_lm.plan.estimate import recompute_flops_per_token
+    from raytrain_lm.plan.layout import activation_split
+
+    assert recompute_flops_per_token(TINY, "op", 8) == 2 * 2 * 8 * 8
+    llama = ModelConfig(arch="llama", bias=False, vocab_size=320, block_size=64, n_layer=2,
+                        n_head=4, n_kv_head=2, n_embd=64, multiple_of=32)
+    kv, f = 2 * 16, llama.hidden_dim  # k/v width: 2 kv heads of 16
+    assert recompute_flops_per_token(llama, "op", 64) == 2 * 2 * (64 * kv + 64 * 64 + 64 * f)
+    assert activation_split(llama, "op") == (2, 1 + 0.5 + 1 + f / 64)
+    assert sum(activation_split(llama, "op")) < sum(activation_split(llama, "selective"))
 
 
 def test_data_parallel_memory_and_comm_by_hand():
@@ -484,3 +507,25 @@ def test_framework_inputs_reduce_dtype_and_overlap():
     exposed = estimate_layout(TINY, ddp, Cluster(gpus=4, efficiency=0.5, overlap_reduce=False))
     assert hidden.dp_exposed_s == max(0.0, 10608 / cl.bandwidth(4) - hidden.compute_s)
     assert exposed.dp_exposed_s == pytest.approx(10608 / cl.bandwidth(4))
+
+
+def test_framework_inputs_recompute_and_pipeline_sends():
+    """torch's checkpoint stops before a block's last matmul (tests/test_ac.py counts it), so
+    full recomputation skips the GPT's MLP output projection (4 h^2) and its all-reduce;
+    Megatron-LM's reruns the whole block. A framework that waits for each pipeline send exposes
+    all of them (Megatron-LM of 2021)."""
+    from raytrain_lm.plan.comm import tp_comm
+    from raytrain_lm.plan.estimate import recompute_flops_per_token
+
+    block, attention = 12 * 8 * 8 + 2 * 8, 4 * 2 * 8 * 8  # TINY: h 8, 2 layers, 8 tokens, no biases
+    assert recompute_flops_per_token(TINY, "full", 8) == 2 * 2 * (block - 4 * 8 * 8) + attention
+    assert recompute_flops_per_token(TINY, "full", 8, early_stop=False) == 2 * 2 * block + attention
+    only = rank_stages(TINY, 1, 1)[0]
+    full = Layout(1, 2, 1, "ddp", "full", False, "-", 2, 1, 8)
+    cl, whole = Cluster(gpus=2), Cluster(gpus=2, recompute_early_stop=False)
+    assert tp_comm(TINY, full, cl, only) / 12 == tp_comm(TINY, full, whole, only) / 14  # 2 x 5 + 2, 2 x 6 + 2
+    lay, ecl = tiny_layout(microbatches=8), Cluster(gpus=8, efficiency=0.5)
+    comm = rank_comm(TINY, lay, ecl, rank_stages(TINY, 2, 1)[0])
+    waits = estimate_layout(TINY, lay, Cluster(gpus=8, efficiency=0.5, overlap_pp=False))
+    overlaps = estimate_layout(TINY, lay, ecl)
+    assert waits.pp_s == pytest.approx(comm.pp / ecl.bandwidth(8)) and overlaps.pp_s < waits.pp_s

@@ -5,7 +5,7 @@ prints them; `train` checks its own layout with the same model (preflight.check_
 A layout: dp x tp x pp = GPUs, ranks placed as parallel/mesh.py places them (tp innermost, pp
 outermost); the data-parallel dimension is ddp (replicas), zero1 (AdamW's states sharded), zero2
 (FSDP2 keeping parameters gathered to backward) or fsdp (FSDP2 shards); activation checkpointing
-none, selective or full; sequence parallelism (with tp); with pp, the schedule (gpipe, 1f1b, or
+none, selective, op or full; sequence parallelism (with tp); with pp, the schedule (gpipe, 1f1b, or
 interleaved-1f1b with v stages per GPU) and its microbatches; the micro-batch.
 
 Assumptions (stated so a user can check them):
@@ -49,7 +49,11 @@ the pipeline rank that needs the most:
   parallelism everything divides by tp. A Llama counted the same way (layout.activation_split):
   4 whole (both norm inputs, the inputs of q/k/v and of the MLP) and 2 + 2 kv/H + 4 f/h divided
   (rotated q and k, v, the attention output; SwiGLU's gate, up, silu(gate) and their product,
-  each f wide); selective keeps 3 whole and 2 + 2 kv/H + 2 f/h divided. Full checkpointing keeps each block's input (in the
+  each f wide); selective keeps 3 whole and 2 + 2 kv/H + 2 f/h divided. Op (torchtitan's
+  per-op policy: attention's outputs and every other matmul's, parallel/ac.py) keeps the block
+  input whole and c_attn's, attention's and c_fc's outputs divided (1 + 8); the Llama's block
+  input and down output whole and q, v, attention and gate divided (2 + 1 + kv/H + 1 + f/h),
+  plus, while a block runs backward, what it did not keep. Full checkpointing keeps each block's input (in the
   activation dtype; divided by tp with sequence parallelism) plus one block's activations while
   it is recomputed. The first stage also keeps the embedding output.
 - Microbatches in flight (activations held at once): no pipeline: 1; gpipe: all m; 1f1b (torch's
@@ -58,7 +62,9 @@ the pipeline rank that needs the most:
   before its first backward and one more in steady state, each chunk one stage's layers (about
   1.4 x 1f1b's memory at pp 8).
 - Logits, last stage only: micro-batch x seq x vocab / tp (the loss runs vocabulary-parallel: the
-  logits are never gathered) in the activation dtype plus an fp32 copy and its gradient; gpipe
+  logits are never gathered) x 12 bytes: the loss's backward holds log_softmax's saved fp32
+  output, the fp32 gradient nll_loss hands it and the one it returns (its forward holds less: the
+  logits, their fp32 copy, the log-softmax); gpipe
   also keeps the fp32 log-softmax (4 bytes) of every other microbatch in flight.
 - Usable: 90% of the GPU's memory (allocator fragmentation, CUDA context, NCCL buffers).
 
@@ -85,8 +91,8 @@ all-gather and reduce-scatter (n-1)/n x size), as parallel/comm.py counts them:
 
 Step time:
 - Compute: the step's model FLOPs (PaLM: 6 N + 12 L H Q T per token, model.flops_per_token) plus
-  recomputation (full: one more forward of every block; selective recomputes only elementwise
-  ops, counted as free), spread evenly over every GPU at --gpu-tflops x the compute efficiency:
+  recomputation (full: one more forward of every block; op: the 2nd, 4th, ... matmul of each
+  block but its last; selective recomputes only elementwise ops, counted as free), spread evenly over every GPU at --gpu-tflops x the compute efficiency:
   efficiency.py's function of the matmul size (peak_fraction x F / (F + F_HALF), F the FLOPs
   of one h x h/tp matmul of a micro-batch), or --compute-efficiency.
 - Overlap (estimate.rank_step): tp traffic is all exposed (vanilla TP: each collective sits

@@ -61,7 +61,13 @@ def dp_comm(p: dict[str, float], lay: Layout, cl: Cluster, stages: list[Stage]) 
 def tp_comm(m: ModelConfig, lay: Layout, cl: Cluster, stages: list[Stage]) -> float:
     if lay.tp == 1:
         return 0.0
-    per_layer = 4 + (0 if lay.ac == "none" else 1)  # fwd 2, bwd 2, recomputed attention output
+    # fwd 2, bwd 2, and the attention output's again where it is recomputed (op keeps
+    # sequence parallelism's reduce-scatters: parallel/ac.py); the MLP's too where full
+    # recomputation reruns the whole block (Cluster.recompute_early_stop False)
+    again = 0 if lay.ac == "none" or (lay.ac == "op" and lay.sp) else 1
+    if lay.ac == "full" and not cl.recompute_early_stop:
+        again = 2
+    per_layer = 4 + again
     calls = sum(st.layers * per_layer + st.first + st.last for st in stages)
     size = lay.sequences * lay.seq_len * m.n_embd * cl.act_bytes  # every micro-batch of the step
     return calls * ring_bytes("all_reduce", lay.tp, size)

@@ -23,13 +23,13 @@ from raytrain_lm.config import ModelConfig
 # FLOPs of one matmul at which half of the ceiling is reached. The published runs below hardly
 # constrain it (their matmuls are large: the fit's error falls by <0.1% from 1e9 to 3e10), so it
 # is pinned by one small-model figure: nanoGPT's GPT-2 124M at micro-batch 12 x 1024 tokens on
-# an A100, 37% MFU (design notes), where F = 1.45e10 and this formula gives 0.59 x 0.56 = 33%.
+# an A100, 37% MFU (design notes), where F = 1.45e10 and this formula gives 0.59 x 0.58 = 34%.
 F_HALF = 1.0e10
 # Ceiling by GPU kind, fitted at that F_HALF (bench/planner_validation.py --fit, least squares
 # of the log ratios of tokens/s): a100 on Megatron-LM's, MT-NLG's, BLOOM's and torchtitan's A100
 # runs; h100 on torchtitan's H100 runs, whose hosts run their H100s at 500 W (below the 989
 # TFLOP/s of a 700 W SXM part, which reaches more: pass --peak-fraction).
-PEAK_FRACTION = {"h100": 0.36, "a100": 0.56}
+PEAK_FRACTION = {"h100": 0.38, "a100": 0.58}
 DEFAULT_GPU = "h100"
 
 

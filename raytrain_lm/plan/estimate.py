@@ -22,12 +22,30 @@ def flops_per_token(m: ModelConfig, seq_len: int) -> float:
     return 6.0 * matmul_params(m) + 12.0 * m.n_layer * m.n_embd * seq_len
 
 
-def recompute_flops_per_token(m: ModelConfig, ac: str, seq_len: int) -> float:
-    """Full checkpointing runs every block's forward again (a third of its 6N + 12 L H Q T);
-    selective recomputes elementwise ops only (counted as free)."""
+def block_matmuls(m: ModelConfig) -> list[int]:
+    """A block's matmuls in forward order, by weight elements (their forward FLOPs: 2 per
+    element per token)."""
+    h = m.n_embd
+    if m.arch == "llama":
+        kv = m.kv_heads * m.head_dim
+        return [h * h, h * kv, h * kv, h * h, h * m.hidden_dim, h * m.hidden_dim, h * m.hidden_dim]
+    return [3 * h * h, h * h, 4 * h * h, 4 * h * h]
+
+
+def recompute_flops_per_token(m: ModelConfig, ac: str, seq_len: int,
+                              early_stop: bool = True) -> float:
+    """Full checkpointing runs every block's forward again (a third of its 6N + 12 L H Q T) but,
+    with `early_stop` (torch's checkpoint: it stops recomputing once backward has what it
+    needs), its last matmul, whose output backward does not need; op runs every other matmul
+    again (the 2nd, 4th, ... of a block, not its last; attention's output is kept); selective
+    recomputes elementwise ops only (counted as free)."""
+    mms = block_matmuls(m)
+    if ac == "op":
+        return 2.0 * m.n_layer * sum(w for i, w in enumerate(mms[:-1]) if i % 2 == 1)
     if ac != "full":
         return 0.0
-    return 2.0 * m.n_layer * param_counts(m)["block"] + 4.0 * m.n_layer * m.n_embd * seq_len
+    block = param_counts(m)["block"] - (mms[-1] if early_stop else 0)
+    return 2.0 * m.n_layer * block + 4.0 * m.n_layer * m.n_embd * seq_len
 
 
 def bubble(pp: int, microbatches: int, stages_per_rank: int = 1) -> float:
@@ -66,7 +84,8 @@ def rank_step(lay: Layout, cl: Cluster, comm: Comm, compute: float, idle: float,
     - pp: the sends along the pipeline's fill and drain (the first microbatch's activations
       through every stage boundary, its last gradient back: 2 (v pp - 1) sends of `send_s`),
       plus whatever the steady state's sends take beyond the compute they overlap
-      (torch.distributed.pipelining posts them asynchronously), plus the tied embedding's
+      (torch.distributed.pipelining posts them asynchronously; all of them where the
+      framework waits for each send, Cluster.overlap_pp False), plus the tied embedding's
       gradient all-reduce after the last microbatch (in comm.pp beyond the sends).
     - dp without a pipeline: gathers and gradient reductions overlap the compute (FSDP2
       prefetches its gathers, DDP and FSDP2 reduce buckets or blocks during backward), up to the
@@ -79,7 +98,8 @@ def rank_step(lay: Layout, cl: Cluster, comm: Comm, compute: float, idle: float,
     if lay.pp > 1:
         chain = 2 * (lay.v * lay.pp - 1) * send_s
         sends = (comm.pp - comm.pp_tied) / bw_pp
-        t_pp = chain + max(0.0, sends - chain - compute) + comm.pp_tied / bw_pp
+        hidden = max(0.0, sends - chain - compute) if cl.overlap_pp else sends - chain
+        t_pp = chain + hidden + comm.pp_tied / bw_pp
     gather = comm.dp_gather / cl.bandwidth(lay.blocks["dp"])
     reduce = comm.dp_reduce / cl.bandwidth(lay.blocks["dp"])
     if not cl.overlap_reduce:
@@ -99,7 +119,7 @@ def estimate_layout(m: ModelConfig, lay: Layout, cl: Cluster) -> Estimate:
     memory = max((rank_memory(m, lay, cl, ranks[r], r) for r in candidates), key=lambda x: x.total)
     tokens = lay.dp * lay.sequences * lay.seq_len
     model_flops = flops_per_token(m, lay.seq_len) * tokens
-    work = model_flops + recompute_flops_per_token(m, lay.ac, lay.seq_len) * tokens
+    work = model_flops + recompute_flops_per_token(m, lay.ac, lay.seq_len, cl.recompute_early_stop) * tokens
     eff = compute_efficiency(m, lay.micro_batch, lay.seq_len, lay.tp, cl.peak_fraction,
                              cl.efficiency)
     compute = work / (lay.gpus * cl.tflops * 1e12 * eff)

@@ -21,9 +21,10 @@ H100_TFLOPS = 989.0  # H100 SXM dense bf16 (gpus.py)
 GPUS_PER_NODE = 8
 
 # Activation elements per layer per token, in units of the width: (whole on every tp rank without
-# sequence parallelism, divided by tp). Sums: 17 without recomputation, 11 selective.
-AC_SPLIT = {"none": (5, 12), "selective": (3, 8)}
-AC_MODES = ("none", "selective", "full")
+# sequence parallelism, divided by tp). Sums: 17 without recomputation, 11 selective, 9 op (the
+# block input; the outputs of c_attn, attention and c_fc: parallel/ac.py).
+AC_SPLIT = {"none": (5, 12), "selective": (3, 8), "op": (1, 8)}
+AC_MODES = ("none", "selective", "op", "full")
 # STRATEGIES (checks.py), of the data-parallel dimension: ddp replicates everything; zero1 shards
 # AdamW's states over dp; zero2 also the gradients (FSDP2 with reshard_after_forward=False:
 # parameters gathered once per micro-step and kept through backward); fsdp (ZeRO-3) also the
@@ -50,6 +51,15 @@ class Cluster:
     # reduce_dtype, DDP's fp32 gradients); Megatron-LM reduces fp16 gradients in fp16 unless
     # --accumulate-allreduce-grads-in-fp32
     reduce_bytes: int = 4
+    # Whether full recomputation stops once backward has what it needs (torch.utils.checkpoint's
+    # non-reentrant default, this project's and torchtitan's: a block's last matmul and its
+    # all-reduce are not run again); Megatron-LM's and DeepSpeed's checkpointing reruns the
+    # whole block
+    recompute_early_stop: bool = True
+    # Whether pipeline sends overlap compute (torch.distributed.pipelining posts them
+    # asynchronously); Megatron-LM's p2p of 2021 (and Megatron-DeepSpeed's) waits for each
+    # batched send/receive and synchronizes the device before computing on
+    overlap_pp: bool = True
 
     @property
     def budget(self) -> float:
@@ -183,11 +193,14 @@ def activation_split(m: ModelConfig, ac: str) -> tuple[float, float]:
     counted the same way: without recomputation the two norm inputs and the inputs of q/k/v and
     of the MLP stay whole (4); the rotated q and k, v, the attention output and SwiGLU's gate,
     up, silu(gate) and product (4 x hidden) divide. Selective keeps the block input and the two
-    row-parallel outputs whole (3) and the q/k/v and attention outputs, gate and up divided."""
+    row-parallel outputs whole (3) and the q/k/v and attention outputs, gate and up divided. Op
+    (every other matmul: parallel/ac.py) keeps the block input and the down projection's output
+    whole (2), and the q, v, attention and gate outputs divided."""
     if m.arch != "llama":
         return AC_SPLIT[ac]
     kv, f = 2 * m.kv_heads / m.n_head, m.hidden_dim / m.n_embd
-    return (4, 2 + kv + 4 * f) if ac == "none" else (3, 2 + kv + 2 * f)
+    return {"none": (4, 2 + kv + 4 * f), "selective": (3, 2 + kv + 2 * f),
+            "op": (2, 2 + kv / 2 + f)}[ac]
 
 
 @dataclass(frozen=True)

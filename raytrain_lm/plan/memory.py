@@ -62,6 +62,8 @@ def activation_bytes(m: ModelConfig, lay: Layout, cl: Cluster, stages: list[Stag
     held = chunks_in_flight(lay, rank) / lay.v * per_microbatch
     if lay.ac == "full":  # one block's activations exist again while it is recomputed
         held += layer_activation_bytes(m, lay, cl, "none")
+    elif lay.ac == "op":  # and under op what it did not keep (its recomputation runs at once)
+        held += layer_activation_bytes(m, lay, cl, "none") - layer_activation_bytes(m, lay, cl, "op")
     return held
 
 
@@ -70,7 +72,11 @@ def logits_bytes(m: ModelConfig, lay: Layout, cl: Cluster, stages: list[Stage]) 
         return 0.0
     elements = lay.micro_batch * lay.seq_len * (m.vocab_size or 256) / lay.tp
     held = lay.microbatches if lay.schedule == "gpipe" else 1
-    return elements * (cl.act_bytes + 4 + 4) + (held - 1) * elements * 4
+    # The loss's peak is the larger of its forward (the logits, their fp32 copy and the fp32
+    # log-softmax: the one log_softmax saves) and its backward (that saved output, the gradient
+    # nll_loss hands it and the gradient log_softmax returns: three fp32 tensors of the logits'
+    # size at once)
+    return elements * max(cl.act_bytes + 4 + 4, 4 + 4 + 4) + (held - 1) * elements * 4
 
 
 def gathered_bytes(p: dict[str, float], lay: Layout, cl: Cluster, stages: list[Stage]) -> float:

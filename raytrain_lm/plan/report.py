@@ -64,7 +64,7 @@ def _versus_plain(best: Estimate, ranked: list[Estimate]) -> str:
         return ""
     if not plain[0].fits:
         return "; data parallelism alone does not fit"
-    return f"; data parallelism alone would take {plain[0].step_s / best.step_s:.2g}x as long"
+    return f"; data parallelism alone would take {plain[0].step_s / best.step_s:.1f}x as long"
 
 
 def _row(i: int, e: Estimate) -> str:

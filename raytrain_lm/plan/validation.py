@@ -53,6 +53,8 @@ def run_cluster(run: dict, peak_fraction: Optional[float] = None) -> Cluster:
                    precision=run.get("precision", "bf16"),
                    overlap_reduce=run.get("overlap_reduce", True),
                    reduce_bytes=run.get("reduce_bytes", 4),
+                   recompute_early_stop=run.get("recompute_early_stop", True),
+                   overlap_pp=run.get("overlap_pp", True),
                    peak_fraction=peak_fraction if peak_fraction is not None else PEAK_FRACTION[c["gpu"]])
 
 
