@@ -306,7 +306,7 @@ class TrainedHere:
     whose predictions are not noise (a few dozen steps put the loss well below a random model's,
     so greedy choices are not near-ties) but need no Ray."""
 
-    def __init__(self, root: Path, tokenizer: str, vocab_size, bias: bool, steps: int = 40,
+    def __init__(self, root: Path, tokenizer: str, vocab_size, bias: bool, steps: int = 30,
                  arch: str = "gpt", data: Optional[Path] = None):
         """`data`: an existing dataset to train on (else one is prepared with `tokenizer`)."""
         import torch
@@ -335,7 +335,7 @@ class TrainedHere:
         g = torch.Generator().manual_seed(0)
         self.losses = []
         for _ in range(steps):
-            batch = train.__getitems__(torch.randint(len(train), (16,), generator=g).tolist())
+            batch = train.__getitems__(torch.randint(len(train), (8,), generator=g).tolist())
             _, loss = self.model(batch[:, :-1], batch[:, 1:])
             self.losses.append(loss.item())
             opt.zero_grad()
@@ -344,7 +344,7 @@ class TrainedHere:
         self.model.eval()
         # what the tests rely on: it learned (a random model's loss is about ln(vocab))
         assert sum(self.losses[-5:]) / 5 < self.losses[0] - 0.5, self.losses
-        state = {"step": steps, "tokens": steps * 16 * 64, "world_size": 1, "config": self.cfg.to_dict(),
+        state = {"step": steps, "tokens": steps * 8 * 64, "world_size": 1, "config": self.cfg.to_dict(),
                  "tokenizer": self.tok.spec(), "scaler": {}, "data": {"epoch": 0, "consumed": 0}}
         # save_checkpoint takes the model as Parallelized holds it: parts and their optimizers
         save_checkpoint(self.ckpt, 0, SimpleNamespace(parts=[self.model], optimizers=[opt]),
