@@ -69,13 +69,15 @@ def block(model, optimizer, batches, steps: int) -> float:
     return time.perf_counter() - t0
 
 
-def main() -> None:
+def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=10, help="Steps per timed block.")
     p.add_argument("--reps", type=int, default=7, help="Blocks per model (alternating).")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--batch-size", type=int, default=None, help="Sequences per step (default: the "
+                                                                  "tiny preset's).")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "llama_vs_gpt.json"))
-    args = p.parse_args()
+    args = p.parse_args(argv)
 
     import torch
 
@@ -88,7 +90,7 @@ def main() -> None:
     models = {"gpt tiny": build(gpt_cfg, 0)}
     llama_cfg = matched_llama(models["gpt tiny"][0].num_params(), 256)
     models["llama tiny"] = build(llama_cfg, 0)
-    B, T = tiny.batch_size, tiny.seq_len
+    B, T = args.batch_size or tiny.batch_size, tiny.seq_len
     g = torch.Generator().manual_seed(0)
     batches = [(lambda w: (w[:, :-1], w[:, 1:]))(torch.randint(0, 256, (B, T + 1), generator=g))
                for _ in range(4)]

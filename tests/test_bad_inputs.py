@@ -128,9 +128,9 @@ CASES = [
                                         "authentication", env={"RAY_AUTH_MODE": "disabled"}),
     # an address where something else listens ----------------------------------------------- item 12
     Bad("train --data {data} --address 127.0.0.1:{port}", "something listens at 127.0.0.1:{port} "
-                                                          "but it is not a Ray cluster", setup="silent-port"),
+                                                          "but it is not a Ray cluster", setup="web-port"),
     Bad("prepare --address 127.0.0.1:{port}", "something listens at 127.0.0.1:{port} but it is "
-                                              "not a Ray cluster", setup="silent-port"),
+                                              "not a Ray cluster", setup="web-port"),
 ]
 
 
@@ -246,6 +246,29 @@ def _silent_port(tmp: Path):
         server.close()
 
 
+@contextlib.contextmanager
+def _web_port(tmp: Path):
+    """A port where a web server answers (HTTP/1.1, not gRPC's HTTP/2): refused at its first
+    bytes, with no wait for a silence to end."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+
+    def answer() -> None:
+        with contextlib.suppress(OSError):  # closed: the case is over
+            while True:
+                conn = server.accept()[0]
+                with conn:
+                    conn.recv(64)
+                    conn.sendall(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
+
+    threading.Thread(target=answer, daemon=True).start()
+    try:
+        yield {"port": server.getsockname()[1]}
+    finally:
+        server.close()
+
+
 def _writer(fn):
     @contextlib.contextmanager
     def setup(tmp: Path, data: Path):
@@ -288,7 +311,7 @@ SETUPS = {
     "checkpoint-extra-file": _writer(lambda tmp, data: _extra_file(tmp)),
     "sweep-of-another-user": _writer(lambda tmp, data: _sweep_of_another_user(tmp)),
     "claimed": lambda tmp, data: _claimed(tmp),
-    "silent-port": lambda tmp, data: _silent_port(tmp),
+    "web-port": lambda tmp, data: _web_port(tmp),
 }
 
 # What the folder holds before (and so after) each case, for the table.
@@ -339,6 +362,24 @@ def test_a_bad_input_is_one_line_exit_2_and_changes_nothing(case, tmp_path, pydo
             env={"RAY_ADDRESS": "127.0.0.1:1", **case.env}, timeout=120)
         assert_clean_error(result, case.message.format(**fields))
         assert _tree(tmp_path) == before
+
+
+def test_a_silent_listener_is_refused_when_its_timeout_ends(tmp_path):
+    """The address check every command makes (the `--address` cases above meet a web server,
+    refused at its first bytes): a listener that accepts and never answers is refused once the
+    check's timeout ends, with the same one line, not waited on as Ray's client would (minutes)."""
+    import time
+
+    from raytrain_lm.cluster.connect import check_reachable
+    from raytrain_lm.errors import UserError
+
+    with _silent_port(tmp_path) as fields:
+        address = f"127.0.0.1:{fields['port']}"
+        t0 = time.monotonic()
+        with pytest.raises(UserError, match=f"something listens at {address} but it is not a Ray "
+                                            r"cluster \(it did not answer as one within 0.3 s\)"):
+            check_reachable(address, timeout=0.3)
+        assert 0.3 <= time.monotonic() - t0 < 0.3 + 2
 
 
 # ---------------------------------------------------------------- docs/bad-inputs.md

@@ -4,6 +4,7 @@ plain torch.distributed between two real processes over gloo."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -16,6 +17,18 @@ import pytest
 
 from conftest import ROOT
 
+
+@contextlib.contextmanager
+def bench_module(name: str):
+    """bench/NAME.py imported in this process (its main() called in-process spares a fresh
+    interpreter's torch import)."""
+    import importlib
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        yield importlib.import_module(name)
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
 
 
 @pytest.mark.slow  # ~20 s of eager and compiled steps on the CPU
@@ -47,12 +60,15 @@ def test_gpu_throughput_smoke_runs_on_cpu_without_ray(tmp_path):
     assert "written:" in proc.stdout and "tok/s" in proc.stdout
 
 
-def test_gpu_throughput_refuses_cpu_without_smoke(tmp_path):
+def test_gpu_throughput_refuses_cpu_without_smoke(tmp_path, capsys):
+    import torch
+
     out = tmp_path / "gpu.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_throughput.py"), "--out", str(out)],
-                          capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
-    assert proc.returncode == 2 and proc.stderr.startswith("error: no CUDA GPU")
+    # the device it picks where torch sees no GPU; on a GPU host, that device named
+    cpu = ["--device", "cpu"] if torch.cuda.is_available() else []
+    with bench_module("gpu_throughput") as bench, pytest.raises(SystemExit) as exit:
+        bench.main(["--out", str(out), *cpu])
+    assert exit.value.code == 2 and capsys.readouterr().err.startswith("error: no CUDA GPU")
     assert not out.exists()
 
 
@@ -98,11 +114,8 @@ def test_overhead_keeps_the_repetitions_a_failed_run_did_not_touch():
     """A run that fails (torchrun's rank 1 once died of SIGABRT in the 5th repetition) leaves its
     repetition out of the figures and is counted; the four complete ones still make the summary
     (the harness used to exit and throw away 20 minutes of runs)."""
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        from overhead import summarise
-    finally:
-        sys.path.remove(str(ROOT / "bench"))
+    with bench_module("overhead") as overhead:
+        summarise = overhead.summarise
 
     def rep(textbook_long, ray_long, failed=False):
         ray = {60: {"wall_seconds": 30.0}, 300: {"wall_seconds": ray_long}}
@@ -147,14 +160,13 @@ def test_prepare_bench_child_runs_the_side_it_is_told(tmp_path, side, cpus):
     assert row["side"] == side and row["tokens"] > 0 and len(row["shards"]) >= 2
 
 
-def test_llama_vs_gpt_bench_times_both_at_equal_parameters(tmp_path):
+def test_llama_vs_gpt_bench_times_both_at_equal_parameters(tmp_path, capsys):
     """bench/llama_vs_gpt.py on one block each: the Llama's SwiGLU hidden size brings it to the
     GPT's parameter count (within 0.1%), both are timed and the ratio is theirs."""
     out = tmp_path / "lvg.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "llama_vs_gpt.py"), "--steps", "1",
-                           "--reps", "1", "--out", str(out)], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert proc.returncode == 0, proc.stderr
+    with bench_module("llama_vs_gpt") as bench:
+        bench.main(["--steps", "1", "--reps", "1", "--batch-size", "2", "--out", str(out)])
+    assert capsys.readouterr().out.startswith("model ")
     rows = json.loads(out.read_text())["rows"]
     gpt, llama = rows["gpt tiny"], rows["llama tiny"]
     assert llama["model"]["arch"] == "llama" and gpt["model"]["arch"] == "gpt"

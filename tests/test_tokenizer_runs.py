@@ -186,11 +186,11 @@ def test_resume_with_another_tokenizers_data_is_refused(trained_here, tmp_path, 
     bpe = trained_here["bpe"]
     other = other_bpe_dataset(trained_here, tmp_path, pydoc_docs)
     run = tmp_path / "runs" / "bpe-run"
-    shutil.copytree(bpe.ckpt, run / "checkpoint_00000150")
+    shutil.copytree(bpe.ckpt, run / f"checkpoint_{bpe.steps:08d}")
     cfg = bpe.cfg.to_dict() | {"name": "bpe-run", "storage": str(tmp_path / "runs")}
     (run / "config.json").write_text(json.dumps(cfg))
     res = cli_here("train", "--storage", str(tmp_path / "runs"), "--name", "bpe-run", "--resume",
                   "--data", str(other))
     assert res.returncode == 2 and res.stderr.count("\n") == 1, res.stderr
     assert "error: run 'bpe-run' was trained with a BPE of 1000 tokens" in res.stderr
-    assert sorted(p.name for p in run.iterdir()) == ["checkpoint_00000150", "config.json"]
+    assert sorted(p.name for p in run.iterdir()) == [f"checkpoint_{bpe.steps:08d}", "config.json"]
