@@ -202,7 +202,7 @@ def build_step(preset: str, path: str):
     from raytrain_lm.config import preset_config
     from raytrain_lm.step import TrainStep
 
-    ddp.replicate = lambda model, compile: torch.compile(model) if compile else model
+    ddp.replicate = lambda model, compile, wrap=None: torch.compile(model) if compile else model
     cfg = preset_config(preset)
     cfg.model.vocab_size, cfg.compile = 256, path == "inductor"
     step = TrainStep(cfg, torch.device("cpu"))

@@ -146,7 +146,7 @@ def project_step(preset: str):
     from raytrain_lm.config import preset_config
     from raytrain_lm.step import TrainStep
 
-    ddp.replicate = lambda model, compile: model
+    ddp.replicate = lambda model, compile, wrap=None: model
     cfg = preset_config(preset)
     cfg.model.vocab_size = 256
     return cfg, TrainStep(cfg, torch.device("cpu"))

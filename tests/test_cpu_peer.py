@@ -24,3 +24,14 @@ def test_the_reference_has_the_projects_parameter_shapes(preset):
         ref = RefGPT(256, m.block_size, m.n_layer, m.n_head, m.n_embd)
     shapes = lambda model: sorted(tuple(p.shape) for p in model.parameters())  # noqa: E731
     assert shapes(ref) == shapes(ours) and ref.lm_head.weight is ref.wte.weight
+
+
+def test_both_benches_build_and_step_the_projects_train_step():
+    """The benches build the project's TrainStep without Ray (they stand in for Ray's DDP
+    wrapper): a change to how the step is built must not leave them broken."""
+    import cpu_kernels
+    from cpu_peer import threads_child
+
+    assert threads_child(1) > 0  # cpu_peer's project side: builds and steps
+    cfg, step = cpu_kernels.build_step("tiny", "mkl")
+    assert step.parallel.modules[0] is step.parallel.parts[0]  # the bare model, no wrapper
