@@ -45,16 +45,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+from cpu_kernels import Batches, build_step, cpu_name  # noqa: E402 (bench/ is on sys.path)
 
 
 # ------------------------------------------------------------------ the reference (nanoGPT's style)
@@ -129,27 +120,9 @@ def ref_step(model, optimizer, x, y) -> float:
 # ------------------------------------------------------------------ part step
 
 
-class Batches:
-    def __init__(self, batches):
-        self.batches, self.i = batches, 0
-
-    def next(self):
-        b = self.batches[self.i % len(self.batches)]
-        self.i += 1
-        return b
-
-
 def project_step(preset: str):
-    """The project's TrainStep in this process: world size 1, where Ray's prepare_model would
-    only move the model to the device."""
-    import raytrain_lm.parallel.ddp as ddp
-    from raytrain_lm.config import preset_config
-    from raytrain_lm.step import TrainStep
-
-    ddp.replicate = lambda model, compile, wrap=None: model
-    cfg = preset_config(preset)
-    cfg.model.vocab_size = 256
-    return cfg, TrainStep(cfg, torch.device("cpu"))
+    """The project's TrainStep in this process (cpu_kernels.build_step on MKL's path)."""
+    return build_step(preset, "mkl")
 
 
 def mm_gflops(reps: int = 5) -> float:
