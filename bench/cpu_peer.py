@@ -31,7 +31,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import statistics
 import subprocess
 import sys
