@@ -23,7 +23,7 @@ def _actor_classes(ray_tmp: Path) -> list[str]:
 
 
 @pytest.mark.own_cluster  # a Ray of its own: after the session cluster is gone, in the Ray tier
-def test_train_on_a_ray_of_its_own(tmp_path, pydoc_data):
+def test_train_on_a_ray_of_its_own(tmp_path, pydoc_data, monkeypatch):
     """It trains, its one worker runs as many torch threads as the machine has cores, as the
     launch line says (Ray's default would be one), it starts no actor it does without (no
     autoscaler runs on a Ray the driver started, so Ray Data's autoscaling coordinator, which Ray
@@ -31,6 +31,9 @@ def test_train_on_a_ray_of_its_own(tmp_path, pydoc_data):
     the workers), and when it is done nothing of its Ray is left running."""
     ray_tmp = Path(tempfile.mkdtemp(prefix="rt-", dir="/tmp"))  # Ray's socket paths must be short
     cores = len(os.sched_getaffinity(0))
+    # A laptop's shell sets no thread count (conftest does, for the other tests' processes); one
+    # that is set is kept, and tests/test_cpus.py checks that.
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     try:
         r = run_cli("train", "--address", "local", "--workers", "1", "--max-steps", "4",
                     "--log-every", "2", "--eval-every", "4", "--checkpoint-every", "4",
