@@ -9,6 +9,12 @@ death in the last one (`run_train_fn`, outside its try): that reaches the failur
 `ControllerError`, which Ray never retries, and the started group (its placement group and
 the live workers, already training) is left behind (tests/test_controller.py). Here such a
 death shuts the group down and is reported as the failed start it is.
+
+Its checkpoint manager also knows that a checkpoint can be made again at the same path: a run
+resumed from an older checkpoint (its newest proved damaged) writes the newer steps' folders
+anew, and Ray, which restored the damaged one's registration from its snapshot, would keep
+both; evicting the old entry then deletes the new folder, and evicting the new one fails on the
+missing path (tests/test_resume.py). Here the new registration replaces the old.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from ray.exceptions import RayActorError
 from ray.train.v2._internal.constants import get_env_vars_to_propagate
 from ray.train.v2._internal.callbacks.preemption_callback import PreemptionCallback
 from ray.train.v2._internal.exceptions import WorkerGroupStartupFailedError
+from ray.train.v2._internal.execution.checkpoint.checkpoint_manager import CheckpointManager
 from ray.train.v2._internal.execution.controller import TrainController
 from ray.train.v2._internal.execution.preemption import PreemptionWatcher
 from ray.train.v2._internal.execution.worker_group import WorkerGroup
@@ -120,6 +127,21 @@ class Polls:
     preemption_s: float
 
 
+class RemadeCheckpointManager(CheckpointManager):
+    """Ray's checkpoint manager, where a checkpoint registered at the path of one it already
+    holds replaces that one (same folder, newer files) instead of standing beside it."""
+
+    def register_checkpoint(self, training_report):
+        path = training_report.checkpoint.path
+        for old in [r for r in self._checkpoint_results if r.checkpoint.path == path]:
+            self._checkpoint_results.remove(old)
+            self._checkpoint_to_report_index.pop(old.checkpoint, None)
+            for held in (self._validated_checkpoints, self._timed_out_validation_checkpoints,
+                         self._failed_validation_checkpoints):
+                held.discard(old.checkpoint)
+        super().register_checkpoint(training_report)
+
+
 class Controller(TrainController):
     worker_group_cls = StartDeathsCaughtWorkerGroup
 
@@ -128,6 +150,7 @@ class Controller(TrainController):
         # runtime env, which would also pass it on to every worker; as if already given:
         ray._private.worker.blocking_get_inside_async_warned = True
         super().__init__(*args, **kwargs)
+        self._checkpoint_manager.__class__ = RemadeCheckpointManager  # (other parts hold it)
         self._health_check_interval_s = polls.report_s
         callbacks = self._worker_group_callbacks_to_propagate  # used when a group starts
         callbacks[:] = [PreemptionThread(polls.preemption_s) if type(cb) is PreemptionCallback
