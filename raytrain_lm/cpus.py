@@ -97,9 +97,9 @@ def pack(nodes: list[dict[str, float]], workers: int, cpus: float, gpu: bool) ->
 def idle_line(nodes: list[dict[str, float]], workers: int, cpus: float, gpu: bool,
               omp_env: Optional[str] = None) -> Optional[str]:
     """One line when the workers, placed as Ray packs them, leave at least one CPU per worker
-    idle on a node they use (the worst such node), else None; threads count, not reservations
-(OMP_NUM_THREADS set for the workers, `omp_env`, may run more threads than CPUs reserved). `nodes`: each node's total
-    resources (Ray's CPU, GPU)."""
+    idle on a node they use (the worst such node), else None. Threads count, not reservations:
+    OMP_NUM_THREADS set for the workers (`omp_env`) may run more threads than CPUs reserved.
+    `nodes`: each node's total resources (Ray's CPU, GPU)."""
     threads, worst = torch_threads(cpus, omp_env), None
     for node, n in pack(nodes, workers, cpus, gpu):
         total = node.get("CPU", 0)
