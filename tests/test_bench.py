@@ -31,18 +31,23 @@ def bench_module(name: str):
         sys.path.remove(str(ROOT / "bench"))
 
 
-@pytest.mark.slow  # ~20 s of eager and compiled steps on the CPU
-def test_gpu_throughput_smoke_runs_on_cpu_without_ray(tmp_path):
-    # A `ray` package that cannot be imported, first on the path: as on a GPU host without Ray.
+def smoke_without_ray(tmp_path, script: str, timeout: float):
+    """Run bench/SCRIPT --smoke on the CPU with a `ray` package that cannot be imported first on
+    the path (as on a GPU host without Ray); returns the process and the JSON it wrote."""
     shadow = tmp_path / "no_ray" / "ray"
     shadow.mkdir(parents=True)
     (shadow / "__init__.py").write_text("raise ImportError('ray is not installed on this host')\n")
-    out = tmp_path / "gpu.json"
+    out = tmp_path / "smoke.json"
     env = {**os.environ, "PYTHONPATH": str(shadow.parent), "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_throughput.py"), "--smoke",
-                           "--out", str(out)], capture_output=True, text=True, timeout=300, env=env)
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / script), "--smoke", "--out", str(out)],
+                          capture_output=True, text=True, timeout=timeout, env=env)
+    return proc, (json.loads(out.read_text()) if proc.returncode == 0 else None)
+
+
+@pytest.mark.slow  # ~20 s of eager and compiled steps on the CPU
+def test_gpu_throughput_smoke_runs_on_cpu_without_ray(tmp_path):
+    proc, result = smoke_without_ray(tmp_path, "gpu_throughput.py", timeout=300)
     assert proc.returncode == 0, proc.stderr
-    result = json.loads(out.read_text())
     assert result["ray_imported"] is False
     assert [(r["mode"], r["batch_size"], r["status"]) for r in result["results"]] == \
         [("eager", 2, "ok"), ("eager", 4, "ok")]
@@ -178,15 +183,8 @@ def test_llama_vs_gpt_bench_times_both_at_equal_parameters(tmp_path, capsys):
 @pytest.mark.ray  # the integration tier: every layout on CPU plus two compilations (minutes)
 def test_gpu_check_smoke_runs_every_layout_on_cpu_without_ray(tmp_path):
     """bench/gpu_check.py, prepared for one GPU, runs the same code here on the CPU."""
-    shadow = tmp_path / "no_ray" / "ray"
-    shadow.mkdir(parents=True)
-    (shadow / "__init__.py").write_text("raise ImportError('ray is not installed on this host')\n")
-    out = tmp_path / "check.json"
-    env = {**os.environ, "PYTHONPATH": str(shadow.parent), "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--smoke",
-                           "--out", str(out)], capture_output=True, text=True, timeout=900, env=env)
+    proc, result = smoke_without_ray(tmp_path, "gpu_check.py", timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = json.loads(out.read_text())
     assert result["ray_imported"] is False and result["gpt_layouts_start_equal"] is True
     rows = {r["layout"]: r for r in result["layouts"]}
     assert all(r["status"] == "ok" for r in rows.values()), rows
