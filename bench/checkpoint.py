@@ -81,7 +81,7 @@ def train(address: str, name: str, storage: str, data: str, args, *extra: str) -
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0:
         raise SystemExit(f"{name} failed:\n{proc.stderr[-3000:]}")
-    from raytrain_lm.storage import RunFolder
+    from raytrain_lm.store.storage import RunFolder
 
     return json.loads(proc.stdout), RunFolder(storage, name).read_jsonl("metrics.jsonl")
 
@@ -135,7 +135,7 @@ def part_resize(data: str) -> dict:
     from ray.cluster_utils import Cluster
 
     from raytrain_lm.cluster.connect import free_port
-    from raytrain_lm.storage import RunFolder
+    from raytrain_lm.store.storage import RunFolder
 
     cluster = Cluster(initialize_head=True, head_node_args=dict(
         num_cpus=0, include_dashboard=False, dashboard_agent_listen_port=free_port()))
@@ -185,8 +185,8 @@ def part_resize(data: str) -> dict:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    from raytrain_lm.preflight import ensure_dataset
-    from raytrain_lm.config import build_config
+    from raytrain_lm.run.preflight import ensure_dataset
+    from raytrain_lm.config.load import build_config
 
     data = str(ROOT / "data" / "pydoc")
     ensure_dataset(build_config(flags={"data": data}), print)

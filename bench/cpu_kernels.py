@@ -199,8 +199,8 @@ def build_step(preset: str, path: str):
     import torch
 
     import raytrain_lm.parallel.ddp as ddp
-    from raytrain_lm.config import preset_config
-    from raytrain_lm.step import TrainStep
+    from raytrain_lm.config.presets import preset_config
+    from raytrain_lm.worker.step import TrainStep
 
     ddp.replicate = lambda model, compile, wrap=None: torch.compile(model) if compile else model
     cfg = preset_config(preset)
@@ -214,7 +214,7 @@ def build_step(preset: str, path: str):
 def part_model(args) -> dict:
     import torch
 
-    from raytrain_lm.optim import lr_at
+    from raytrain_lm.worker.optim import lr_at
 
     torch.set_num_threads(args.threads)
     out = {}

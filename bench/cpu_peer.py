@@ -138,7 +138,7 @@ def mm_gflops(reps: int = 5) -> float:
 
 def part_step(args) -> dict:
     from raytrain_lm.model import flops_per_token
-    from raytrain_lm.optim import lr_at
+    from raytrain_lm.worker.optim import lr_at
     from raytrain_lm.plan import matmul_params
 
     torch.set_num_threads(args.threads)
@@ -211,7 +211,7 @@ THREAD_SIDES = {"1 thread": {"OMP_NUM_THREADS": "1"}, "2 threads": {"OMP_NUM_THR
 
 def threads_child(steps: int) -> float:
     """ms per step of the project's tiny TrainStep, on the threads the environment sets."""
-    from raytrain_lm.optim import lr_at
+    from raytrain_lm.worker.optim import lr_at
 
     cfg, step = project_step("tiny")
     g = torch.Generator().manual_seed(0)

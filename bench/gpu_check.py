@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout: the package need not be installed
 sys.path.insert(0, str(ROOT / "bench"))
 
-from raytrain_lm.config import TrainConfig  # noqa: E402
+from raytrain_lm.config.settings import TrainConfig  # noqa: E402
 
 # (name, TrainConfig settings, dims forced on one rank); the model's shape comes from MODEL.
 LAYOUTS = [
@@ -120,9 +120,9 @@ def run_layout(name: str, settings: dict, force: tuple, kind: str, device: torch
                steps: int) -> dict:
     from torch.nn.parallel import DistributedDataParallel
 
-    from raytrain_lm.metrics import peak_memory_gb
+    from raytrain_lm.worker.metrics import peak_memory_gb
     from raytrain_lm.parallel.fsdp import to_float
-    from raytrain_lm.step import TrainStep
+    from raytrain_lm.worker.step import TrainStep
 
     cfg = config(kind, settings)
     row = {"layout": name, "settings": settings, "force": list(force), "status": "ok"}
@@ -178,7 +178,8 @@ def memory_plan(result: dict, kind: str) -> list[dict]:
     """The plan's memory for each measured (batch, mode) against max_memory_allocated."""
     import gpu_throughput
 
-    from raytrain_lm.config import ModelConfig, preset_config
+    from raytrain_lm.config.presets import preset_config
+    from raytrain_lm.config.settings import ModelConfig
     from raytrain_lm.plan import GB, estimate
 
     model = ModelConfig(**gpu_throughput.SMOKE["model"]) if kind == "smoke" else \

@@ -1,7 +1,7 @@
 """Tokens/s and MFU of one worker's training step on one GPU, without Ray.
 
-The step is the one `raytrain_lm/loop.py` runs on each worker: this project's GPT, bf16 autocast,
-AdamW from raytrain_lm/optim.py (fused on CUDA), the warmup+cosine learning rate, gradient
+The step is the one `raytrain_lm/worker/loop.py` runs on each worker: this project's GPT, bf16 autocast,
+AdamW from raytrain_lm/worker/optim.py (fused on CUDA), the warmup+cosine learning rate, gradient
 clipping, zero_grad(set_to_none). Input batches are random tokens (no dataset needed), kept in
 pinned host memory and copied with non_blocking=True each step, as the loader does on a GPU.
 It imports nothing from Ray (GPU hosts need not have it).
@@ -12,7 +12,7 @@ It imports nothing from Ray (GPU hosts need not have it).
 
 MFU = tokens/s x FLOPs per token / peak FLOP/s, with FLOPs per token from PaLM (appendix B):
 6N + 12·L·H·Q·T (N: parameters in matmuls, i.e. all but position embeddings; L layers, H heads,
-Q head size, T sequence length). Peak: raytrain_lm/metrics.py's table (dense bf16; H100 SXM and
+Q head size, T sequence length). Peak: raytrain_lm/worker/metrics.py's table (dense bf16; H100 SXM and
 H200 989 TFLOP/s), or --peak-tflops.
 
 Timing: `--warmup` untimed steps (compilation happens there), then `--steps` timed steps, each
@@ -37,11 +37,12 @@ import torch
 # GPU hosts run this from a copy of the repository without installing it (the package would pull
 # Ray, which they lack): the project's modules come from the checkout.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from raytrain_lm.config import ModelConfig, preset_config  # noqa: E402
+from raytrain_lm.config.presets import preset_config  # noqa: E402
+from raytrain_lm.config.settings import ModelConfig
 from raytrain_lm.errors import UserError  # noqa: E402
-from raytrain_lm.metrics import gpu_peak_tflops, mfu, peak_memory_gb  # noqa: E402
+from raytrain_lm.worker.metrics import gpu_peak_tflops, mfu, peak_memory_gb  # noqa: E402
 from raytrain_lm.model import GPT, flops_per_token  # noqa: E402
-from raytrain_lm.optim import build_optimizer, lr_at
+from raytrain_lm.worker.optim import build_optimizer, lr_at
 
 SMOKE = dict(model=dict(vocab_size=50304, block_size=64, n_layer=2, n_head=2, n_embd=64, bias=False),
              seq_len=64, batch_sizes="2,4", modes="eager", steps=3, warmup=1)

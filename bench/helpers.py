@@ -8,7 +8,7 @@ controller.Polls: no runtime env), alternated, on one already running local Ray.
 Timed from outside: the command's wall time, its time to first step (summary.json), and the CPU
 seconds of every process on the machine while it ran (sampled from /proc every 0.1 s; a process
 that ends between two samples keeps its last reading, so the figure is a slight undercount).
-The other arms run the same CLI with `raytrain_lm.trainer` patched: `helper_callbacks` replaced
+The other arms run the same CLI with `raytrain_lm.ray_compat.trainer` patched: `helper_callbacks` replaced
 by one that keeps all, and/or Ray's own TorchConfig in place of ours.
 
     flock /tmp/ray.lock python bench/helpers.py --reps 4 [--arms env-polls,ours]
@@ -41,10 +41,10 @@ ARMS = {"ray-defaults": (("callbacks", "torchconfig"), {}),  # name: (patches, e
 
 
 def patched_cli(*patches: str) -> list[str]:
-    """`python cli.py` with raytrain_lm.trainer patched back to Ray's defaults."""
+    """`python cli.py` with raytrain_lm.ray_compat.trainer patched back to Ray's defaults."""
     if not patches:
         return [sys.executable, "cli.py"]
-    code = ("import sys, runpy, raytrain_lm.trainer as t; " + "".join(PATCHES[p] for p in patches) +
+    code = ("import sys, runpy, raytrain_lm.ray_compat.trainer as t; " + "".join(PATCHES[p] for p in patches) +
             "sys.argv = ['cli.py'] + sys.argv[1:]; runpy.run_path('cli.py', run_name='__main__')")
     return [sys.executable, "-c", code]
 

@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 def matched_llama(gpt_params: int, vocab: int):
     """llama-tiny's ModelConfig with the ffn_dim that brings its parameter count closest to
     `gpt_params`."""
-    from raytrain_lm.config import preset_config
+    from raytrain_lm.config.presets import preset_config
     from raytrain_lm.plan import param_counts
 
     m = preset_config("llama-tiny").model
@@ -46,8 +46,8 @@ def build(m, seed: int):
     import torch
 
     from raytrain_lm.model import build_model
-    from raytrain_lm.optim import build_optimizer
-    from raytrain_lm.config import preset_config
+    from raytrain_lm.worker.optim import build_optimizer
+    from raytrain_lm.config.presets import preset_config
 
     torch.manual_seed(seed)
     model = build_model(m, seed=seed)
@@ -81,7 +81,7 @@ def main(argv=None) -> None:
 
     import torch
 
-    from raytrain_lm.config import preset_config
+    from raytrain_lm.config.presets import preset_config
 
     torch.set_num_threads(args.threads)
     tiny = preset_config("tiny")

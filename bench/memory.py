@@ -17,8 +17,8 @@ import json
 import tempfile
 from pathlib import Path
 
-from raytrain_lm.config import build_config
-from raytrain_lm.driver import run_training
+from raytrain_lm.config.load import build_config
+from raytrain_lm.run.driver import run_training
 from raytrain_lm.plan import GB, estimate
 
 

@@ -2,7 +2,7 @@
 global batch through `python cli.py train`, as a user would run it, one after another.
 
 For each layout: tokens/s (the run's median over its steady intervals) against dp=2; the bytes
-each mesh dimension sent per step (measured on rank 0 by parallel/comm.py's counter) against
+each mesh dimension sent per step (measured on rank 0 by parallel/traffic.py's counter) against
 the planner's estimate for rank 0 (plan.rank_comm: CPU, fp32 activations); the pipeline's
 measured bubble against (p-1)/(v m + p-1). CPU workers over gloo: the ratios of compute to
 communication are nothing like a GPU node's, so tokens/s here says what the layouts cost in
@@ -72,7 +72,7 @@ def run_layout(name: str, workers: int, flags: dict, args, storage: str) -> dict
 
 def planned(result: dict) -> dict:
     """The planner's bytes per dimension and bubble for rank 0 of this layout."""
-    from raytrain_lm.config import TrainConfig
+    from raytrain_lm.config.settings import TrainConfig
     from raytrain_lm.plan import Cluster, bubble, config_layout, rank_comm, rank_stages
 
     cfg = TrainConfig.from_dict(result["config"])

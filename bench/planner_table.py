@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 
-from raytrain_lm.config import ModelConfig
+from raytrain_lm.config.settings import ModelConfig
 from raytrain_lm.plan import (GB, Cluster, Layout, estimate_layout, param_counts, plan, reason,
                               recommendation)
 
@@ -109,14 +109,14 @@ def main() -> None:
     published()
 
 
-# The Llama presets (config.py: the released shapes) at Llama 2's and Llama 3's 4M tokens per step
+# The Llama presets (config/presets.py: the released shapes) at Llama 2's and Llama 3's 4M tokens per step
 # (Touvron et al. 2023: 4M-token batches; Llama 3 405B started at 4M tokens of 4096 and grew to
 # 16M), at the preset's context: 1024 x 4096 and 512 x 8192.
 LLAMA_PRESETS = ("llama2-7b", "llama2-13b", "llama2-70b", "llama3-8b", "llama3-70b", "llama3-405b")
 
 
 def llama() -> None:
-    from raytrain_lm.config import preset_config
+    from raytrain_lm.config.presets import preset_config
 
     print("| preset | parameters | fp32 weights | GPUs | recommended layout | state GB/GPU | GB/GPU | "
           "step s | tokens/s/GPU | MFU |")

@@ -53,7 +53,7 @@ def timed_loop(loop_config: dict) -> None:
     marks = {"worker_process_start": process_start_unix(), "train_fn_entry": t_entry,
              "torch_imported_before_entry": "torch" in sys.modules}
     t0 = time.time()
-    import raytrain_lm.loop as L  # the loop module's own imports (data, model, checkpoint, ...)
+    import raytrain_lm.worker.loop as L  # the loop module's own imports (data, model, checkpoint, ...)
     marks["import_loop_module"] = (t0, time.time())
 
     import torch
@@ -131,10 +131,10 @@ def main(argv=None) -> None:
     t["import_launch"] = time.time()
     import typer  # noqa: F401  (cli.py imports it first; counted as the CLI's own import cost)
 
-    from raytrain_lm import driver, preflight
+    from raytrain_lm.run import driver, preflight
     from raytrain_lm.cluster import connect
-    from raytrain_lm.config import build_config
-    from raytrain_lm.storage import RunFolder
+    from raytrain_lm.config.load import build_config
+    from raytrain_lm.store.storage import RunFolder
     t["import_launch_done"] = time.time()
 
     storage = tempfile.mkdtemp(prefix="raytrain-startup-")
@@ -152,20 +152,20 @@ def main(argv=None) -> None:
     t["ray_init_done"] = time.time()
     preflight.check_resources(cfg)
     t["queue_actor_created"] = time.time()  # (no queue since 2026-12-01: kept for the timeline)
-    import raytrain_lm.trainer
-    from raytrain_lm.callbacks import ForwardMetrics, HeldRows
+    import raytrain_lm.ray_compat.trainer
+    from raytrain_lm.ray_compat.callbacks import ForwardMetrics, HeldRows
 
     def timed_fit(name: str, events: str) -> dict:
         """Build and fit a trainer whose workers run `timed_loop`; driver-side timestamps."""
         marks = {}
         cfg.name = name
-        real_loop = raytrain_lm.trainer.train_loop
-        raytrain_lm.trainer.train_loop = timed_loop  # build_trainer imports it from there
+        real_loop = raytrain_lm.ray_compat.trainer.train_loop
+        raytrain_lm.ray_compat.trainer.train_loop = timed_loop  # build_trainer imports it from there
         try:
             trainer = driver.build_trainer(cfg, RunFolder(cfg.storage, name),
                                            callbacks=[ForwardMetrics(HeldRows())] + make_callbacks(events))
         finally:
-            raytrain_lm.trainer.train_loop = real_loop
+            raytrain_lm.ray_compat.trainer.train_loop = real_loop
         trainer.train_loop_config["events_path"] = events
         marks["trainer_built"] = time.time()
         th = threading.Thread(target=trainer.fit, daemon=True)
@@ -213,7 +213,7 @@ def main(argv=None) -> None:
 
     timeline = [("process start (python interpreter)", t["process_start"], None),
                 ("script imports done", t["import_launch"], None),
-                ("imports: typer + raytrain_lm.driver", t["import_launch"], t["import_launch_done"]),
+                ("imports: typer + raytrain_lm.run.driver", t["import_launch"], t["import_launch_done"]),
                 ("dataset manifest checked", t["t_launch"], t["dataset_checked"]),
                 ("import ray", t["dataset_checked"], t["import_ray_done"]),
                 ("ray.init (local cluster)", t["import_ray_done"], t["ray_init_done"]),

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from raytrain_lm.config import build_config
+from raytrain_lm.config.load import build_config
 from raytrain_lm.data.manifest import load_manifest
 from raytrain_lm.model import GPT
 

@@ -53,9 +53,9 @@ def main() -> None:
 
     import ray
 
-    from raytrain_lm.config import build_config
+    from raytrain_lm.config.load import build_config
     from raytrain_lm.data.prepare import prepare_dataset
-    from raytrain_lm.driver import run_training
+    from raytrain_lm.run.driver import run_training
     from raytrain_lm.model import GPT, flops_per_token
 
     ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False)  # 2 workers + Ray's own

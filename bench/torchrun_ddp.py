@@ -3,8 +3,8 @@
 In the style of PyTorch's DDP tutorial (init_process_group, DistributedSampler, DDP(model)), but
 with this project's pieces, so that the only difference from `python cli.py train` is Ray:
 the same GPT (raytrain_lm/model.py), token shards (TokenWindows), optimizer and schedule
-(raytrain_lm/optim.py), DDP options (raytrain_lm/parallel.py), and per-step work and log cadence as
-raytrain_lm/loop.py: the same .item() and the same two small all-reduces every `log_every` steps,
+(raytrain_lm/worker/optim.py), DDP options (raytrain_lm/parallel.py), and per-step work and log cadence as
+raytrain_lm/worker/loop.py: the same .item() and the same two small all-reduces every `log_every` steps,
 validation at `eval_every`, a checkpoint written by rank 0 at `checkpoint_every` and at the end.
 What it leaves out is what Ray adds: `ray.train.report` (a barrier) and the Ray processes.
 
@@ -29,13 +29,13 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 
-from raytrain_lm.config import build_config
+from raytrain_lm.config.load import build_config
 from raytrain_lm.data.manifest import load_manifest
 from raytrain_lm.data.sampler import BatchPlan, BatchStream, eval_batches
 from raytrain_lm.data.windows import TokenWindows, collate_windows
-from raytrain_lm.metrics import StepTimer, gpu_peak_tflops, mfu, peak_memory_gb
+from raytrain_lm.worker.metrics import StepTimer, gpu_peak_tflops, mfu, peak_memory_gb
 from raytrain_lm.model import GPT, flops_per_token
-from raytrain_lm.optim import build_optimizer, lr_at
+from raytrain_lm.worker.optim import build_optimizer, lr_at
 
 
 def parse_args(argv=None):

@@ -30,7 +30,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from raytrain_lm.config import ModelConfig
+from raytrain_lm.config.settings import ModelConfig
 from raytrain_lm.model import Decoder
 
 

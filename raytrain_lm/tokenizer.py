@@ -22,9 +22,10 @@ from typing import Callable, Iterable, Optional
 
 import numpy as np
 
-from raytrain_lm.checks import MAX_VOCAB
+from raytrain_lm.config.checks import MAX_VOCAB
 from raytrain_lm.errors import UserError, last_line
-from raytrain_lm.files import TOKENIZER as TOKENIZER_FILE  # in a dataset, checkpoint or export
+from raytrain_lm.store.files import TOKENIZER as TOKENIZER_FILE  # in a dataset, checkpoint or export
+
 EOT = "<|endoftext|>"  # GPT-2's document separator; id assigned by the trainer (0 for ours)
 MIN_BPE_VOCAB = 257  # 256 byte tokens + <|endoftext|>
 DEFAULT_BPE_VOCAB = 8192
@@ -254,7 +255,8 @@ def train_bpe(documents: Iterable[str], vocab_size: int, min_frequency: int = 2)
     min_frequency=2: a pair seen once is noise, not a token worth a vocabulary slot. The vocabulary
     may come out smaller than `vocab_size` when the corpus runs out of pairs; the spec records the
     real size. Training is deterministic (the same sample gives the same file at any thread count)."""
-    from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
 
     check_bpe_vocab(vocab_size)
     tok = HFTokenizer(models.BPE())
@@ -362,7 +364,8 @@ def byte_tokenizer_json() -> str:
     """A tokenizer.json equivalent to ByteTokenizer, for exports: id i is byte i. A BPE with an
     empty merge list over GPT-2's byte alphabet splits every text into single bytes; use_regex=False
     since there is nothing to keep merges from crossing."""
-    from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
 
     vocab = {ch: b for b, ch in bytes_to_unicode().items()}
     tok = HFTokenizer(models.BPE(vocab=vocab, merges=[]))

@@ -210,7 +210,7 @@ SMALL_SETTINGS = ["model.n_layer=2", "model.n_embd=64", "model.n_head=2", "model
 
 def small_config(data, storage, name, sets=SMALL_SETTINGS, **flags):
     """A 2-worker run of a 2-layer model; dropout on, so exact-resume checks cover every RNG."""
-    from raytrain_lm.config import build_config
+    from raytrain_lm.config.load import build_config
 
     flags = {**dict(workers=2, max_steps=SMALL_STEPS, log_every=5, eval_every=15,
                     checkpoint_every=10, data=str(data), storage=str(storage), name=name, seed=11),
@@ -238,7 +238,7 @@ def small_storage(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def reference_run(ray_address, pydoc_data, small_storage):
     """An uninterrupted DDP run: (per-step losses, metrics rows). Its folder: small_storage/reference."""
-    from raytrain_lm.driver import run_training
+    from raytrain_lm.run.driver import run_training
 
     rows = []
     summary = run_training(small_config(pydoc_data, small_storage, "reference"),
@@ -254,8 +254,8 @@ TINY_STEPS = 120
 def tiny_run(ray_address, pydoc_data, tmp_path_factory):
     """One real 2-worker run of the tiny preset, shared by the modules that look at a finished
     run: (storage, run folder). Validation and checkpoints at steps 60 and 120."""
-    from raytrain_lm.config import build_config
-    from raytrain_lm.driver import run_training
+    from raytrain_lm.config.load import build_config
+    from raytrain_lm.run.driver import run_training
 
     import ray
 
@@ -311,13 +311,13 @@ class TrainedHere:
         """`data`: an existing dataset to train on (else one is prepared with `tokenizer`)."""
         import torch
 
-        from raytrain_lm.checkpoint import save_checkpoint
-        from raytrain_lm.config import build_config
+        from raytrain_lm.store.checkpoint_format import save_checkpoint
+        from raytrain_lm.config.load import build_config
         from raytrain_lm.data.manifest import dataset_tokenizer, load_manifest
         from raytrain_lm.data.prepare import prepare_dataset
         from raytrain_lm.data.windows import TokenWindows
         from raytrain_lm.model import build_model
-        from raytrain_lm.preflight import fit_model_to_data
+        from raytrain_lm.run.preflight import fit_model_to_data
 
         self.data, self.ckpt, self.steps = data or root / "data", root / "ckpt", steps
         self.manifest = load_manifest(data) if data else prepare_dataset(

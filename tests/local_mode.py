@@ -40,7 +40,7 @@ def _context():
         import sys
 
         _CTX = multiprocessing.get_context("forkserver")
-        _CTX.set_forkserver_preload(["raytrain_lm.loop", "local_mode"])
+        _CTX.set_forkserver_preload(["raytrain_lm.worker.loop", "local_mode"])
         # The server is a fresh interpreter: it finds this module through PYTHONPATH, and must
         # see no Ray address of this session (a rank never talks to a cluster).
         saved = {k: os.environ.get(k) for k in ("PYTHONPATH", "RAY_ADDRESS")}
@@ -66,7 +66,7 @@ def _rank_main(rank: int, world: int, port: int, config: dict, storage, rows) ->
     from ray.train.v2._internal.execution.train_fn_utils import (get_train_fn_utils,
                                                                   set_train_fn_utils)
 
-    from raytrain_lm.loop import train_loop_per_worker
+    from raytrain_lm.worker.loop import train_loop_per_worker
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -148,14 +148,13 @@ def run_local(cfg, *, resume: bool = False, init_from: Optional[str] = None, for
     import ray.train
     from ray.train.v2._internal.execution.storage import StorageContext
 
-    from raytrain_lm import files
-    from raytrain_lm.callbacks import KeepBest
+    from raytrain_lm.store import files
+    from raytrain_lm.ray_compat.callbacks import KeepBest
     from raytrain_lm.cluster.connect import free_port
-    from raytrain_lm.driver import (Follower, loop_config, previous_summary,
-                                    run_folder)
-    from raytrain_lm.preflight import check_init_from, prepare_data
-    from raytrain_lm.runs import best_val_loss
-    from raytrain_lm.storage import RunClaim
+    from raytrain_lm.run.driver import Follower, loop_config, previous_summary, run_folder
+    from raytrain_lm.run.preflight import check_init_from, prepare_data
+    from raytrain_lm.store.runs import best_val_loss
+    from raytrain_lm.store.storage import RunClaim
 
     assert isinstance(cfg.workers, int), "an elastic run needs Ray"
     t_launch = time.time()

@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from raytrain_lm.config import ModelConfig
+from raytrain_lm.config.settings import ModelConfig
 from raytrain_lm.model import build_model
 from raytrain_lm.parallel.ac import apply_activation_checkpointing
 

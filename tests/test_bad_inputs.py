@@ -137,7 +137,7 @@ CASES = [
 # ---------------------------------------------------------------- what the folder holds first
 
 def _run(tmp: Path, metrics: str | None = None, config: str | None = None) -> None:
-    from raytrain_lm.config import build_config
+    from raytrain_lm.config.load import build_config
 
     run = tmp / "runs" / "r"
     run.mkdir(parents=True)
@@ -166,7 +166,7 @@ def _checkpoint(tmp: Path) -> Path:
 
 def _rerecord(folder: Path) -> None:
     """Recompute rank 0's commit record, as whoever changed the files could."""
-    from raytrain_lm.storage import sha256_file
+    from raytrain_lm.store.storage import sha256_file
 
     record = json.loads((folder / "rank0.json").read_text())
     (folder / "rank0.json").write_text(json.dumps({rel: sha256_file(folder / rel) for rel in record}))
@@ -219,7 +219,7 @@ def _sweep_of_another_user(tmp: Path) -> None:
 @contextlib.contextmanager
 def _claimed(tmp: Path):
     """Another driver's live claim on runs/r: this test process's."""
-    from raytrain_lm.storage import RunClaim, RunFolder
+    from raytrain_lm.store.storage import RunClaim, RunFolder
 
     (tmp / "runs").mkdir()
     with RunClaim(RunFolder(str(tmp / "runs"), "r")):

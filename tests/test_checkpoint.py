@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from conftest import cli_here, run_cli
-from raytrain_lm.checkpoint import load_checkpoint, load_state, save_checkpoint
-from raytrain_lm.checkpointer import restore_rng
-from raytrain_lm.config import build_config
+from raytrain_lm.store.checkpoint_format import load_checkpoint, load_state, save_checkpoint
+from raytrain_lm.worker.checkpointer import restore_rng
+from raytrain_lm.config.load import build_config
 from raytrain_lm.errors import UserError
 from raytrain_lm.model import GPT
-from raytrain_lm.optim import build_optimizer
-from raytrain_lm.storage import sha256_file
+from raytrain_lm.worker.optim import build_optimizer
+from raytrain_lm.store.storage import sha256_file
 from test_cli_errors import assert_clean_error
 
 
@@ -141,7 +141,7 @@ def test_each_rank_draws_its_own_dropout_masks_after_any_restore():
 
 
 def _numpy_state():
-    from raytrain_lm.checkpoint import rng_state
+    from raytrain_lm.store.checkpoint_format import rng_state
 
     return rng_state()["numpy"]
 
@@ -154,7 +154,7 @@ def test_the_best_checkpoint_shares_the_files_of_a_local_checkpoint(tmp_path):
 
     from ray.train import Checkpoint
 
-    from raytrain_lm.callbacks import KeepBest
+    from raytrain_lm.ray_compat.callbacks import KeepBest
 
     src = tmp_path / "checkpoint_00000010"
     (src / "dcp").mkdir(parents=True)
@@ -176,8 +176,8 @@ def test_the_best_checkpoint_on_s3_is_a_copy_written_meta_last(tmp_path):
     import pyarrow.fs as pafs
     from ray.train import Checkpoint
 
-    from raytrain_lm.callbacks import KeepBest
-    from raytrain_lm.runs import find_checkpoint
+    from raytrain_lm.ray_compat.callbacks import KeepBest
+    from raytrain_lm.store.runs import find_checkpoint
     from s3_server import moto_s3, s3_keys
 
     with moto_s3("best"):
@@ -212,7 +212,7 @@ def test_the_cuda_rng_state_restored_is_this_workers_device_whatever_the_gpus_se
     """A worker saves its own device's CUDA state; a checkpoint that saved one per visible GPU
     (a list) gives this device its entry, or nothing where the saving worker saw fewer GPUs
     (resumed on larger nodes) instead of an IndexError that failed every restart."""
-    from raytrain_lm.checkpoint import cuda_state_for
+    from raytrain_lm.store.checkpoint_format import cuda_state_for
 
     states = [torch.full((16,), i, dtype=torch.uint8) for i in range(8)]
     assert torch.equal(cuda_state_for(states[5], 3), states[5])  # this format: one state

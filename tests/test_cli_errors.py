@@ -75,7 +75,7 @@ def test_unreachable_address_fails_fast(tmp_path, pydoc_data, how):
     assert result.returncode == 2 and errors == [
         "error: no Ray cluster answers at 127.0.0.1:1; start one with `python cli.py cluster "
         "local-up` or check the address"], result.stderr[-2000:]
-    assert "raytrain_lm.driver" in imported and not {"ray.train", "torch"} & imported
+    assert "raytrain_lm.run.driver" in imported and not {"ray.train", "torch"} & imported
     assert not (tmp_path / "runs").exists()
 
 
@@ -118,7 +118,7 @@ def test_tune_resume_refuses_a_name_out_of_storage(tmp_path):
 
 
 def test_names_of_letters_digits_dots_dashes_underscores_are_fine():
-    from raytrain_lm.config import build_config
+    from raytrain_lm.config.load import build_config
 
     for name in ["run-1.v2_final", "A" * 128, "0"]:
         assert build_config(flags=dict(name=name)).name == name
@@ -182,7 +182,7 @@ def test_paths_that_cannot_be_created_read_or_written(tmp_path, pydoc_data, comm
 def test_run_folder_writes_that_fail_say_which_path(tmp_path):
     """Every file the driver, tune and lr-find keep in a run's folder goes through RunFolder."""
     from raytrain_lm.errors import UserError
-    from raytrain_lm.storage import RunFolder
+    from raytrain_lm.store.storage import RunFolder
 
     (tmp_path / "afile").write_text("a file")
     with pytest.raises(UserError, match=f"cannot write {tmp_path}/afile/r/summary.json: "

@@ -274,8 +274,8 @@ def test_checkpoints_metrics_summary_land_in_s3(s3_run):
 
 def test_async_uploads_to_s3_survive_a_worker_killed_mid_upload(s3_run):
     """Checkpoint 10 is incomplete (its upload was cut), so the run resumes from 5, and completes."""
-    from raytrain_lm.runs import checkpoint_folders, latest_checkpoint
-    from raytrain_lm.storage import RunFolder
+    from raytrain_lm.store.runs import checkpoint_folders, latest_checkpoint
+    from raytrain_lm.store.storage import RunFolder
 
     assert s3_run["status"] == "completed" and s3_run["steps"] == 20
     assert s3_run["restarts"] == 1 and s3_run["resumed_from_step"] == 5
@@ -504,7 +504,7 @@ def test_the_run_grows_and_shrinks_with_the_cluster_and_completes(elastic_run):
 def test_every_window_of_every_epoch_was_used_exactly_once_across_the_resizes(elastic_run, small_data):
     from raytrain_lm.data.sampler import epoch_order
     from raytrain_lm.data.windows import TokenWindows
-    from raytrain_lm.drills import read_window_log
+    from raytrain_lm.worker.drills import read_window_log
 
     summary, run_dir, _ = elastic_run
     kept = read_window_log(run_dir)

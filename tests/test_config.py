@@ -2,7 +2,8 @@ import json
 
 import pytest
 
-from raytrain_lm.config import TrainConfig, build_config, parse_set_args
+from raytrain_lm.config.load import build_config, parse_set_args
+from raytrain_lm.config.settings import TrainConfig
 from raytrain_lm.errors import UserError
 
 

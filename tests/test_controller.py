@@ -1,4 +1,4 @@
-"""The controller a run uses (raytrain_lm/controller.py), on the session's real Ray cluster."""
+"""The controller a run uses (raytrain_lm/ray_compat/controller.py), on the session's real Ray cluster."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import sys
 import ray.cloudpickle
 from ray.train import RunConfig
 
-from raytrain_lm.config import TrainConfig
-from raytrain_lm.controller import Polls
-from raytrain_lm.scaling import failure_config, scaling_config
-from raytrain_lm.trainer import Trainer
+from raytrain_lm.config.settings import TrainConfig
+from raytrain_lm.ray_compat.controller import Polls
+from raytrain_lm.ray_compat.scaling import failure_config, scaling_config
+from raytrain_lm.ray_compat.trainer import Trainer
 
 def _report_runtime_env(config):
     """The training function: writes the runtime env this worker process has."""

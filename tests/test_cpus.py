@@ -3,7 +3,7 @@ setting kept, and the line when a cluster's workers leave a node's CPUs idle (cp
 
 import pytest
 
-from raytrain_lm.config import build_config
+from raytrain_lm.config.load import build_config
 from raytrain_lm.cpus import decide, idle_line, local_share, pack, torch_threads
 
 

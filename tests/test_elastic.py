@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from conftest import cli_here, run_cli
-from raytrain_lm.config import build_config
+from raytrain_lm.config.load import build_config
 from raytrain_lm.data.sampler import BatchPlan, BatchStream, epoch_order
-from raytrain_lm.drills import WindowLog, read_window_log
-from raytrain_lm.elastic import fit_to_world, global_batch, parse_workers, worker_counts
+from raytrain_lm.worker.drills import WindowLog, read_window_log
+from raytrain_lm.config.sizes import fit_to_world, global_batch, parse_workers, worker_counts
 from raytrain_lm.errors import UserError
-from raytrain_lm.groups import WorkerGroups
+from raytrain_lm.run.groups import WorkerGroups
 from test_cli_errors import assert_clean_error
 
 
@@ -149,9 +149,9 @@ def test_worker_groups_count_restarts_and_say_why_a_size_changed():
 
 def test_a_checkpoint_is_committed_data_first_record_then_meta(tmp_path):
     """The order uploads copy a rank's files in: a copy cut short has no record and is skipped."""
-    from raytrain_lm.checkpoint import commit_checkpoint, read_meta, save_checkpoint
+    from raytrain_lm.store.checkpoint_format import commit_checkpoint, read_meta, save_checkpoint
     from raytrain_lm.model import GPT
-    from raytrain_lm.optim import build_optimizer
+    from raytrain_lm.worker.optim import build_optimizer
 
     cfg = build_config(sets=["model.n_layer=1", "model.n_embd=32", "model.n_head=2"])
     cfg.model.vocab_size = 256
@@ -172,7 +172,7 @@ def test_a_checkpoint_is_committed_data_first_record_then_meta(tmp_path):
 def test_uploads_are_async_where_storage_is_remote():
     from ray.train import CheckpointUploadMode
 
-    from raytrain_lm.checkpointer import upload_mode
+    from raytrain_lm.worker.checkpointer import upload_mode
 
     s3 = pafs.S3FileSystem(endpoint_override="127.0.0.1:1", scheme="http")
     auto = sized({})
@@ -186,7 +186,7 @@ def test_uploads_are_async_where_storage_is_remote():
 
 
 def test_the_progress_line_and_the_table_show_the_size_and_the_resizes():
-    from raytrain_lm.report import progress_line, results_table
+    from raytrain_lm.results.tables import progress_line, results_table
 
     row = {"step": 40, "workers": 3, "loss": 2.5, "lr": 1e-3, "tokens_per_second": 5e3,
            "data_wait_frac": 0.0, "peak_mem_gb": 0.1, "step_time": 0.1}

@@ -11,8 +11,8 @@ import torch
 
 from conftest import cli_here, run_cli
 
-from raytrain_lm.export import export_checkpoint_hf, export_hf
-from raytrain_lm.generate import sample
+from raytrain_lm.results.export import export_checkpoint_hf, export_hf
+from raytrain_lm.results.generate import sample
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # nothing may be fetched from a hub
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
@@ -205,8 +205,8 @@ def test_c_attn_reaches_gpt2_in_its_qkv_order(tmp_path):
     (with 1 head the layouts coincide; with 3 the permutation is its own inverse)."""
     from transformers import GPT2LMHeadModel
 
-    from raytrain_lm.config import ModelConfig
-    from raytrain_lm.export import c_attn_to_gpt2
+    from raytrain_lm.config.settings import ModelConfig
+    from raytrain_lm.results.export import c_attn_to_gpt2
     from raytrain_lm.model import GPT, qkv_gpt2_to_interleaved
     from raytrain_lm.tokenizer import ByteTokenizer
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from ray._private.accelerators.nvidia_gpu import NvidiaGPUAcceleratorManager
 
-from raytrain_lm.config import build_config
+from raytrain_lm.config.load import build_config
 from raytrain_lm.errors import UserError
 from raytrain_lm.gpus import GPUS, gpu_model, label_memory_gb, peak_tflops
 
@@ -83,9 +83,9 @@ def test_force_reaches_the_workers(tmp_path, monkeypatch):
     """The workers' memory check reads --force from the trainer's train_loop_config: a plan beyond
     the device's memory is refused with the config of a trainer built without --force, and
     goes through with one built with it."""
-    from raytrain_lm.driver import build_trainer
-    from raytrain_lm.preflight import check_device_memory
-    from raytrain_lm.storage import RunFolder
+    from raytrain_lm.run.driver import build_trainer
+    from raytrain_lm.run.preflight import check_device_memory
+    from raytrain_lm.store.storage import RunFolder
 
     cfg = build_config(flags=dict(storage=str(tmp_path), name="r", use_gpu=True, workers=1),
                        sets=BEYOND_80GB)
@@ -116,7 +116,7 @@ def fake_device_memory(monkeypatch, total: float) -> None:
 
 def test_a_gpu_worker_refuses_a_plan_beyond_its_device_memory(monkeypatch):
     """On a GPU its real memory; without one, an 80 GB card's reported properties."""
-    from raytrain_lm.preflight import check_device_memory
+    from raytrain_lm.run.preflight import check_device_memory
 
     fake_device_memory(monkeypatch, 80e9)
     cfg = build_config(flags=dict(use_gpu=True, workers=1), sets=BEYOND_80GB)
@@ -128,7 +128,7 @@ def test_a_gpu_worker_refuses_a_plan_beyond_its_device_memory(monkeypatch):
 
 
 def test_the_progress_line_shows_the_allocators_reservation_beside_the_allocated_peak():
-    from raytrain_lm.report import progress_line
+    from raytrain_lm.results.tables import progress_line
 
     row = {"step": 4, "loss": 2.5, "lr": 1e-3, "tokens_per_second": 5e3, "data_wait_frac": 0.0,
            "peak_mem_gb": 10.0, "peak_mem_reserved_gb": 12.5, "step_time": 0.1}

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from raytrain_lm.config import ModelConfig
+from raytrain_lm.config.settings import ModelConfig
 from raytrain_lm.model import build_model, init_device
 from raytrain_lm.parallel.init import materialize_
 

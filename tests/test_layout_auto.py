@@ -4,8 +4,8 @@ session's CPU cluster."""
 
 import pytest
 
-from raytrain_lm.checks import validate
-from raytrain_lm.config import build_config
+from raytrain_lm.config.checks import validate
+from raytrain_lm.config.load import build_config
 from raytrain_lm.errors import UserError
 from raytrain_lm.plan import config_layout, estimate_layout
 from raytrain_lm.plan.auto import apply_layout, auto_cluster, choose_layout, cluster_shape
@@ -61,7 +61,7 @@ def test_layout_values_are_checked():
 
 
 def test_train_with_layout_auto_on_cpu_workers(ray_address, pydoc_data, tmp_path):
-    from raytrain_lm.driver import run_training
+    from raytrain_lm.run.driver import run_training
 
     said = []
     cfg = build_config(sets=[s for s in SETS if "vocab" not in s], flags=dict(

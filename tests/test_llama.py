@@ -11,7 +11,9 @@ import torch
 import torch.nn.functional as F
 
 from conftest import batches_as_read, cli_here, run_cli, save_hf_llama
-from raytrain_lm.config import ModelConfig, build_config, preset_config
+from raytrain_lm.config.load import build_config
+from raytrain_lm.config.presets import preset_config
+from raytrain_lm.config.settings import ModelConfig
 from raytrain_lm.errors import UserError
 from raytrain_lm.model import architecture, build_model
 from test_cli_errors import assert_clean_error
@@ -160,7 +162,7 @@ def hf_llama(tmp_path_factory, trained_here):
 
 def with_model(cfg, **model):
     """A copy of the TrainConfig `cfg` with these model settings."""
-    from raytrain_lm.config import TrainConfig
+    from raytrain_lm.config.settings import TrainConfig
 
     out = TrainConfig.from_dict(cfg.to_dict())
     for k, v in model.items():
@@ -230,7 +232,7 @@ def test_an_export_imports_back(trained_here, tmp_path):
     """ours -> Hugging Face -> ours: the weights come back (the padding rows of the vocabulary
     aside, which the export drops)."""
     from raytrain_lm import hf_llama as hf_io
-    from raytrain_lm.export import export_hf
+    from raytrain_lm.results.export import export_hf
 
     run = trained_here["llama"]
     export_hf(run.model.state_dict(), run.cfg.model, run.tok, tmp_path / "hf")
@@ -307,7 +309,7 @@ def test_native_export_of_a_llama_loads_into_llama_py(trained_here, tmp_path):
     loading recipe of docs/results.md gives the same model."""
     from safetensors.torch import load_file
 
-    from raytrain_lm.export import export_checkpoint
+    from raytrain_lm.results.export import export_checkpoint
 
     run = trained_here["llama"]
     config = export_checkpoint(run.ckpt, tmp_path / "native", source=str(run.ckpt))
@@ -334,7 +336,7 @@ def test_llama_py_stays_free_of_torch_distributed_and_the_driver_of_torch(hf_lla
         names += [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module]
         assert not [n for n in names if n.startswith("torch.distributed")], path
     folder, _, run = hf_llama
-    code = ("import sys; from raytrain_lm.config import build_config; "
+    code = ("import sys; from raytrain_lm.config.load import build_config; "
             "from raytrain_lm.data.manifest import load_manifest; from raytrain_lm import hf_llama; "
             f"cfg = build_config(preset='llama-tiny', sets=['model.vocab_size=1000']); "
             f"hf_llama.is_hf_folder({str(folder)!r}) and hf_llama.model_fields("

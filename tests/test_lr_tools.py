@@ -4,11 +4,11 @@ import math
 
 import pytest
 
-from raytrain_lm.config import build_config
+from raytrain_lm.config.load import build_config
 from raytrain_lm.errors import UserError
 from raytrain_lm.tune.lr_find import per_step_curve, range_test_config, smooth, suggest_lr
 from raytrain_lm.tune.lr_scaling import apply_lr_scaling, scaled_lr
-from raytrain_lm.optim import lr_at
+from raytrain_lm.worker.optim import lr_at
 
 
 def test_scaling_rules():

@@ -1,6 +1,7 @@
 import torch
 
-from raytrain_lm.config import ModelConfig, preset_config
+from raytrain_lm.config.presets import preset_config
+from raytrain_lm.config.settings import ModelConfig
 from raytrain_lm.model import GPT, flops_per_token
 
 
@@ -69,7 +70,7 @@ def test_flops_of_the_tiny_preset():
 def test_sampling_never_returns_an_id_the_tokenizer_cannot_decode():
     """The model's vocabulary may be padded beyond the tokenizer's (256 -> 320 here): even when
     the padding ids have the highest logits, sampling and greedy decoding stay below 256."""
-    from raytrain_lm.generate import sample
+    from raytrain_lm.results.generate import sample
 
     model = GPT(ModelConfig(vocab_size=320, block_size=32, n_layer=1, n_head=2, n_embd=16)).eval()
     with torch.no_grad():
@@ -80,7 +81,7 @@ def test_sampling_never_returns_an_id_the_tokenizer_cannot_decode():
 
 
 def test_the_vocabulary_comes_from_the_dataset_padded_to_64():
-    from raytrain_lm.preflight import fit_model_to_data
+    from raytrain_lm.run.preflight import fit_model_to_data
 
     for preset in ("tiny", "gpt2"):
         cfg = preset_config(preset)

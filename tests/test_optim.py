@@ -3,8 +3,8 @@ import math
 import pytest
 import torch
 
-from raytrain_lm.config import TrainConfig
-from raytrain_lm.optim import build_optimizer, lr_at
+from raytrain_lm.config.settings import TrainConfig
+from raytrain_lm.worker.optim import build_optimizer, lr_at
 
 
 def test_warmup_then_cosine_to_min():
@@ -49,7 +49,7 @@ def test_a_longer_resumed_run_never_jumps(schedule, resume_at, horizon):
     """--resume --max-steps 600 on a 300-step run: no step-to-step change of the learning rate
     across the resume is larger than the schedule's own largest change (cosine's horizon moving
     from 300 to 600 made it jump 5.9x)."""
-    from raytrain_lm.optim import resumed_horizon
+    from raytrain_lm.worker.optim import resumed_horizon
 
     saved = TrainConfig(lr=3e-3, warmup_steps=30, max_steps=300, schedule=schedule)
     longer = resumed_horizon(saved, TrainConfig(lr=3e-3, warmup_steps=30, max_steps=600,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from raytrain_lm.parallel.comm import CudaClock, HostClock, PipelineTimer, clock_for
+from raytrain_lm.parallel.traffic import CudaClock, HostClock, PipelineTimer, clock_for
 
 
 class DeviceLikeClock:

@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from conftest import cli_here, run_cli
-from raytrain_lm.config import ModelConfig, build_config, preset_config
+from raytrain_lm.config.load import build_config
+from raytrain_lm.config.presets import preset_config
+from raytrain_lm.config.settings import ModelConfig
 from raytrain_lm.errors import UserError
 from raytrain_lm.model import GPT, flops_per_token as model_flops_per_token
 from raytrain_lm.plan import (
@@ -18,7 +20,7 @@ from raytrain_lm.plan import (
     flops_per_token, param_counts, plan, rank_comm, rank_memory, rank_stages, recommendation,
     ring_bytes, tp_param_counts,
 )
-from raytrain_lm.preflight import check_memory
+from raytrain_lm.run.preflight import check_memory
 from test_cli_errors import assert_clean_error
 
 # A 2-layer model small enough to count by hand: width h=8, 2 heads, vocabulary V=16, context T=8,

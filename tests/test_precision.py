@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from raytrain_lm.config import TrainConfig
-from raytrain_lm.step import TrainStep, resolve_precision
+from raytrain_lm.config.settings import TrainConfig
+from raytrain_lm.worker.step import TrainStep, resolve_precision
 
 
 @pytest.mark.parametrize("precision, device, native, pp, expected", [

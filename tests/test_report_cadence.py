@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from raytrain_lm.config import TrainConfig
-from raytrain_lm.loop import Cadence
-from raytrain_lm.metrics import Meter
+from raytrain_lm.config.settings import TrainConfig
+from raytrain_lm.worker.loop import Cadence
+from raytrain_lm.worker.metrics import Meter
 
 
 def cadence(**settings) -> Cadence:
@@ -71,7 +71,7 @@ def test_meter_gives_the_interval_step_time_for_the_pace():
 def test_a_negative_count_or_a_pace_of_no_time_is_refused_in_one_line():
     import pytest
 
-    from raytrain_lm.checks import validate
+    from raytrain_lm.config.checks import validate
     from raytrain_lm.errors import UserError
 
     for settings in (dict(log_every=-1), dict(log_seconds=0.0)):

@@ -122,8 +122,8 @@ def test_tensorboard_drops_points_of_an_abandoned_attempt(tmp_path):
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from raytrain_lm.storage import RunFolder
-    from raytrain_lm.tb import TensorBoardLog
+    from raytrain_lm.store.storage import RunFolder
+    from raytrain_lm.run.tensorboard import TensorBoardLog
 
     tb = TensorBoardLog(RunFolder(str(tmp_path), "r"), say=lambda m: None)
     for step in (10, 20, 30):
@@ -258,8 +258,8 @@ def test_generate_streams_the_same_text(trained):
 def test_generated_text_looks_like_the_corpus_and_untrained_text_does_not(trained):
     """After 120 steps (val loss ~2.4 nats/byte) most samples read like the docs' prose; a model
     of the same shape that has learnt nothing never passes the same criterion."""
-    from raytrain_lm.config import TrainConfig
-    from raytrain_lm.generate import generate_text, sample
+    from raytrain_lm.config.settings import TrainConfig
+    from raytrain_lm.results.generate import generate_text, sample
     from raytrain_lm.model import GPT
 
     folder = trained[1] / f"checkpoint_{STEPS:08d}"
@@ -280,7 +280,7 @@ def test_generated_text_looks_like_the_corpus_and_untrained_text_does_not(traine
 def test_kv_cache_sampling_matches_full_forward(trained):
     from pathlib import Path
 
-    from raytrain_lm.generate import load_model, sample
+    from raytrain_lm.results.generate import load_model, sample
 
     model, _, _ = load_model(Path(trained[1] / f"checkpoint_{STEPS:08d}"), torch.device("cpu"))
     prompt = list(b"The list ")
@@ -356,14 +356,14 @@ def test_export_round_trips_the_weights_bit_exactly(trained, tmp_path):
     for name, source in config["tied"].items():
         weights[name] = weights[source]
 
-    from raytrain_lm.checkpoint import load_checkpoint
+    from raytrain_lm.store.checkpoint_format import load_checkpoint
 
     state = load_checkpoint(run_dir / f"checkpoint_{STEPS:08d}")["model"]
     assert set(weights) == set(state)
     for name, tensor in state.items():
         assert weights[name].dtype == tensor.dtype and torch.equal(weights[name], tensor), name
 
-    from raytrain_lm.config import ModelConfig
+    from raytrain_lm.config.settings import ModelConfig
     from raytrain_lm.model import GPT
 
     model = GPT(ModelConfig(**config["model"]))

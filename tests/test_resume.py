@@ -13,9 +13,9 @@ import torch
 
 from conftest import (ROOT, SMALL_SETTINGS, SMALL_STEPS, cli_here, kill_train_workers,
                       libraries_of_pid, run_cli, small_config, step_losses)
-from raytrain_lm.config import build_config
+from raytrain_lm.config.load import build_config
 from local_mode import run_local
-from raytrain_lm.driver import run_training
+from raytrain_lm.run.driver import run_training
 
 STEPS = SMALL_STEPS
 SETTINGS = SMALL_SETTINGS
@@ -202,7 +202,7 @@ def test_checkpoint_contents_and_best_copy(reference_run, storage):
     state = torch.load(run / kept[-1] / "state.pt", weights_only=True)  # tensors and plain data only
     assert {"scaler", "step", "tokens", "data", "config", "tokenizer"} <= state.keys()
     assert (run / kept[-1] / "dcp" / ".metadata").is_file()  # model and optimizer, any layout
-    from raytrain_lm.checkpoint import load_checkpoint
+    from raytrain_lm.store.checkpoint_format import load_checkpoint
 
     model = load_checkpoint(run / kept[-1])["model"]  # gathered in this process
     assert "wte.weight" in model and not any(k.startswith(("module.", "_orig_mod.")) for k in model)

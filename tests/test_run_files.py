@@ -17,7 +17,7 @@ from conftest import cli_here, run_cli
 from test_cli_errors import assert_clean_error
 
 from raytrain_lm.errors import UserError
-from raytrain_lm.storage import MetricsLog, RunFolder
+from raytrain_lm.store.storage import MetricsLog, RunFolder
 
 
 def dead_pid() -> int:
@@ -34,7 +34,7 @@ def test_a_second_claim_on_a_run_folder_is_refused_on_s3_too():
     others'. On moto's server, as on a disk: the second is refused and leaves no claim."""
     from s3_server import moto_s3, s3_keys
 
-    from raytrain_lm.storage import RunClaim
+    from raytrain_lm.store.storage import RunClaim
 
     with moto_s3("claims"):
         run = RunFolder("s3://claims/runs", "r")
@@ -51,7 +51,7 @@ def test_a_second_claim_on_a_run_folder_is_refused_on_s3_too():
 def test_a_dead_or_silent_drivers_claim_does_not_block_the_run(tmp_path):
     """A killed driver's claim (its process gone, on this machine), or one not renewed for
     STALE_S (a driver elsewhere that died), is not a claim: --resume after a crash works."""
-    from raytrain_lm.storage import RunClaim, live_claims
+    from raytrain_lm.store.storage import RunClaim, live_claims
 
     run = RunFolder(str(tmp_path), "r")
     run.write_json(".claim-dead.json", {"host": os.uname().nodename, "pid": dead_pid(),
@@ -68,7 +68,7 @@ def test_a_dead_or_silent_drivers_claim_does_not_block_the_run(tmp_path):
 
 def test_a_refused_claim_leaves_no_folder_behind(tmp_path):
     """The claim creates the run's folder (and its storage's); given up, they go again."""
-    from raytrain_lm.storage import RunClaim
+    from raytrain_lm.store.storage import RunClaim
 
     with RunClaim(RunFolder(str(tmp_path / "a" / "runs"), "r")):
         assert (tmp_path / "a" / "runs" / "r").is_dir()
@@ -147,7 +147,7 @@ def test_a_torn_last_line_of_the_metrics_is_left_out_and_the_next_row_starts_a_l
 
 
 def test_a_resumed_runs_damaged_summary_counts_nothing_rather_than_stopping_it(tmp_path):
-    from raytrain_lm.driver import previous_summary
+    from raytrain_lm.run.driver import previous_summary
 
     _write_run(tmp_path, "r", '{"restarts": 2, "resi', ROW % 10)
     assert previous_summary(RunFolder(str(tmp_path), "r")) == {}
@@ -215,8 +215,8 @@ def test_a_run_stopped_by_a_full_disk_says_failed_in_its_summary(full_disk):
     """summary.json is written whole and moved into place, which needs room for a second copy:
     on a full disk it stayed "running" while the run exited. It is overwritten in place instead
     (its blocks are there already), and no half-written temporary file is left."""
-    from raytrain_lm.config import build_config
-    from raytrain_lm.driver import Follower
+    from raytrain_lm.config.load import build_config
+    from raytrain_lm.run.driver import Follower
 
     cfg = build_config(flags={"name": "r", "storage": str(full_disk)})
     run = RunFolder(str(full_disk), "r")

@@ -92,7 +92,7 @@ def test_dtype_by_vocab_size():
     assert dtype_for_vocab(257) is np.uint16 and dtype_for_vocab(65536) is np.uint16
     assert dtype_for_vocab(65537) is np.uint32 and dtype_for_vocab(200_000) is np.uint32
     assert ByteTokenizer().dtype is np.uint8
-    from raytrain_lm.preflight import padded_vocab
+    from raytrain_lm.run.preflight import padded_vocab
 
     assert padded_vocab(256) == 256 and padded_vocab(257) == 320 and padded_vocab(50257) == 50304
 

@@ -105,7 +105,7 @@ def test_gpt2_preset_on_an_8k_bpe_of_the_stdlib_trains_on_2_workers(tmp_path):
     on 2 gloo ranks of the local harness (local_mode.py: the arithmetic, not Ray). Shrunk to fit this 2-core machine: seq_len 64, batch 2, 8 validation
     windows. The BPE is trained on the first 6 MB of the standard library's sources, one document
     per file (all 30 MB took 12-30 s to prepare here; this, 7 s)."""
-    from raytrain_lm.config import build_config
+    from raytrain_lm.config.load import build_config
     from raytrain_lm.data.prepare import prepare_dataset
     from raytrain_lm.data.sources import _read_stdlib_file, _stdlib_files
     from local_mode import run_local

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from raytrain_lm.checks import check_tp_fits_nodes, check_tp_in_node
+from raytrain_lm.config.checks import check_tp_fits_nodes, check_tp_in_node
 from raytrain_lm.errors import UserError
 
 

@@ -77,7 +77,7 @@ def test_ranks_trained_one_model(finished_run):
     spreads = [r["replica_spread"] for r in rows if r.get("checkpoint")]
     assert spreads == [0.0, 0.0]  # steps 60 and 120
     folder = run_dir / f"checkpoint_{TINY_STEPS:08d}"
-    from raytrain_lm.checkpoint import load_checkpoint
+    from raytrain_lm.store.checkpoint_format import load_checkpoint
 
     state = load_checkpoint(folder)  # state.pt, with the model gathered from dcp/
     assert state["step"] == TINY_STEPS and state["world_size"] == 2

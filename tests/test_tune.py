@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from conftest import ROOT, kill_train_workers, run_cli
-from raytrain_lm.config import build_config
+from raytrain_lm.config.load import build_config
 from raytrain_lm.tune.space import parse_space
 from raytrain_lm.tune.sweep import SweepSettings, check_settings, run_sweep
 

@@ -4,8 +4,9 @@
 import pytest
 
 from conftest import step_losses
-from raytrain_lm.checks import pipeline_stages, validate
-from raytrain_lm.config import build_config
+from raytrain_lm.config.checks import validate
+from raytrain_lm.config.sizes import pipeline_stages
+from raytrain_lm.config.load import build_config
 from raytrain_lm.errors import UserError
 
 MODEL = ["model.n_layer=6", "model.n_head=2", "model.n_embd=32", "model.block_size=32",
@@ -35,7 +36,7 @@ def test_virtual_stages_are_checked():
 
 
 def test_three_stages_per_worker_train_the_one_worker_model(ray_address, pydoc_data, tmp_path):
-    from raytrain_lm.driver import run_training
+    from raytrain_lm.run.driver import run_training
 
     for name, workers, flags in (("one", 1, {}), ("v3", 2, dict(
             pp=2, pp_schedule="interleaved-1f1b", virtual_stages=3, microbatches=4))):

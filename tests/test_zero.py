@@ -13,9 +13,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from raytrain_lm.config import build_config
+from raytrain_lm.config.load import build_config
 from raytrain_lm.model import build_model
-from raytrain_lm.optim import ZeroOneAdamW, build_optimizer, owners
+from raytrain_lm.worker.optim import ZeroOneAdamW, build_optimizer, owners
 
 SETS = ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=16",
         "model.vocab_size=64", "model.dropout=0"]
@@ -43,7 +43,7 @@ def train(rank, strategy, folder=None):
         opt.step()
         opt.zero_grad(set_to_none=True)
     if folder is not None:
-        from raytrain_lm.checkpoint import save_checkpoint
+        from raytrain_lm.store.checkpoint_format import save_checkpoint
 
         save_checkpoint(folder, rank, SimpleNamespace(parts=[model], optimizers=[opt]),
                         {"step": STEPS} if rank == 0 else None, commit=False)
@@ -61,7 +61,7 @@ def worker(rank, port, out, folder):
     zero, zero_held, opt = train(rank, "zero1", folder)
     assert isinstance(opt, ZeroOneAdamW)
     # Reload the checkpoint into a fresh ZeRO-1 optimizer: this rank's states come back.
-    from raytrain_lm.checkpoint import load_state
+    from raytrain_lm.store.checkpoint_format import load_state
 
     cfg = config("zero1")
     model = build_model(cfg.model, seed=9)
@@ -84,7 +84,7 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    import raytrain_lm.checkpoint  # noqa: F401  (imported once, before the fork)
+    import raytrain_lm.store.checkpoint_format  # noqa: F401  (imported once, before the fork)
     import torch.distributed.checkpoint  # noqa: F401
     from torch.nn.parallel import DistributedDataParallel  # noqa: F401
 
@@ -110,7 +110,7 @@ def test_a_zero1_checkpoint_loads_back_and_into_plain_adamw(results):
     ranks, folder = results
     assert all(r["same_state"] and r["reloaded"] for r in ranks)
     # One process, plain AdamW (another layout): every parameter's state is in the checkpoint.
-    from raytrain_lm.checkpoint import load_state
+    from raytrain_lm.store.checkpoint_format import load_state
 
     cfg = config("ddp")
     model = build_model(cfg.model, seed=9)

@@ -14,7 +14,7 @@ import sys
 
 import typer
 
-from raytrain_lm.cli import data, train, results, tune, cluster  # noqa: F401,I001  (in --help's order)
+from raytrain_lm.cli import cluster, data, results, train, tune  # noqa: F401,I001  (in --help's order)
 from raytrain_lm.cli.app import app
 from raytrain_lm.errors import UserError
 

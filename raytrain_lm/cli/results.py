@@ -28,8 +28,8 @@ def runs_(
 ) -> None:
     """List the runs in --storage: status, steps, final val loss, tokens/s, date."""
     from raytrain_lm.console import paint
-    from raytrain_lm.report import runs_table
-    from raytrain_lm.runs import list_runs
+    from raytrain_lm.results.tables import runs_table
+    from raytrain_lm.store.runs import list_runs
 
     found = list_runs(storage)
     if as_json:
@@ -57,7 +57,7 @@ def report(
     as_json: bool = JSON,
 ) -> None:
     """A run's results table and a PNG of its curves (train/val loss, tokens/s, learning rate)."""
-    from raytrain_lm.report import build_report, compare_table, results_table
+    from raytrain_lm.results.tables import build_report, compare_table, results_table
 
     rep = build_report([run, *(compare or [])], storage, out=out)
     if as_json:
@@ -87,17 +87,17 @@ def generate(
     as_json: bool = typer.Option(False, "--json", help="Print text, token ids and stats as JSON at the end."),
 ) -> None:
     """Sample text from a run's latest (or best) checkpoint, streaming it as it comes (KV cache)."""
-    from raytrain_lm.checks import check_sampling
+    from raytrain_lm.config.checks import check_sampling
     from raytrain_lm.console import paint
-    from raytrain_lm.runs import find_checkpoint
+    from raytrain_lm.store.runs import find_checkpoint
 
     check_sampling(max_new_tokens, temperature, top_k or None)
     if device not in ("auto", "cpu"):  # torch is only needed to check the others (~3 s to import)
-        from raytrain_lm.generate import pick_device
+        from raytrain_lm.results.generate import pick_device
 
         pick_device(device)  # a bad --device fails before a checkpoint is fetched
     found = find_checkpoint(model, storage, best=best)
-    from raytrain_lm.generate import generate_text
+    from raytrain_lm.results.generate import generate_text
     info = lambda m: None if (quiet or as_json) else typer.echo(paint(m, "dim", sys.stderr), err=True)  # noqa: E731
     val = f", val loss {found.val_loss:.4f}" if found.val_loss is not None else ""
     info(f"checkpoint {found.source} (step {found.step}{val})")
@@ -143,8 +143,13 @@ def export(
     """Write a checkpoint's weights: safetensors + config JSON (plain PyTorch), or `--format hf`
     for Hugging Face transformers. A BPE's tokenizer.json goes along."""
     from raytrain_lm.errors import UserError
-    from raytrain_lm.export import FORMATS, check_out, export_checkpoint, export_checkpoint_hf
-    from raytrain_lm.runs import find_checkpoint
+    from raytrain_lm.results.export import (
+        FORMATS,
+        check_out,
+        export_checkpoint,
+        export_checkpoint_hf,
+    )
+    from raytrain_lm.store.runs import find_checkpoint
 
     if format not in FORMATS:
         raise UserError(f"--format must be one of {', '.join(FORMATS)}, got {format!r}")

@@ -9,9 +9,19 @@ from typing import Optional
 import typer
 
 from raytrain_lm.cli.app import app, examples
-from raytrain_lm.cli.options import (CONFIG, JSON, QUIET, SET, VERBOSE, ConfigPath, SetList,
-                                     only_json_on_stdout, say_for, settings)
-from raytrain_lm.elastic import parse_workers
+from raytrain_lm.cli.options import (
+    CONFIG,
+    JSON,
+    QUIET,
+    SET,
+    VERBOSE,
+    ConfigPath,
+    SetList,
+    only_json_on_stdout,
+    say_for,
+    settings,
+)
+from raytrain_lm.config.sizes import parse_workers
 from raytrain_lm.plan import H100_NVLINK_GBPS, H100_TFLOPS, IB_400_GBPS
 
 ARCH = typer.Option(None, help="The model's architecture: gpt (GPT-2) or llama (RMSNorm, "
@@ -78,10 +88,10 @@ def train(
     as_json: bool = JSON,
 ) -> None:
     """Train a GPT or Llama model with Ray Train (DDP over gloo on CPU, NCCL on GPU)."""
-    from raytrain_lm.config import build_config
-    from raytrain_lm.driver import run_training, saved_config
-    from raytrain_lm.files import default_storage
-    from raytrain_lm.report import progress_line, results_table
+    from raytrain_lm.config.load import build_config
+    from raytrain_lm.results.tables import progress_line, results_table
+    from raytrain_lm.run.driver import run_training, saved_config
+    from raytrain_lm.store.files import default_storage
     from raytrain_lm.tune.lr_scaling import apply_lr_scaling
 
     if workers is not None:  # N is a fixed size: MIN = MAX
@@ -208,7 +218,7 @@ def plan(
 ) -> None:
     """Every (dp, tp, pp) layout of the GPUs: memory per GPU, communication, estimated step time;
     the fastest that fits, and why."""
-    from raytrain_lm.config import build_config
+    from raytrain_lm.config.load import build_config
     from raytrain_lm.plan import Cluster, check_cluster, plan_command
 
     cluster = Cluster(gpus=gpus, gpus_per_node=gpus_per_node, memory_gb=gpu_memory_gb,
@@ -216,7 +226,7 @@ def plan(
                       efficiency=compute_efficiency, peak_fraction=peak_fraction, gpu=not cpu,
                       precision=settings.get("precision") or "auto")
     check_cluster(cluster)
-    from raytrain_lm.config import PRESETS
+    from raytrain_lm.config.presets import PRESETS
 
     preset_vocab = PRESETS.get(preset, {}).get("model", {}).get("vocab_size")
     model = {"vocab_size": vocab_size or preset_vocab or 50304, **({"arch": arch} if arch else {})}

@@ -9,8 +9,18 @@ from typing import List, Optional
 import typer
 
 from raytrain_lm.cli.app import app, examples
-from raytrain_lm.cli.options import (CONFIG, JSON, QUIET, SET, VERBOSE, ConfigPath, SetList,
-                                     only_json_on_stdout, say_for, settings)
+from raytrain_lm.cli.options import (
+    CONFIG,
+    JSON,
+    QUIET,
+    SET,
+    VERBOSE,
+    ConfigPath,
+    SetList,
+    only_json_on_stdout,
+    say_for,
+    settings,
+)
 
 # Search-space flags: a spec string each (LOW:HIGH, log:LOW:HIGH or A,B,C) -> the setting it tunes.
 SPEC_FLAGS = {"lr": "lr", "warmup": "warmup_steps", "weight_decay": "weight_decay",
@@ -117,7 +127,7 @@ def lr_find(
     as_json: bool = JSON,
 ) -> None:
     """LR range test: one short training with the learning rate rising exponentially; suggests an lr."""
-    from raytrain_lm.config import build_config
+    from raytrain_lm.config.load import build_config
     from raytrain_lm.tune.lr_find import check_range, next_range, run_lr_find
 
     check_range(lr_min, lr_max, steps)

@@ -15,10 +15,15 @@ from pathlib import Path
 from typing import Callable, Optional
 from urllib.parse import urlparse
 
-from raytrain_lm.cluster.connect import NO_TOKEN, check_listening, connect_error, is_auth_error, \
-    use_token_auth_if_available
+from raytrain_lm.cluster.connect import (
+    NO_TOKEN,
+    check_listening,
+    connect_error,
+    is_auth_error,
+    use_token_auth_if_available,
+)
 from raytrain_lm.errors import UserError
-from raytrain_lm.files import default_storage
+from raytrain_lm.store.files import default_storage
 
 PACKAGE = Path(__file__).resolve().parents[1]  # raytrain_lm, wherever it is installed
 ROOT = PACKAGE.parent  # the project, when it is a checkout (cli.py beside the package)
@@ -99,7 +104,7 @@ def job_train_args(train_args: list[str], given: dict, address: str, cwd: Path) 
         return args
     paths = {key: given.get(key) for key in PATH_SETTINGS}
     if paths["config"] is not None:  # the file's paths count as given
-        from raytrain_lm.config import load_config_file
+        from raytrain_lm.config.load import load_config_file
 
         settings = load_config_file(cwd / paths["config"])
         for key in ("data", "storage"):

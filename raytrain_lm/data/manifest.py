@@ -18,10 +18,10 @@ from typing import Callable
 
 import pyarrow.fs as pafs
 
-from raytrain_lm.checks import MAX_VOCAB
+from raytrain_lm.config.checks import MAX_VOCAB
 from raytrain_lm.errors import UserError
-from raytrain_lm.files import MANIFEST, REMOTE_SOURCE, is_plain_name
-from raytrain_lm.storage import is_remote, open_uri, sha256_file
+from raytrain_lm.store.files import MANIFEST, REMOTE_SOURCE, is_plain_name
+from raytrain_lm.store.storage import is_remote, open_uri, sha256_file
 from raytrain_lm.tokenizer import check_spec, tokenizer_from_spec
 
 FORMAT = "raytrain-lm-tokens/1"

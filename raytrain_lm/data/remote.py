@@ -25,11 +25,10 @@ import shutil
 from pathlib import Path
 from typing import Iterator
 
-
 from raytrain_lm.data.manifest import dataset_files, load_manifest
 from raytrain_lm.errors import UserError
-from raytrain_lm.files import MANIFEST, REMOTE_SOURCE, TOKENIZER
-from raytrain_lm.storage import open_uri, sha256_file, staged_folder
+from raytrain_lm.store.files import MANIFEST, REMOTE_SOURCE, TOKENIZER
+from raytrain_lm.store.storage import open_uri, sha256_file, staged_folder
 
 CACHE_ENV = "RAYTRAIN_LM_CACHE"
 CACHE_GB_ENV = "RAYTRAIN_LM_CACHE_GB"

@@ -9,8 +9,8 @@ from raytrain_lm.data.prepare import prepare_dataset
 from raytrain_lm.data.remote import file_lock, open_remote
 from raytrain_lm.data.sources import BUILTIN_CORPORA
 from raytrain_lm.errors import UserError
-from raytrain_lm.files import MANIFEST
-from raytrain_lm.storage import is_remote
+from raytrain_lm.store.files import MANIFEST
+from raytrain_lm.store.storage import is_remote
 
 
 def resolve_dataset(data: str) -> str:

@@ -24,7 +24,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 
 from raytrain_lm.errors import UserError
-from raytrain_lm.storage import is_remote, open_uri
+from raytrain_lm.store.storage import is_remote, open_uri
 
 BUILTIN_CORPORA = ("pydoc", "stdlib")
 TEXT_SUFFIXES = (".txt", ".md")

@@ -23,7 +23,7 @@ from typing import Callable, Iterator, Optional
 import numpy as np
 
 from raytrain_lm.data.sources import Unit, read_unit
-from raytrain_lm.files import TOKENIZER
+from raytrain_lm.store.files import TOKENIZER
 from raytrain_lm.tokenizer import Tokenizer
 
 

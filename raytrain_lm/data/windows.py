@@ -15,7 +15,7 @@ from raytrain_lm.data.manifest import load_manifest
 from raytrain_lm.data.remote import fetch_shard
 from raytrain_lm.data.sampler import SHARD_GROUP
 from raytrain_lm.errors import UserError
-from raytrain_lm.files import REMOTE_SOURCE
+from raytrain_lm.store.files import REMOTE_SOURCE
 
 
 class TokenWindows(Dataset):

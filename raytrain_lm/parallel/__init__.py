@@ -20,7 +20,7 @@ Two ways to build, one interface (`Parallelized`):
               (the GPT's; the Llama's head is untied)
     init.py   meta -> local shards -> initial values
     grad.py   gradients in their parameters' layouts; the global gradient norm
-    comm.py   bytes per mesh dim per step; the pipeline's bubble
+    traffic.py bytes per mesh dim per step; the pipeline's bubble
 """
 
 from __future__ import annotations
@@ -32,14 +32,14 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from raytrain_lm.checks import pipeline_microbatches, pipeline_stages
-from raytrain_lm.config import TrainConfig
+from raytrain_lm.config.settings import TrainConfig
+from raytrain_lm.config.sizes import pipeline_microbatches, pipeline_stages
 from raytrain_lm.model import architecture, build_model
-from raytrain_lm.optim import build_optimizer
 from raytrain_lm.parallel import ddp, fsdp
 from raytrain_lm.parallel.ac import apply_activation_checkpointing
-from raytrain_lm.parallel.comm import PipelineTimer, clock_for
 from raytrain_lm.parallel.mesh import Coords, all_reduce, build_mesh, is_distributed, rank_coords
+from raytrain_lm.parallel.traffic import PipelineTimer, clock_for
+from raytrain_lm.worker.optim import build_optimizer
 
 
 class Parallelized:

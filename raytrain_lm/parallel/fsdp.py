@@ -9,7 +9,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from raytrain_lm.config import TrainConfig
+from raytrain_lm.config.settings import TrainConfig
 
 # A Block returns (x, (k, v)) and k, v are views; FSDP2 warns about in-place ops on returned
 # views. Nothing writes into them (they are only the KV cache), so the warning is noise.

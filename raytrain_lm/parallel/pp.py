@@ -33,7 +33,7 @@ from torch.distributed.pipelining.schedules import (
 )
 from torch.distributed.tensor import DTensor, Shard
 
-from raytrain_lm.checks import split_layers  # noqa: F401  (pure; the planner uses it too)
+from raytrain_lm.config.sizes import split_layers  # noqa: F401  (pure; the planner uses it too)
 from raytrain_lm.model import Decoder, build_model
 from raytrain_lm.parallel.mesh import world_timeout
 

@@ -18,7 +18,7 @@ Layouts (tp ranks r = 0..tp-1):
                           all-reduced, or reduce-scattered over T with SP.
   Llama (llama.py)        q_proj, k_proj, v_proj, gate_proj, up_proj ColwiseParallel (rank r:
                           query heads r*H/tp.., key/value heads r*KV/tp..: n_kv_head divisible
-                          by tp, checks.py); o_proj, down_proj RowwiseParallel; wte as above,
+                          by tp, config/checks.py); o_proj, down_proj RowwiseParallel; wte as above,
                           lm_head untied ColwiseParallel; no wpe (rotary tables: plain buffers,
                           every rank holds them whole).
   LayerNorms, RMSNorms    SequenceParallel with SP (Replicate params, sequence-sharded

@@ -69,7 +69,7 @@ the pipeline rank that needs the most:
 - Usable: 90% of the GPU's memory (allocator fragmentation, CUDA context, NCCL buffers).
 
 Communication, bytes each GPU sends per step under ring algorithms (all-reduce 2(n-1)/n x size,
-all-gather and reduce-scatter (n-1)/n x size), as parallel/comm.py counts them:
+all-gather and reduce-scatter (n-1)/n x size), as parallel/traffic.py counts them:
 - dp: ddp all-reduces the fp32 gradients of the rank's parameters once per step; zero1 too, and
   then broadcasts the updated fp32 parameters (an all-gather's volume). fsdp all-gathers
   parameters (activation dtype) in forward and the blocks again in backward, zero2 once, every
@@ -124,85 +124,78 @@ rank), report.py (what `plan` prints, --explain), auto.py (train --layout auto),
 (against published runs).
 """
 
-from raytrain_lm.plan.layout import (  # noqa: F401
-    GB,
-    GIB,
-    USABLE_FRACTION,
-    H100_NVLINK_GBPS,
-    IB_400_GBPS,
-    H100_TFLOPS,
-    GPUS_PER_NODE,
-    PRECISIONS,
-    AC_SPLIT,
-    AC_MODES,
-    STRATEGIES,
-    Cluster,
-    Layout,
-    param_counts,
-    matmul_params,
-    tp_param_counts,
-    activation_split,
-    Stage,
-    rank_stages,
-    stage_params,
-    held_params,
-    root_params,
-    candidate_ranks)
-from raytrain_lm.plan.memory import (  # noqa: F401
-    MemoryPlan,
-    chunks_in_flight,
-    layer_activation_bytes,
-    activation_bytes,
-    logits_bytes,
-    gathered_bytes,
-    rank_memory)
-from raytrain_lm.plan.comm import (  # noqa: F401
-    ring_bytes,
-    Comm,
-    pp_send_bytes,
-    dp_comm,
-    tp_comm,
-    pp_comm,
-    rank_comm)
+from raytrain_lm.plan.comm import Comm, dp_comm, pp_comm, pp_send_bytes, rank_comm, ring_bytes, tp_comm  # noqa: F401
+from raytrain_lm.plan.efficiency import F_HALF, PEAK_FRACTION, compute_efficiency, matmul_flops  # noqa: F401
 from raytrain_lm.plan.estimate import (  # noqa: F401
-    flops_per_token,
-    recompute_flops_per_token,
-    bubble,
     Estimate,
-    rank_step,
-    estimate_layout,
-    divisors,
-    tp_sizes,
-    whole_heads,
-    micro_batches,
-    virtual_stage_counts,
-    strategies,
-    structures,
-    variants,
     best_variant,
-    rank_key,
-    plan,
+    bubble,
     check_cluster,
+    check_pp,
     check_request,
     check_tp,
-    check_pp,
-    config_layout,
     config_cluster,
-    estimate)
+    config_layout,
+    divisors,
+    estimate,
+    estimate_layout,
+    flops_per_token,
+    micro_batches,
+    plan,
+    rank_key,
+    rank_step,
+    recompute_flops_per_token,
+    strategies,
+    structures,
+    tp_sizes,
+    variants,
+    virtual_stage_counts,
+    whole_heads,
+)
+from raytrain_lm.plan.layout import (  # noqa: F401
+    AC_MODES,
+    AC_SPLIT,
+    GB,
+    GIB,
+    GPUS_PER_NODE,
+    H100_NVLINK_GBPS,
+    H100_TFLOPS,
+    IB_400_GBPS,
+    PRECISIONS,
+    STRATEGIES,
+    USABLE_FRACTION,
+    Cluster,
+    Layout,
+    Stage,
+    activation_split,
+    candidate_ranks,
+    held_params,
+    matmul_params,
+    param_counts,
+    rank_stages,
+    root_params,
+    stage_params,
+    tp_param_counts,
+)
+from raytrain_lm.plan.memory import (  # noqa: F401
+    MemoryPlan,
+    activation_bytes,
+    chunks_in_flight,
+    gathered_bytes,
+    layer_activation_bytes,
+    logits_bytes,
+    rank_memory,
+)
 from raytrain_lm.plan.report import (  # noqa: F401
-    recommendation,
-    reason,
-    short,
-    format_table,
     describe,
     estimate_json,
-    report_json,
-    parse_layout,
-    explained,
     explain_text,
-    plan_command)
-from raytrain_lm.plan.efficiency import (  # noqa: F401
-    F_HALF,
-    PEAK_FRACTION,
-    matmul_flops,
-    compute_efficiency)
+    explained,
+    format_table,
+    parse_layout,
+    plan_command,
+    reason,
+    recommendation,
+    report_json,
+    short,
+)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from raytrain_lm.config import ModelConfig
+from raytrain_lm.config.settings import ModelConfig
 from raytrain_lm.plan.layout import Cluster, Layout, Stage, held_params, root_params, tp_param_counts
 
 

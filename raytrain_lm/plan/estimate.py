@@ -6,8 +6,8 @@ import math
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
-from raytrain_lm.checks import PP_SCHEDULES
-from raytrain_lm.config import ModelConfig
+from raytrain_lm.config.checks import PP_SCHEDULES
+from raytrain_lm.config.settings import ModelConfig
 from raytrain_lm.errors import UserError
 from raytrain_lm.plan.efficiency import compute_efficiency
 from raytrain_lm.plan.layout import (AC_MODES, GPUS_PER_NODE, PRECISIONS, STRATEGIES, Cluster,
@@ -334,9 +334,9 @@ def check_pp(m: ModelConfig, cl: Cluster, pp: int, tp: int) -> None:
 
 def config_layout(cfg) -> Layout:
     """The layout a TrainConfig trains with."""
-    from raytrain_lm.checks import pipeline_microbatches
+    from raytrain_lm.config.sizes import pipeline_microbatches
 
-    from raytrain_lm.checks import pipeline_stages
+    from raytrain_lm.config.sizes import pipeline_stages
 
     dp = cfg.workers // (cfg.tp * cfg.pp)
     if cfg.pp > 1:

@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from raytrain_lm.checks import STRATEGIES, split_layers  # noqa: F401 (STRATEGIES: re-exported)
-from raytrain_lm.config import ModelConfig
+from raytrain_lm.config.checks import STRATEGIES  # noqa: F401 (STRATEGIES: re-exported)
+from raytrain_lm.config.sizes import split_layers
+from raytrain_lm.config.settings import ModelConfig
 
 
 GB = 1e9  # bytes sent (link speeds are decimal)
@@ -25,7 +26,7 @@ GPUS_PER_NODE = 8
 # block input; the outputs of c_attn, attention and c_fc: parallel/ac.py).
 AC_SPLIT = {"none": (5, 12), "selective": (3, 8), "op": (1, 8)}
 AC_MODES = ("none", "selective", "op", "full")
-# STRATEGIES (checks.py), of the data-parallel dimension: ddp replicates everything; zero1 shards
+# STRATEGIES (config/checks.py), of the data-parallel dimension: ddp replicates everything; zero1 shards
 # AdamW's states over dp; zero2 also the gradients (FSDP2 with reshard_after_forward=False:
 # parameters gathered once per micro-step and kept through backward); fsdp (ZeRO-3) also the
 # parameters between uses.

@@ -17,10 +17,10 @@ from __future__ import annotations
 import math
 from typing import Callable, Optional
 
-from raytrain_lm.config import TrainConfig
+from raytrain_lm.config.settings import TrainConfig
 from raytrain_lm.errors import UserError
-from raytrain_lm.files import LR_FIND_PLOT, LR_FIND_RESULT
-from raytrain_lm.storage import RunFolder
+from raytrain_lm.store.files import LR_FIND_PLOT, LR_FIND_RESULT
+from raytrain_lm.store.storage import RunFolder
 
 DIVERGE_FACTOR = 4.0  # stop reading the curve once the smoothed loss is 4x its minimum (as fastai)
 SKIP_START = 0.1  # the first 10% of points: Adam's first steps are noisy whatever the lr
@@ -89,7 +89,7 @@ def next_range(found: dict) -> tuple[float, float]:
 
 
 def plot(found: dict, title: str) -> bytes:
-    from raytrain_lm.plots import plt, png_bytes
+    from raytrain_lm.results.plots import plt, png_bytes
 
     lrs, losses, sm = found["lrs"], found["losses"], found["smoothed"]
     fig, ax = plt.subplots(figsize=(8, 5), dpi=110)
@@ -119,7 +119,7 @@ def range_test_config(cfg: TrainConfig, lr_min: float, lr_max: float, steps: int
     cfg.max_steps, cfg.log_every, cfg.eval_every = steps, REPORT_EVERY, steps
     cfg.checkpoint_every, cfg.keep_checkpoints = 0, 1
     if cfg.name is None:
-        from raytrain_lm.preflight import default_run_name
+        from raytrain_lm.run.preflight import default_run_name
 
         cfg.name = f"lrfind-{default_run_name(cfg)}"
     return cfg
@@ -127,7 +127,7 @@ def range_test_config(cfg: TrainConfig, lr_min: float, lr_max: float, steps: int
 
 def per_step_curve(rows: list[dict], cfg: TrainConfig) -> tuple[list[float], list[float]]:
     """(lr, loss) of every step, from metrics rows that each carry the losses since the last."""
-    from raytrain_lm.optim import lr_at
+    from raytrain_lm.worker.optim import lr_at
 
     curve: dict[int, tuple[float, float]] = {}
     for r in rows:
@@ -141,7 +141,7 @@ def per_step_curve(rows: list[dict], cfg: TrainConfig) -> tuple[list[float], lis
 def run_lr_find(cfg: TrainConfig, lr_min: float = 1e-5, lr_max: float = 1.0, steps: int = 100, *,
                 verbose: bool = False, say: Callable[[str], None] = print,
                 on_metrics: Optional[Callable[[dict], None]] = None) -> dict:
-    from raytrain_lm.driver import report_poll_seconds, run_training
+    from raytrain_lm.run.driver import report_poll_seconds, run_training
 
     cfg = range_test_config(cfg, lr_min, lr_max, steps)
     rows: list[dict] = []

@@ -11,7 +11,8 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-from raytrain_lm.config import TrainConfig, preset_config
+from raytrain_lm.config.presets import preset_config
+from raytrain_lm.config.settings import TrainConfig
 from raytrain_lm.errors import UserError
 
 RULES = ("none", "linear", "sqrt")

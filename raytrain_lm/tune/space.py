@@ -19,8 +19,9 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from raytrain_lm.checks import validate
-from raytrain_lm.config import TrainConfig, _field_types, apply_overrides, load_config_file
+from raytrain_lm.config.checks import validate
+from raytrain_lm.config.load import load_config_file
+from raytrain_lm.config.settings import TrainConfig, _field_types, apply_overrides
 from raytrain_lm.errors import UserError
 
 # Settings a trial may not change: they decide where a trial runs, how big it is in resources, or

@@ -21,12 +21,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from raytrain_lm.checks import check_name, validate
-from raytrain_lm.config import TrainConfig, apply_overrides
+from raytrain_lm.config.checks import check_name, validate
+from raytrain_lm.config.settings import TrainConfig, apply_overrides
 from raytrain_lm.errors import UserError
-from raytrain_lm.files import SWEEP, TRIAL_CONFIG
-from raytrain_lm.storage import RunClaim, RunFolder
+from raytrain_lm.store.files import SWEEP, TRIAL_CONFIG
+from raytrain_lm.store.storage import RunClaim, RunFolder
 from raytrain_lm.tune.space import SearchSpace, nest, parse_space
+
 # What the trial function itself asks for. Its workers get their own placement group from Ray Train,
 # so the trial needs next to nothing; Tune refuses a request of exactly zero.
 TRIAL_CPUS = 0.01
@@ -94,7 +95,7 @@ def new_sweep(settings: dict, specs: dict, space_args: list[str], space_file: Op
               sweep: SweepSettings) -> tuple[TrainConfig, SearchSpace]:
     """The base config and search space of a new sweep from `tune`'s flags, checked (and
     `sweep`'s defaults filled) before anything starts."""
-    from raytrain_lm.config import build_config, load_config_file, parse_set_args
+    from raytrain_lm.config.load import build_config, load_config_file, parse_set_args
 
     cfg = build_config(config_file=config_file, flags=settings, sets=sets)
     space = parse_space(specs, space_args, space_file, cfg)
@@ -203,7 +204,7 @@ def run_trial(params: dict, base: dict, sweep_uri: str, controllers, poll_second
     """The Tune function trainable: one full distributed training."""
     from ray import tune
 
-    from raytrain_lm.driver import build_trainer
+    from raytrain_lm.run.driver import build_trainer
 
     cfg = trial_config(base, params)
     trial_dir = os.path.basename(tune.get_context().get_trial_dir().rstrip("/"))
@@ -262,10 +263,10 @@ def trial_capacity(cfg: TrainConfig) -> tuple[int, str]:
 def _trainable(cfg: TrainConfig, sweep_uri: str):
     from ray import tune
 
-    from raytrain_lm.controller import driver_queue
+    from raytrain_lm.ray_compat.controller import driver_queue
 
     _CONTROLLERS["queue"], _CONTROLLERS["handles"] = driver_queue(), {}
-    from raytrain_lm.driver import report_poll_seconds
+    from raytrain_lm.run.driver import report_poll_seconds
 
     # The trial runs in its own process: the driver's poll setting travels with it.
     fn = tune.with_parameters(run_trial, base=cfg.to_dict(), sweep_uri=sweep_uri,
@@ -279,7 +280,7 @@ def _trial_name(trial) -> str:
 
 
 def default_sweep_name(cfg: TrainConfig) -> str:
-    from raytrain_lm.preflight import default_run_name
+    from raytrain_lm.run.preflight import default_run_name
 
     return f"tune-{default_run_name(cfg)}"
 
@@ -299,7 +300,7 @@ def run_sweep(
 
     For a resume, only cfg.name, cfg.storage and cfg.address are used: the rest comes from the
     sweep's own sweep.json."""
-    from raytrain_lm.preflight import prepare_data
+    from raytrain_lm.run.preflight import prepare_data
 
     if resume:
         if not cfg.name:
@@ -332,8 +333,8 @@ def _run(cfg: TrainConfig, space: SearchSpace, settings: SweepSettings, folder: 
          live: Optional[Callable[[str], None]], live_interval: float) -> dict:
     """run_sweep from connecting to Ray on, with the sweep's folder claimed."""
     from raytrain_lm.cluster.connect import connect_ray
-    from raytrain_lm.driver import choose_worker_cpus, say_idle_cpus
-    from raytrain_lm.preflight import check_resources
+    from raytrain_lm.run.driver import choose_worker_cpus, say_idle_cpus
+    from raytrain_lm.run.preflight import check_resources
 
     own_ray = choose_worker_cpus(cfg, None, say, trials=settings.concurrent)
     connect_ray(cfg.address, cfg.workers * cfg.worker_cpus + TRIAL_CPUS, verbose, say)
@@ -360,7 +361,7 @@ def _run(cfg: TrainConfig, space: SearchSpace, settings: SweepSettings, folder: 
     # Tune's own console output (a banner and paths, even at verbose=0) stays off: the live table
     # is ours, and --json must leave nothing else on stdout.
     os.environ["RAY_AIR_NEW_OUTPUT"] = "0"
-    from raytrain_lm.tune.report import LiveTable, collect_trials, watch, write_outputs
+    from raytrain_lm.tune.trials import LiveTable, collect_trials, watch, write_outputs
 
     watch(live, live_interval)
     trainable = _trainable(cfg, folder.display_path())

@@ -17,10 +17,10 @@ import os
 from pathlib import Path
 from typing import Any, Optional
 
-from raytrain_lm.config import ModelConfig, TrainConfig
+from raytrain_lm.config.settings import ModelConfig, TrainConfig
 from raytrain_lm.errors import UserError
-from raytrain_lm.files import TOKENIZER
-from raytrain_lm.storage import is_remote, staged_folder
+from raytrain_lm.store.files import TOKENIZER
+from raytrain_lm.store.storage import is_remote, staged_folder
 from raytrain_lm.tokenizer import Tokenizer, byte_tokenizer_json, tokenizer_from_spec
 
 WEIGHTS, CONFIG = "model.safetensors", "config.json"
@@ -59,8 +59,8 @@ def export_checkpoint(folder: Path, out: Path, source: str, force: bool = False,
     load_checkpoint."""
     from safetensors.torch import save_file
 
-    from raytrain_lm.checkpoint import load_checkpoint  # torch: not before `out` is checked
     from raytrain_lm.model import architecture
+    from raytrain_lm.store.checkpoint_format import load_checkpoint  # torch: not before `out` is checked
 
     check_out(out, force)
     state = load_checkpoint(folder, meta=meta)
@@ -264,8 +264,8 @@ def _write_hf(out: Path, weights: dict, config: dict, tok: Tokenizer, block_size
 def export_checkpoint_hf(folder: Path, out: Path, force: bool = False,
                          meta: Optional[dict] = None) -> dict[str, Any]:
     """`export --format hf`: a checkpoint folder -> a Hugging Face model folder."""
-    from raytrain_lm.checkpoint import load_checkpoint
     from raytrain_lm.model import architecture
+    from raytrain_lm.store.checkpoint_format import load_checkpoint
 
     check_out(out, force)
     state = load_checkpoint(folder, meta=meta)

@@ -1,23 +1,19 @@
-"""Typed configs, presets, config files and `--set key=value` overrides (their checks: checks.py).
-
-Precedence (later wins): dataclass defaults < preset < config file < CLI flags < --set.
-Every layer goes through `apply_overrides`, which rejects unknown keys and wrong types, so a typo
-never silently trains the wrong model.
-"""
+"""What a run is, typed: ModelConfig and TrainConfig (each setting's default and help beside it),
+and `apply_overrides`, the one way a layer of settings (a preset, a file, flags, --set, a saved
+config.json) is applied: it rejects unknown keys and wrong types, so a typo never silently trains
+the wrong model. Presets: presets.py; layering the sources: load.py; checks: checks.py."""
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import types
 import typing
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Optional
 
 from raytrain_lm.errors import UserError
-from raytrain_lm.files import STORAGE_ENV, default_storage
+from raytrain_lm.store.files import STORAGE_ENV, default_storage
 
 DEFAULT_DATA = "data/pydoc"  # the built-in corpus, prepared on first use
 
@@ -217,70 +213,6 @@ def setting_fields() -> dict[str, dataclasses.Field]:
     return {f.name: f for f in dataclasses.fields(TrainConfig) if "help" in f.metadata}
 
 
-# Presets set the model shape and the training defaults that suit it.
-PRESETS: dict[str, dict[str, Any]] = {
-    # ~0.8M parameters: a CPU run of a few minutes on 2 cores.
-    "tiny": dict(model=dict(block_size=256, n_layer=4, n_head=4, n_embd=128),
-                 batch_size=16, seq_len=128, lr=3e-3, warmup_steps=30),
-    # ~10.7M parameters.
-    "small": dict(model=dict(block_size=512, n_layer=6, n_head=6, n_embd=384),
-                  batch_size=16, seq_len=256, lr=1e-3, warmup_steps=100),
-    # GPT-2 (124M) and GPT-2 medium (350M) shapes; the vocabulary comes from the dataset's tokenizer
-    # (GPT-2's BPE: 50257, padded to 50304).
-    "gpt2": dict(model=dict(block_size=1024, n_layer=12, n_head=12, n_embd=768, bias=False),
-                 batch_size=16, seq_len=1024, lr=6e-4, warmup_steps=700, weight_decay=0.1),
-    "gpt2-medium": dict(model=dict(block_size=1024, n_layer=24, n_head=16, n_embd=1024, bias=False),
-                        batch_size=8, seq_len=1024, lr=3e-4, warmup_steps=700),
-    # 69.7B parameters in this GPT's shape: for `plan` (what it takes to train one), not for a laptop.
-    "gpt-70b": dict(model=dict(block_size=4096, n_layer=86, n_head=64, n_embd=8192, bias=False),
-                    batch_size=1, seq_len=4096, lr=1.5e-4, warmup_steps=2000, strategy="fsdp",
-                    activation_checkpointing="full"),
-    # Small Llamas for this machine: tiny's and small's shapes with GQA (2 kv heads: tp up to 2).
-    # llama-tiny: 0.80M parameters with bytes (tiny: 0.86M).
-    "llama-tiny": dict(model=dict(arch="llama", bias=False, block_size=256, n_layer=4, n_head=4,
-                                  n_kv_head=2, n_embd=128, multiple_of=32),
-                       batch_size=16, seq_len=128, lr=3e-3, warmup_steps=30),
-    "llama-small": dict(model=dict(arch="llama", bias=False, block_size=512, n_layer=6, n_head=6,
-                                   n_kv_head=2, n_embd=384, multiple_of=64),
-                        batch_size=16, seq_len=256, lr=1e-3, warmup_steps=100),
-}
-
-
-def _llama(vocab, context, layers, heads, kv_heads, width, multiple_of, theta, multiplier=None,
-           **train):
-    return dict(model=dict(arch="llama", bias=False, vocab_size=vocab, block_size=context,
-                           n_layer=layers, n_head=heads, n_kv_head=kv_heads, n_embd=width,
-                           multiple_of=multiple_of, ffn_multiplier=multiplier, rope_theta=theta),
-                batch_size=1, seq_len=context, warmup_steps=2000, strategy="fsdp",
-                activation_checkpointing="full", **train)
-
-
-# The released Llamas' shapes, for `plan` (and for --init-from their Hugging Face folders): the
-# values of Meta's params.json / Hugging Face's config.json (hidden_size, intermediate_size via
-# Meta's multiple_of rule, heads, key/value heads, layers, vocabulary, rope_theta), the context
-# of their pretraining and the peak learning rates of the Llama 2 and Llama 3 papers. Parameter
-# counts (tests/test_llama.py checks them): 6,738,415,616; 13,015,864,320; 68,976,648,192;
-# 8,030,261,248; 70,553,706,496; 405,853,388,800, the Hugging Face Hub's safetensors totals
-# of meta-llama/Llama-2-{7b,13b,70b}-hf, Meta-Llama-3-{8B,70B} and Llama-3.1-405B. Llama 3.1's
-# 128k context needs its rope scaling (not built here): llama3-405b plans at 8192.
-PRESETS.update({
-    "llama2-7b": _llama(32000, 4096, 32, 32, 32, 4096, 256, 10000.0, lr=3e-4),
-    "llama2-13b": _llama(32000, 4096, 40, 40, 40, 5120, 256, 10000.0, lr=3e-4),
-    "llama2-70b": _llama(32000, 4096, 80, 64, 8, 8192, 4096, 10000.0, 1.3, lr=1.5e-4),
-    "llama3-8b": _llama(128256, 8192, 32, 32, 8, 4096, 1024, 500000.0, 1.3, lr=3e-4),
-    "llama3-70b": _llama(128256, 8192, 80, 64, 8, 8192, 4096, 500000.0, 1.3, lr=1.5e-4),
-    "llama3-405b": _llama(128256, 8192, 126, 128, 8, 16384, 4096, 500000.0, 1.2, lr=8e-5),
-})
-
-
-def preset_config(name: str) -> TrainConfig:
-    if name not in PRESETS:
-        raise UserError(f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)}")
-    cfg = TrainConfig(preset=name)
-    apply_overrides(cfg, PRESETS[name], source=f"preset {name}")
-    return cfg
-
-
 def _field_types(obj) -> dict[str, Any]:
     hints = typing.get_type_hints(type(obj))
     return {f.name: hints[f.name] for f in dataclasses.fields(obj)}
@@ -353,100 +285,3 @@ def apply_overrides(cfg: Any, overrides: dict[str, Any], source: str, prefix: st
             apply_overrides(current, value, source, prefix=f"{full}.")
         else:
             setattr(cfg, key, _coerce(value, ftypes[key], full, source))
-
-
-def parse_set_args(items: list[str]) -> dict[str, Any]:
-    """['model.n_layer=6', 'lr=1e-3'] -> {'model': {'n_layer': '6'}, 'lr': '1e-3'} (coerced later)."""
-    out: dict[str, Any] = {}
-    for item in items:
-        if "=" not in item:
-            raise UserError(f"--set expects key=value, got {item!r}")
-        key, value = item.split("=", 1)
-        parts = key.strip().split(".")
-        node = out
-        for p in parts[:-1]:
-            node = node.setdefault(p, {})
-            if not isinstance(node, dict):
-                raise UserError(f"--set: {key!r} conflicts with another --set")
-        node[parts[-1]] = value.strip()
-    return out
-
-
-def load_config_file(path: str | Path) -> dict[str, Any]:
-    """Read a YAML, TOML or JSON config file into a dict (validated when applied)."""
-    p = Path(path)
-    if p.is_dir():
-        raise UserError(f"config file {p} is a folder, not a file")
-    if not p.is_file():
-        raise UserError(f"config file not found: {p}")
-    try:
-        text = p.read_text()
-    except (OSError, UnicodeDecodeError) as e:
-        raise UserError(f"cannot read config file {p}: {getattr(e, 'strerror', None) or e}") from None
-    try:
-        if p.suffix in (".yaml", ".yml"):
-            import yaml
-
-            data = yaml.safe_load(text) or {}
-        elif p.suffix == ".toml":
-            import tomllib
-
-            data = tomllib.loads(text)
-        elif p.suffix == ".json":
-            data = json.loads(text)
-        else:
-            raise UserError(f"config file {p}: use .yaml, .yml, .toml or .json")
-    except UserError:
-        raise
-    except Exception as e:  # parse errors of any of the three formats
-        raise UserError(f"config file {p} could not be parsed: {str(e).splitlines()[0]}") from None
-    if not isinstance(data, dict):
-        raise UserError(f"config file {p} must hold a mapping of settings")
-    return data
-
-
-def build_config(
-    preset: Optional[str] = None,
-    config_file: Optional[str] = None,
-    flags: Optional[dict[str, Any]] = None,
-    sets: Optional[list[str]] = None,
-    base: Optional[dict[str, Any]] = None,
-) -> TrainConfig:
-    """Layer preset < file < flags < --set into one validated TrainConfig.
-
-    With `base` (a resumed run's saved config) the layers apply on top of it instead of a
-    preset, and the model itself may not change."""
-    file_data = load_config_file(config_file) if config_file else {}
-    flags = {k: v for k, v in (flags or {}).items() if v is not None}
-    set_data = parse_set_args(sets or [])
-    if base is not None:
-        cfg = TrainConfig.from_dict(base)
-        name = cfg.preset
-    else:
-        name = (preset or flags.get("preset") or set_data.get("preset") or file_data.get("preset")
-                or "tiny")
-        cfg = preset_config(name)
-        arch = _chosen_arch(file_data, flags, set_data)
-        if arch is not None and arch != cfg.model.arch and arch in ARCH_DEFAULTS:
-            apply_overrides(cfg.model, ARCH_DEFAULTS[arch], source=f"model.arch={arch}")
-    apply_overrides(cfg, file_data, source=f"config file {config_file}")
-    apply_overrides(cfg, flags, source="flags")
-    apply_overrides(cfg, set_data, source="--set")
-    if base is not None:
-        check_resumable(TrainConfig.from_dict(base), cfg, name)
-    cfg.preset = name
-    validate(cfg)
-    return cfg
-
-
-def _chosen_arch(*layers: dict[str, Any]) -> Optional[str]:
-    """model.arch as the last layer that sets it says (None: the preset's)."""
-    arch = None
-    for layer in layers:
-        model = layer.get("model")
-        if isinstance(model, dict) and model.get("arch") is not None:
-            arch = model["arch"]
-    return arch
-
-
-from raytrain_lm.checks import check_resumable, validate  # noqa: E402  (they take TrainConfig)

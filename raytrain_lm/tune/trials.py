@@ -12,9 +12,9 @@ from typing import Any, Callable, Optional
 from ray import tune
 
 from raytrain_lm.errors import last_line
-from raytrain_lm.files import BEST_CONFIG, SWEEP_RESULTS, TRIAL_CONFIG, VAL_CURVES
-from raytrain_lm.report import text_table
-from raytrain_lm.storage import RunFolder
+from raytrain_lm.results.tables import text_table
+from raytrain_lm.store.files import BEST_CONFIG, SWEEP_RESULTS, TRIAL_CONFIG, VAL_CURVES
+from raytrain_lm.store.storage import RunFolder
 
 # Where the live table goes. Module-level rather than held by the callback, because Tune pickles
 # its callbacks into the sweep's state (tuner.pkl) and a resumed sweep gets them back from there.
@@ -175,7 +175,7 @@ def best_config_yaml(trial_cfg: dict, trial: dict, sweep: str) -> str:
 
 
 def plot_curves(trials: list[dict], keys: list[str], title: str, metric: str = "val_loss") -> bytes:
-    from raytrain_lm.plots import plt, png_bytes
+    from raytrain_lm.results.plots import plt, png_bytes
 
     fig, ax = plt.subplots(figsize=(8, 5), dpi=110)
     # A diverged trial would squash every other curve into a line: the axis stops at 1.5x the best

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import ray
 from ray.exceptions import RayActorError
-from ray.train.v2._internal.constants import get_env_vars_to_propagate
 from ray.train.v2._internal.callbacks.preemption_callback import PreemptionCallback
+from ray.train.v2._internal.constants import get_env_vars_to_propagate
 from ray.train.v2._internal.exceptions import WorkerGroupStartupFailedError
 from ray.train.v2._internal.execution.checkpoint.checkpoint_manager import CheckpointManager
 from ray.train.v2._internal.execution.controller import TrainController
@@ -61,8 +61,7 @@ def helper_callbacks(callbacks: list, datasets: dict, pg_cleaner: bool) -> list:
       does when ASHA stops it. A placement group lives as long as the driver's job, so for a
       driver that ends with its run (`train`) the cleaner has nothing to do."""
     from ray.train.v2._internal.callbacks import DatasetsCallback
-    from ray.train.v2._internal.callbacks.placement_group_callback import \
-        PlacementGroupCleanerCallback
+    from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
 
     unneeded = (() if datasets else (DatasetsCallback,)) + \
         (() if pg_cleaner else (PlacementGroupCleanerCallback,))
@@ -166,7 +165,7 @@ class Controller(TrainController):
 
     def take_rows(self) -> list[dict]:
         """The metrics rows reported since the last call (callbacks.HeldRows)."""
-        from raytrain_lm.callbacks import HeldRows
+        from raytrain_lm.ray_compat.callbacks import HeldRows
 
         return HeldRows.take()
 

@@ -21,8 +21,10 @@ from ray._private import ray_constants
 from ray.exceptions import GetTimeoutError
 from ray.train._internal.utils import get_address_and_port
 from ray.train.backend import Backend, BackendConfig
-from ray.train.constants import (DEFAULT_TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S,
-                                 TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S)
+from ray.train.constants import (
+    DEFAULT_TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S,
+    TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S,
+)
 from ray.train.v2._internal.util import TrainingFramework
 
 logger = logging.getLogger(__name__)

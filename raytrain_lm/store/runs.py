@@ -22,9 +22,10 @@ from typing import Any, Optional
 
 import pyarrow.fs as pafs
 
-from raytrain_lm import files, summary
 from raytrain_lm.errors import UserError
-from raytrain_lm.storage import RunFolder, resolve_storage
+from raytrain_lm.run import summary
+from raytrain_lm.store import files
+from raytrain_lm.store.storage import RunFolder, resolve_storage
 
 
 def is_run(fs: pafs.FileSystem, path: str) -> bool:
@@ -109,7 +110,7 @@ def checkpoint_folders(fs: pafs.FileSystem, run_path: str) -> list[tuple[int, st
     return sorted(out)
 
 
-def read_checkpoint_meta(fs: pafs.FileSystem, path: str) -> Optional[dict]:
+def peek_checkpoint_meta(fs: pafs.FileSystem, path: str) -> Optional[dict]:
     """A checkpoint's meta.json as written, without checking its files (cheap on object stores);
     None if it has none or it does not parse."""
     import json
@@ -126,7 +127,7 @@ def newest_checkpoint_meta(run: RunFolder) -> tuple[Optional[int], Optional[dict
     """(step, meta.json) of the run's newest checkpoint that has a meta.json ((None, None): no
     checkpoint)."""
     for step, path in reversed(checkpoint_folders(run.fs, run.path)):
-        meta = read_checkpoint_meta(run.fs, path)
+        meta = peek_checkpoint_meta(run.fs, path)
         if meta is not None:
             return step, meta
     return None, None
@@ -134,7 +135,7 @@ def newest_checkpoint_meta(run: RunFolder) -> tuple[Optional[int], Optional[dict
 
 def best_val_loss(run: RunFolder) -> Optional[float]:
     """The validation loss of the run's best_checkpoint/ (None: it has none)."""
-    meta = read_checkpoint_meta(run.fs, f"{run.path}/{files.BEST_DIR}")
+    meta = peek_checkpoint_meta(run.fs, f"{run.path}/{files.BEST_DIR}")
     if meta is None:
         return None
     if meta.get("val_loss") is None:  # written before checkpoints recorded it: from the metrics
@@ -164,7 +165,7 @@ class FoundCheckpoint:
 
 def _checked(fs: pafs.FileSystem, path: str, source: str) -> FoundCheckpoint:
     """The checkpoint at `path`, copied locally first when remote; UserError if incomplete."""
-    from raytrain_lm.checkpoint import read_meta  # torch: not for `runs`, which only lists
+    from raytrain_lm.store.checkpoint_format import read_meta  # torch: not for `runs`, which only lists
 
     tmp = None
     if isinstance(fs, pafs.LocalFileSystem):

@@ -16,8 +16,8 @@ from typing import Any, Iterator, Optional
 
 import pyarrow.fs as pafs
 
-from raytrain_lm import files
 from raytrain_lm.errors import UserError
+from raytrain_lm.store import files
 
 
 def sha256_file(path: str | Path) -> str:

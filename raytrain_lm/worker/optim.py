@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from raytrain_lm.config import TrainConfig
+from raytrain_lm.config.settings import TrainConfig
 
 
 def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:

@@ -1,5 +1,5 @@
 """The Ray side of a run's size: Ray Train's ScalingConfig and FailureConfig for `cfg`, and the
-scaling policy that keeps an elastic group at the sizes elastic.py allows.
+scaling policy that keeps an elastic group at the sizes config/sizes.py allows.
 
 Ray 2.60's elastic policy (`ScalingConfig(num_workers=(min, max))`) starts the group with as many
 workers as the cluster's free resources hold, between min and max, and restarts it at a new size
@@ -30,15 +30,14 @@ import logging
 import ray
 from ray.train import FailureConfig, ScalingConfig
 from ray.train.v2._internal.execution.scaling_policy import ElasticScalingPolicy, FixedScalingPolicy
-from ray.train.v2._internal.execution.scaling_policy.scaling_policy import (NoopDecision,
-                                                                            ResizeDecision)
 from ray.train.v2._internal.execution.scaling_policy.autoscaling_coordinator_client import (
     AUTOSCALING_REQUESTS_GET_TIMEOUT_S,
 )
+from ray.train.v2._internal.execution.scaling_policy.scaling_policy import NoopDecision, ResizeDecision
 from ray.train.v2._internal.util import time_monotonic
 
-from raytrain_lm.config import TrainConfig
-from raytrain_lm.elastic import is_elastic, usable_workers
+from raytrain_lm.config.settings import TrainConfig
+from raytrain_lm.config.sizes import is_elastic, usable_workers
 
 logger = logging.getLogger(__name__)
 

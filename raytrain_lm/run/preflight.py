@@ -8,7 +8,7 @@ import datetime as _dt
 import os
 from typing import Callable, Optional
 
-from raytrain_lm.config import DEFAULT_DATA, TrainConfig
+from raytrain_lm.config.settings import DEFAULT_DATA, TrainConfig
 from raytrain_lm.errors import UserError
 
 
@@ -64,7 +64,7 @@ def check_resources(cfg: TrainConfig, say: Callable[[str], None] = print) -> Non
     import ray
 
     from raytrain_lm.cluster.autoscale import wait_for_resources
-    from raytrain_lm.elastic import is_elastic, worker_counts, workers_text
+    from raytrain_lm.config.sizes import is_elastic, worker_counts, workers_text
 
     workers = worker_counts(cfg)[0]  # an elastic run starts as soon as its smallest size fits
     flag, least = f"--workers {workers_text(cfg)}", "at least " if is_elastic(cfg) else ""
@@ -90,7 +90,7 @@ def _check_tp_nodes(cfg: TrainConfig) -> None:
     again: checks.check_tp_in_node)."""
     import ray
 
-    from raytrain_lm.checks import check_tp_fits_nodes
+    from raytrain_lm.config.checks import check_tp_fits_nodes
 
     if cfg.use_gpu and cfg.tp > 1:
         check_tp_fits_nodes(cfg.tp, [n["Resources"].get("GPU", 0) for n in ray.nodes() if n["Alive"]])
@@ -124,7 +124,7 @@ def check_memory(cfg: TrainConfig, memory_gb: Optional[float]) -> None:
     pp, strategy, sequence parallelism, schedule and microbatches) exceeds what a worker has,
     naming the plan's best layout for the same workers and global batch. An elastic run is
     checked at each of its sizes (fewer workers hold more of a sharded model each)."""
-    from raytrain_lm.elastic import fit_to_world, worker_counts
+    from raytrain_lm.config.sizes import fit_to_world, worker_counts
 
     if memory_gb is None:
         return
@@ -165,7 +165,7 @@ def resume_step(cfg: TrainConfig, run, manifest: dict) -> Optional[int]:
     starts over), after checking that the dataset has the checkpoints' tokenizer. A worker falls
     back to an older checkpoint if the newest proves incomplete, and decides the schedule's
     horizon from the one it resumes from (optim.resumed_horizon)."""
-    from raytrain_lm.runs import newest_checkpoint_meta
+    from raytrain_lm.store.runs import newest_checkpoint_meta
 
     step, meta = newest_checkpoint_meta(run)
     if meta is not None and "tokenizer" in meta:
@@ -188,7 +188,7 @@ def check_init_from(path: str, cfg: TrainConfig, manifest: dict) -> str:
     checkpoint folder to load (a run's best checkpoint, else its latest), or a Hugging Face
     Llama folder (hf_llama.py)."""
     from raytrain_lm import hf_llama
-    from raytrain_lm.runs import find_checkpoint
+    from raytrain_lm.store.runs import find_checkpoint
 
     if hf_llama.is_hf_folder(path):
         return hf_llama.check_init_from(path, cfg.model, manifest)

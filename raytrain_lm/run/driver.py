@@ -10,17 +10,25 @@ import threading
 import time
 from typing import Any, Callable, Optional
 
-from raytrain_lm import files, summary
-from raytrain_lm.config import TrainConfig
-from raytrain_lm.drills import FAULT_ENV, WINDOWS_ENV
-from raytrain_lm.elastic import is_elastic, sizes_line, workers_text
+from raytrain_lm.config.settings import TrainConfig
+from raytrain_lm.config.sizes import is_elastic, sizes_line, workers_text
 from raytrain_lm.errors import UserError, last_line
-from raytrain_lm.groups import WorkerGroups
-from raytrain_lm.preflight import (check_init_from, check_memory, check_resources,
-                                   configured_memory_gb, default_run_name, prepare_data,
-                                   resume_step, worker_memory_gb)
-from raytrain_lm.runs import best_val_loss
-from raytrain_lm.storage import MetricsLog, RunClaim, RunFolder, live_claims
+from raytrain_lm.run import summary
+from raytrain_lm.run.groups import WorkerGroups
+from raytrain_lm.run.preflight import (
+    check_init_from,
+    check_memory,
+    check_resources,
+    configured_memory_gb,
+    default_run_name,
+    prepare_data,
+    resume_step,
+    worker_memory_gb,
+)
+from raytrain_lm.store import files
+from raytrain_lm.store.runs import best_val_loss
+from raytrain_lm.store.storage import MetricsLog, RunClaim, RunFolder, live_claims
+from raytrain_lm.worker.drills import FAULT_ENV, WINDOWS_ENV
 
 # Ray Train's controller collects reports when it polls the workers (default every 2 s) and a
 # worker holds one report at a time, so reports more frequent than the poll stall training. The
@@ -74,10 +82,10 @@ def build_trainer(cfg: TrainConfig, run: RunFolder, callbacks: Optional[list] = 
     see controller.helper_callbacks. `autoscaler`: see trainer.Trainer."""
     from ray.train import CheckpointConfig, RunConfig
 
-    from raytrain_lm.controller import Polls
-    from raytrain_lm.preemption import preemption_poll_seconds
-    from raytrain_lm.scaling import failure_config, scaling_config
-    from raytrain_lm.trainer import Trainer, train_loop
+    from raytrain_lm.ray_compat.controller import Polls
+    from raytrain_lm.ray_compat.scaling import failure_config, scaling_config
+    from raytrain_lm.ray_compat.trainer import Trainer, train_loop
+    from raytrain_lm.worker.preemption import preemption_poll_seconds
 
     return Trainer(
         train_loop,
@@ -144,8 +152,8 @@ def _launch(cfg: TrainConfig, run: RunFolder, t_launch: float, previous: dict,
     from raytrain_lm.cluster.connect import check_reachable
 
     check_reachable(cfg.address or os.environ.get("RAY_ADDRESS") or "local")
-    from raytrain_lm.callbacks import ForwardMetrics, HeldRows, KeepBest
     from raytrain_lm.cluster.connect import connect_ray
+    from raytrain_lm.ray_compat.callbacks import ForwardMetrics, HeldRows, KeepBest
 
     asked = cfg.cpus_per_worker  # None: the launch decides (cpus.py); a resume decides again
     own_ray = choose_worker_cpus(cfg, worker_env, say)
@@ -220,7 +228,7 @@ def auto_layout(cfg: TrainConfig, say: Callable[[str], None]) -> None:
     and train with it (cfg changed in place; the run's saved config records the choice)."""
     import ray
 
-    from raytrain_lm.checks import validate
+    from raytrain_lm.config.checks import validate
     from raytrain_lm.plan.auto import apply_layout, auto_cluster, choose_layout, cluster_shape
 
     per_node, memory = cluster_shape(cfg, ray.nodes(), worker_memory_gb(cfg))
@@ -285,7 +293,7 @@ class Follower:
         is `trainer.controller` once fit has made it); returns (result, error)."""
         import ray
 
-        from raytrain_lm.tb import TensorBoardLog
+        from raytrain_lm.run.tensorboard import TensorBoardLog
 
         tb = TensorBoardLog(self.run, self.say)  # event files beside metrics.jsonl
         outcome: dict[str, Any] = {}
@@ -390,7 +398,7 @@ def _user_error_inside(error: BaseException) -> Optional[UserError]:
 def _describe(error: BaseException) -> str:
     failures = getattr(error, "worker_failures", None)
     if failures:
-        from raytrain_lm.callbacks import describe_failures
+        from raytrain_lm.ray_compat.callbacks import describe_failures
 
         return describe_failures(failures)
     return last_line(error)

@@ -1,7 +1,7 @@
 """The trainer every run uses (`train` and each Tune trial): Ray's TorchTrainer, as its parent
 `DataParallelTrainer` with a torch-free backend config (backend.py), run by our controller
 (controller.py) and, for `--workers MIN-MAX`, the scaling policy that keeps the group at the sizes
-elastic.py allows (scaling.py).
+config/sizes.py allows (scaling.py).
 
 Nothing here imports torch: Ray's `TorchTrainer` module does (~2 CPU seconds here), and the driver
 only builds the trainer and follows the run; torch is the workers' business."""
@@ -10,17 +10,17 @@ from __future__ import annotations
 
 from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 
-from raytrain_lm.backend import TorchConfig
-from raytrain_lm.config import TrainConfig
-from raytrain_lm.controller import Polls, helper_callbacks, run_controller
-from raytrain_lm.elastic import worker_counts
-from raytrain_lm.scaling import FixedPolicyWithoutAutoscaler, SizedElasticPolicy
+from raytrain_lm.config.settings import TrainConfig
+from raytrain_lm.config.sizes import worker_counts
+from raytrain_lm.ray_compat.backend import TorchConfig
+from raytrain_lm.ray_compat.controller import Polls, helper_callbacks, run_controller
+from raytrain_lm.ray_compat.scaling import FixedPolicyWithoutAutoscaler, SizedElasticPolicy
 
 
 def train_loop(config: dict) -> None:
     """The training function Ray sends to the workers, by reference: the loop's module (which
     imports torch) is imported there, not where the trainer is built."""
-    from raytrain_lm.loop import train_loop_per_worker
+    from raytrain_lm.worker.loop import train_loop_per_worker
 
     train_loop_per_worker(config)
 

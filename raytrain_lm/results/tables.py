@@ -6,8 +6,8 @@ from __future__ import annotations
 import os
 from typing import Any, Optional
 
-from raytrain_lm import files
 from raytrain_lm.errors import UserError
+from raytrain_lm.store import files
 
 
 def _fmt_seconds(s: Optional[float]) -> str:
@@ -141,9 +141,9 @@ def build_report(refs: list[str], storage: str, out: Optional[str] = None) -> di
     """Summaries of the runs `refs` and a PNG of their curves, written into the first run's folder
     (report.png, or compare.png for several runs) unless `out` is given. Returns
     {"runs": [summary, ...], "plot": where the PNG went}."""
-    from raytrain_lm.plots import plot_runs
-    from raytrain_lm.runs import open_run, summary_of
-    from raytrain_lm.storage import is_remote, path_error
+    from raytrain_lm.results.plots import plot_runs
+    from raytrain_lm.store.runs import open_run, summary_of
+    from raytrain_lm.store.storage import is_remote, path_error
 
     if out and is_remote(out):  # as a Path it would be a local ./s3:/... file
         raise UserError(f"--out is a local file, not {out}; leave it out to write the PNG into "

@@ -26,13 +26,13 @@ import ray.train
 import torch
 from ray.train import CheckpointUploadMode
 
-from raytrain_lm import checkpoint as ckpt_io
-from raytrain_lm.config import TrainConfig
-from raytrain_lm.drills import fault_drill
-from raytrain_lm.files import checkpoint_name
-from raytrain_lm.optim import resumed_horizon
-from raytrain_lm.runs import FoundCheckpoint, latest_checkpoint
+from raytrain_lm.config.settings import TrainConfig
+from raytrain_lm.store import checkpoint_format as ckpt_io
+from raytrain_lm.store.files import checkpoint_name
+from raytrain_lm.store.runs import FoundCheckpoint, latest_checkpoint
 from raytrain_lm.tokenizer import Tokenizer
+from raytrain_lm.worker.drills import fault_drill
+from raytrain_lm.worker.optim import resumed_horizon
 
 # Reported rows each checkpoint carries, to be re-sent after a resume: more than can be in flight
 # in Ray (a worker holds one uncollected report) when the driver or a worker dies.

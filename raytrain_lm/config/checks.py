@@ -1,20 +1,18 @@
 """Checks of a TrainConfig that need no cluster and no dataset: the values, the parallel layout,
-what a resumed run may change, names. Every failure is one line (UserError).
-Also the pipeline's shape (stages, microbatches, the layer split), shared by the checks, the
-planner and parallel/pp.py. And the sampling flags of `generate` (checked before torch is
-imported)."""
+what a resumed run may change, names. Every failure is one line (UserError). Also the sampling
+flags of `generate` (checked before torch is imported)."""
 
 from __future__ import annotations
 
 import math
 from typing import TYPE_CHECKING, Optional
 
-from raytrain_lm.elastic import check_elastic
+from raytrain_lm.config.sizes import check_elastic, pipeline_microbatches, pipeline_stages
 from raytrain_lm.errors import UserError
-from raytrain_lm.files import NAME_RULE, is_plain_name
+from raytrain_lm.store.files import NAME_RULE, is_plain_name
 
 if TYPE_CHECKING:
-    from raytrain_lm.config import TrainConfig
+    from raytrain_lm.config.settings import TrainConfig
 
 # The most tokens a vocabulary may have: a size from a flag, a manifest or a tokenizer.json sizes
 # tables by it (the BPE trainer's, the tokenizer's byte table, the model's embedding), so an id of
@@ -56,29 +54,6 @@ def check_name(name: Optional[str]) -> None:
 
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 STRATEGIES = ("ddp", "zero1", "zero2", "fsdp")
-
-
-def pipeline_stages(cfg: TrainConfig) -> int:
-    """Pipeline stages in all: --virtual-stages (default 2) per worker for the interleaved
-    schedule, one for the others."""
-    return cfg.pp * ((cfg.virtual_stages or 2) if cfg.pp_schedule == "interleaved-1f1b" else 1)
-
-
-def pipeline_microbatches(cfg: TrainConfig) -> int:
-    return cfg.microbatches or 2 * pipeline_stages(cfg)
-
-
-def split_layers(n_layer: int, n_stages: int) -> list[range]:
-    """Contiguous, as even as possible; any extra layers go to the middle stages, since the first
-    and last stages also run the embeddings and the head."""
-    if n_layer < n_stages:
-        raise ValueError(f"{n_layer} layers cannot fill {n_stages} pipeline stages")
-    sizes = [n_layer // n_stages] * n_stages
-    order = sorted(range(n_stages), key=lambda s: (s in (0, n_stages - 1), abs(s - n_stages / 2)))
-    for s in order[: n_layer % n_stages]:
-        sizes[s] += 1
-    starts = [sum(sizes[:s]) for s in range(n_stages)]
-    return [range(st, st + n) for st, n in zip(starts, sizes)]
 
 
 def check_layout(cfg: TrainConfig) -> None:

@@ -4,7 +4,7 @@ restore (if this run has a checkpoint) -> model -> parallelize + optimizer -> da
 `ray.train.report` every few steps. A report is a barrier across ranks, so every rank follows the
 same deterministic cadence (`Cadence`) of reports, validations and checkpoints, plus a checkpoint
 at once when a node of the run is about to be preempted (`PreemptionWatch`, the same on every
-rank). The worker group may be any of the run's sizes (elastic.py): every size takes the same
+rank). The worker group may be any of the run's sizes (config/sizes.py): every size takes the same
 global batch per step.
 """
 
@@ -18,25 +18,26 @@ import ray.train
 import ray.train.torch
 import torch
 
-from raytrain_lm import checkpoint as ckpt_io, hf_llama
-from raytrain_lm.checkpointer import Checkpointer, restore_rng
-from raytrain_lm.checks import check_tp_in_node
-from raytrain_lm.config import TrainConfig
+from raytrain_lm import hf_llama
+from raytrain_lm.config.checks import check_tp_in_node
+from raytrain_lm.config.settings import TrainConfig
+from raytrain_lm.config.sizes import fit_to_world
 from raytrain_lm.data.loaders import Validation, train_stream
 from raytrain_lm.data.manifest import dataset_tokenizer
 from raytrain_lm.data.resolve import resolve_dataset
-from raytrain_lm.drills import WindowLog, fault_drill
-from raytrain_lm.elastic import fit_to_world
 from raytrain_lm.errors import UserError
-from raytrain_lm.metrics import Meter, gpu_peak_tflops, peak_memory_gb
 from raytrain_lm.model import flops_per_token
-from raytrain_lm.optim import lr_at
-from raytrain_lm.preflight import check_device_memory
 from raytrain_lm.parallel.fsdp import to_float
 from raytrain_lm.parallel.mesh import rank_coords
 from raytrain_lm.plan import matmul_params, param_counts
-from raytrain_lm.preemption import PreemptionWatch
-from raytrain_lm.step import TrainStep
+from raytrain_lm.run.preflight import check_device_memory
+from raytrain_lm.store import checkpoint_format as ckpt_io
+from raytrain_lm.worker.checkpointer import Checkpointer, restore_rng
+from raytrain_lm.worker.drills import WindowLog, fault_drill
+from raytrain_lm.worker.metrics import Meter, gpu_peak_tflops, peak_memory_gb
+from raytrain_lm.worker.optim import lr_at
+from raytrain_lm.worker.preemption import PreemptionWatch
+from raytrain_lm.worker.step import TrainStep
 
 
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:

@@ -1,5 +1,7 @@
-"""An elastic run's sizes: `--workers MIN-MAX`, which worker counts it may train on, and how a
-worker group of any of those sizes keeps the global batch (pure Python: no Ray, no torch).
+"""A run's layout arithmetic (pure Python: no Ray, no torch), shared by the checks, the planner
+and parallel/: the pipeline's shape (stages, microbatches, the layer split), and an elastic run's
+sizes: `--workers MIN-MAX`, which worker counts it may train on, and how a
+worker group of any of those sizes keeps the global batch.
 
 The global batch is fixed by the largest size: `batch_size x grad_accum x` the data-parallel size at
 MAX workers. A smaller group takes the same number of sequences per step, each data-parallel rank
@@ -19,7 +21,30 @@ from typing import TYPE_CHECKING, Optional
 from raytrain_lm.errors import UserError
 
 if TYPE_CHECKING:
-    from raytrain_lm.config import TrainConfig
+    from raytrain_lm.config.settings import TrainConfig
+
+
+def pipeline_stages(cfg: TrainConfig) -> int:
+    """Pipeline stages in all: --virtual-stages (default 2) per worker for the interleaved
+    schedule, one for the others."""
+    return cfg.pp * ((cfg.virtual_stages or 2) if cfg.pp_schedule == "interleaved-1f1b" else 1)
+
+
+def pipeline_microbatches(cfg: TrainConfig) -> int:
+    return cfg.microbatches or 2 * pipeline_stages(cfg)
+
+
+def split_layers(n_layer: int, n_stages: int) -> list[range]:
+    """Contiguous, as even as possible; any extra layers go to the middle stages, since the first
+    and last stages also run the embeddings and the head."""
+    if n_layer < n_stages:
+        raise ValueError(f"{n_layer} layers cannot fill {n_stages} pipeline stages")
+    sizes = [n_layer // n_stages] * n_stages
+    order = sorted(range(n_stages), key=lambda s: (s in (0, n_stages - 1), abs(s - n_stages / 2)))
+    for s in order[: n_layer % n_stages]:
+        sizes[s] += 1
+    starts = [sum(sizes[:s]) for s in range(n_stages)]
+    return [range(st, st + n) for st, n in zip(starts, sizes)]
 
 
 def parse_workers(text: str) -> tuple[int, int]:
@@ -65,8 +90,6 @@ def fit_to_world(cfg: TrainConfig, world: int) -> Optional[TrainConfig]:
     accumulation (with --pp: the per-rank batch and its microbatches) that make up the same
     global batch. None if `world` cannot (not a multiple of tp x pp, or its data-parallel ranks
     cannot split the global batch evenly into micro-batches of at most --batch-size)."""
-    from raytrain_lm.checks import pipeline_microbatches
-
     if world < 1 or world % (cfg.tp * cfg.pp):
         return None
     dp = dp_size(cfg, world)

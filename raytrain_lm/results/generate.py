@@ -9,11 +9,11 @@ from typing import Callable, Optional
 
 import torch
 
-from raytrain_lm.checkpoint import load_checkpoint
-from raytrain_lm.checks import check_sampling
-from raytrain_lm.config import TrainConfig
+from raytrain_lm.config.checks import check_sampling
+from raytrain_lm.config.settings import TrainConfig
 from raytrain_lm.errors import UserError
 from raytrain_lm.model import Decoder, architecture
+from raytrain_lm.store.checkpoint_format import load_checkpoint
 from raytrain_lm.tokenizer import tokenizer_from_spec
 
 

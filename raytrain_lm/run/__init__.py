@@ -1,0 +1,2 @@
+"""The driver side of a run, never torch: the checks before a worker starts (preflight), building
+the trainer and following the run (driver), worker groups, summary.json and TensorBoard files."""
