@@ -213,10 +213,11 @@ def test_built_sharded_no_rank_holds_the_whole_model(ray_address, pydoc_data, st
     training step stays under 0.4x of what a full replica needs for parameters, gradients and
     AdamW (16 bytes per parameter), measured as peak RSS with freed memory returned to the OS.
     (All 24 layers took 110 s here against 65 s, most of it the one step and the final
-    checkpoint; the fixed ~90 MB per rank weighs more at smaller sizes.)"""
+    checkpoint, which it now skips: --checkpoint-every -1; the fixed ~90 MB per rank weighs more
+    at smaller sizes.)"""
     cfg = build_config(preset="gpt2-medium", sets=["model.n_layer=12"], flags=dict(
         workers=4, cpus_per_worker=0.5, tp=2, strategy="fsdp", max_steps=1, batch_size=1,
-        seq_len=64, log_every=1, eval_every=1, eval_windows=1, checkpoint_every=0,
+        seq_len=64, log_every=1, eval_every=1, eval_windows=1, checkpoint_every=-1,  # none: 1.8 GB unread
         data=str(pydoc_data), storage=str(storage), name="big-fsdp2xtp2"))
     rows = []
     # Peak RSS counts what glibc keeps of freed memory too (it grows step by step: 0.63-0.67x after
@@ -231,6 +232,7 @@ def test_built_sharded_no_rank_holds_the_whole_model(ray_address, pydoc_data, st
     # at 12 layers, 0.28x at 24, 2026-12-01).
     assert rows[-1]["build_mem_gb"] < 0.5 * 4 * rows[-1]["num_parameters"] / 1e9
     assert rows[-1]["mem_above_baseline_gb"] < 0.4 * full_replica_gb
+    assert not list((storage / "big-fsdp2xtp2").glob("checkpoint_*"))  # --checkpoint-every -1
 
 
 @pytest.mark.parametrize("args,expected", [

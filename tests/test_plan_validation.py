@@ -1,14 +1,18 @@
 """The planner against published runs: docs/planner.md's validation table is what the planner
 says today, from raytrain_lm/plan/published_runs.json (the whole table: ~9 s, one claim that
-nothing cheaper checks; it is the document's table)."""
+nothing cheaper checks; it is the document's table). That test is in the slow tier: it was a
+fifth of the fast tier's time."""
 
 from pathlib import Path
+
+import pytest
 
 from raytrain_lm.plan.validation import load_runs, markdown, megatron_flops_per_token, run_model, validate
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "planner.md"
 
 
+@pytest.mark.slow  # 9-14 s of planning on 2 cores
 def test_the_docs_validation_table_is_the_planners():
     rows = validate()
     assert len(rows) >= 12

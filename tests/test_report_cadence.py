@@ -80,3 +80,23 @@ def test_a_negative_count_or_a_pace_of_no_time_is_refused_in_one_line():
             setattr(cfg, k, v)
         with pytest.raises(UserError, match="--log-every must be >= 0 .* --log-seconds positive"):
             validate(cfg)
+
+
+def test_checkpoints_at_their_steps_and_the_end_or_never_at_minus_one():
+    """--checkpoint-every 10: steps 10, 20 and the last; 0: the last only; -1: none, not even the
+    last (a benchmark or smoke run that keeps no weights: the sharded-build test's 152M-parameter
+    model wrote 1.8 GB it never read). Below -1 is refused."""
+    import pytest
+
+    from raytrain_lm.checks import validate
+    from raytrain_lm.errors import UserError
+
+    def saved(every):
+        c = cadence(checkpoint_every=every, max_steps=25)
+        return [s for s in range(1, 26) if c.checkpoints(s)]
+
+    assert saved(10) == [10, 20, 25] and saved(0) == [25] and saved(-1) == []
+    cfg = TrainConfig()
+    cfg.checkpoint_every = -2
+    with pytest.raises(UserError, match="checkpoint_every and max_failures >= -1"):
+        validate(cfg)

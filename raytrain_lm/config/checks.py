@@ -169,8 +169,8 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.log_every < 0 or not cfg.log_seconds > 0:
         raise UserError(f"--log-every must be >= 0 (0: paced by --log-seconds) and --log-seconds "
                         f"positive, got {cfg.log_every} and {cfg.log_seconds:g}")
-    if cfg.warmup_steps < 0 or cfg.checkpoint_every < 0 or cfg.max_failures < -1 or cfg.eval_windows < 0:
-        raise UserError("warmup_steps, checkpoint_every and eval_windows must be >= 0, max_failures >= -1")
+    if cfg.warmup_steps < 0 or cfg.checkpoint_every < -1 or cfg.max_failures < -1 or cfg.eval_windows < 0:
+        raise UserError("warmup_steps and eval_windows must be >= 0, checkpoint_every and max_failures >= -1")
     if cfg.max_preemptions < -1 or cfg.resize_interval < 0:
         raise UserError("max_preemptions must be >= -1 and resize_interval >= 0")
     if cfg.checkpoint_upload not in UPLOAD_MODES:

@@ -173,7 +173,8 @@ class TrainConfig:
     eval_every: int = setting(100, help="Steps between validations.")
     eval_windows: int = setting(256, help="Validation windows (the first ones of the split, the "
                                 "same whatever the worker count); 0: all of them.")
-    checkpoint_every: int = setting(100, help="Steps between checkpoints; 0: only at the end.")
+    checkpoint_every: int = setting(100, help="Steps between checkpoints; 0: only at the end; "
+                                  "-1: none, not even at the end (a benchmark, a smoke run).")
     keep_checkpoints: int = setting(2, help="Checkpoints to keep.")
     checkpoint_upload: str = setting("auto", help="sync: training waits while a checkpoint "
                                      "uploads; async: it trains on while it uploads; auto: async "

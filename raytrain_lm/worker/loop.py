@@ -133,8 +133,8 @@ class Cadence:
         self.next_report = self.FIRST_REPORT
 
     def checkpoints(self, step: int) -> bool:
-        every = self.cfg.checkpoint_every
-        return step == self.cfg.max_steps or bool(every and step % every == 0)
+        every = self.cfg.checkpoint_every  # -1: never
+        return every >= 0 and (step == self.cfg.max_steps or bool(every and step % every == 0))
 
     def validates(self, step: int) -> bool:
         return step % self.cfg.eval_every == 0 or self.checkpoints(step)
