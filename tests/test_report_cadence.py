@@ -88,7 +88,7 @@ def test_checkpoints_at_their_steps_and_the_end_or_never_at_minus_one():
     model wrote 1.8 GB it never read). Below -1 is refused."""
     import pytest
 
-    from raytrain_lm.checks import validate
+    from raytrain_lm.config.checks import validate
     from raytrain_lm.errors import UserError
 
     def saved(every):
