@@ -154,7 +154,7 @@ def run_local(cfg, *, resume: bool = False, init_from: Optional[str] = None, for
     from raytrain_lm.run.driver import Follower, loop_config, previous_summary, run_folder
     from raytrain_lm.run.preflight import check_init_from, prepare_data
     from raytrain_lm.store.runs import best_val_loss
-    from raytrain_lm.store.storage import RunClaim
+    from raytrain_lm.store.claims import RunClaim
 
     assert isinstance(cfg.workers, int), "an elastic run needs Ray"
     t_launch = time.time()

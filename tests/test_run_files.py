@@ -34,7 +34,7 @@ def test_a_second_claim_on_a_run_folder_is_refused_on_s3_too():
     others'. On moto's server, as on a disk: the second is refused and leaves no claim."""
     from s3_server import moto_s3, s3_keys
 
-    from raytrain_lm.store.storage import RunClaim
+    from raytrain_lm.store.claims import RunClaim
 
     with moto_s3("claims"):
         run = RunFolder("s3://claims/runs", "r")
@@ -51,7 +51,7 @@ def test_a_second_claim_on_a_run_folder_is_refused_on_s3_too():
 def test_a_dead_or_silent_drivers_claim_does_not_block_the_run(tmp_path):
     """A killed driver's claim (its process gone, on this machine), or one not renewed for
     STALE_S (a driver elsewhere that died), is not a claim: --resume after a crash works."""
-    from raytrain_lm.store.storage import RunClaim, live_claims
+    from raytrain_lm.store.claims import RunClaim, live_claims
 
     run = RunFolder(str(tmp_path), "r")
     run.write_json(".claim-dead.json", {"host": os.uname().nodename, "pid": dead_pid(),
@@ -68,7 +68,7 @@ def test_a_dead_or_silent_drivers_claim_does_not_block_the_run(tmp_path):
 
 def test_a_refused_claim_leaves_no_folder_behind(tmp_path):
     """The claim creates the run's folder (and its storage's); given up, they go again."""
-    from raytrain_lm.store.storage import RunClaim
+    from raytrain_lm.store.claims import RunClaim
 
     with RunClaim(RunFolder(str(tmp_path / "a" / "runs"), "r")):
         assert (tmp_path / "a" / "runs" / "r").is_dir()

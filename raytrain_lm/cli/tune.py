@@ -73,7 +73,8 @@ def tune(
 ) -> None:
     """Tune hyperparameters: a Ray Tune sweep of full distributed trainings, ASHA early stopping."""
     from raytrain_lm.console import LiveTable
-    from raytrain_lm.tune.sweep import SweepSettings, new_sweep, resumed_sweep, run_sweep
+    from raytrain_lm.tune.sweep import run_sweep
+    from raytrain_lm.tune.sweep_config import SweepSettings, new_sweep, resumed_sweep
 
     specs = {SPEC_FLAGS[k]: v for k, v in dict(lr=lr, warmup=warmup, weight_decay=weight_decay,
                                                 batch_size=batch_size, grad_accum=grad_accum,

@@ -16,8 +16,9 @@ import socket
 import sys
 from typing import Optional
 
-from raytrain_lm.cluster.registry import running_local_cluster
+from raytrain_lm.cluster.registry import SINGLE_MACHINE_ENV, running_local_cluster
 from raytrain_lm.errors import UserError
+
 
 def token_available() -> bool:
     from ray._raylet import AuthenticationTokenLoader
@@ -141,8 +142,6 @@ def join_loopback_cluster(address: str) -> None:
         return
     import ray._private.ray_constants as ray_constants
 
-    from raytrain_lm.cluster.local import SINGLE_MACHINE_ENV
-
     os.environ[SINGLE_MACHINE_ENV] = "0"  # for the processes this one starts
     ray_constants.ENABLE_RAY_CLUSTER = False  # read when Ray looks up this node's address
 
@@ -226,3 +225,30 @@ def connect_ray(address: Optional[str], min_cpus: float, verbose: bool = False,
     num_cpus = max(os.cpu_count() or 1, math.ceil(min_cpus) + 1)
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, **quiet)
     return True
+
+
+class _DropMessages(logging.Filter):
+    def __init__(self, *starts: str):
+        super().__init__()
+        self.starts = starts
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.getMessage()).startswith(self.starts)
+
+
+_quieted = False
+
+
+def quiet_ray_logging() -> None:
+    """Drop Ray's driver-side notices that tell a user nothing they must act on.
+
+    Ray 2.60 announces on every local start that token authentication is on (it is, and it is
+    what we want). The opposite warning, that authentication is *off*, is a real security notice
+    and stays. Worker logs are kept off the terminal separately (`log_to_driver=verbose`).
+    """
+    global _quieted
+    if _quieted:
+        return
+    _quieted = True
+    logging.getLogger("ray._private.authentication.authentication_token_setup").addFilter(
+        _DropMessages("Token authentication is enabled"))

@@ -4,16 +4,14 @@ this happens is in preflight.py."""
 
 from __future__ import annotations
 
-import datetime as _dt
 import os
 import threading
 import time
 from typing import Any, Callable, Optional
 
 from raytrain_lm.config.settings import TrainConfig
-from raytrain_lm.config.sizes import is_elastic, sizes_line, workers_text
+from raytrain_lm.config.sizes import is_elastic, sizes_line
 from raytrain_lm.errors import UserError, last_line
-from raytrain_lm.run import summary
 from raytrain_lm.run.groups import WorkerGroups
 from raytrain_lm.run.preflight import (
     check_init_from,
@@ -25,9 +23,11 @@ from raytrain_lm.run.preflight import (
     resume_step,
     worker_memory_gb,
 )
+from raytrain_lm.run.summary import build_summary
 from raytrain_lm.store import files
+from raytrain_lm.store.claims import RunClaim, live_claims
 from raytrain_lm.store.runs import best_val_loss
-from raytrain_lm.store.storage import MetricsLog, RunClaim, RunFolder, live_claims
+from raytrain_lm.store.storage import MetricsLog, RunFolder
 from raytrain_lm.worker.drills import FAULT_ENV, WINDOWS_ENV
 
 # Ray Train's controller collects reports when it polls the workers (default every 2 s) and a
@@ -42,26 +42,6 @@ ROWS_POLL_S = 0.25  # how often the driver takes new rows from the controller (p
 def report_poll_seconds(default: float = DEFAULT_POLL_S) -> float:
     """How often Ray Train's controller should collect reports: the user's setting, else `default`."""
     return float(USER_POLL or default)
-
-
-def build_summary(cfg: TrainConfig, rows: list[dict], status: str, wall: float, t_launch: float,
-                  checkpoint: Optional[str] = None, error: Optional[str] = None) -> dict:
-    last = rows[-1] if rows else {}
-    return {
-        "status": status,
-        "name": cfg.name,
-        **summary.from_metrics(rows),
-        "max_steps": cfg.max_steps,
-        "time_to_first_step": (last["train_start_unix"] - t_launch) if last.get("train_start_unix") else None,
-        "wall_seconds": wall,
-        "workers": workers_text(cfg) if is_elastic(cfg) else cfg.workers,
-        "use_gpu": cfg.use_gpu,
-        "preset": cfg.preset,
-        "checkpoint": checkpoint,
-        "error": error,
-        "config": cfg.to_dict(),
-        "finished": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-    }
 
 
 def loop_config(cfg: TrainConfig, init_from: Optional[str] = None, fail_at: Optional[str] = None,
