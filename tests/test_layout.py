@@ -195,8 +195,9 @@ def test_no_module_over_400_lines():
 
 
 # What a sweep's saved Tune state (tuner.pkl) names by module path: the RunConfig's LiveTable and
-# the TuneConfig's trial-name function. `tune --resume` unpickles it, so these keep their paths
-# (a sweep started before a move would not resume); found by listing the globals of a tuner.pkl.
+# the TuneConfig's trial-name function, and the function the stop callback (pickled by value)
+# calls. `tune --resume` unpickles it, so these keep their paths (a sweep started before a move
+# would not resume): the globals a tuner.pkl's unpickler looks up (find_class), listed.
 PICKLED_BY_PATH = {"raytrain_lm.tune.report": ("LiveTable",),
                    "raytrain_lm.tune.sweep": ("_trial_name", "abort_train_run")}
 

@@ -14,8 +14,10 @@ import sys
 
 import typer
 
-from raytrain_lm.cli import data, train, results, tune, cluster  # noqa: F401,I001  (in --help's order)
+from raytrain_lm.cli import data, train, results, tune, cluster  # noqa: F401  # isort: skip  (in --help's order)
 from raytrain_lm.cli.app import app
+from raytrain_lm.cluster.connect import quiet_ray_logging
+from raytrain_lm.console import paint
 from raytrain_lm.errors import UserError
 
 
@@ -23,9 +25,6 @@ def main() -> None:
     """The one place that turns errors into what the user sees: a UserError or bad usage is one
     line and exit code 2; anything unexpected is one line and exit code 1, with the traceback
     only under --verbose."""
-    from raytrain_lm.cluster.connect import quiet_ray_logging
-    from raytrain_lm.console import paint
-
     verbose = "--verbose" in sys.argv or "-v" in sys.argv
     if not verbose:
         quiet_ray_logging()

@@ -11,6 +11,10 @@ import typer
 
 from raytrain_lm.cli.app import app, examples
 from raytrain_lm.cli.options import JSON, STORAGE
+from raytrain_lm.config.checks import check_sampling
+from raytrain_lm.console import paint
+from raytrain_lm.errors import UserError
+from raytrain_lm.results.tables import build_report, compare_table, results_table, runs_table
 
 MODEL_ARG = typer.Argument(..., metavar="RUN|CHECKPOINT", help="Run name (in --storage), run "
                            "folder, or checkpoint folder.")
@@ -27,8 +31,6 @@ def runs_(
     as_json: bool = JSON,
 ) -> None:
     """List the runs in --storage: status, steps, final val loss, tokens/s, date."""
-    from raytrain_lm.console import paint
-    from raytrain_lm.results.tables import runs_table
     from raytrain_lm.store.runs import list_runs
 
     found = list_runs(storage)
@@ -57,8 +59,6 @@ def report(
     as_json: bool = JSON,
 ) -> None:
     """A run's results table and a PNG of its curves (train/val loss, tokens/s, learning rate)."""
-    from raytrain_lm.results.tables import build_report, compare_table, results_table
-
     rep = build_report([run, *(compare or [])], storage, out=out)
     if as_json:
         typer.echo(json.dumps(rep, indent=2, default=str))
@@ -87,8 +87,6 @@ def generate(
     as_json: bool = typer.Option(False, "--json", help="Print text, token ids and stats as JSON at the end."),
 ) -> None:
     """Sample text from a run's latest (or best) checkpoint, streaming it as it comes (KV cache)."""
-    from raytrain_lm.config.checks import check_sampling
-    from raytrain_lm.console import paint
     from raytrain_lm.store.runs import find_checkpoint
 
     check_sampling(max_new_tokens, temperature, top_k or None)
@@ -142,7 +140,6 @@ def export(
 ) -> None:
     """Write a checkpoint's weights: safetensors + config JSON (plain PyTorch), or `--format hf`
     for Hugging Face transformers. A BPE's tokenizer.json goes along."""
-    from raytrain_lm.errors import UserError
     from raytrain_lm.results.export import (
         FORMATS,
         check_out,

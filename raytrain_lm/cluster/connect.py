@@ -16,7 +16,7 @@ import socket
 import sys
 from typing import Optional
 
-from raytrain_lm.cluster.registry import SINGLE_MACHINE_ENV, running_local_cluster
+from raytrain_lm.cluster.registry import SINGLE_MACHINE_ENV, read_record, running_local_cluster
 from raytrain_lm.errors import UserError
 
 
@@ -134,8 +134,6 @@ def join_loopback_cluster(address: str) -> None:
     """A `cluster local-up` cluster without --public runs in Ray's single-machine mode (its node
     is 127.0.0.1: cluster/local.py); a driver joins it only in the same mode, else Ray resolves
     127.0.0.1 to this machine's network address, where nothing of that cluster listens."""
-    from raytrain_lm.cluster.registry import read_record
-
     port = address.rpartition(":")[2]
     info = read_record(int(port)) if port.isdigit() else None
     if not (info and info.get("loopback") and info["address"] == address):

@@ -33,6 +33,8 @@ from ray.train.v2._internal.execution.controller import TrainController
 from ray.train.v2._internal.execution.preemption import PreemptionWatcher
 from ray.train.v2._internal.execution.worker_group import WorkerGroup
 
+from raytrain_lm.ray_compat.callbacks import HeldRows
+
 logger = logging.getLogger(__name__)
 
 
@@ -165,8 +167,6 @@ class Controller(TrainController):
 
     def take_rows(self) -> list[dict]:
         """The metrics rows reported since the last call (callbacks.HeldRows)."""
-        from raytrain_lm.ray_compat.callbacks import HeldRows
-
         return HeldRows.take()
 
 

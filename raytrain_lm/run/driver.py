@@ -9,9 +9,13 @@ import threading
 import time
 from typing import Any, Callable, Optional
 
+from raytrain_lm.cluster.connect import check_reachable, connect_ray, starts_own_ray
+from raytrain_lm.config.checks import validate
 from raytrain_lm.config.settings import TrainConfig
 from raytrain_lm.config.sizes import is_elastic, sizes_line
+from raytrain_lm.cpus import OMP_ENV, decide, idle_line, machine_cores
 from raytrain_lm.errors import UserError, last_line
+from raytrain_lm.plan.auto import apply_layout, auto_cluster, choose_layout, cluster_shape
 from raytrain_lm.run.groups import WorkerGroups
 from raytrain_lm.run.preflight import (
     check_init_from,
@@ -129,10 +133,7 @@ def _launch(cfg: TrainConfig, run: RunFolder, t_launch: float, previous: dict,
     """run_training from connecting to Ray on, with the run's folder claimed."""
     # Ray Train and the Ray connection are imported only now: a bad input above fails in a
     # second, not after ~2 s of imports; nor does an address where nothing answers
-    from raytrain_lm.cluster.connect import check_reachable
-
     check_reachable(cfg.address or os.environ.get("RAY_ADDRESS") or "local")
-    from raytrain_lm.cluster.connect import connect_ray
     from raytrain_lm.ray_compat.callbacks import ForwardMetrics, HeldRows, KeepBest
 
     asked = cfg.cpus_per_worker  # None: the launch decides (cpus.py); a resume decides again
@@ -176,9 +177,6 @@ def choose_worker_cpus(cfg: TrainConfig, worker_env: Optional[dict[str, str]],
     """Set cfg.cpus_per_worker for this launch (cpus.decide: on a Ray this process is about to
     start, the machine's cores shared among the workers of `trials` concurrent trials) and say
     it in the launch line. Returns whether this process will start its own Ray."""
-    from raytrain_lm.cluster.connect import starts_own_ray
-    from raytrain_lm.cpus import OMP_ENV, decide, machine_cores
-
     own_ray = starts_own_ray(cfg.address)
     omp = (worker_env or {}).get(OMP_ENV) or (os.environ.get(OMP_ENV) if own_ray else None)
     chosen = decide(cfg.cpus_per_worker, cfg.workers, own_ray, machine_cores(), trials, omp)
@@ -194,8 +192,6 @@ def say_idle_cpus(cfg: TrainConfig, worker_env: Optional[dict[str, str]],
     pack them on its nodes, leave a node's CPUs idle (cpus.idle_line)."""
     import ray
 
-    from raytrain_lm.cpus import OMP_ENV, idle_line
-
     nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
     line = idle_line(nodes, workers or cfg.workers, cfg.worker_cpus, cfg.use_gpu,
                      (worker_env or {}).get(OMP_ENV))
@@ -207,9 +203,6 @@ def auto_layout(cfg: TrainConfig, say: Callable[[str], None]) -> None:
     """--layout auto: ask Ray for the cluster's shape, let the planner choose, say what and why,
     and train with it (cfg changed in place; the run's saved config records the choice)."""
     import ray
-
-    from raytrain_lm.config.checks import validate
-    from raytrain_lm.plan.auto import apply_layout, auto_cluster, choose_layout, cluster_shape
 
     per_node, memory = cluster_shape(cfg, ray.nodes(), worker_memory_gb(cfg))
     best, why = choose_layout(cfg, auto_cluster(cfg, per_node, memory))

@@ -21,9 +21,12 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from raytrain_lm.cluster.connect import connect_ray
 from raytrain_lm.config.checks import validate
 from raytrain_lm.config.settings import TrainConfig, apply_overrides
 from raytrain_lm.errors import UserError
+from raytrain_lm.run.driver import build_trainer, choose_worker_cpus, report_poll_seconds, say_idle_cpus
+from raytrain_lm.run.preflight import check_resources, default_run_name, prepare_data
 from raytrain_lm.store.claims import RunClaim
 from raytrain_lm.store.files import SWEEP, TRIAL_CONFIG
 from raytrain_lm.store.storage import RunFolder
@@ -123,8 +126,6 @@ def run_trial(params: dict, base: dict, sweep_uri: str, controllers, poll_second
     """The Tune function trainable: one full distributed training."""
     from ray import tune
 
-    from raytrain_lm.run.driver import build_trainer
-
     cfg = trial_config(base, params)
     trial_dir = os.path.basename(tune.get_context().get_trial_dir().rstrip("/"))
     cfg.storage, cfg.name = f"{sweep_uri}/{trial_dir}", "train"
@@ -185,8 +186,6 @@ def _trainable(cfg: TrainConfig, sweep_uri: str):
     from raytrain_lm.ray_compat.controller import driver_queue
 
     _CONTROLLERS["queue"], _CONTROLLERS["handles"] = driver_queue(), {}
-    from raytrain_lm.run.driver import report_poll_seconds
-
     # The trial runs in its own process: the driver's poll setting travels with it.
     fn = tune.with_parameters(run_trial, base=cfg.to_dict(), sweep_uri=sweep_uri,
                               controllers=_CONTROLLERS["queue"],
@@ -199,8 +198,6 @@ def _trial_name(trial) -> str:
 
 
 def default_sweep_name(cfg: TrainConfig) -> str:
-    from raytrain_lm.run.preflight import default_run_name
-
     return f"tune-{default_run_name(cfg)}"
 
 
@@ -219,8 +216,6 @@ def run_sweep(
 
     For a resume, only cfg.name, cfg.storage and cfg.address are used: the rest comes from the
     sweep's own sweep.json."""
-    from raytrain_lm.run.preflight import prepare_data
-
     if resume:
         if not cfg.name:
             raise UserError("--resume needs --name of the sweep to continue")
@@ -251,10 +246,6 @@ def _run(cfg: TrainConfig, space: SearchSpace, settings: SweepSettings, folder: 
          resume: bool, verbose: bool, say: Callable[[str], None],
          live: Optional[Callable[[str], None]], live_interval: float) -> dict:
     """run_sweep from connecting to Ray on, with the sweep's folder claimed."""
-    from raytrain_lm.cluster.connect import connect_ray
-    from raytrain_lm.run.driver import choose_worker_cpus, say_idle_cpus
-    from raytrain_lm.run.preflight import check_resources
-
     own_ray = choose_worker_cpus(cfg, None, say, trials=settings.concurrent)
     connect_ray(cfg.address, cfg.workers * cfg.worker_cpus + TRIAL_CPUS, verbose, say)
     check_resources(cfg)

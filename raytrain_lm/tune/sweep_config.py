@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from raytrain_lm.config.checks import check_name
+from raytrain_lm.config.load import build_config, load_config_file, parse_set_args
 from raytrain_lm.config.settings import TrainConfig
 from raytrain_lm.errors import UserError
 from raytrain_lm.tune.space import SearchSpace, parse_space
@@ -76,8 +77,6 @@ def new_sweep(settings: dict, specs: dict, space_args: list[str], space_file: Op
               sweep: SweepSettings) -> tuple[TrainConfig, SearchSpace]:
     """The base config and search space of a new sweep from `tune`'s flags, checked (and
     `sweep`'s defaults filled) before anything starts."""
-    from raytrain_lm.config.load import build_config, load_config_file, parse_set_args
-
     cfg = build_config(config_file=config_file, flags=settings, sets=sets)
     space = parse_space(specs, space_args, space_file, cfg)
     given = (settings.get("eval_every") is not None or "eval_every" in parse_set_args(sets or [])
