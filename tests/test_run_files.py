@@ -14,10 +14,9 @@ from pathlib import Path
 import pytest
 
 from conftest import cli_here, run_cli
-from test_cli_errors import assert_clean_error
-
 from raytrain_lm.errors import UserError
 from raytrain_lm.store.storage import MetricsLog, RunFolder
+from test_cli_errors import assert_clean_error
 
 
 def dead_pid() -> int:
@@ -32,9 +31,8 @@ def dead_pid() -> int:
 def test_a_second_claim_on_a_run_folder_is_refused_on_s3_too():
     """Object stores have no atomic create: each driver writes its own claim, then looks for
     others'. On moto's server, as on a disk: the second is refused and leaves no claim."""
-    from s3_server import moto_s3, s3_keys
-
     from raytrain_lm.store.claims import RunClaim
+    from s3_server import moto_s3, s3_keys
 
     with moto_s3("claims"):
         run = RunFolder("s3://claims/runs", "r")
@@ -239,9 +237,8 @@ def test_a_run_stopped_by_a_full_disk_says_failed_in_its_summary(full_disk):
 def test_a_resumed_sweep_trusts_only_its_own_users_pickles(tmp_path):
     """`tune --resume` unpickles Tune's state: on a disk only files of this user's that nobody
     else may write; on S3, where the writer cannot be known, with a warning saying who is trusted."""
-    from s3_server import moto_s3
-
     from raytrain_lm.tune.sweep import check_sweep_state
+    from s3_server import moto_s3
 
     sweep = tmp_path / "s"
     (sweep / "trial_1").mkdir(parents=True)

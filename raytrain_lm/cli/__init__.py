@@ -14,7 +14,7 @@ import sys
 
 import typer
 
-from raytrain_lm.cli import data, train, results, tune, cluster  # noqa: F401  # isort: skip  (in --help's order)
+from raytrain_lm.cli import data, train, results, tune, cluster  # isort: skip  (in --help's order)
 from raytrain_lm.cli.app import app
 from raytrain_lm.cluster.connect import quiet_ray_logging
 from raytrain_lm.console import paint
@@ -28,7 +28,10 @@ def main() -> None:
     verbose = "--verbose" in sys.argv or "-v" in sys.argv
     if not verbose:
         quiet_ray_logging()
-    err = lambda m: typer.echo(paint("error:", "red", sys.stderr) + " " + m, err=True)  # noqa: E731
+
+    def err(m: str) -> None:
+        typer.echo(paint("error:", "red", sys.stderr) + " " + m, err=True)
+
     try:
         code = app(standalone_mode=False)
     except typer.TyperException as e:  # bad usage, from Typer's (vendored) click

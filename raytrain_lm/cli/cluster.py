@@ -130,7 +130,8 @@ def _list_jobs(address: Optional[str]) -> None:
     if not rows:
         typer.echo("no jobs")
     for r in rows:
-        start = dt.datetime.fromtimestamp(r["start_time"] / 1000).strftime("%Y-%m-%d %H:%M:%S") if r["start_time"] else "-"
+        start = (dt.datetime.fromtimestamp(r["start_time"] / 1000).strftime("%Y-%m-%d %H:%M:%S")
+                 if r["start_time"] else "-")
         typer.echo(f"{r['job_id']:<28} {r['status']:<10} {start}  {r['entrypoint']}")
 
 

@@ -72,7 +72,11 @@ def prepare(
     if ray is None:
         ray = bool(address) or any("://" in s for s in sources) or \
             input_megabytes(sources) > RAY_FROM_MB
-    say = (lambda m: None) if (quiet or as_json) else (lambda m: typer.echo(m, err=True))  # noqa: E731
+
+    def say(m: str) -> None:
+        if not (quiet or as_json):
+            typer.echo(m, err=True)
+
     started = False
     if ray:
         from raytrain_lm.cluster.connect import connect_ray

@@ -76,7 +76,8 @@ def report(
 def generate(
     model: str = MODEL_ARG,
     prompt: str = typer.Option("", "--prompt", "-p", help="Text to continue [default: start of a line]."),
-    max_new_tokens: int = typer.Option(200, "--max-new-tokens", "-n", help="Tokens to sample (bytes, for the byte tokenizer)."),
+    max_new_tokens: int = typer.Option(200, "--max-new-tokens", "-n",
+                                       help="Tokens to sample (bytes, for the byte tokenizer)."),
     temperature: float = typer.Option(0.8, help="Softmax temperature; 0 always takes the likeliest token."),
     top_k: int = typer.Option(40, help="Sample among the k likeliest tokens; 0: among all."),
     seed: int = typer.Option(0, help="Random seed: the same seed gives the same text on the same device."),
@@ -96,7 +97,11 @@ def generate(
         pick_device(device)  # a bad --device fails before a checkpoint is fetched
     found = find_checkpoint(model, storage, best=best)
     from raytrain_lm.results.generate import generate_text
-    info = lambda m: None if (quiet or as_json) else typer.echo(paint(m, "dim", sys.stderr), err=True)  # noqa: E731
+
+    def info(m: str) -> None:
+        if not (quiet or as_json):
+            typer.echo(paint(m, "dim", sys.stderr), err=True)
+
     val = f", val loss {found.val_loss:.4f}" if found.val_loss is not None else ""
     info(f"checkpoint {found.source} (step {found.step}{val})")
     stream = not as_json

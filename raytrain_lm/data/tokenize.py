@@ -18,13 +18,16 @@ when its node dies where an actor's call is not.
 from __future__ import annotations
 
 import collections
-from typing import Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Callable, Iterator, Optional
 
 import numpy as np
 
 from raytrain_lm.data.sources import Unit, read_unit
 from raytrain_lm.store.files import TOKENIZER
 from raytrain_lm.tokenizer import BPETokenizer, ByteTokenizer, Tokenizer
+
+if TYPE_CHECKING:
+    import ray
 
 
 def tokenize_unit(unit: Unit, tok: Tokenizer) -> tuple[np.ndarray, bool]:

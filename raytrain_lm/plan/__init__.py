@@ -40,8 +40,9 @@ the pipeline rank that needs the most:
     microbatch.
   DDP and zero1 keep nothing extra (gradients are DDP's buckets).
 - Activations saved for backward, per layer per token, in the activation dtype (--precision:
-  2 bytes in bf16/fp16, 4 in fp32; auto: bf16 on GPU, fp32 on CPU), as Korthikanti et al. 2022 (arXiv 2205.05198) count them with fused attention
-  (no seq x seq scores): 17 x width without recomputation (their 34 sbh bytes). Without sequence
+  2 bytes in bf16/fp16, 4 in fp32; auto: bf16 on GPU, fp32 on CPU), as Korthikanti et al. 2022 (arXiv
+  2205.05198) count them with fused attention (no seq x seq scores): 17 x width without
+  recomputation (their 34 sbh bytes). Without sequence
   parallelism 5 of the 17 stay whole on every tp rank (both LayerNorm inputs, the inputs of c_attn
   and c_fc, the dropout masks) and 12 divide by tp (q/k/v, attention output, the MLP's two
   4x-wide tensors). Selective checkpointing keeps 11 (matmul and attention outputs and the block
@@ -92,7 +93,8 @@ all-gather and reduce-scatter (n-1)/n x size), as parallel/traffic.py counts the
 Step time:
 - Compute: the step's model FLOPs (PaLM: 6 N + 12 L H Q T per token, model.flops_per_token) plus
   recomputation (full: one more forward of every block; op: the 2nd, 4th, ... matmul of each
-  block but its last; selective recomputes only elementwise ops, counted as free), spread evenly over every GPU at --gpu-tflops x the compute efficiency:
+  block but its last; selective recomputes only elementwise ops, counted as free), spread evenly over every
+  GPU at --gpu-tflops x the compute efficiency:
   efficiency.py's function of the matmul size (peak_fraction x F / (F + F_HALF), F the FLOPs
   of one h x h/tp matmul of a micro-batch), or --compute-efficiency.
 - Overlap (estimate.rank_step): tp traffic is all exposed (vanilla TP: each collective sits
@@ -124,85 +126,78 @@ rank), printout.py (what `plan` prints, --explain), auto.py (train --layout auto
 (against published runs).
 """
 
-from raytrain_lm.plan.layout import (  # noqa: F401
-    GB,
-    GIB,
-    USABLE_FRACTION,
-    H100_NVLINK_GBPS,
-    IB_400_GBPS,
-    H100_TFLOPS,
-    GPUS_PER_NODE,
-    PRECISIONS,
-    AC_SPLIT,
-    AC_MODES,
-    STRATEGIES,
-    Cluster,
-    Layout,
-    param_counts,
-    matmul_params,
-    tp_param_counts,
-    activation_split,
-    Stage,
-    rank_stages,
-    stage_params,
-    held_params,
-    root_params,
-    candidate_ranks)
-from raytrain_lm.plan.memory import (  # noqa: F401
-    MemoryPlan,
-    chunks_in_flight,
-    layer_activation_bytes,
-    activation_bytes,
-    logits_bytes,
-    gathered_bytes,
-    rank_memory)
-from raytrain_lm.plan.comm import (  # noqa: F401
-    ring_bytes,
-    Comm,
-    pp_send_bytes,
-    dp_comm,
-    tp_comm,
-    pp_comm,
-    rank_comm)
-from raytrain_lm.plan.estimate import (  # noqa: F401
-    flops_per_token,
-    recompute_flops_per_token,
-    bubble,
+from raytrain_lm.config.checks import STRATEGIES
+from raytrain_lm.plan.comm import Comm, dp_comm, pp_comm, pp_send_bytes, rank_comm, ring_bytes, tp_comm
+from raytrain_lm.plan.efficiency import F_HALF, PEAK_FRACTION, compute_efficiency, matmul_flops
+from raytrain_lm.plan.estimate import (
     Estimate,
-    rank_step,
-    estimate_layout,
-    divisors,
-    tp_sizes,
-    whole_heads,
-    micro_batches,
-    virtual_stage_counts,
-    strategies,
-    structures,
-    variants,
     best_variant,
-    rank_key,
-    plan,
+    bubble,
     check_cluster,
+    check_pp,
     check_request,
     check_tp,
-    check_pp,
-    config_layout,
     config_cluster,
-    estimate)
-from raytrain_lm.plan.printout import (  # noqa: F401
-    recommendation,
-    reason,
-    short,
-    format_table,
+    config_layout,
+    divisors,
+    estimate,
+    estimate_layout,
+    flops_per_token,
+    micro_batches,
+    plan,
+    rank_key,
+    rank_step,
+    recompute_flops_per_token,
+    strategies,
+    structures,
+    tp_sizes,
+    variants,
+    virtual_stage_counts,
+    whole_heads,
+)
+from raytrain_lm.plan.layout import (
+    AC_MODES,
+    AC_SPLIT,
+    GB,
+    GIB,
+    GPUS_PER_NODE,
+    H100_NVLINK_GBPS,
+    H100_TFLOPS,
+    IB_400_GBPS,
+    PRECISIONS,
+    USABLE_FRACTION,
+    Cluster,
+    Layout,
+    Stage,
+    activation_split,
+    candidate_ranks,
+    held_params,
+    matmul_params,
+    param_counts,
+    rank_stages,
+    root_params,
+    stage_params,
+    tp_param_counts,
+)
+from raytrain_lm.plan.memory import (
+    MemoryPlan,
+    activation_bytes,
+    chunks_in_flight,
+    gathered_bytes,
+    layer_activation_bytes,
+    logits_bytes,
+    rank_memory,
+)
+from raytrain_lm.plan.printout import (
     describe,
     estimate_json,
-    report_json,
-    parse_layout,
-    explained,
     explain_text,
-    plan_command)
-from raytrain_lm.plan.efficiency import (  # noqa: F401
-    F_HALF,
-    PEAK_FRACTION,
-    matmul_flops,
-    compute_efficiency)
+    explained,
+    format_table,
+    parse_layout,
+    plan_command,
+    reason,
+    recommendation,
+    report_json,
+    short,
+)

@@ -168,7 +168,10 @@ def gpt2_state_dict(state: dict, cfg: ModelConfig, vocab_size: int) -> dict:
     import torch
 
     C = cfg.n_embd
-    zeros = lambda n: torch.zeros(n, dtype=state["wte.weight"].dtype)  # noqa: E731
+
+    def zeros(n: int) -> torch.Tensor:
+        return torch.zeros(n, dtype=state["wte.weight"].dtype)
+
     out = {"transformer.wte.weight": state["wte.weight"][:vocab_size],
            "transformer.wpe.weight": state["wpe.weight"]}
     for i in range(cfg.n_layer):
