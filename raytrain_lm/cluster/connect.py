@@ -1,7 +1,7 @@
-"""Reaching a Ray cluster: token authentication as Ray 2.60 does it, a fast reachability check,
+"""Reaching a Ray cluster: token authentication as Ray does it, a fast reachability check,
 and `connect_ray`, which joins a cluster or starts a local Ray for this process.
 
-Ray 2.60 authentication: a cluster started with a token (`~/.ray/auth_token`, RAY_AUTH_TOKEN or
+Ray's authentication: a cluster started with a token (`~/.ray/auth_token`, RAY_AUTH_TOKEN or
 RAY_AUTH_TOKEN_PATH) rejects clients without it, and a client only sends it when RAY_AUTH_MODE
 is `token`. `use_token_auth_if_available` sets that mode for this process when a token exists.
 """
@@ -212,7 +212,7 @@ def connect_ray(address: Optional[str], min_cpus: float, verbose: bool = False,
     if address and address != "local":
         check_reachable(address)
         join_loopback_cluster(address)
-        match_cluster_auth(address)  # Ray 2.60: a token when the cluster wants one, else none
+        match_cluster_auth(address)  # a token when the cluster wants one, else none
         try:
             ray.init(address=address, **quiet)
         except Exception as e:  # ConnectionError, RuntimeError, AuthenticationError, ...
@@ -240,7 +240,7 @@ _quieted = False
 def quiet_ray_logging() -> None:
     """Drop Ray's driver-side notices that tell a user nothing they must act on.
 
-    Ray 2.60 announces on every local start that token authentication is on (it is, and it is
+    Ray announces on every local start that token authentication is on (it is, and it is
     what we want). The opposite warning, that authentication is *off*, is a real security notice
     and stays. Worker logs are kept off the terminal separately (`log_to_driver=verbose`).
     """

@@ -1,7 +1,7 @@
 """`tune`: a Ray Tune sweep in which every trial is a full distributed training.
 
 Each trial is a Tune *function* trainable that builds the same `TorchTrainer` as `train` (through
-`launch.build_trainer`) and fits it: Ray 2.60's pattern (passing a trainer to `Tuner` is
+`run/driver.build_trainer`) and fits it: Ray's pattern (passing a trainer to `Tuner` is
 deprecated). A `TuneReportCallback` in the trainer's callbacks forwards rank 0's reports to Tune,
 so ASHA sees `step` and `val_loss` as training goes; when ASHA stops a trial, Tune ends the trial
 actor, and the trainer's controller and workers, which it owns, end with it.
@@ -81,10 +81,11 @@ _CONTROLLERS: dict[str, Any] = {"queue": None, "handles": {}}
 def abort_train_run(trial_id: str) -> None:
     """End a stopped trial's Train run through its controller, before Tune ends the trial actor.
 
-    Killing the trial actor kills the controller and workers it owns, but in Ray 2.60 the workers'
-    placement group outlives them (it is tied to the job; Ray's PlacementGroupCleaner removes it only
-    through the state API, i.e. with a dashboard running). Its CPUs then stay reserved and the next
-    trial waits forever. `abort()` shuts the worker group down and removes the group."""
+    Killing the trial actor kills the controller and workers it owns, but in the Ray pinned in
+    pyproject.toml the workers' placement group outlives them (it is tied to the job; Ray's
+    PlacementGroupCleaner removes it only through the state API, i.e. with a dashboard running).
+    Its CPUs then stay reserved and the next trial waits forever. `abort()` shuts the worker group
+    down and removes the group."""
     import ray
 
     queue, handles = _CONTROLLERS["queue"], _CONTROLLERS["handles"]
