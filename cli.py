@@ -5,7 +5,9 @@ The entry point users run (`python cli.py COMMAND`), the same app as the `raytra
 The commands live in raytrain_lm/cli/.
 """
 
-from raytrain_lm.cli import app, main  # noqa: F401  (app: for tests that add a command)
+from raytrain_lm.cli import app, main
+
+__all__ = ["app", "main"]  # app: for tests that add a command
 
 if __name__ == "__main__":
     main()

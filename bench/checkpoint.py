@@ -185,8 +185,8 @@ def part_resize(data: str) -> dict:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    from raytrain_lm.run.preflight import ensure_dataset
     from raytrain_lm.config.load import build_config
+    from raytrain_lm.run.preflight import ensure_dataset
 
     data = str(ROOT / "data" / "pydoc")
     ensure_dataset(build_config(flags={"data": data}), print)

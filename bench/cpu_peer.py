@@ -44,8 +44,8 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from cpu_kernels import Batches, build_step, cpu_name  # noqa: E402 (bench/ is on sys.path)
 
+from cpu_kernels import Batches, build_step, cpu_name  # noqa: E402 (bench/ is on sys.path)
 
 # ------------------------------------------------------------------ the reference (nanoGPT's style)
 
@@ -138,8 +138,8 @@ def mm_gflops(reps: int = 5) -> float:
 
 def part_step(args) -> dict:
     from raytrain_lm.model import flops_per_token
-    from raytrain_lm.worker.optim import lr_at
     from raytrain_lm.plan import matmul_params
+    from raytrain_lm.worker.optim import lr_at
 
     torch.set_num_threads(args.threads)
     ceilings, out = [], {}

@@ -25,7 +25,6 @@ import argparse
 import gc
 import json
 import math
-import os
 import sys
 import tempfile
 import time
@@ -120,8 +119,8 @@ def run_layout(name: str, settings: dict, force: tuple, kind: str, device: torch
                steps: int) -> dict:
     from torch.nn.parallel import DistributedDataParallel
 
-    from raytrain_lm.worker.metrics import peak_memory_gb
     from raytrain_lm.parallel.fsdp import to_float
+    from raytrain_lm.worker.metrics import peak_memory_gb
     from raytrain_lm.worker.step import TrainStep
 
     cfg = config(kind, settings)
@@ -177,7 +176,6 @@ def throughput(kind: str, out_dir: Path, batch: int) -> dict:
 def memory_plan(result: dict, kind: str) -> list[dict]:
     """The plan's memory for each measured (batch, mode) against max_memory_allocated."""
     import gpu_throughput
-
     from raytrain_lm.config.presets import preset_config
     from raytrain_lm.config.settings import ModelConfig
     from raytrain_lm.plan import GB, estimate

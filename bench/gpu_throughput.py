@@ -40,8 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from raytrain_lm.config.presets import preset_config  # noqa: E402
 from raytrain_lm.config.settings import ModelConfig
 from raytrain_lm.errors import UserError  # noqa: E402
-from raytrain_lm.worker.metrics import gpu_peak_tflops, mfu, peak_memory_gb  # noqa: E402
 from raytrain_lm.model import GPT, flops_per_token  # noqa: E402
+from raytrain_lm.worker.metrics import gpu_peak_tflops, mfu, peak_memory_gb  # noqa: E402
 from raytrain_lm.worker.optim import build_optimizer, lr_at
 
 SMOKE = dict(model=dict(vocab_size=50304, block_size=64, n_layer=2, n_head=2, n_embd=64, bias=False),
@@ -121,8 +121,8 @@ def sdpa_context(name: str):
 
 def sdpa_backends(device: torch.device, dtype, head_dim: int) -> dict:
     """Which fused attention kernels accept this shape and dtype here (causal, training)."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
     import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     found = {}
     q = torch.randn(1, 2, 128, head_dim, device=device, dtype=dtype or torch.float32, requires_grad=True)

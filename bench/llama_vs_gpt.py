@@ -45,9 +45,9 @@ def matched_llama(gpt_params: int, vocab: int):
 def build(m, seed: int):
     import torch
 
+    from raytrain_lm.config.presets import preset_config
     from raytrain_lm.model import build_model
     from raytrain_lm.worker.optim import build_optimizer
-    from raytrain_lm.config.presets import preset_config
 
     torch.manual_seed(seed)
     model = build_model(m, seed=seed)

@@ -11,8 +11,7 @@ from __future__ import annotations
 import sys
 
 from raytrain_lm.config.settings import ModelConfig
-from raytrain_lm.plan import (GB, Cluster, Layout, estimate_layout, param_counts, plan, reason,
-                              recommendation)
+from raytrain_lm.plan import GB, Cluster, Layout, estimate_layout, param_counts, plan, reason, recommendation
 
 # name: (model shape, sequence length, global batch in sequences). Global batches as GPT-3's table
 # (Brown et al. 2020: 0.5M tokens at 125M, 1M at 1.3B, 2M at 6.7B) and Llama 2 70B's 4M tokens.

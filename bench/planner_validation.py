@@ -13,9 +13,17 @@ import argparse
 import math
 
 from raytrain_lm.plan import efficiency
-from raytrain_lm.plan.validation import (load_runs, markdown, published_estimate,
-                                         published_tokens_per_s, run_cluster, run_model, summary,
-                                         tokens_per_s, validate)
+from raytrain_lm.plan.validation import (
+    load_runs,
+    markdown,
+    published_estimate,
+    published_tokens_per_s,
+    run_cluster,
+    run_model,
+    summary,
+    tokens_per_s,
+    validate,
+)
 
 
 def fit() -> None:

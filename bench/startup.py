@@ -131,9 +131,9 @@ def main(argv=None) -> None:
     t["import_launch"] = time.time()
     import typer  # noqa: F401  (cli.py imports it first; counted as the CLI's own import cost)
 
-    from raytrain_lm.run import driver, preflight
     from raytrain_lm.cluster import connect
     from raytrain_lm.config.load import build_config
+    from raytrain_lm.run import driver, preflight
     from raytrain_lm.store.storage import RunFolder
     t["import_launch_done"] = time.time()
 

@@ -1,9 +1,9 @@
-"""How the CLI talks to a terminal: colours only where they can be seen, and Ray's own chatter
-kept out of the user's way unless they ask for it with --verbose."""
+"""How the CLI talks to a terminal: colours only where they can be seen, a progress line and a
+live table redrawn in place on terminals only. (Ray's own chatter is kept out of the user's way
+by cluster/connect.py's quiet_ray_logging.)"""
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 import time
@@ -63,30 +63,3 @@ class LiveTable:
         self.stream.write(text + ("\n" if self.tty else "\n\n"))
         self.stream.flush()
         self._lines = text.count("\n") + 1
-
-
-class _DropMessages(logging.Filter):
-    def __init__(self, *starts: str):
-        super().__init__()
-        self.starts = starts
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.getMessage()).startswith(self.starts)
-
-
-_quieted = False
-
-
-def quiet_ray_logging() -> None:
-    """Drop Ray's driver-side notices that tell a user nothing they must act on.
-
-    Ray 2.60 announces on every local start that token authentication is on (it is, and it is
-    what we want). The opposite warning, that authentication is *off*, is a real security notice
-    and stays. Worker logs are kept off the terminal separately (`log_to_driver=verbose`).
-    """
-    global _quieted
-    if _quieted:
-        return
-    _quieted = True
-    logging.getLogger("ray._private.authentication.authentication_token_setup").addFilter(
-        _DropMessages("Token authentication is enabled"))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 from typing import NamedTuple, Optional
 
+
 class GPU(NamedTuple):
     """Dense tensor-core peaks in TFLOP/s without sparsity, from the vendors' datasheets (None: no
     such tensor cores or no published figure), and memory in GB as sold. `fp32` is the peak an

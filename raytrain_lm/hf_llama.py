@@ -18,6 +18,7 @@ from typing import Any, Optional
 
 from raytrain_lm.config.settings import ModelConfig
 from raytrain_lm.errors import UserError
+from raytrain_lm.store.files import META
 
 CONFIG, WEIGHTS, INDEX = "config.json", "model.safetensors", "model.safetensors.index.json"
 
@@ -101,8 +102,6 @@ def hf_config(cfg: ModelConfig, vocab_size: int, eot: Optional[int]) -> dict[str
 def is_hf_folder(path: str | Path) -> bool:
     """A model folder with a config.json and safetensors weights that is not a checkpoint of ours
     (`model_fields` then says whether it is a Llama)."""
-    from raytrain_lm.store.files import META
-
     p = Path(path)
     return ((p / CONFIG).is_file() and not (p / META).is_file()
             and ((p / WEIGHTS).is_file() or (p / INDEX).is_file()))

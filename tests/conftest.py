@@ -254,10 +254,10 @@ TINY_STEPS = 120
 def tiny_run(ray_address, pydoc_data, tmp_path_factory):
     """One real 2-worker run of the tiny preset, shared by the modules that look at a finished
     run: (storage, run folder). Validation and checkpoints at steps 60 and 120."""
+    import ray
+
     from raytrain_lm.config.load import build_config
     from raytrain_lm.run.driver import run_training
-
-    import ray
 
     storage = tmp_path_factory.mktemp("runs")
     cfg = build_config(flags=dict(workers=2, max_steps=TINY_STEPS, log_every=10, eval_every=60,
@@ -311,13 +311,13 @@ class TrainedHere:
         """`data`: an existing dataset to train on (else one is prepared with `tokenizer`)."""
         import torch
 
-        from raytrain_lm.store.checkpoint_format import save_checkpoint
         from raytrain_lm.config.load import build_config
         from raytrain_lm.data.manifest import dataset_tokenizer, load_manifest
         from raytrain_lm.data.prepare import prepare_dataset
         from raytrain_lm.data.windows import TokenWindows
         from raytrain_lm.model import build_model
         from raytrain_lm.run.preflight import fit_model_to_data
+        from raytrain_lm.store.checkpoint_format import save_checkpoint
 
         self.data, self.ckpt, self.steps = data or root / "data", root / "ckpt", steps
         self.manifest = load_manifest(data) if data else prepare_dataset(

@@ -63,8 +63,7 @@ def _rank_main(rank: int, world: int, port: int, config: dict, storage, rows) ->
     """One rank: torchrun's variables, Ray Train's local controller, the loop."""
     import torch
     from ray.train.v2._internal.execution.local_mode.torch import LocalTorchController
-    from ray.train.v2._internal.execution.train_fn_utils import (get_train_fn_utils,
-                                                                  set_train_fn_utils)
+    from ray.train.v2._internal.execution.train_fn_utils import get_train_fn_utils, set_train_fn_utils
 
     from raytrain_lm.worker.loop import train_loop_per_worker
 
@@ -148,13 +147,13 @@ def run_local(cfg, *, resume: bool = False, init_from: Optional[str] = None, for
     import ray.train
     from ray.train.v2._internal.execution.storage import StorageContext
 
-    from raytrain_lm.store import files
-    from raytrain_lm.ray_compat.callbacks import KeepBest
     from raytrain_lm.cluster.connect import free_port
+    from raytrain_lm.ray_compat.callbacks import KeepBest
     from raytrain_lm.run.driver import Follower, loop_config, previous_summary, run_folder
     from raytrain_lm.run.preflight import check_init_from, prepare_data
+    from raytrain_lm.store import files
+    from raytrain_lm.store.claims import RunClaim
     from raytrain_lm.store.runs import best_val_loss
-    from raytrain_lm.store.storage import RunClaim
 
     assert isinstance(cfg.workers, int), "an elastic run needs Ray"
     t_launch = time.time()

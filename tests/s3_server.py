@@ -11,8 +11,6 @@ import logging
 import os
 from typing import Iterator
 
-import pytest
-
 
 @contextlib.contextmanager
 def moto_s3(bucket: str) -> Iterator[dict]:

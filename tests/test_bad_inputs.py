@@ -219,7 +219,8 @@ def _sweep_of_another_user(tmp: Path) -> None:
 @contextlib.contextmanager
 def _claimed(tmp: Path):
     """Another driver's live claim on runs/r: this test process's."""
-    from raytrain_lm.store.storage import RunClaim, RunFolder
+    from raytrain_lm.store.claims import RunClaim
+    from raytrain_lm.store.storage import RunFolder
 
     (tmp / "runs").mkdir()
     with RunClaim(RunFolder(str(tmp / "runs"), "r")):

@@ -8,10 +8,8 @@ import contextlib
 import json
 import math
 import os
-import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 

@@ -8,8 +8,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from conftest import NO_RAY, cli_here, run_cli
-
+from conftest import NO_RAY, cli_here
 from raytrain_lm.data.manifest import dataset_tokenizer, load_manifest
 from raytrain_lm.data.prepare import prepare_dataset
 from raytrain_lm.data.sources import Unit, plan_units, read_unit, sample_units

@@ -76,7 +76,7 @@ def test_unexpected_error_shows_the_traceback_with_verbose():
 
 
 RAY_NOTICES = """
-from raytrain_lm.console import quiet_ray_logging
+from raytrain_lm.cluster.connect import quiet_ray_logging
 if {quiet}:
     quiet_ray_logging()
 from ray._private.authentication import authentication_token_setup as a

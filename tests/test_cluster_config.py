@@ -12,12 +12,11 @@ import pytest
 import yaml
 
 from conftest import ROOT, cli_here, run_cli
-from test_cli_errors import assert_clean_error
-
 from raytrain_lm.cluster.jobs import job_train_args
 from raytrain_lm.cluster.launcher import load_cluster_config
 from raytrain_lm.cluster.local import cluster_processes, local_temp_dir
 from raytrain_lm.errors import UserError
+from test_cli_errors import assert_clean_error
 
 
 @pytest.fixture(scope="module")

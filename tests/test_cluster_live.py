@@ -30,12 +30,11 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, run_cli
-from s3_server import moto_s3, s3_keys, s3_read
-from test_cli_errors import assert_clean_error
-
 from raytrain_lm.cluster.connect import free_port, match_cluster_auth
 from raytrain_lm.cluster.local import MARKER_ENV, cluster_processes, local_down, local_temp_dir
 from raytrain_lm.data.remote import cache_dir_for
+from s3_server import moto_s3, s3_keys, s3_read
+from test_cli_errors import assert_clean_error
 
 pytestmark = pytest.mark.own_cluster
 
@@ -127,7 +126,6 @@ def test_the_local_cluster_listens_on_127_0_0_1_only_and_its_token_is_private(lo
     import stat
 
     import psutil
-
     from ray._private.authentication.authentication_token_setup import _get_default_token_path
 
     pids = {p.pid for p in cluster_processes(local_temp_dir(LOCAL_PORT))}
@@ -401,7 +399,7 @@ def start_train(cluster, name: str, storage, *args, env=None) -> subprocess.Pope
 
 def rows_of(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
-    return [json.loads(l) for l in path.read_text().splitlines()] if path.exists() else []
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
 def controller_decisions() -> str:

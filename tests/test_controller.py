@@ -14,6 +14,7 @@ from raytrain_lm.ray_compat.controller import Polls
 from raytrain_lm.ray_compat.scaling import failure_config, scaling_config
 from raytrain_lm.ray_compat.trainer import Trainer
 
+
 def _report_runtime_env(config):
     """The training function: writes the runtime env this worker process has."""
     with open(config["out"], "w") as f:

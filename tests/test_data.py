@@ -7,8 +7,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from conftest import NO_RAY, cli_here, run_cli
-
+from conftest import NO_RAY, cli_here
 from raytrain_lm.data.manifest import load_manifest
 from raytrain_lm.data.prepare import prepare_dataset
 from raytrain_lm.data.sampler import BatchPlan, BatchStream, eval_batches

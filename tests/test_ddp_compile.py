@@ -4,7 +4,6 @@ model compiled and then wrapped is one graph whose gradients all arrive at its e
 
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch._dynamo.eval_frame import OptimizedModule

@@ -11,13 +11,13 @@ import pyarrow.fs as pafs
 import pytest
 import torch
 
-from conftest import cli_here, run_cli
+from conftest import cli_here
 from raytrain_lm.config.load import build_config
-from raytrain_lm.data.sampler import BatchPlan, BatchStream, epoch_order
-from raytrain_lm.worker.drills import WindowLog, read_window_log
 from raytrain_lm.config.sizes import fit_to_world, global_batch, parse_workers, worker_counts
+from raytrain_lm.data.sampler import BatchPlan, BatchStream, epoch_order
 from raytrain_lm.errors import UserError
 from raytrain_lm.run.groups import WorkerGroups
+from raytrain_lm.worker.drills import WindowLog, read_window_log
 from test_cli_errors import assert_clean_error
 
 
@@ -149,8 +149,8 @@ def test_worker_groups_count_restarts_and_say_why_a_size_changed():
 
 def test_a_checkpoint_is_committed_data_first_record_then_meta(tmp_path):
     """The order uploads copy a rank's files in: a copy cut short has no record and is skipped."""
-    from raytrain_lm.store.checkpoint_format import commit_checkpoint, read_meta, save_checkpoint
     from raytrain_lm.model import GPT
+    from raytrain_lm.store.checkpoint_format import commit_checkpoint, read_meta, save_checkpoint
     from raytrain_lm.worker.optim import build_optimizer
 
     cfg = build_config(sets=["model.n_layer=1", "model.n_embd=32", "model.n_head=2"])

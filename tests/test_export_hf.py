@@ -9,8 +9,7 @@ import os
 import pytest
 import torch
 
-from conftest import cli_here, run_cli
-
+from conftest import cli_here
 from raytrain_lm.results.export import export_checkpoint_hf, export_hf
 from raytrain_lm.results.generate import sample
 
@@ -114,9 +113,8 @@ def test_the_tokenizer_file_is_the_same_in_dataset_checkpoint_and_export(trained
 
 @pytest.mark.parametrize("kind", ["byte", "bpe", "llama"])
 def test_the_hf_tokenizer_is_ours(trained_here, exported, kind, pydoc_docs):
-    from transformers import PreTrainedTokenizerFast
-
     from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
 
     from test_tokenizer import EDGE_CASES, random_texts
 
@@ -206,8 +204,8 @@ def test_c_attn_reaches_gpt2_in_its_qkv_order(tmp_path):
     from transformers import GPT2LMHeadModel
 
     from raytrain_lm.config.settings import ModelConfig
-    from raytrain_lm.results.export import c_attn_to_gpt2
     from raytrain_lm.model import GPT, qkv_gpt2_to_interleaved
+    from raytrain_lm.results.export import c_attn_to_gpt2
     from raytrain_lm.tokenizer import ByteTokenizer
 
     cfg = ModelConfig(n_layer=2, n_head=4, n_embd=32, block_size=16, vocab_size=256, bias=True,

@@ -5,11 +5,11 @@ on Ray Train workers (with a killed worker), full activation checkpointing on th
 import pytest
 
 from conftest import SMALL_SETTINGS, SMALL_STEPS, small_config, step_losses
-from raytrain_lm.store.checkpoint_format import load_checkpoint
-from raytrain_lm.config.load import build_config
 from local_mode import run_local
-from raytrain_lm.run.driver import run_training
+from raytrain_lm.config.load import build_config
 from raytrain_lm.model import GPT
+from raytrain_lm.run.driver import run_training
+from raytrain_lm.store.checkpoint_format import load_checkpoint
 
 STEPS = SMALL_STEPS
 

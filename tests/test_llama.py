@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import batches_as_read, cli_here, run_cli, save_hf_llama
+from conftest import batches_as_read, cli_here, save_hf_llama
 from raytrain_lm.config.load import build_config
 from raytrain_lm.config.presets import preset_config
 from raytrain_lm.config.settings import ModelConfig

@@ -11,11 +11,9 @@ import math
 import shutil
 
 import pytest
-
 import torch
 
-from conftest import (LLAMA_SETTINGS, batches_as_read, cli_here, save_hf_llama,
-                      step_losses, validation_as_read)
+from conftest import LLAMA_SETTINGS, batches_as_read, cli_here, save_hf_llama, step_losses, validation_as_read
 from local_mode import run_local
 from raytrain_lm.config.load import build_config
 from raytrain_lm.run.driver import run_training
@@ -65,8 +63,8 @@ def storage(tmp_path_factory):
 @pytest.fixture(scope="module")
 def hf_folder(tmp_path_factory, pydoc_data, storage):
     """A Hugging Face Llama of the Llama runs' shape, with the byte tokenizer: (folder, model)."""
-    from raytrain_lm.run.preflight import fit_model_to_data
     from raytrain_lm.data.manifest import load_manifest
+    from raytrain_lm.run.preflight import fit_model_to_data
     from raytrain_lm.tokenizer import byte_tokenizer_json
 
     cfg = layout_config(pydoc_data, storage, "shape", 1, {}, arch="llama")
@@ -170,10 +168,10 @@ def test_a_sharded_llama_checkpoint_loads_in_one_process(runs, storage, pydoc_da
     """The tp2 run's final checkpoint (two ranks' shards, dcp/) gathered in one process, as
     generate and export load it: its validation loss on the run's validation windows is the one
     the run measured at tp2."""
-    from raytrain_lm.store.checkpoint_format import load_checkpoint
     from raytrain_lm.config.settings import TrainConfig
     from raytrain_lm.data.loaders import Validation
     from raytrain_lm.model import architecture
+    from raytrain_lm.store.checkpoint_format import load_checkpoint
     from raytrain_lm.tokenizer import ByteTokenizer
 
     state = load_checkpoint(storage / "llama-tp2" / f"checkpoint_{STEPS:08d}")

@@ -2,9 +2,8 @@
 numbers computed by hand, and the `plan` / `train` commands around it. No Ray."""
 
 import json
-from types import SimpleNamespace
-
 import re
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,11 +13,26 @@ from raytrain_lm.config.load import build_config
 from raytrain_lm.config.presets import preset_config
 from raytrain_lm.config.settings import ModelConfig
 from raytrain_lm.errors import UserError
-from raytrain_lm.model import GPT, flops_per_token as model_flops_per_token
+from raytrain_lm.model import GPT
+from raytrain_lm.model import flops_per_token as model_flops_per_token
 from raytrain_lm.plan import (
-    GB, GIB, Cluster, Layout, bubble, chunks_in_flight, config_layout, estimate, estimate_layout,
-    flops_per_token, param_counts, plan, rank_comm, rank_memory, rank_stages, recommendation,
-    ring_bytes, tp_param_counts,
+    GIB,
+    Cluster,
+    Layout,
+    bubble,
+    chunks_in_flight,
+    config_layout,
+    estimate,
+    estimate_layout,
+    flops_per_token,
+    param_counts,
+    plan,
+    rank_comm,
+    rank_memory,
+    rank_stages,
+    recommendation,
+    ring_bytes,
+    tp_param_counts,
 )
 from raytrain_lm.run.preflight import check_memory
 from test_cli_errors import assert_clean_error

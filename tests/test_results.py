@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT, cli_here, run_cli
+from conftest import ROOT, cli_here
 
 STEPS = 120
 
@@ -54,7 +54,7 @@ def test_runs_lists_the_run(trained):
 
     table = cli_here("runs", "--storage", str(storage))
     assert table.returncode == 0
-    line = next(l for l in table.stdout.splitlines() if l.startswith("looked-at"))
+    line = next(ln for ln in table.stdout.splitlines() if ln.startswith("looked-at"))
     assert "completed" in line and f"{STEPS}/{STEPS}" in line and f"{r['final_val_loss']:.4f}" in line
     assert "\033[" not in table.stdout  # no colour codes into a pipe
     assert cli_here("runs", "--storage", str(storage), "-q").stdout.split() == ["looked-at"]
@@ -122,8 +122,8 @@ def test_tensorboard_drops_points_of_an_abandoned_attempt(tmp_path):
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from raytrain_lm.store.storage import RunFolder
     from raytrain_lm.run.tensorboard import TensorBoardLog
+    from raytrain_lm.store.storage import RunFolder
 
     tb = TensorBoardLog(RunFolder(str(tmp_path), "r"), say=lambda m: None)
     for step in (10, 20, 30):
@@ -259,8 +259,8 @@ def test_generated_text_looks_like_the_corpus_and_untrained_text_does_not(traine
     """After 120 steps (val loss ~2.4 nats/byte) most samples read like the docs' prose; a model
     of the same shape that has learnt nothing never passes the same criterion."""
     from raytrain_lm.config.settings import TrainConfig
-    from raytrain_lm.results.generate import generate_text, sample
     from raytrain_lm.model import GPT
+    from raytrain_lm.results.generate import generate_text, sample
 
     folder = trained[1] / f"checkpoint_{STEPS:08d}"
     seeds = range(5)

@@ -11,10 +11,19 @@ import time
 import pytest
 import torch
 
-from conftest import (ROOT, SMALL_SETTINGS, SMALL_STEPS, cli_here, kill_train_workers,
-                      libraries_of_pid, run_cli, small_config, step_losses)
-from raytrain_lm.config.load import build_config
+from conftest import (
+    ROOT,
+    SMALL_SETTINGS,
+    SMALL_STEPS,
+    cli_here,
+    kill_train_workers,
+    libraries_of_pid,
+    run_cli,
+    small_config,
+    step_losses,
+)
 from local_mode import run_local
+from raytrain_lm.config.load import build_config
 from raytrain_lm.run.driver import run_training
 
 STEPS = SMALL_STEPS
@@ -53,7 +62,7 @@ def test_stopped_driver_resumes_and_matches(reference, pydoc_data, storage, ray_
     metrics = storage / "driver" / "metrics.jsonl"
     deadline = time.time() + 180
     while time.time() < deadline and proc.poll() is None:
-        if metrics.exists() and any(json.loads(l)["step"] >= 10 for l in metrics.read_text().splitlines()):
+        if metrics.exists() and any(json.loads(line)["step"] >= 10 for line in metrics.read_text().splitlines()):
             break
         time.sleep(0.2)
     assert proc.poll() is None, "the run ended before it could be stopped"

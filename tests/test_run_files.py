@@ -14,10 +14,9 @@ from pathlib import Path
 import pytest
 
 from conftest import cli_here, run_cli
-from test_cli_errors import assert_clean_error
-
 from raytrain_lm.errors import UserError
 from raytrain_lm.store.storage import MetricsLog, RunFolder
+from test_cli_errors import assert_clean_error
 
 
 def dead_pid() -> int:
@@ -32,9 +31,8 @@ def dead_pid() -> int:
 def test_a_second_claim_on_a_run_folder_is_refused_on_s3_too():
     """Object stores have no atomic create: each driver writes its own claim, then looks for
     others'. On moto's server, as on a disk: the second is refused and leaves no claim."""
+    from raytrain_lm.store.claims import RunClaim
     from s3_server import moto_s3, s3_keys
-
-    from raytrain_lm.store.storage import RunClaim
 
     with moto_s3("claims"):
         run = RunFolder("s3://claims/runs", "r")
@@ -51,7 +49,7 @@ def test_a_second_claim_on_a_run_folder_is_refused_on_s3_too():
 def test_a_dead_or_silent_drivers_claim_does_not_block_the_run(tmp_path):
     """A killed driver's claim (its process gone, on this machine), or one not renewed for
     STALE_S (a driver elsewhere that died), is not a claim: --resume after a crash works."""
-    from raytrain_lm.store.storage import RunClaim, live_claims
+    from raytrain_lm.store.claims import RunClaim, live_claims
 
     run = RunFolder(str(tmp_path), "r")
     run.write_json(".claim-dead.json", {"host": os.uname().nodename, "pid": dead_pid(),
@@ -68,7 +66,7 @@ def test_a_dead_or_silent_drivers_claim_does_not_block_the_run(tmp_path):
 
 def test_a_refused_claim_leaves_no_folder_behind(tmp_path):
     """The claim creates the run's folder (and its storage's); given up, they go again."""
-    from raytrain_lm.store.storage import RunClaim
+    from raytrain_lm.store.claims import RunClaim
 
     with RunClaim(RunFolder(str(tmp_path / "a" / "runs"), "r")):
         assert (tmp_path / "a" / "runs" / "r").is_dir()
@@ -239,9 +237,8 @@ def test_a_run_stopped_by_a_full_disk_says_failed_in_its_summary(full_disk):
 def test_a_resumed_sweep_trusts_only_its_own_users_pickles(tmp_path):
     """`tune --resume` unpickles Tune's state: on a disk only files of this user's that nobody
     else may write; on S3, where the writer cannot be known, with a warning saying who is trusted."""
-    from s3_server import moto_s3
-
     from raytrain_lm.tune.sweep import check_sweep_state
+    from s3_server import moto_s3
 
     sweep = tmp_path / "s"
     (sweep / "trial_1").mkdir(parents=True)

@@ -7,7 +7,8 @@ import pytest
 from raytrain_lm.config.load import build_config
 from raytrain_lm.errors import UserError
 from raytrain_lm.tune.space import nest, parse_space
-from raytrain_lm.tune.sweep import SweepSettings, check_settings, trial_config
+from raytrain_lm.tune.sweep import trial_config
+from raytrain_lm.tune.sweep_config import SweepSettings, check_settings
 
 
 @pytest.fixture

@@ -7,14 +7,13 @@ import os
 import boto3
 import pytest
 
-from s3_server import moto_s3, s3_keys
-
 from raytrain_lm.data.manifest import load_manifest
 from raytrain_lm.data.prepare import prepare_dataset
+from raytrain_lm.data.remote import cache_dir_for, open_remote
 from raytrain_lm.data.resolve import resolve_dataset
 from raytrain_lm.data.windows import TokenWindows
 from raytrain_lm.errors import UserError
-from raytrain_lm.data.remote import cache_dir_for, open_remote
+from s3_server import moto_s3, s3_keys
 
 BUCKET = "rtl-data"
 URI = f"s3://{BUCKET}/data/pydoc"

@@ -8,9 +8,15 @@ import numpy as np
 import pytest
 
 from raytrain_lm.errors import UserError
-from raytrain_lm.tokenizer import (EOT, BPETokenizer, ByteTokenizer, dtype_for_vocab,
-                                   make_tokenizer, tokenizer_from_spec,
-                                   train_bpe)
+from raytrain_lm.tokenizer import (
+    EOT,
+    BPETokenizer,
+    ByteTokenizer,
+    dtype_for_vocab,
+    make_tokenizer,
+    tokenizer_from_spec,
+    train_bpe,
+)
 
 EDGE_CASES = [
     "", " ", "\n", "\n\n\n", "  leading and trailing  ", "\t\ttabs\t", "a  b   c    d",

@@ -30,9 +30,10 @@ def test_a_byte_runs_val_bpb_is_its_val_loss_over_ln2(tiny_run):
 
 def corpus(root):
     """A few MB of mixed inputs: text files (one large), .jsonl and Parquet."""
+    from pydoc_data.topics import topics
+
     import pyarrow as pa
     import pyarrow.parquet as pq
-    from pydoc_data.topics import topics
 
     docs = [topics[k] for k in sorted(topics)]
     root.mkdir()
@@ -102,13 +103,14 @@ def test_prepare_on_ray_gives_the_same_shards_at_any_cpu_count(ray_address, tmp_
 @pytest.mark.slow
 def test_gpt2_preset_on_an_8k_bpe_of_the_stdlib_trains_on_2_workers(tmp_path):
     """The gpt2 preset (12 layers, 768 wide: 92M parameters with an 8k vocabulary) for 10 steps
-    on 2 gloo ranks of the local harness (local_mode.py: the arithmetic, not Ray). Shrunk to fit this 2-core machine: seq_len 64, batch 2, 8 validation
-    windows. The BPE is trained on the first 6 MB of the standard library's sources, one document
+    on 2 gloo ranks of the local harness (local_mode.py: the arithmetic, not Ray). Shrunk to fit this 2-core
+    machine: seq_len 64, batch 2, 8 validation windows. The BPE is trained on the first 6 MB of the
+    standard library's sources, one document
     per file (all 30 MB took 12-30 s to prepare here; this, 7 s)."""
+    from local_mode import run_local
     from raytrain_lm.config.load import build_config
     from raytrain_lm.data.prepare import prepare_dataset
     from raytrain_lm.data.sources import _read_stdlib_file, _stdlib_files
-    from local_mode import run_local
 
     corpus, size = tmp_path / "stdlib-6mb.jsonl", 0
     with corpus.open("w") as out:

@@ -21,7 +21,8 @@ import torch
 from conftest import ROOT, kill_train_workers, run_cli
 from raytrain_lm.config.load import build_config
 from raytrain_lm.tune.space import parse_space
-from raytrain_lm.tune.sweep import SweepSettings, check_settings, run_sweep
+from raytrain_lm.tune.sweep import run_sweep
+from raytrain_lm.tune.sweep_config import SweepSettings, check_settings
 
 # A smaller model and batch than the tiny preset, so a trial is mostly Ray start-up (~15 s here).
 SMALL = ["model.n_layer=2", "model.n_embd=64", "batch_size=8", "seq_len=64", "eval_windows=64",

@@ -4,7 +4,7 @@ loudly ("no Ray cluster answers") instead of quietly starting a cluster."""
 
 import pytest
 
-from conftest import cli_here, run_cli
+from conftest import cli_here
 from test_cli_errors import assert_clean_error
 
 NO_RAY = {"RAY_ADDRESS": "127.0.0.1:1"}

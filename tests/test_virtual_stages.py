@@ -5,8 +5,8 @@ import pytest
 
 from conftest import step_losses
 from raytrain_lm.config.checks import validate
-from raytrain_lm.config.sizes import pipeline_stages
 from raytrain_lm.config.load import build_config
+from raytrain_lm.config.sizes import pipeline_stages
 from raytrain_lm.errors import UserError
 
 MODEL = ["model.n_layer=6", "model.n_head=2", "model.n_embd=32", "model.block_size=32",

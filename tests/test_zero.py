@@ -84,9 +84,10 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    import raytrain_lm.store.checkpoint_format  # noqa: F401  (imported once, before the fork)
     import torch.distributed.checkpoint  # noqa: F401
     from torch.nn.parallel import DistributedDataParallel  # noqa: F401
+
+    import raytrain_lm.store.checkpoint_format  # noqa: F401  (imported once, before the fork)
 
     out = tmp_path_factory.mktemp("zero1")
     folder = out / "ckpt"

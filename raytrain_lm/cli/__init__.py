@@ -14,8 +14,10 @@ import sys
 
 import typer
 
-from raytrain_lm.cli import cluster, data, results, train, tune  # noqa: F401,I001  (in --help's order)
+from raytrain_lm.cli import data, train, results, tune, cluster  # isort: skip  (in --help's order)
 from raytrain_lm.cli.app import app
+from raytrain_lm.cluster.connect import quiet_ray_logging
+from raytrain_lm.console import paint
 from raytrain_lm.errors import UserError
 
 
@@ -23,12 +25,13 @@ def main() -> None:
     """The one place that turns errors into what the user sees: a UserError or bad usage is one
     line and exit code 2; anything unexpected is one line and exit code 1, with the traceback
     only under --verbose."""
-    from raytrain_lm.console import paint, quiet_ray_logging
-
     verbose = "--verbose" in sys.argv or "-v" in sys.argv
     if not verbose:
         quiet_ray_logging()
-    err = lambda m: typer.echo(paint("error:", "red", sys.stderr) + " " + m, err=True)  # noqa: E731
+
+    def err(m: str) -> None:
+        typer.echo(paint("error:", "red", sys.stderr) + " " + m, err=True)
+
     try:
         code = app(standalone_mode=False)
     except typer.TyperException as e:  # bad usage, from Typer's (vendored) click

@@ -8,6 +8,11 @@ from typing import List, Optional
 import typer
 
 from raytrain_lm.cli.app import app, examples
+from raytrain_lm.cli.train import train_paths
+from raytrain_lm.cluster.jobs import follow_job, job_exit_code, job_logs, list_jobs, stop_job
+from raytrain_lm.cluster.jobs import submit as submit_job
+from raytrain_lm.cluster.launcher import run_launcher
+from raytrain_lm.cluster.local import local_down, local_temp_dir, local_up
 
 cluster_app = typer.Typer(
     help="Ray clusters: a local head on this machine, or cluster.yaml through Ray's launcher.",
@@ -31,8 +36,6 @@ def cluster_local_up(
 ) -> None:
     """Start a Ray head on this machine (token authentication on; every port on 127.0.0.1 unless
     --public)."""
-    from raytrain_lm.cluster.local import local_up
-
     info = local_up(port=port, dashboard_port=dashboard_port, num_cpus=num_cpus, public=public,
                     say=typer.echo)
     dash = info["dashboard"]
@@ -49,16 +52,12 @@ def cluster_local_up(
 @cluster_app.command("local-down", epilog=examples("python cli.py cluster local-down"))
 def cluster_local_down(port: int = typer.Option(6379, help="GCS port the cluster was started with.")) -> None:
     """Stop the local cluster started by `cluster local-up` (its jobs, then its processes only)."""
-    from raytrain_lm.cluster.local import local_down, local_temp_dir
-
     n = local_down(port=port, say=typer.echo)
     typer.echo(f"stopped the local Ray cluster on port {port} ({n} processes); logs stay in "
                f"{local_temp_dir(port)}" if n else f"no local Ray cluster was running on port {port}")
 
 
 def _launcher(action: str, config: Path, yes: bool = False) -> None:
-    from raytrain_lm.cluster.launcher import run_launcher
-
     raise typer.Exit(run_launcher(action, config, yes))
 
 
@@ -98,9 +97,6 @@ def submit(
     follow: bool = typer.Option(True, "--follow/--no-follow", help="Stream the job's logs until it ends."),
 ) -> None:
     """Run `python cli.py train ...` on a cluster as a Ray job (the project is its working dir)."""
-    from raytrain_lm.cli.train import train_paths
-    from raytrain_lm.cluster.jobs import job_exit_code, submit as submit_job
-
     given = train_paths(train_args) if train_args and train_args != ["train"] else {}
     outcome = submit_job(train_args or [], given, address=address, follow=follow, say=typer.echo)
     if not follow:
@@ -130,13 +126,12 @@ def jobs_main(ctx: typer.Context, address: Optional[str] = ADDRESS) -> None:
 def _list_jobs(address: Optional[str]) -> None:
     import datetime as dt
 
-    from raytrain_lm.cluster.jobs import list_jobs
-
     rows = list_jobs(address)
     if not rows:
         typer.echo("no jobs")
     for r in rows:
-        start = dt.datetime.fromtimestamp(r["start_time"] / 1000).strftime("%Y-%m-%d %H:%M:%S") if r["start_time"] else "-"
+        start = (dt.datetime.fromtimestamp(r["start_time"] / 1000).strftime("%Y-%m-%d %H:%M:%S")
+                 if r["start_time"] else "-")
         typer.echo(f"{r['job_id']:<28} {r['status']:<10} {start}  {r['entrypoint']}")
 
 
@@ -150,8 +145,6 @@ def jobs_list(ctx: typer.Context, address: Optional[str] = ADDRESS) -> None:
 def jobs_logs(ctx: typer.Context, job_id: str, address: Optional[str] = ADDRESS,
               follow: bool = typer.Option(False, "--follow", "-f", help="Stream until the job ends.")) -> None:
     """Print a job's logs (the training's progress lines and results table)."""
-    from raytrain_lm.cluster.jobs import follow_job, job_logs
-
     if follow:
         outcome = follow_job(job_id, address or ctx.obj, say=typer.echo)
         typer.echo(f"job {job_id} {outcome['status']}")
@@ -162,7 +155,5 @@ def jobs_logs(ctx: typer.Context, job_id: str, address: Optional[str] = ADDRESS,
 @jobs_app.command("stop")
 def jobs_stop(ctx: typer.Context, job_id: str, address: Optional[str] = ADDRESS) -> None:
     """Stop a running job (its training workers stop with it)."""
-    from raytrain_lm.cluster.jobs import stop_job
-
     stopped = stop_job(job_id, address or ctx.obj)
     typer.echo(f"stopped job {job_id}" if stopped else f"job {job_id} had already ended")

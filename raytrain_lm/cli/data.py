@@ -11,6 +11,7 @@ import typer
 from raytrain_lm.cli.app import app, examples
 from raytrain_lm.cli.options import JSON, VERBOSE
 from raytrain_lm.console import Progress
+from raytrain_lm.errors import UserError
 
 # Below this much input, starting Ray (5-10 s) costs more than tokenizing in this process saves.
 RAY_FROM_MB = 16
@@ -59,7 +60,6 @@ def prepare(
     """Tokenize a corpus into train/validation token shards (byte-level or BPE tokenizer)."""
     from raytrain_lm.data.prepare import check_prepare, prepare_dataset
     from raytrain_lm.data.sources import corpus_source, input_megabytes
-    from raytrain_lm.errors import UserError
 
     if cpus is not None and cpus < 1:
         raise UserError(f"--cpus must be at least 1, got {cpus}")
@@ -72,7 +72,11 @@ def prepare(
     if ray is None:
         ray = bool(address) or any("://" in s for s in sources) or \
             input_megabytes(sources) > RAY_FROM_MB
-    say = (lambda m: None) if (quiet or as_json) else (lambda m: typer.echo(m, err=True))  # noqa: E731
+
+    def say(m: str) -> None:
+        if not (quiet or as_json):
+            typer.echo(m, err=True)
+
     started = False
     if ray:
         from raytrain_lm.cluster.connect import connect_ray

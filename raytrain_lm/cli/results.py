@@ -11,6 +11,10 @@ import typer
 
 from raytrain_lm.cli.app import app, examples
 from raytrain_lm.cli.options import JSON, STORAGE
+from raytrain_lm.config.checks import check_sampling
+from raytrain_lm.console import paint
+from raytrain_lm.errors import UserError
+from raytrain_lm.results.tables import build_report, compare_table, results_table, runs_table
 
 MODEL_ARG = typer.Argument(..., metavar="RUN|CHECKPOINT", help="Run name (in --storage), run "
                            "folder, or checkpoint folder.")
@@ -27,8 +31,6 @@ def runs_(
     as_json: bool = JSON,
 ) -> None:
     """List the runs in --storage: status, steps, final val loss, tokens/s, date."""
-    from raytrain_lm.console import paint
-    from raytrain_lm.results.tables import runs_table
     from raytrain_lm.store.runs import list_runs
 
     found = list_runs(storage)
@@ -57,8 +59,6 @@ def report(
     as_json: bool = JSON,
 ) -> None:
     """A run's results table and a PNG of its curves (train/val loss, tokens/s, learning rate)."""
-    from raytrain_lm.results.tables import build_report, compare_table, results_table
-
     rep = build_report([run, *(compare or [])], storage, out=out)
     if as_json:
         typer.echo(json.dumps(rep, indent=2, default=str))
@@ -76,7 +76,8 @@ def report(
 def generate(
     model: str = MODEL_ARG,
     prompt: str = typer.Option("", "--prompt", "-p", help="Text to continue [default: start of a line]."),
-    max_new_tokens: int = typer.Option(200, "--max-new-tokens", "-n", help="Tokens to sample (bytes, for the byte tokenizer)."),
+    max_new_tokens: int = typer.Option(200, "--max-new-tokens", "-n",
+                                       help="Tokens to sample (bytes, for the byte tokenizer)."),
     temperature: float = typer.Option(0.8, help="Softmax temperature; 0 always takes the likeliest token."),
     top_k: int = typer.Option(40, help="Sample among the k likeliest tokens; 0: among all."),
     seed: int = typer.Option(0, help="Random seed: the same seed gives the same text on the same device."),
@@ -87,8 +88,6 @@ def generate(
     as_json: bool = typer.Option(False, "--json", help="Print text, token ids and stats as JSON at the end."),
 ) -> None:
     """Sample text from a run's latest (or best) checkpoint, streaming it as it comes (KV cache)."""
-    from raytrain_lm.config.checks import check_sampling
-    from raytrain_lm.console import paint
     from raytrain_lm.store.runs import find_checkpoint
 
     check_sampling(max_new_tokens, temperature, top_k or None)
@@ -98,7 +97,11 @@ def generate(
         pick_device(device)  # a bad --device fails before a checkpoint is fetched
     found = find_checkpoint(model, storage, best=best)
     from raytrain_lm.results.generate import generate_text
-    info = lambda m: None if (quiet or as_json) else typer.echo(paint(m, "dim", sys.stderr), err=True)  # noqa: E731
+
+    def info(m: str) -> None:
+        if not (quiet or as_json):
+            typer.echo(paint(m, "dim", sys.stderr), err=True)
+
     val = f", val loss {found.val_loss:.4f}" if found.val_loss is not None else ""
     info(f"checkpoint {found.source} (step {found.step}{val})")
     stream = not as_json
@@ -142,7 +145,6 @@ def export(
 ) -> None:
     """Write a checkpoint's weights: safetensors + config JSON (plain PyTorch), or `--format hf`
     for Hugging Face transformers. A BPE's tokenizer.json goes along."""
-    from raytrain_lm.errors import UserError
     from raytrain_lm.results.export import (
         FORMATS,
         check_out,

@@ -21,8 +21,15 @@ from raytrain_lm.cli.options import (
     say_for,
     settings,
 )
+from raytrain_lm.cluster.jobs import PATH_SETTINGS
+from raytrain_lm.config.load import build_config
+from raytrain_lm.config.presets import PRESETS
 from raytrain_lm.config.sizes import parse_workers
-from raytrain_lm.plan import H100_NVLINK_GBPS, H100_TFLOPS, IB_400_GBPS
+from raytrain_lm.errors import UserError
+from raytrain_lm.plan import H100_NVLINK_GBPS, H100_TFLOPS, IB_400_GBPS, Cluster, check_cluster, plan_command
+from raytrain_lm.results.tables import progress_line, results_table
+from raytrain_lm.store.files import default_storage
+from raytrain_lm.tune.lr_scaling import apply_lr_scaling
 
 ARCH = typer.Option(None, help="The model's architecture: gpt (GPT-2) or llama (RMSNorm, "
                     "rotary positions, SwiGLU, grouped-query attention, untied head; no biases) "
@@ -42,8 +49,6 @@ TRAIN_SETTINGS = ("use_gpu", "preset", "data", "max_steps", "batch_size", "seq_l
 def workers_value(text: str):
     """--workers as parsed: N as a number, MIN-MAX as given (both checked here, before anything
     starts or is sent to a cluster)."""
-    from raytrain_lm.errors import UserError
-
     try:
         low, high = parse_workers(text)
     except UserError as e:
@@ -88,11 +93,7 @@ def train(
     as_json: bool = JSON,
 ) -> None:
     """Train a GPT or Llama model with Ray Train (DDP over gloo on CPU, NCCL on GPU)."""
-    from raytrain_lm.config.load import build_config
-    from raytrain_lm.results.tables import progress_line, results_table
     from raytrain_lm.run.driver import run_training, saved_config
-    from raytrain_lm.store.files import default_storage
-    from raytrain_lm.tune.lr_scaling import apply_lr_scaling
 
     if workers is not None:  # N is a fixed size: MIN = MAX
         settings["min_workers"], settings["workers"] = parse_workers(str(workers))
@@ -123,8 +124,6 @@ def train(
 
 def parse_env(items: list[str]) -> dict[str, str]:
     """["KEY=VALUE", ...] -> {KEY: VALUE}."""
-    from raytrain_lm.errors import UserError
-
     env = {}
     for item in items:
         key, sep, value = item.partition("=")
@@ -147,8 +146,6 @@ def parse_train_args(args: list[str]) -> dict:
 
 def train_paths(args: list[str]) -> dict:
     """The paths `train` would get from `args`: storage, data, config, init_from (None if absent)."""
-    from raytrain_lm.cluster.jobs import PATH_SETTINGS
-
     parsed = parse_train_args(args)
     return {k: None if parsed[k] is None else str(parsed[k]) for k in PATH_SETTINGS}
 
@@ -218,16 +215,11 @@ def plan(
 ) -> None:
     """Every (dp, tp, pp) layout of the GPUs: memory per GPU, communication, estimated step time;
     the fastest that fits, and why."""
-    from raytrain_lm.config.load import build_config
-    from raytrain_lm.plan import Cluster, check_cluster, plan_command
-
     cluster = Cluster(gpus=gpus, gpus_per_node=gpus_per_node, memory_gb=gpu_memory_gb,
                       intra_gbps=intra_node_gbps, inter_gbps=inter_node_gbps, tflops=gpu_tflops,
                       efficiency=compute_efficiency, peak_fraction=peak_fraction, gpu=not cpu,
                       precision=settings.get("precision") or "auto")
     check_cluster(cluster)
-    from raytrain_lm.config.presets import PRESETS
-
     preset_vocab = PRESETS.get(preset, {}).get("model", {}).get("vocab_size")
     model = {"vocab_size": vocab_size or preset_vocab or 50304, **({"arch": arch} if arch else {})}
     cfg = build_config(preset=preset, sets=set_, flags={**settings, "workers": gpus, "model": model})

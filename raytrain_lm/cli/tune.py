@@ -21,6 +21,9 @@ from raytrain_lm.cli.options import (
     say_for,
     settings,
 )
+from raytrain_lm.config.load import build_config
+from raytrain_lm.console import LiveTable
+from raytrain_lm.tune.sweep_config import SweepSettings, new_sweep, resumed_sweep
 
 # Search-space flags: a spec string each (LOW:HIGH, log:LOW:HIGH or A,B,C) -> the setting it tunes.
 SPEC_FLAGS = {"lr": "lr", "warmup": "warmup_steps", "weight_decay": "weight_decay",
@@ -72,8 +75,7 @@ def tune(
     as_json: bool = JSON,
 ) -> None:
     """Tune hyperparameters: a Ray Tune sweep of full distributed trainings, ASHA early stopping."""
-    from raytrain_lm.console import LiveTable
-    from raytrain_lm.tune.sweep import SweepSettings, new_sweep, resumed_sweep, run_sweep
+    from raytrain_lm.tune.sweep import run_sweep
 
     specs = {SPEC_FLAGS[k]: v for k, v in dict(lr=lr, warmup=warmup, weight_decay=weight_decay,
                                                 batch_size=batch_size, grad_accum=grad_accum,
@@ -127,7 +129,6 @@ def lr_find(
     as_json: bool = JSON,
 ) -> None:
     """LR range test: one short training with the learning rate rising exponentially; suggests an lr."""
-    from raytrain_lm.config.load import build_config
     from raytrain_lm.tune.lr_find import check_range, next_range, run_lr_find
 
     check_range(lr_min, lr_max, steps)

@@ -6,7 +6,7 @@ trainer starts, the driver asks the autoscaler for the workers' resources
 (`ray.autoscaler.sdk.request_resources`), says what it waits for, and gives up with a clear
 error after `--scale-timeout` seconds.
 
-How we know the cluster autoscales (Ray 2.60 has two autoscalers):
+How we know the cluster autoscales (Ray has two autoscalers):
 - autoscaler v2 publishes its cluster config (node types, resources, max counts) to the GCS;
   `ray._private.state.state.get_max_resources_from_cluster_config()` reads it back (the check
   Ray Train makes before placing workers), which also tells how far the cluster can grow;

@@ -1,7 +1,7 @@
-"""Reaching a Ray cluster: token authentication as Ray 2.60 does it, a fast reachability check,
+"""Reaching a Ray cluster: token authentication as Ray does it, a fast reachability check,
 and `connect_ray`, which joins a cluster or starts a local Ray for this process.
 
-Ray 2.60 authentication: a cluster started with a token (`~/.ray/auth_token`, RAY_AUTH_TOKEN or
+Ray's authentication: a cluster started with a token (`~/.ray/auth_token`, RAY_AUTH_TOKEN or
 RAY_AUTH_TOKEN_PATH) rejects clients without it, and a client only sends it when RAY_AUTH_MODE
 is `token`. `use_token_auth_if_available` sets that mode for this process when a token exists.
 """
@@ -16,8 +16,9 @@ import socket
 import sys
 from typing import Optional
 
-from raytrain_lm.cluster.registry import running_local_cluster
+from raytrain_lm.cluster.registry import SINGLE_MACHINE_ENV, read_record, running_local_cluster
 from raytrain_lm.errors import UserError
+
 
 def token_available() -> bool:
     from ray._raylet import AuthenticationTokenLoader
@@ -133,15 +134,11 @@ def join_loopback_cluster(address: str) -> None:
     """A `cluster local-up` cluster without --public runs in Ray's single-machine mode (its node
     is 127.0.0.1: cluster/local.py); a driver joins it only in the same mode, else Ray resolves
     127.0.0.1 to this machine's network address, where nothing of that cluster listens."""
-    from raytrain_lm.cluster.registry import read_record
-
     port = address.rpartition(":")[2]
     info = read_record(int(port)) if port.isdigit() else None
     if not (info and info.get("loopback") and info["address"] == address):
         return
     import ray._private.ray_constants as ray_constants
-
-    from raytrain_lm.cluster.local import SINGLE_MACHINE_ENV
 
     os.environ[SINGLE_MACHINE_ENV] = "0"  # for the processes this one starts
     ray_constants.ENABLE_RAY_CLUSTER = False  # read when Ray looks up this node's address
@@ -215,7 +212,7 @@ def connect_ray(address: Optional[str], min_cpus: float, verbose: bool = False,
     if address and address != "local":
         check_reachable(address)
         join_loopback_cluster(address)
-        match_cluster_auth(address)  # Ray 2.60: a token when the cluster wants one, else none
+        match_cluster_auth(address)  # a token when the cluster wants one, else none
         try:
             ray.init(address=address, **quiet)
         except Exception as e:  # ConnectionError, RuntimeError, AuthenticationError, ...
@@ -226,3 +223,30 @@ def connect_ray(address: Optional[str], min_cpus: float, verbose: bool = False,
     num_cpus = max(os.cpu_count() or 1, math.ceil(min_cpus) + 1)
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, **quiet)
     return True
+
+
+class _DropMessages(logging.Filter):
+    def __init__(self, *starts: str):
+        super().__init__()
+        self.starts = starts
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.getMessage()).startswith(self.starts)
+
+
+_quieted = False
+
+
+def quiet_ray_logging() -> None:
+    """Drop Ray's driver-side notices that tell a user nothing they must act on.
+
+    Ray announces on every local start that token authentication is on (it is, and it is
+    what we want). The opposite warning, that authentication is *off*, is a real security notice
+    and stays. Worker logs are kept off the terminal separately (`log_to_driver=verbose`).
+    """
+    global _quieted
+    if _quieted:
+        return
+    _quieted = True
+    logging.getLogger("ray._private.authentication.authentication_token_setup").addFilter(
+        _DropMessages("Token authentication is enabled"))

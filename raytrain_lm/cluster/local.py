@@ -14,8 +14,15 @@ from typing import Callable, Optional
 
 from raytrain_lm.cluster.connect import free_port, token_available
 from raytrain_lm.cluster.jobs import DEFAULT_DASHBOARD_PORT, job_client
-from raytrain_lm.cluster.registry import (DEFAULT_PORT, forget, local_temp_dir, port_in_use,
-                                          read_record, record)
+from raytrain_lm.cluster.registry import (
+    DEFAULT_PORT,
+    SINGLE_MACHINE_ENV,
+    forget,
+    local_temp_dir,
+    port_in_use,
+    read_record,
+    record,
+)
 from raytrain_lm.errors import UserError
 
 MARKER_ENV = "RAYTRAIN_LM_LOCAL_CLUSTER"  # inherited by every process of a local cluster
@@ -28,11 +35,6 @@ def ray_cli() -> list[str]:
     return [str(exe)] if exe.is_file() else [sys.executable, "-m", "ray.scripts.scripts"]
 
 
-# Ray's single-machine mode (its default on macOS and Windows): the node's address is 127.0.0.1,
-# so the GCS, raylets, agents and the three Prometheus metrics endpoints (dashboard, autoscaler,
-# agent) listen on 127.0.0.1 only. A driver joining such a cluster must be in the same mode
-# (connect.join_loopback_cluster).
-SINGLE_MACHINE_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 
 def local_up(port: int = DEFAULT_PORT, dashboard_port: int = DEFAULT_DASHBOARD_PORT,
@@ -113,8 +115,8 @@ def keep_token_private() -> Optional[str]:
 
 
 def _psutil():
-    import ray  # noqa: F401  (puts the psutil Ray bundles on sys.path)
     import psutil
+    import ray  # noqa: F401  (puts the psutil Ray bundles on sys.path)
 
     return psutil
 

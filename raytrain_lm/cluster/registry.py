@@ -20,6 +20,12 @@ from typing import Optional
 from urllib.parse import urlparse
 
 DEFAULT_PORT = 6379
+
+# Ray's single-machine mode (its default on macOS and Windows): the node's address is 127.0.0.1,
+# so the GCS, raylets, agents and the three Prometheus metrics endpoints (dashboard, autoscaler,
+# agent) listen on 127.0.0.1 only. A driver joining such a cluster must be in the same mode
+# (connect.join_loopback_cluster).
+SINGLE_MACHINE_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 PREFIX = "raytrain-lm-ray-"
 
 

@@ -131,9 +131,11 @@ def prepare_dataset(
         from raytrain_lm.data.tokenize import tokenize_here
 
         stream = tokenize_here(units, tok, cpus or os.cpu_count() or 1)
-    write = lambda fs, root: _write_dataset(  # noqa: E731
-        stream, tok, fs, root, sources=sources, val_every=val_every, block_tokens=block_tokens,
-        shard_tokens=shard_tokens, progress=progress)
+
+    def write(fs, root):
+        return _write_dataset(stream, tok, fs, root, sources=sources, val_every=val_every,
+                              block_tokens=block_tokens, shard_tokens=shard_tokens, progress=progress)
+
     if is_remote(out_dir):
         fs, root = open_uri(str(out_dir), "dataset")
         with _written_in_place(fs, root, str(out_dir)):

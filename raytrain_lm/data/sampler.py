@@ -142,7 +142,8 @@ def eval_batches(num_windows: int, micro_batch: int, dp_rank: int,
     Every rank gets the same number of batches of the same size, so collectives (FSDP's gathers,
     a pipeline's microbatches) stay in step: the rest of a batch is window 0 again, to be ignored."""
     mine = list(range(dp_rank, num_windows, dp_size))
-    most = -(-(-(-num_windows // dp_size)) // micro_batch)  # ceil(ceil(n / dp) / micro)
+    per_rank = -(-num_windows // dp_size)  # ceil(n / dp)
+    most = -(-per_rank // micro_batch)  # ceil(per_rank / micro)
     batches = []
     for i in range(most):
         real = mine[i * micro_batch:(i + 1) * micro_batch]

@@ -18,13 +18,16 @@ when its node dies where an actor's call is not.
 from __future__ import annotations
 
 import collections
-from typing import Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Callable, Iterator, Optional
 
 import numpy as np
 
 from raytrain_lm.data.sources import Unit, read_unit
 from raytrain_lm.store.files import TOKENIZER
-from raytrain_lm.tokenizer import Tokenizer
+from raytrain_lm.tokenizer import BPETokenizer, ByteTokenizer, Tokenizer
+
+if TYPE_CHECKING:
+    import ray
 
 
 def tokenize_unit(unit: Unit, tok: Tokenizer) -> tuple[np.ndarray, bool]:
@@ -74,8 +77,6 @@ def task_tokenizer(raw_ref: list) -> Tokenizer:
     """The tokenizer whose JSON is behind `raw_ref` ([ObjectRef]; None for bytes), built once
     per worker process."""
     import ray
-
-    from raytrain_lm.tokenizer import BPETokenizer, ByteTokenizer
 
     key = raw_ref[0].hex()
     if key not in _TOKENIZERS:

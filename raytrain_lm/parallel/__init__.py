@@ -167,7 +167,7 @@ class Parallelized:
                                                           losses=losses))
         if not self.has_last:
             return torch.zeros((), device=self.device)
-        return torch.stack([_local(l.detach()) for l in losses]).mean()
+        return torch.stack([_local(loss.detach()) for loss in losses]).mean()
 
     def clip_and_step(self, scaler) -> torch.Tensor:
         """Global gradient-norm clipping, then every optimizer; returns the norm before clipping."""
@@ -242,7 +242,7 @@ class Parallelized:
                                target=y if self.has_last else None, losses=losses)
         if not self.has_last:
             return torch.zeros((), dtype=torch.float64, device=self.device)
-        return torch.stack([_local(l).double() for l in losses]).sum()
+        return torch.stack([_local(loss).double() for loss in losses]).sum()
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -1,8 +1,9 @@
 """Pipeline parallelism with torch.distributed.pipelining, stages built by hand (no tracer).
 
 * Split by layers: stage s holds blocks layers[s]; the first stage also the embedding (GPT:
-  wte/wpe/drop; Llama: wte), the last ln_f/lm_head. A stage module keeps the full model's FQNs (h is a ModuleDict keyed by the
-  original layer index: "h.5.attn.c_attn.weight" in the stage is the same key as in the GPT), so
+  wte/wpe/drop; Llama: wte), the last ln_f/lm_head. A stage module keeps the full model's FQNs (h is a
+  ModuleDict keyed by the original layer index: "h.5.attn.c_attn.weight" in the stage is the same
+  key as in the GPT), so
   DCP checkpoints and the layout-independent init work across layouts unchanged.
 * Tied embeddings (Megatron's "embedding group", the GPT only): the last stage holds its own copy of `wte`
   (registered as `wte`, with lm_head.weight tied to it, exactly as in GPT), initialised to the same
@@ -33,7 +34,7 @@ from torch.distributed.pipelining.schedules import (
 )
 from torch.distributed.tensor import DTensor, Shard
 
-from raytrain_lm.config.sizes import split_layers  # noqa: F401  (pure; the planner uses it too)
+from raytrain_lm.config.sizes import split_layers
 from raytrain_lm.model import Decoder, build_model
 from raytrain_lm.parallel.mesh import world_timeout
 

@@ -40,8 +40,9 @@ the pipeline rank that needs the most:
     microbatch.
   DDP and zero1 keep nothing extra (gradients are DDP's buckets).
 - Activations saved for backward, per layer per token, in the activation dtype (--precision:
-  2 bytes in bf16/fp16, 4 in fp32; auto: bf16 on GPU, fp32 on CPU), as Korthikanti et al. 2022 (arXiv 2205.05198) count them with fused attention
-  (no seq x seq scores): 17 x width without recomputation (their 34 sbh bytes). Without sequence
+  2 bytes in bf16/fp16, 4 in fp32; auto: bf16 on GPU, fp32 on CPU), as Korthikanti et al. 2022 (arXiv
+  2205.05198) count them with fused attention (no seq x seq scores): 17 x width without
+  recomputation (their 34 sbh bytes). Without sequence
   parallelism 5 of the 17 stay whole on every tp rank (both LayerNorm inputs, the inputs of c_attn
   and c_fc, the dropout masks) and 12 divide by tp (q/k/v, attention output, the MLP's two
   4x-wide tensors). Selective checkpointing keeps 11 (matmul and attention outputs and the block
@@ -92,7 +93,8 @@ all-gather and reduce-scatter (n-1)/n x size), as parallel/traffic.py counts the
 Step time:
 - Compute: the step's model FLOPs (PaLM: 6 N + 12 L H Q T per token, model.flops_per_token) plus
   recomputation (full: one more forward of every block; op: the 2nd, 4th, ... matmul of each
-  block but its last; selective recomputes only elementwise ops, counted as free), spread evenly over every GPU at --gpu-tflops x the compute efficiency:
+  block but its last; selective recomputes only elementwise ops, counted as free), spread evenly over every
+  GPU at --gpu-tflops x the compute efficiency:
   efficiency.py's function of the matmul size (peak_fraction x F / (F + F_HALF), F the FLOPs
   of one h x h/tp matmul of a micro-batch), or --compute-efficiency.
 - Overlap (estimate.rank_step): tp traffic is all exposed (vanilla TP: each collective sits
@@ -120,13 +122,14 @@ docs/planner.md (validation.py, published_runs.json) compares them with publishe
 
 Modules: layout.py (the cluster, a layout, where the parameters are), memory.py, comm.py,
 efficiency.py (the compute efficiency), estimate.py (step time; which layouts exist and how they
-rank), report.py (what `plan` prints, --explain), auto.py (train --layout auto), validation.py
+rank), printout.py (what `plan` prints, --explain), auto.py (train --layout auto), validation.py
 (against published runs).
 """
 
-from raytrain_lm.plan.comm import Comm, dp_comm, pp_comm, pp_send_bytes, rank_comm, ring_bytes, tp_comm  # noqa: F401
-from raytrain_lm.plan.efficiency import F_HALF, PEAK_FRACTION, compute_efficiency, matmul_flops  # noqa: F401
-from raytrain_lm.plan.estimate import (  # noqa: F401
+from raytrain_lm.config.checks import STRATEGIES
+from raytrain_lm.plan.comm import Comm, dp_comm, pp_comm, pp_send_bytes, rank_comm, ring_bytes, tp_comm
+from raytrain_lm.plan.efficiency import F_HALF, PEAK_FRACTION, compute_efficiency, matmul_flops
+from raytrain_lm.plan.estimate import (
     Estimate,
     best_variant,
     bubble,
@@ -152,7 +155,7 @@ from raytrain_lm.plan.estimate import (  # noqa: F401
     virtual_stage_counts,
     whole_heads,
 )
-from raytrain_lm.plan.layout import (  # noqa: F401
+from raytrain_lm.plan.layout import (
     AC_MODES,
     AC_SPLIT,
     GB,
@@ -162,7 +165,6 @@ from raytrain_lm.plan.layout import (  # noqa: F401
     H100_TFLOPS,
     IB_400_GBPS,
     PRECISIONS,
-    STRATEGIES,
     USABLE_FRACTION,
     Cluster,
     Layout,
@@ -177,7 +179,7 @@ from raytrain_lm.plan.layout import (  # noqa: F401
     stage_params,
     tp_param_counts,
 )
-from raytrain_lm.plan.memory import (  # noqa: F401
+from raytrain_lm.plan.memory import (
     MemoryPlan,
     activation_bytes,
     chunks_in_flight,
@@ -186,7 +188,7 @@ from raytrain_lm.plan.memory import (  # noqa: F401
     logits_bytes,
     rank_memory,
 )
-from raytrain_lm.plan.report import (  # noqa: F401
+from raytrain_lm.plan.printout import (
     describe,
     estimate_json,
     explain_text,

@@ -10,7 +10,7 @@ from typing import Optional
 from raytrain_lm.errors import UserError
 from raytrain_lm.plan.estimate import Estimate, plan
 from raytrain_lm.plan.layout import GIB, Cluster, Layout
-from raytrain_lm.plan.report import recommendation, reason
+from raytrain_lm.plan.printout import reason, recommendation
 
 
 def auto_cluster(cfg, gpus_per_node: Optional[int], memory_gb: Optional[float]) -> Cluster:

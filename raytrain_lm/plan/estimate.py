@@ -6,15 +6,23 @@ import math
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
-from raytrain_lm.config.checks import PP_SCHEDULES
+from raytrain_lm.config.checks import PP_SCHEDULES, STRATEGIES
 from raytrain_lm.config.settings import ModelConfig
 from raytrain_lm.errors import UserError
-from raytrain_lm.plan.efficiency import compute_efficiency
-from raytrain_lm.plan.layout import (AC_MODES, GPUS_PER_NODE, PRECISIONS, STRATEGIES, Cluster,
-                                     Layout, candidate_ranks, matmul_params, param_counts,
-                                     rank_stages)
-from raytrain_lm.plan.memory import MemoryPlan, rank_memory
 from raytrain_lm.plan.comm import Comm, pp_send_bytes, rank_comm
+from raytrain_lm.plan.efficiency import compute_efficiency
+from raytrain_lm.plan.layout import (
+    AC_MODES,
+    GPUS_PER_NODE,
+    PRECISIONS,
+    Cluster,
+    Layout,
+    candidate_ranks,
+    matmul_params,
+    param_counts,
+    rank_stages,
+)
+from raytrain_lm.plan.memory import MemoryPlan, rank_memory
 
 
 def flops_per_token(m: ModelConfig, seq_len: int) -> float:
@@ -334,9 +342,7 @@ def check_pp(m: ModelConfig, cl: Cluster, pp: int, tp: int) -> None:
 
 def config_layout(cfg) -> Layout:
     """The layout a TrainConfig trains with."""
-    from raytrain_lm.config.sizes import pipeline_microbatches
-
-    from raytrain_lm.config.sizes import pipeline_stages
+    from raytrain_lm.config.sizes import pipeline_microbatches, pipeline_stages
 
     dp = cfg.workers // (cfg.tp * cfg.pp)
     if cfg.pp > 1:

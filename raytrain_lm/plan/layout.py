@@ -5,10 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from raytrain_lm.config.checks import STRATEGIES  # noqa: F401 (STRATEGIES: re-exported)
-from raytrain_lm.config.sizes import split_layers
 from raytrain_lm.config.settings import ModelConfig
-
+from raytrain_lm.config.sizes import split_layers
 
 GB = 1e9  # bytes sent (link speeds are decimal)
 GIB = 2 ** 30  # bytes of memory: an "80 GB" card holds 80 GiB (torch reports 80 x 2^30 for an A100 80GB)

@@ -23,9 +23,8 @@ from typing import Optional
 
 from raytrain_lm.config.presets import preset_config
 from raytrain_lm.config.settings import ModelConfig
-from raytrain_lm.plan.estimate import (Estimate, _bucket, best_variant, estimate_layout,
-                                       structures, variants)
-from raytrain_lm.plan.layout import GIB, Cluster, param_counts
+from raytrain_lm.plan.estimate import Estimate, _bucket, best_variant, estimate_layout, structures, variants
+from raytrain_lm.plan.layout import GIB, Cluster
 
 RUNS = Path(__file__).with_name("published_runs.json")
 

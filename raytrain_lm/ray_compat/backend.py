@@ -3,8 +3,8 @@ unpickles them, or in the driver.
 
 The controller sets up the workers' process group through the trainer's backend config. Ray's
 `TorchConfig` lives in a module that imports torch, so every run's controller imported torch
-(~390 MB resident, over a second of CPU on the run's critical path, before any worker starts)
-to send three functions to the workers. Here the config and the backend do what Ray 2.60's do
+(all of torch, in memory and in CPU time, on the run's critical path before any worker starts)
+to send three functions to the workers. Here the config and the backend do what the pinned Ray's do
 for CPUs and GPUs (`ray.train.torch.config`; not TPUs, and only `init_method="env"`), and each
 function that runs on a worker imports Ray's module there, where torch is imported anyway.
 """

@@ -1,4 +1,5 @@
-"""The Ray Train controller a run uses: Ray 2.60's, with one gap in its failure handling closed
+"""The Ray Train controller a run uses: Ray's (the version pinned in pyproject.toml, whose private
+methods this module overrides), with one gap in its failure handling closed
 and without the helper processes a run does not need (the preemption watcher is a thread of the
 controller); and the placement of a run's own helpers.
 
@@ -33,14 +34,16 @@ from ray.train.v2._internal.execution.controller import TrainController
 from ray.train.v2._internal.execution.preemption import PreemptionWatcher
 from ray.train.v2._internal.execution.worker_group import WorkerGroup
 
+from raytrain_lm.ray_compat.callbacks import HeldRows
+
 logger = logging.getLogger(__name__)
 
 
 def on_this_node() -> dict:
     """Actor options that keep an actor on this process's node. A run's helpers (its controller,
     a sweep's queue) must live as long as their driver, not die with a worker node: Ray spreads
-    zero-CPU actors over the whole cluster (7 of 8 queues landed on worker nodes of a 3-node
-    cluster here), and a removed node once took a run's metrics queue with it, which ended the
+    zero-CPU actors over the whole cluster (on a 3-node cluster most of a sweep's queues landed
+    on worker nodes), and a removed node once took a run's metrics queue with it, which ended the
     run whatever --max-failures allowed (CI: "the actor's node was terminated")."""
     return {"label_selector": {ray._raylet.RAY_NODE_ID_KEY: ray.get_runtime_context().get_node_id()}}
 
@@ -165,13 +168,11 @@ class Controller(TrainController):
 
     def take_rows(self) -> list[dict]:
         """The metrics rows reported since the last call (callbacks.HeldRows)."""
-        from raytrain_lm.ray_compat.callbacks import HeldRows
-
         return HeldRows.take()
 
 
 def run_controller(trainer, polls: Polls, **controller_init_kwargs):
-    """Ray 2.60's `DataParallelTrainer._initialize_and_run_controller` with our controller
+    """Ray's `DataParallelTrainer._initialize_and_run_controller` with our controller
     class (Ray names its own inside that method, so it is repeated here), which takes its polls
     as arguments (Polls). Ray's Train variables that the user set still travel as Ray sends them."""
     env_vars = get_env_vars_to_propagate()

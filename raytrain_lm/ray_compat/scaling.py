@@ -1,18 +1,18 @@
 """The Ray side of a run's size: Ray Train's ScalingConfig and FailureConfig for `cfg`, and the
 scaling policy that keeps an elastic group at the sizes config/sizes.py allows.
 
-Ray 2.60's elastic policy (`ScalingConfig(num_workers=(min, max))`) starts the group with as many
+Ray's elastic policy (`ScalingConfig(num_workers=(min, max))`) starts the group with as many
 workers as the cluster's free resources hold, between min and max, and restarts it at a new size
 when that number changes (checked every `elastic_resize_monitor_interval_s`) or after a failure.
 It knows nothing of tensor/pipeline groups or of the global batch, so the run's trainer hands the
-controller a policy that rounds each count down to the largest size of `elastic.worker_counts`
+controller a policy that rounds each count down to the largest size of `config.sizes.worker_counts`
 (trainer.py: Ray has no public hook for this; the policy is passed where TorchTrainer.fit passes
 its own). The controller unpickles the policy: nothing here imports torch (see backend.py).
 
 The policy also asks Ray's autoscaling coordinator to look at the cluster afresh each time it
 counts (`recompute=True`), and never counts nodes being drained: they take no new workers, yet
 Ray's coordinator counts them while their raylet lives, which is until the cloud takes the node
-(with `ray drain-node` alone: for good). Seen here (Ray 2.60): counted, a restart after a preemption
+(with `ray drain-node` alone: for good). Seen with the pinned Ray: counted, a restart after a preemption
 asked for the drained node's workers too; and once restarted at the size that was left, the
 running group "grew" back onto the drained node, waited out Ray's 60 s worker-group start
 timeout, fell back, and grew again, forever. By default the coordinator also answers from a view

@@ -21,7 +21,7 @@ from raytrain_lm.config.settings import ModelConfig, TrainConfig
 from raytrain_lm.errors import UserError
 from raytrain_lm.store.files import TOKENIZER
 from raytrain_lm.store.storage import is_remote, staged_folder
-from raytrain_lm.tokenizer import Tokenizer, byte_tokenizer_json, tokenizer_from_spec
+from raytrain_lm.tokenizer import EOT, Tokenizer, byte_tokenizer_json, tokenizer_from_spec
 
 WEIGHTS, CONFIG = "model.safetensors", "config.json"
 # gpt-2: c_attn's rows are head-interleaved ([h0 q, h0 k, h0 v, h1 q, ...], model.py), which
@@ -168,7 +168,10 @@ def gpt2_state_dict(state: dict, cfg: ModelConfig, vocab_size: int) -> dict:
     import torch
 
     C = cfg.n_embd
-    zeros = lambda n: torch.zeros(n, dtype=state["wte.weight"].dtype)  # noqa: E731
+
+    def zeros(n: int) -> torch.Tensor:
+        return torch.zeros(n, dtype=state["wte.weight"].dtype)
+
     out = {"transformer.wte.weight": state["wte.weight"][:vocab_size],
            "transformer.wpe.weight": state["wpe.weight"]}
     for i in range(cfg.n_layer):
@@ -235,8 +238,6 @@ def gpt2_config(cfg: ModelConfig, vocab_size: int, eot) -> dict[str, Any]:
 
 def _write_hf(out: Path, weights: dict, config: dict, tok: Tokenizer, block_size: int) -> None:
     from safetensors.torch import save_file
-
-    from raytrain_lm.tokenizer import EOT
 
     eot = tok.eot_id
     generation = {"bos_token_id": eot, "eos_token_id": eot}

@@ -4,16 +4,18 @@ this happens is in preflight.py."""
 
 from __future__ import annotations
 
-import datetime as _dt
 import os
 import threading
 import time
 from typing import Any, Callable, Optional
 
+from raytrain_lm.cluster.connect import check_reachable, connect_ray, starts_own_ray
+from raytrain_lm.config.checks import validate
 from raytrain_lm.config.settings import TrainConfig
-from raytrain_lm.config.sizes import is_elastic, sizes_line, workers_text
+from raytrain_lm.config.sizes import is_elastic, sizes_line
+from raytrain_lm.cpus import OMP_ENV, decide, idle_line, machine_cores
 from raytrain_lm.errors import UserError, last_line
-from raytrain_lm.run import summary
+from raytrain_lm.plan.auto import apply_layout, auto_cluster, choose_layout, cluster_shape
 from raytrain_lm.run.groups import WorkerGroups
 from raytrain_lm.run.preflight import (
     check_init_from,
@@ -25,9 +27,11 @@ from raytrain_lm.run.preflight import (
     resume_step,
     worker_memory_gb,
 )
+from raytrain_lm.run.summary import build_summary
 from raytrain_lm.store import files
+from raytrain_lm.store.claims import RunClaim, live_claims
 from raytrain_lm.store.runs import best_val_loss
-from raytrain_lm.store.storage import MetricsLog, RunClaim, RunFolder, live_claims
+from raytrain_lm.store.storage import MetricsLog, RunFolder
 from raytrain_lm.worker.drills import FAULT_ENV, WINDOWS_ENV
 
 # Ray Train's controller collects reports when it polls the workers (default every 2 s) and a
@@ -42,26 +46,6 @@ ROWS_POLL_S = 0.25  # how often the driver takes new rows from the controller (p
 def report_poll_seconds(default: float = DEFAULT_POLL_S) -> float:
     """How often Ray Train's controller should collect reports: the user's setting, else `default`."""
     return float(USER_POLL or default)
-
-
-def build_summary(cfg: TrainConfig, rows: list[dict], status: str, wall: float, t_launch: float,
-                  checkpoint: Optional[str] = None, error: Optional[str] = None) -> dict:
-    last = rows[-1] if rows else {}
-    return {
-        "status": status,
-        "name": cfg.name,
-        **summary.from_metrics(rows),
-        "max_steps": cfg.max_steps,
-        "time_to_first_step": (last["train_start_unix"] - t_launch) if last.get("train_start_unix") else None,
-        "wall_seconds": wall,
-        "workers": workers_text(cfg) if is_elastic(cfg) else cfg.workers,
-        "use_gpu": cfg.use_gpu,
-        "preset": cfg.preset,
-        "checkpoint": checkpoint,
-        "error": error,
-        "config": cfg.to_dict(),
-        "finished": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-    }
 
 
 def loop_config(cfg: TrainConfig, init_from: Optional[str] = None, fail_at: Optional[str] = None,
@@ -149,10 +133,7 @@ def _launch(cfg: TrainConfig, run: RunFolder, t_launch: float, previous: dict,
     """run_training from connecting to Ray on, with the run's folder claimed."""
     # Ray Train and the Ray connection are imported only now: a bad input above fails in a
     # second, not after ~2 s of imports; nor does an address where nothing answers
-    from raytrain_lm.cluster.connect import check_reachable
-
     check_reachable(cfg.address or os.environ.get("RAY_ADDRESS") or "local")
-    from raytrain_lm.cluster.connect import connect_ray
     from raytrain_lm.ray_compat.callbacks import ForwardMetrics, HeldRows, KeepBest
 
     asked = cfg.cpus_per_worker  # None: the launch decides (cpus.py); a resume decides again
@@ -196,9 +177,6 @@ def choose_worker_cpus(cfg: TrainConfig, worker_env: Optional[dict[str, str]],
     """Set cfg.cpus_per_worker for this launch (cpus.decide: on a Ray this process is about to
     start, the machine's cores shared among the workers of `trials` concurrent trials) and say
     it in the launch line. Returns whether this process will start its own Ray."""
-    from raytrain_lm.cluster.connect import starts_own_ray
-    from raytrain_lm.cpus import OMP_ENV, decide, machine_cores
-
     own_ray = starts_own_ray(cfg.address)
     omp = (worker_env or {}).get(OMP_ENV) or (os.environ.get(OMP_ENV) if own_ray else None)
     chosen = decide(cfg.cpus_per_worker, cfg.workers, own_ray, machine_cores(), trials, omp)
@@ -214,8 +192,6 @@ def say_idle_cpus(cfg: TrainConfig, worker_env: Optional[dict[str, str]],
     pack them on its nodes, leave a node's CPUs idle (cpus.idle_line)."""
     import ray
 
-    from raytrain_lm.cpus import OMP_ENV, idle_line
-
     nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
     line = idle_line(nodes, workers or cfg.workers, cfg.worker_cpus, cfg.use_gpu,
                      (worker_env or {}).get(OMP_ENV))
@@ -227,9 +203,6 @@ def auto_layout(cfg: TrainConfig, say: Callable[[str], None]) -> None:
     """--layout auto: ask Ray for the cluster's shape, let the planner choose, say what and why,
     and train with it (cfg changed in place; the run's saved config records the choice)."""
     import ray
-
-    from raytrain_lm.config.checks import validate
-    from raytrain_lm.plan.auto import apply_layout, auto_cluster, choose_layout, cluster_shape
 
     per_node, memory = cluster_shape(cfg, ray.nodes(), worker_memory_gb(cfg))
     best, why = choose_layout(cfg, auto_cluster(cfg, per_node, memory))

@@ -8,8 +8,22 @@ import datetime as _dt
 import os
 from typing import Callable, Optional
 
+from raytrain_lm import hf_llama
+from raytrain_lm.cluster.autoscale import wait_for_resources
+from raytrain_lm.config.checks import check_tp_fits_nodes
 from raytrain_lm.config.settings import DEFAULT_DATA, TrainConfig
+from raytrain_lm.config.sizes import fit_to_world, is_elastic, worker_counts, workers_text
 from raytrain_lm.errors import UserError
+from raytrain_lm.gpus import label_memory_gb
+from raytrain_lm.plan import (
+    GIB,
+    USABLE_FRACTION,
+    config_cluster,
+    config_layout,
+    estimate_layout,
+    plan,
+    recommendation,
+)
 
 
 def ensure_dataset(cfg: TrainConfig, say: Callable[[str], None]) -> dict:
@@ -63,9 +77,6 @@ def check_resources(cfg: TrainConfig, say: Callable[[str], None] = print) -> Non
     brings them up within --scale-timeout."""
     import ray
 
-    from raytrain_lm.cluster.autoscale import wait_for_resources
-    from raytrain_lm.config.sizes import is_elastic, worker_counts, workers_text
-
     workers = worker_counts(cfg)[0]  # an elastic run starts as soon as its smallest size fits
     flag, least = f"--workers {workers_text(cfg)}", "at least " if is_elastic(cfg) else ""
     per_worker = {"CPU": cfg.worker_cpus, **({"GPU": 1} if cfg.use_gpu else {})}
@@ -90,8 +101,6 @@ def _check_tp_nodes(cfg: TrainConfig) -> None:
     again: checks.check_tp_in_node)."""
     import ray
 
-    from raytrain_lm.config.checks import check_tp_fits_nodes
-
     if cfg.use_gpu and cfg.tp > 1:
         check_tp_fits_nodes(cfg.tp, [n["Resources"].get("GPU", 0) for n in ray.nodes() if n["Alive"]])
 
@@ -101,8 +110,6 @@ def worker_memory_gb(cfg: TrainConfig) -> Optional[float]:
     label, when the label determines it), or on CPU the cluster's memory resource split among
     the workers. None: unknown (a GPU worker then checks its device's own memory)."""
     import ray
-
-    from raytrain_lm.gpus import label_memory_gb
 
     if cfg.use_gpu:
         if cfg.gpu_memory_gb:
@@ -124,8 +131,6 @@ def check_memory(cfg: TrainConfig, memory_gb: Optional[float]) -> None:
     pp, strategy, sequence parallelism, schedule and microbatches) exceeds what a worker has,
     naming the plan's best layout for the same workers and global batch. An elastic run is
     checked at each of its sizes (fewer workers hold more of a sharded model each)."""
-    from raytrain_lm.config.sizes import fit_to_world, worker_counts
-
     if memory_gb is None:
         return
     for size in worker_counts(cfg):  # a fixed run: its one size, as configured
@@ -133,8 +138,6 @@ def check_memory(cfg: TrainConfig, memory_gb: Optional[float]) -> None:
 
 
 def _check_memory_at(cfg: TrainConfig, memory_gb: float) -> None:
-    from raytrain_lm.plan import GIB, USABLE_FRACTION, config_cluster, config_layout, estimate_layout
-
     layout, cluster = config_layout(cfg), config_cluster(cfg, memory_gb)
     mine = estimate_layout(cfg.model, layout, cluster)
     if mine.fits:
@@ -149,8 +152,6 @@ def _check_memory_at(cfg: TrainConfig, memory_gb: float) -> None:
 
 def _better_layout(cfg: TrainConfig, cluster, layout) -> str:
     """The plan's fastest layout that fits, at this run's global batch, as a hint."""
-    from raytrain_lm.plan import GIB, plan, recommendation
-
     try:
         best = recommendation(plan(cfg.model, cluster, layout.dp * layout.sequences, cfg.seq_len))
     except UserError:
@@ -187,7 +188,6 @@ def check_init_from(path: str, cfg: TrainConfig, manifest: dict) -> str:
     """Validate --init-from against the model and dataset before any worker starts; returns the
     checkpoint folder to load (a run's best checkpoint, else its latest), or a Hugging Face
     Llama folder (hf_llama.py)."""
-    from raytrain_lm import hf_llama
     from raytrain_lm.store.runs import find_checkpoint
 
     if hf_llama.is_hf_folder(path):

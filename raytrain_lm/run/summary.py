@@ -1,10 +1,15 @@
 """A run's summary from its metrics rows, built in one place: by the driver as the run goes (and at
-its end), and by `runs`/`report` for a run whose driver never wrote summary.json."""
+its end), and by `runs`/`report` for a run whose driver never wrote summary.json; summary.json's
+whole content (build_summary)."""
 
 from __future__ import annotations
 
+import datetime as _dt
 import statistics
 from typing import Any, Optional
+
+from raytrain_lm.config.settings import TrainConfig
+from raytrain_lm.config.sizes import is_elastic, workers_text
 
 
 def _median(values: list) -> Optional[float]:
@@ -34,4 +39,24 @@ def from_metrics(rows: list[dict]) -> dict[str, Any]:
                                      if r.get("peak_mem_reserved_gb") is not None), default=None),
         "num_parameters": last.get("num_parameters"),
         "resumed_from_step": last.get("resumed_from_step"),
+    }
+
+
+def build_summary(cfg: TrainConfig, rows: list[dict], status: str, wall: float, t_launch: float,
+                  checkpoint: Optional[str] = None, error: Optional[str] = None) -> dict:
+    last = rows[-1] if rows else {}
+    return {
+        "status": status,
+        "name": cfg.name,
+        **from_metrics(rows),
+        "max_steps": cfg.max_steps,
+        "time_to_first_step": (last["train_start_unix"] - t_launch) if last.get("train_start_unix") else None,
+        "wall_seconds": wall,
+        "workers": workers_text(cfg) if is_elastic(cfg) else cfg.workers,
+        "use_gpu": cfg.use_gpu,
+        "preset": cfg.preset,
+        "checkpoint": checkpoint,
+        "error": error,
+        "config": cfg.to_dict(),
+        "finished": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
     }

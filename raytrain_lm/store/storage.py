@@ -1,5 +1,6 @@
 """Files on a local disk or any pyarrow filesystem (s3://, gs://): opening a URI, writing a file
-or a folder so that readers never see half of it, and a run's folder `<storage>/<name>/`."""
+or a folder so that readers never see half of it, and a run's folder `<storage>/<name>/` (its
+claim: claims.py)."""
 
 from __future__ import annotations
 
@@ -210,7 +211,7 @@ def remove_stale_stages(parent: str, name: str) -> list[str]:
         for path in Path(parent).glob(f".{glob.escape(name)}.{kind}-*"):
             pid, _, rest = path.name[len(f".{name}.{kind}-"):].partition("-")
             host = rest.partition("-")[2]  # empty: made before tags named their machine
-            if not pid.isdigit() or host not in ("", socket.gethostname()) or _alive(int(pid)):
+            if not pid.isdigit() or host not in ("", socket.gethostname()) or process_alive(int(pid)):
                 continue
             if path.is_dir() and not path.is_symlink():
                 shutil.rmtree(path, ignore_errors=True)
@@ -220,7 +221,7 @@ def remove_stale_stages(parent: str, name: str) -> list[str]:
     return removed
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -340,106 +341,3 @@ class MetricsLog:
 
     def _rewrite(self) -> None:
         self.run.write_text(files.METRICS, "".join(json.dumps(r) + "\n" for r in self.rows))
-
-
-class RunClaim:
-    """A driver's claim on a run's (or sweep's) folder, so that two `train --name X` never run
-    in one folder (their metrics would interleave, and one would delete the other's
-    checkpoints). It works alike on a local disk and on object stores, which have no atomic
-    create: each driver writes a claim file of its own (`.claim-<id>.json`: host, pid, time),
-    then lists the claims; if any other live claim is there it withdraws its own and refuses.
-    Two drivers that claim at the same moment may both refuse, never both run. A claim is
-    live while its driver renews it (every HEARTBEAT_S; stale after STALE_S) and, on this
-    machine, while its process exists, so a killed driver's claim does not block --resume.
-
-    `release` removes the claim, and the folders the claim created if nothing else was written
-    into them: a run refused before it started leaves nothing behind."""
-
-    HEARTBEAT_S = 20.0
-    STALE_S = 90.0
-
-    def __init__(self, run: RunFolder):
-        self.run = run
-        self.file = f"{files.CLAIM_PREFIX}{uuid.uuid4().hex}.json"
-        self._stop = None
-        self._created: list[str] = []
-
-    def _record(self) -> dict:
-        import time
-
-        return {"host": socket.gethostname(), "pid": os.getpid(), "time": time.time()}
-
-    def take(self) -> "RunClaim":
-        import threading
-
-        if self.run.local:  # the folders this claim creates, innermost first, to remove on release
-            self._created = [str(p) for p in (Path(self.run.path), *Path(self.run.path).parents)
-                             if not p.exists()]
-        self.run.write_json(self.file, self._record())
-        others = self.others()
-        if others:
-            self.release()
-            who = others[0]
-            raise UserError(f"{self.run.name!r} in {self.run.storage_uri} is in use by another "
-                            f"driver (pid {who.get('pid')} on {who.get('host')}); wait until it "
-                            f"ends, or choose another --name")
-        self._stop = threading.Event()
-        threading.Thread(target=self._renew, name="run-claim", daemon=True).start()
-        return self
-
-    def others(self) -> list[dict]:
-        """The live claims of other drivers on the folder (stale ones found are deleted)."""
-        return [c for c in live_claims(self.run) if c["file"] != self.file]
-
-    def _renew(self) -> None:
-        while not self._stop.wait(self.HEARTBEAT_S):
-            with contextlib.suppress(Exception):  # a missed renewal is retried next time
-                self.run.write_json(self.file, self._record())
-
-    def release(self) -> None:
-        if self._stop is not None:
-            self._stop.set()
-        with contextlib.suppress(OSError):
-            self.run.fs.delete_file(f"{self.run.path}/{self.file}")
-        if not self.run.local:  # an object store's folder marker, if nothing else is in it
-            with contextlib.suppress(OSError):
-                if not self.run.fs.get_file_info(pafs.FileSelector(self.run.path, allow_not_found=True)):
-                    self.run.fs.delete_dir(self.run.path)
-        for folder in self._created:  # only while empty: what the run wrote stays
-            try:
-                os.rmdir(folder)
-            except OSError:
-                break
-
-    def __enter__(self) -> "RunClaim":
-        return self.take()
-
-    def __exit__(self, *exc) -> None:
-        self.release()
-
-
-def live_claims(run: RunFolder) -> list[dict]:
-    """The live claims on `run`'s folder (RunClaim), each with its "file"; stale ones (not
-    renewed for STALE_S, or of a process of this machine that has ended) are deleted."""
-    import time
-
-    found = []
-    try:
-        infos = run.fs.get_file_info(pafs.FileSelector(run.path, allow_not_found=True))
-    except OSError:
-        return []
-    for info in infos:
-        if not (info.base_name.startswith(files.CLAIM_PREFIX) and info.type == pafs.FileType.File):
-            continue
-        try:
-            claim = run.read_json(info.base_name)
-            stale = (time.time() - float(claim["time"]) > RunClaim.STALE_S or
-                     claim["host"] == socket.gethostname() and not _alive(int(claim["pid"])))
-        except (UserError, OSError, KeyError, TypeError, ValueError):
-            continue  # vanished while read (released), or half written: not a claim yet
-        if stale:
-            with contextlib.suppress(OSError):
-                run.fs.delete_file(info.path)
-            continue
-        found.append({**claim, "file": info.base_name})
-    return found

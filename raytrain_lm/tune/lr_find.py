@@ -19,6 +19,7 @@ from typing import Callable, Optional
 
 from raytrain_lm.config.settings import TrainConfig
 from raytrain_lm.errors import UserError
+from raytrain_lm.run.driver import report_poll_seconds, run_training
 from raytrain_lm.store.files import LR_FIND_PLOT, LR_FIND_RESULT
 from raytrain_lm.store.storage import RunFolder
 
@@ -141,8 +142,6 @@ def per_step_curve(rows: list[dict], cfg: TrainConfig) -> tuple[list[float], lis
 def run_lr_find(cfg: TrainConfig, lr_min: float = 1e-5, lr_max: float = 1.0, steps: int = 100, *,
                 verbose: bool = False, say: Callable[[str], None] = print,
                 on_metrics: Optional[Callable[[dict], None]] = None) -> dict:
-    from raytrain_lm.run.driver import report_poll_seconds, run_training
-
     cfg = range_test_config(cfg, lr_min, lr_max, steps)
     rows: list[dict] = []
 

@@ -1,7 +1,7 @@
 """`tune`: a Ray Tune sweep in which every trial is a full distributed training.
 
 Each trial is a Tune *function* trainable that builds the same `TorchTrainer` as `train` (through
-`launch.build_trainer`) and fits it: Ray 2.60's pattern (passing a trainer to `Tuner` is
+`run/driver.build_trainer`) and fits it: Ray's pattern (passing a trainer to `Tuner` is
 deprecated). A `TuneReportCallback` in the trainer's callbacks forwards rank 0's reports to Tune,
 so ASHA sees `step` and `val_loss` as training goes; when ASHA stops a trial, Tune ends the trial
 actor, and the trainer's controller and workers, which it owns, end with it.
@@ -17,104 +17,26 @@ import copy
 import math
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from raytrain_lm.config.checks import check_name, validate
+from raytrain_lm.cluster.connect import connect_ray
+from raytrain_lm.config.checks import validate
 from raytrain_lm.config.settings import TrainConfig, apply_overrides
 from raytrain_lm.errors import UserError
+from raytrain_lm.run.driver import build_trainer, choose_worker_cpus, report_poll_seconds, say_idle_cpus
+from raytrain_lm.run.preflight import check_resources, default_run_name, prepare_data
+from raytrain_lm.store.claims import RunClaim
 from raytrain_lm.store.files import SWEEP, TRIAL_CONFIG
-from raytrain_lm.store.storage import RunClaim, RunFolder
-from raytrain_lm.tune.space import SearchSpace, nest, parse_space
+from raytrain_lm.store.storage import RunFolder
+from raytrain_lm.tune.space import SearchSpace, nest
+from raytrain_lm.tune.sweep_config import METRICS, SweepSettings
 
 # What the trial function itself asks for. Its workers get their own placement group from Ray Train,
 # so the trial needs next to nothing; Tune refuses a request of exactly zero.
 TRIAL_CPUS = 0.01
-# What ASHA compares and the sweep ranks by: the validation loss, or the same in bits per byte.
-# Within a sweep both give the same order (every trial evaluates the same windows of the same
-# dataset); bits per byte also compares with sweeps on data of other tokenizers.
-METRICS = ("val_loss", "val_bpb")
 DIVERGED = 1e4  # stands in for a NaN/inf loss: ASHA's cutoffs ignore NaN, so a NaN trial would never stop
-
-
-@dataclass
-class SweepSettings:
-    search: str = "random"  # random | grid
-    trials: Optional[int] = None  # random: samples (default 8); grid: every point once
-    concurrent: int = 1
-    grace_steps: Optional[int] = None  # default: max_steps // 10
-    reduction_factor: int = 2
-    seed: Optional[int] = None  # random searcher's seed
-    metric: str = "val_loss"  # val_loss | val_bpb
-
-
-def check_settings(cfg: TrainConfig, space: SearchSpace, s: SweepSettings,
-                   eval_every_given: bool) -> None:
-    """Fill defaults and refuse bad combinations, in place. Needs no cluster."""
-    if s.search not in ("random", "grid"):
-        raise UserError(f"--search must be random or grid, got {s.search!r}")
-    if s.metric not in METRICS:
-        raise UserError(f"--metric must be one of {', '.join(METRICS)}, got {s.metric!r}")
-    space.check_searcher(s.search)
-    if s.search == "grid":
-        if s.trials is not None and s.trials != space.grid_size():
-            raise UserError(f"grid search runs every point of the grid once ({space.grid_size()}); "
-                            f"drop --trials or use --search random")
-        s.trials = space.grid_size()
-    elif s.trials is None:
-        s.trials = 8
-    if s.trials < 1:
-        raise UserError(f"--trials must be at least 1, got {s.trials}")
-    if s.concurrent < 1:
-        raise UserError(f"--concurrent must be at least 1, got {s.concurrent}")
-    if s.reduction_factor < 2:
-        raise UserError(f"--reduction-factor must be at least 2, got {s.reduction_factor}")
-    if s.grace_steps is None:
-        unit = cfg.eval_every if eval_every_given else 1
-        s.grace_steps = max(unit, round(cfg.max_steps / 10 / unit) * unit)
-    if s.grace_steps < 1:
-        raise UserError(f"--grace-steps must be at least 1, got {s.grace_steps}")
-    if s.grace_steps > cfg.max_steps:
-        raise UserError(f"--grace-steps ({s.grace_steps}) is larger than --max-steps "
-                        f"({cfg.max_steps}): no trial could ever be stopped early")
-    if not eval_every_given:
-        cfg.eval_every = s.grace_steps
-    elif s.grace_steps % cfg.eval_every:
-        raise UserError(f"--grace-steps ({s.grace_steps}) must be a multiple of --eval-every "
-                        f"({cfg.eval_every}), so ASHA compares validation losses of the same step")
-    points = space.grid_size() if all(d.kind == "values" for d in space.dims) else math.inf
-    if s.search == "random" and s.trials > points:
-        raise UserError(f"--trials {s.trials} random samples of a space of {points} "
-                        f"point{'s' if points > 1 else ''} must repeat points; "
-                        f"use --search grid to run each point once")
-
-
-def new_sweep(settings: dict, specs: dict, space_args: list[str], space_file: Optional[str],
-              config_file: Optional[str], sets: Optional[list[str]],
-              sweep: SweepSettings) -> tuple[TrainConfig, SearchSpace]:
-    """The base config and search space of a new sweep from `tune`'s flags, checked (and
-    `sweep`'s defaults filled) before anything starts."""
-    from raytrain_lm.config.load import build_config, load_config_file, parse_set_args
-
-    cfg = build_config(config_file=config_file, flags=settings, sets=sets)
-    space = parse_space(specs, space_args, space_file, cfg)
-    given = (settings.get("eval_every") is not None or "eval_every" in parse_set_args(sets or [])
-             or "eval_every" in (load_config_file(config_file) if config_file else {}))
-    check_settings(cfg, space, sweep, eval_every_given=given)
-    return cfg, space
-
-
-def resumed_sweep(settings: dict, others_given: list[str]) -> TrainConfig:
-    """What `tune --resume` needs: the sweep's name, storage and address. Everything else comes
-    from the sweep's own sweep.json, so other flags are refused rather than ignored."""
-    given = others_given + [k for k, v in settings.items()
-                            if v is not None and k not in ("name", "storage", "address")]
-    if given:
-        raise UserError(f"--resume continues the sweep as it was started; drop {', '.join(given)}")
-    check_name(settings.get("name"))
-    return TrainConfig.from_dict({k: settings[k] for k in ("name", "storage", "address")
-                                  if settings.get(k) is not None})
 
 
 # ---------------------------------------------------------------- what each trial runs
@@ -159,10 +81,11 @@ _CONTROLLERS: dict[str, Any] = {"queue": None, "handles": {}}
 def abort_train_run(trial_id: str) -> None:
     """End a stopped trial's Train run through its controller, before Tune ends the trial actor.
 
-    Killing the trial actor kills the controller and workers it owns, but in Ray 2.60 the workers'
-    placement group outlives them (it is tied to the job; Ray's PlacementGroupCleaner removes it only
-    through the state API, i.e. with a dashboard running). Its CPUs then stay reserved and the next
-    trial waits forever. `abort()` shuts the worker group down and removes the group."""
+    Killing the trial actor kills the controller and workers it owns, but in the Ray pinned in
+    pyproject.toml the workers' placement group outlives them (it is tied to the job; Ray's
+    PlacementGroupCleaner removes it only through the state API, i.e. with a dashboard running).
+    Its CPUs then stay reserved and the next trial waits forever. `abort()` shuts the worker group
+    down and removes the group."""
     import ray
 
     queue, handles = _CONTROLLERS["queue"], _CONTROLLERS["handles"]
@@ -203,8 +126,6 @@ def trial_config(base: dict, params: dict) -> TrainConfig:
 def run_trial(params: dict, base: dict, sweep_uri: str, controllers, poll_seconds: float) -> None:
     """The Tune function trainable: one full distributed training."""
     from ray import tune
-
-    from raytrain_lm.run.driver import build_trainer
 
     cfg = trial_config(base, params)
     trial_dir = os.path.basename(tune.get_context().get_trial_dir().rstrip("/"))
@@ -266,8 +187,6 @@ def _trainable(cfg: TrainConfig, sweep_uri: str):
     from raytrain_lm.ray_compat.controller import driver_queue
 
     _CONTROLLERS["queue"], _CONTROLLERS["handles"] = driver_queue(), {}
-    from raytrain_lm.run.driver import report_poll_seconds
-
     # The trial runs in its own process: the driver's poll setting travels with it.
     fn = tune.with_parameters(run_trial, base=cfg.to_dict(), sweep_uri=sweep_uri,
                               controllers=_CONTROLLERS["queue"],
@@ -280,8 +199,6 @@ def _trial_name(trial) -> str:
 
 
 def default_sweep_name(cfg: TrainConfig) -> str:
-    from raytrain_lm.run.preflight import default_run_name
-
     return f"tune-{default_run_name(cfg)}"
 
 
@@ -300,8 +217,6 @@ def run_sweep(
 
     For a resume, only cfg.name, cfg.storage and cfg.address are used: the rest comes from the
     sweep's own sweep.json."""
-    from raytrain_lm.run.preflight import prepare_data
-
     if resume:
         if not cfg.name:
             raise UserError("--resume needs --name of the sweep to continue")
@@ -332,10 +247,6 @@ def _run(cfg: TrainConfig, space: SearchSpace, settings: SweepSettings, folder: 
          resume: bool, verbose: bool, say: Callable[[str], None],
          live: Optional[Callable[[str], None]], live_interval: float) -> dict:
     """run_sweep from connecting to Ray on, with the sweep's folder claimed."""
-    from raytrain_lm.cluster.connect import connect_ray
-    from raytrain_lm.run.driver import choose_worker_cpus, say_idle_cpus
-    from raytrain_lm.run.preflight import check_resources
-
     own_ray = choose_worker_cpus(cfg, None, say, trials=settings.concurrent)
     connect_ray(cfg.address, cfg.workers * cfg.worker_cpus + TRIAL_CPUS, verbose, say)
     check_resources(cfg)
@@ -361,7 +272,7 @@ def _run(cfg: TrainConfig, space: SearchSpace, settings: SweepSettings, folder: 
     # Tune's own console output (a banner and paths, even at verbose=0) stays off: the live table
     # is ours, and --json must leave nothing else on stdout.
     os.environ["RAY_AIR_NEW_OUTPUT"] = "0"
-    from raytrain_lm.tune.trials import LiveTable, collect_trials, watch, write_outputs
+    from raytrain_lm.tune.report import LiveTable, collect_trials, watch, write_outputs
 
     watch(live, live_interval)
     trainable = _trainable(cfg, folder.display_path())

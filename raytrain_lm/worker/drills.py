@@ -86,7 +86,7 @@ def read_window_log(run_dir: Path) -> dict[tuple[int, int], dict]:
     by_group: dict[str, list[dict]] = {}
     for path in sorted((run_dir / WINDOWS_DIR).glob("*.jsonl")):
         group = path.name.split("-rank")[0]
-        by_group.setdefault(group, []).extend(json.loads(l) for l in path.read_text().splitlines())
+        by_group.setdefault(group, []).extend(json.loads(line) for line in path.read_text().splitlines())
     steps: dict[tuple[int, int], dict] = {}
     for group in sorted(by_group):
         ran: dict[tuple[int, int], dict] = {}

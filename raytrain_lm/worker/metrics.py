@@ -9,13 +9,15 @@ from typing import Optional
 
 import torch
 
+from raytrain_lm.gpus import peak_tflops
+from raytrain_lm.parallel.fsdp import held_bytes, param_fraction
+from raytrain_lm.parallel.mesh import all_reduce
+
 
 def gpu_peak_tflops(device: torch.device, override: Optional[float] = None,
                     precision: str = "bf16") -> Optional[float]:
     """The peak used for MFU: `override`, else the dense peak of this GPU's model (gpus.GPUS) in
     the run's `precision` (fp32: TF32 where the GPU has it), else None (no MFU)."""
-    from raytrain_lm.gpus import peak_tflops
-
     if override:
         return override
     if device.type != "cuda":
@@ -107,9 +109,6 @@ class Meter:
         self.timer.data_wait += data_wait
 
     def row(self, step: int, lr: float, grad_norm: float, parallel) -> dict:
-        from raytrain_lm.parallel.fsdp import held_bytes, param_fraction
-        from raytrain_lm.parallel.mesh import all_reduce
-
         elapsed = self.timer.elapsed()
         losses = all_reduce(torch.stack(self.losses).double()) / self.loss_ranks
         wait = all_reduce(torch.tensor([self.timer.data_wait], dtype=torch.float64, device=self.device))
@@ -153,8 +152,6 @@ class Meter:
     def replica_spread(self, model: torch.nn.Module) -> float:
         """Max minus min over ranks of a float64 checksum of this rank's parameters: 0.0 exactly
         when every data-parallel replica holds the same weights (DDP's promise)."""
-        from raytrain_lm.parallel.mesh import all_reduce
-
         total = torch.stack([p.detach().double().sum() for p in model.parameters()]).sum()
         hi_lo = all_reduce(torch.stack([total, -total]), op="max")
         return (hi_lo[0] + hi_lo[1]).item()

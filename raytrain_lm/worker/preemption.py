@@ -21,7 +21,7 @@ import ray.train
 POLL_ENV = "RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S"
 DEFAULT_POLL_S = 1.0
 
-# Asking is a barrier through Ray's synchronization actor: ~2.6 ms here, 2-3% of a 0.1 s step.
+# Asking is a barrier through Ray's synchronization actor, which a short step notices.
 # Asking more often than the watcher looks is no use, so the loop asks about once a second.
 ASK_EVERY_S = 1.0
 PACING_STEPS = 10  # steps timed (asking at each) before the pace is set

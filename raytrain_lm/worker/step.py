@@ -17,6 +17,7 @@ import torch
 
 from raytrain_lm.config.settings import TrainConfig
 from raytrain_lm.parallel import Parallelized
+from raytrain_lm.parallel.traffic import CommCounter
 from raytrain_lm.tokenizer import bits_per_byte
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -75,8 +76,6 @@ class TrainStep:
     def _count_comm(self):
         """The bytes each mesh dimension moves, counted on this run's second step (the first
         one sets things up) of a sharded layout; every step moves the same."""
-        from raytrain_lm.parallel.traffic import CommCounter
-
         if self.steps != 2 or self.parallel.mesh is None:
             return nullcontext()
         return CommCounter(self.parallel.mesh)
