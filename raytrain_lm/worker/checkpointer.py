@@ -71,9 +71,8 @@ class Checkpointer:
         # The schedule keeps the learning rates used up to this checkpoint: decided here, from the
         # checkpoint actually resumed from (an older one when the newest is incomplete).
         resumed_horizon(TrainConfig.from_dict(state["config"]), self.cfg, state["step"])
-        ckpt_io.load_state(found.path, step_fn.parallel)
-        if step_fn.scaler.is_enabled() and state["scaler"]:
-            step_fn.scaler.load_state_dict(state["scaler"])  # else fp16 starts here: a fresh scale
+        ckpt_io.load_state(found.path, step_fn)  # its parts and optimizers
+        step_fn.load_scaler_state(state["scaler"])  # none saved: fp16 starts here, a fresh scale
         stream.load_state_dict(state["data"])
         self.resumed_from = state["step"]
         # The last rows reported before this checkpoint, itself included: the driver may not have
@@ -98,13 +97,13 @@ class Checkpointer:
             return
         state = None
         if self.rank == 0:
-            state = {"scaler": step_fn.scaler.state_dict(), "step": step, "tokens": row["tokens"],
+            state = {"scaler": step_fn.scaler_state(), "step": step, "tokens": row["tokens"],
                      "data": stream.state_dict(), "world_size": self.world,
                      "val_loss": row.get("val_loss"), "recent_metrics": list(self.recent),
                      "config": self.cfg.to_dict(), "tokenizer": self.tokenizer.spec()}
         started = time.perf_counter()
         tmp = tempfile.mkdtemp(prefix="raytrain-lm-ckpt-")  # Ray deletes it once uploaded
-        ckpt_io.save_checkpoint(Path(tmp), self.rank, step_fn.parallel, state=state,
+        ckpt_io.save_checkpoint(Path(tmp), self.rank, step_fn, state=state,
                                 tokenizer_raw=self.tokenizer.raw if self.rank == 0 else None,
                                 commit=False)
         ray.train.report(row, checkpoint=ray.train.Checkpoint.from_directory(tmp),

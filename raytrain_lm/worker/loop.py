@@ -66,8 +66,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     build_mem = peak_memory_gb(device) - baseline_mem  # built sharded: only this rank's shards
     logs = loop_config.get("log_windows")  # drills.py: which windows each rank reads
     log = WindowLog.for_group(checkpointer.fs, checkpointer.run_path, rank, world) if logs else None
-    batches = train_stream(sized, coords.dp, step_fn.parallel.dp, log)  # tp, pp peers: same rows
-    validation = Validation(sized, coords.dp, step_fn.parallel.dp, tokenizer.text_byte_lengths())
+    batches = train_stream(sized, coords.dp, step_fn.dp, log)  # tp, pp peers: same rows
+    validation = Validation(sized, coords.dp, step_fn.dp, tokenizer.text_byte_lengths())
     if found is not None:
         step, tokens = checkpointer.restore(found, state, step_fn, batches)
     else:
@@ -75,19 +75,19 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         if loop_config.get("init_from"):  # a checkpoint, or a Hugging Face Llama folder
             init_from = Path(loop_config["init_from"])
             if hf_llama.is_hf_folder(init_from):
-                hf_llama.load_weights(init_from, step_fn.parallel)
+                hf_llama.load_weights(init_from, step_fn)
             else:
-                ckpt_io.load_weights(init_from, ckpt_io.read_meta(init_from), step_fn.parallel)
+                ckpt_io.load_weights(init_from, ckpt_io.read_meta(init_from), step_fn)
     restore_rng(rng, cfg.seed, rank // cfg.tp)  # the saved RNG states, else a dropout stream per rank
 
     n_params = param_counts(cfg.model)["total"]
     fpt = flops_per_token(cfg.model, matmul_params(cfg.model), cfg.seq_len)
     cadence, preemption = Cadence(cfg), PreemptionWatch()
-    step_tokens = sized.batch_size * cfg.seq_len * sized.grad_accum * step_fn.parallel.dp
+    step_tokens = sized.batch_size * cfg.seq_len * sized.grad_accum * step_fn.dp
     peak = gpu_peak_tflops(device, cfg.peak_tflops, step_fn.precision)
     meter = Meter(device, world, fpt, peak, n_params, baseline_mem, build_mem,
-                  loss_ranks=step_fn.parallel.dp)
-    step_fn.parallel.train()
+                  loss_ranks=step_fn.dp)
+    step_fn.train()
     while step < cfg.max_steps:
         lr = lr_at(step, cfg)
         loss, grad_norm, waited = step_fn(batches, lr)
@@ -97,7 +97,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         preempted = preemption.check(step)  # a node of the run is going: checkpoint now
         if not (cadence.reports(step) or preempted):
             continue
-        row = meter.row(step, lr, to_float(grad_norm), step_fn.parallel)
+        row = meter.row(step, lr, to_float(grad_norm), step_fn)
         row.update(tokens=tokens, epoch=batches.epoch, workers=world,
                    threads=torch.get_num_threads())  # what the launch line said (cpus.py)
         if preempted:
@@ -106,8 +106,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             val, bpb = step_fn.evaluate(validation)
             row.update(val_loss=val, val_ppl=math.exp(min(val, 50.0)), val_bpb=bpb)
         save = cadence.checkpoints(step) or bool(preempted)
-        if save and step_fn.parallel.replicated:
-            row["replica_spread"] = meter.replica_spread(step_fn.parallel.parts[0])  # 0.0: they agree
+        if save and step_fn.replicated:
+            row["replica_spread"] = meter.replica_spread(step_fn.parts[0])  # 0.0: they agree
         checkpointer.report(row, save=save, step_fn=step_fn, stream=batches)
         cadence.paced(step, meter.slowest_step_time)
         meter.next_interval(exclude_since_row=save or cadence.validates(step))
