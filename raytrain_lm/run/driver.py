@@ -5,11 +5,11 @@ this happens is in preflight.py."""
 from __future__ import annotations
 
 import datetime as _dt
-import os
 import threading
 import time
 from typing import Any, Callable, Optional
 
+from raytrain_lm import env
 from raytrain_lm.config.settings import TrainConfig
 from raytrain_lm.config.sizes import is_elastic, sizes_line, workers_text
 from raytrain_lm.errors import UserError, last_line
@@ -28,20 +28,17 @@ from raytrain_lm.run.preflight import (
 from raytrain_lm.store import files
 from raytrain_lm.store.runs import best_val_loss
 from raytrain_lm.store.storage import MetricsLog, RunClaim, RunFolder, live_claims
-from raytrain_lm.worker.drills import FAULT_ENV, WINDOWS_ENV
 
 # Ray Train's controller collects reports when it polls the workers (default every 2 s) and a
 # worker holds one report at a time, so reports more frequent than the poll stall training. The
 # controller takes it as an argument (controller.Polls); a value the user set always wins.
-POLL_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
-USER_POLL = os.environ.get(POLL_ENV)
 DEFAULT_POLL_S = 0.5
 ROWS_POLL_S = 0.25  # how often the driver takes new rows from the controller (progress lines)
 
 
 def report_poll_seconds(default: float = DEFAULT_POLL_S) -> float:
     """How often Ray Train's controller should collect reports: the user's setting, else `default`."""
-    return float(USER_POLL or default)
+    return float(env.health_poll() or default)
 
 
 def build_summary(cfg: TrainConfig, rows: list[dict], status: str, wall: float, t_launch: float,
@@ -68,7 +65,7 @@ def loop_config(cfg: TrainConfig, init_from: Optional[str] = None, fail_at: Opti
                 force: bool = False) -> dict:
     """What every worker's `train_loop_per_worker` is given (see build_trainer)."""
     return {"train": cfg.to_dict(), "run_name": cfg.name, "init_from": init_from,
-            "fail_at": fail_at, "force": force, "log_windows": bool(os.environ.get(WINDOWS_ENV))}
+            "fail_at": fail_at, "force": force, "log_windows": env.log_windows()}
 
 
 def build_trainer(cfg: TrainConfig, run: RunFolder, callbacks: Optional[list] = None,
@@ -151,7 +148,7 @@ def _launch(cfg: TrainConfig, run: RunFolder, t_launch: float, previous: dict,
     # second, not after ~2 s of imports; nor does an address where nothing answers
     from raytrain_lm.cluster.connect import check_reachable
 
-    check_reachable(cfg.address or os.environ.get("RAY_ADDRESS") or "local")
+    check_reachable(cfg.address or env.ray_address() or "local")
     from raytrain_lm.cluster.connect import connect_ray
     from raytrain_lm.ray_compat.callbacks import ForwardMetrics, HeldRows, KeepBest
 
@@ -168,7 +165,7 @@ def _launch(cfg: TrainConfig, run: RunFolder, t_launch: float, previous: dict,
 
     callbacks = [ForwardMetrics(HeldRows()), KeepBest(best_val_loss(run) if resume else None)]
     trainer = build_trainer(cfg, run, callbacks=callbacks, init_from=init_from,
-                            fail_at=os.environ.get(FAULT_ENV), poll_seconds=poll_seconds,
+                            fail_at=env.fail_at(), poll_seconds=poll_seconds,
                             force=force, worker_env=worker_env,
                             pg_cleaner=False,  # this driver's job ends with the run
                             autoscaler=not started_ray)
@@ -200,7 +197,7 @@ def choose_worker_cpus(cfg: TrainConfig, worker_env: Optional[dict[str, str]],
     from raytrain_lm.cpus import OMP_ENV, decide, machine_cores
 
     own_ray = starts_own_ray(cfg.address)
-    omp = (worker_env or {}).get(OMP_ENV) or (os.environ.get(OMP_ENV) if own_ray else None)
+    omp = (worker_env or {}).get(OMP_ENV) or (env.omp_threads() if own_ray else None)
     chosen = decide(cfg.cpus_per_worker, cfg.workers, own_ray, machine_cores(), trials, omp)
     cfg.cpus_per_worker = chosen.cpus
     if chosen.line:
