@@ -15,6 +15,7 @@ from raytrain_lm.config.sizes import is_elastic, sizes_line, workers_text
 from raytrain_lm.errors import UserError, last_line
 from raytrain_lm.run import summary
 from raytrain_lm.run.groups import WorkerGroups
+from raytrain_lm.run.row import MetricsRow, WorkerInputs
 from raytrain_lm.run.preflight import (
     check_init_from,
     check_memory,
@@ -62,10 +63,10 @@ def build_summary(cfg: TrainConfig, rows: list[dict], status: str, wall: float, 
 
 
 def loop_config(cfg: TrainConfig, init_from: Optional[str] = None, fail_at: Optional[str] = None,
-                force: bool = False) -> dict:
+                force: bool = False) -> WorkerInputs:
     """What every worker's `train_loop_per_worker` is given (see build_trainer)."""
-    return {"train": cfg.to_dict(), "run_name": cfg.name, "init_from": init_from,
-            "fail_at": fail_at, "force": force, "log_windows": env.log_windows()}
+    return WorkerInputs(train=cfg.to_dict(), run_name=cfg.name, init_from=init_from,
+                        fail_at=fail_at, force=force, log_windows=env.log_windows())
 
 
 def build_trainer(cfg: TrainConfig, run: RunFolder, callbacks: Optional[list] = None,
@@ -324,7 +325,7 @@ class Follower:
         tb.close()
         return outcome.get("result"), outcome.get("error")
 
-    def _take(self, row: dict, tb) -> None:
+    def _take(self, row: MetricsRow, tb) -> None:
         if row.get("event") == "worker_failure":
             self.groups.failure(row["error"])
             self.say(f"worker failure: {row['error']}; restarting from the latest checkpoint")

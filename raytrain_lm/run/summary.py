@@ -6,12 +6,14 @@ from __future__ import annotations
 import statistics
 from typing import Any, Optional
 
+from raytrain_lm.run.row import MetricsRow
+
 
 def _median(values: list) -> Optional[float]:
     return statistics.median(values) if values else None
 
 
-def from_metrics(rows: list[dict]) -> dict[str, Any]:
+def from_metrics(rows: list[MetricsRow]) -> dict[str, Any]:
     """What the metrics rows (metrics.jsonl) tell about a run."""
     last = rows[-1] if rows else {}
     evals = [r for r in rows if r.get("val_loss") is not None]

@@ -19,7 +19,7 @@ import tempfile
 import time
 from collections import deque
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import pyarrow.fs as pafs
 import ray.train
@@ -27,6 +27,7 @@ import torch
 from ray.train import CheckpointUploadMode
 
 from raytrain_lm.config.settings import TrainConfig
+from raytrain_lm.run.row import MetricsRow
 from raytrain_lm.store import checkpoint_format as ckpt_io
 from raytrain_lm.store.files import checkpoint_name
 from raytrain_lm.store.runs import FoundCheckpoint, latest_checkpoint
@@ -57,8 +58,8 @@ class Checkpointer:
         self.mode = upload_mode(cfg, self.fs)
         self.fail_at, self.run_name = fail_at, run_name
         self.waited: Optional[float] = None  # seconds training stood still for the last checkpoint
-        self.recent: deque[dict] = deque(maxlen=RECENT_ROWS)  # the rows each checkpoint carries
-        self.resent: Optional[list[dict]] = None  # rows to send again with the first report
+        self.recent: deque[MetricsRow] = deque(maxlen=RECENT_ROWS)  # the rows each checkpoint carries
+        self.resent: Optional[list[MetricsRow]] = None  # rows to send again with the first report
         self.resumed_from: Optional[int] = None
 
     def find_latest(self) -> Optional[FoundCheckpoint]:
@@ -83,7 +84,7 @@ class Checkpointer:
         found.cleanup()
         return state["step"], state["tokens"]
 
-    def report(self, row: dict[str, Any], save: bool, step_fn=None, stream=None) -> None:
+    def report(self, row: MetricsRow, save: bool, step_fn=None, stream=None) -> None:
         """`ray.train.report` (a barrier: every rank calls it), with a checkpoint if `save`."""
         step = row["step"]
         row["resumed_from_step"] = self.resumed_from

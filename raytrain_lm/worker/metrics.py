@@ -9,6 +9,8 @@ from typing import Optional
 
 import torch
 
+from raytrain_lm.run.row import MetricsRow
+
 
 def gpu_peak_tflops(device: torch.device, override: Optional[float] = None,
                     precision: str = "bf16") -> Optional[float]:
@@ -106,7 +108,7 @@ class Meter:
         self.timer.tokens += tokens
         self.timer.data_wait += data_wait
 
-    def row(self, step: int, lr: float, grad_norm: float, step_fn) -> dict:
+    def row(self, step: int, lr: float, grad_norm: float, step_fn) -> MetricsRow:
         """`step_fn`: the step (step.TrainStep): its parts and optimizers (memory held), the
         pipeline's bubble and the bytes each mesh dimension moved."""
         from raytrain_lm.parallel.fsdp import held_bytes, param_fraction
@@ -125,7 +127,7 @@ class Meter:
         # all-reduce, so the loop's time-paced cadence (loop.Cadence) agrees everywhere.
         self.slowest_step_time = mem[4].item()
         tps = self.timer.tokens / elapsed
-        row = {
+        row: MetricsRow = {
             "step": step,
             "loss": losses.mean().item(),
             "step_losses": losses.tolist(),  # per-step global losses, for exact-resume checks
