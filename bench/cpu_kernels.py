@@ -207,7 +207,7 @@ def build_step(preset: str, path: str):
     cfg.model.vocab_size, cfg.compile = 256, path == "inductor"
     step = TrainStep(cfg, torch.device("cpu"))
     if path == "onednn":
-        use_onednn_linears(step.parallel.parts[0])
+        use_onednn_linears(step.model.parts[0])
     return cfg, step
 
 

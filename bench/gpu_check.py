@@ -1,11 +1,11 @@
 """One GPU, no Ray: does every layout's per-worker code run, and how fast is the gpt2 step?
 
 A prepared check for a machine with one GPU (torch, pyarrow and typer; Ray need not be there):
-1. every layout as a Ray Train worker builds and steps it (step.TrainStep, parallel.Parallelized)
+1. every layout as a Ray Train worker builds and steps it (step.TrainStep, parallel.parallelize)
    in a process group of one rank: DDP (DistributedDataParallel in place of Ray's prepare_model),
    FSDP2, tensor parallelism (with sequence parallelism), a pipeline, all three at once, the
    Llama; activation checkpointing, bf16, fp16 with the gradient scaler, fp32 (TF32), compile.
-   Mesh dims of one rank are applied all the same (Parallelized's `force`), so the code that
+   Mesh dims of one rank are applied all the same (parallelize's `force`), so the code that
    runs is the code of a larger run (not the interleaved schedule: its two stages on one rank
    would both hold the tied embedding, which no real layout does); a few steps each on random
    tokens. Each layout's initial
@@ -133,10 +133,10 @@ def run_layout(name: str, settings: dict, force: tuple, kind: str, device: torch
         wrap = (lambda m: DistributedDataParallel(m, device_ids=[device] if device.type == "cuda"
                                                   else None)) if not force else None
         step = TrainStep(cfg, device, force=frozenset(force), ddp_wrap=wrap)
-        row.update(precision=step.precision, fsdp_mixed=step.parallel.mixed_by_fsdp,
-                   init_sums=weights_sums(step.parallel), arch=cfg.model.arch)
+        row.update(precision=step.precision, fsdp_mixed=step.model.mixed_by_fsdp,
+                   init_sums=weights_sums(step.model), arch=cfg.model.arch)
         batches = RandomBatches(cfg.model.vocab_size, cfg.batch_size, cfg.seq_len, device)
-        step.parallel.train()
+        step.train()
         losses, times = [], []
         for _ in range(steps + 1):  # the first: compilation, allocation
             t0 = time.perf_counter()

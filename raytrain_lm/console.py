@@ -4,10 +4,11 @@ by cluster/connect.py's quiet_ray_logging.)"""
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from typing import IO, Optional
+
+from raytrain_lm import env
 
 _CODES = {"red": "31", "green": "32", "yellow": "33", "bold": "1", "dim": "2"}
 
@@ -15,7 +16,7 @@ _CODES = {"red": "31", "green": "32", "yellow": "33", "bold": "1", "dim": "2"}
 def color_enabled(stream: Optional[IO] = None) -> bool:
     """Colours on a terminal only; never in pipes, files or CI logs, nor with NO_COLOR set."""
     stream = stream or sys.stdout
-    if os.environ.get("NO_COLOR") or os.environ.get("TERM") == "dumb":
+    if env.plain_terminal():
         return False
     return bool(getattr(stream, "isatty", lambda: False)())
 

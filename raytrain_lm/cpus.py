@@ -20,7 +20,7 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
-OMP_ENV = "OMP_NUM_THREADS"
+from raytrain_lm.env import OMP_ENV
 
 
 def machine_cores() -> int:

@@ -346,7 +346,7 @@ class TrainedHere:
         assert sum(self.losses[-5:]) / 5 < self.losses[0] - 0.5, self.losses
         state = {"step": steps, "tokens": steps * 8 * 64, "world_size": 1, "config": self.cfg.to_dict(),
                  "tokenizer": self.tok.spec(), "scaler": {}, "data": {"epoch": 0, "consumed": 0}}
-        # save_checkpoint takes the model as Parallelized holds it: parts and their optimizers
+        # save_checkpoint takes the model as the step holds it: parts and their optimizers
         save_checkpoint(self.ckpt, 0, SimpleNamespace(parts=[self.model], optimizers=[opt]),
                         state=state, tokenizer_raw=self.tok.raw)
 

@@ -78,7 +78,7 @@ def _rank_main(rank: int, world: int, port: int, config: dict, storage, rows) ->
 
     code = 0
     try:
-        Controller(experiment_name=config["run_name"]).run(lambda: train_loop_per_worker(config))
+        Controller(experiment_name=config.run_name).run(lambda: train_loop_per_worker(config))
         rows.put({"event": "done", "rank": rank})
     except BaseException:
         rows.put({"event": "error", "rank": rank, "error": traceback.format_exc()})

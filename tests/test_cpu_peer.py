@@ -33,4 +33,4 @@ def test_both_benches_build_and_step_the_projects_train_step():
 
     assert threads_child(1) > 0  # cpu_peer's project side: builds and steps
     cfg, step = cpu_kernels.build_step("tiny", "mkl")
-    assert step.parallel.modules[0] is step.parallel.parts[0]  # the bare model, no wrapper
+    assert step.model.modules[0] is step.model.parts[0]  # the bare model, no wrapper

@@ -92,7 +92,7 @@ def test_force_reaches_the_workers(tmp_path, monkeypatch):
     fake_device_memory(monkeypatch, 80e9)
     for force in (False, True):
         trainer = build_trainer(cfg, RunFolder(cfg.storage, cfg.name), force=force)
-        passed = trainer.train_loop_config["force"]
+        passed = trainer.train_loop_config.force
         if force:
             check_device_memory(cfg, torch.device("cuda", 0), passed)
         else:

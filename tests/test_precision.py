@@ -51,11 +51,11 @@ def _step(**layout) -> TrainStep:
 def _projection_dtype(step: TrainStep) -> torch.dtype:
     """The dtype a block's q/k/v projection computes in, over one forward and backward."""
     seen = []
-    part = step.parallel.parts[0]
+    part = step.model.parts[0]
     part.h[0].attn.c_attn.register_forward_hook(lambda mod, i, out: seen.append(out.dtype))
     x = torch.randint(0, 64, (2, 16))
-    with step.autocast, step.parallel._loss_ctx():
-        _, loss = step.parallel.modules[0](x, x)
+    with step.autocast, step.model.loss_ctx():
+        _, loss = step.model.modules[0](x, x)
         loss.backward()
     assert all(p.grad is not None for p in part.parameters())
     return seen[0]
@@ -64,9 +64,9 @@ def _projection_dtype(step: TrainStep) -> torch.dtype:
 def test_fsdp_computes_in_bf16_by_its_policy_alone_and_tp_by_autocast(two_ranks):
     for strategy in ("fsdp", "zero2"):  # zero2 is fully_shard too: the same single mechanism
         fsdp = _step(strategy=strategy)
-        assert fsdp.parallel.mixed_by_fsdp and isinstance(fsdp.autocast, nullcontext), strategy
+        assert fsdp.model.mixed_by_fsdp and isinstance(fsdp.autocast, nullcontext), strategy
         assert _projection_dtype(fsdp) == torch.bfloat16  # the MixedPrecisionPolicy's gather
     tp = _step(tp=2)
-    assert not tp.parallel.mixed_by_fsdp and isinstance(tp.autocast, torch.autocast)
+    assert not tp.model.mixed_by_fsdp and isinstance(tp.autocast, torch.autocast)
     assert _projection_dtype(tp) == torch.bfloat16  # autocast over DTensor matmuls
-    assert all(p.dtype == torch.float32 for p in tp.parallel.parts[0].parameters())
+    assert all(p.dtype == torch.float32 for p in tp.model.parts[0].parameters())

@@ -53,7 +53,7 @@ def test_validation_and_the_last_step_still_report():
 
 
 def test_meter_gives_the_interval_step_time_for_the_pace():
-    class Layout:  # what Meter.row reads of a layout, as parallel.Parallelized has it
+    class Layout:  # what Meter.row reads of the step, as step.TrainStep has it
         parts = [torch.nn.Linear(2, 2)]
         optimizers, comm_bytes = [], {}
 

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
 from typing import List, Optional
 
 import typer
 
+from raytrain_lm import env
 from raytrain_lm.cli.app import app, examples
 from raytrain_lm.cli.options import JSON, VERBOSE
 from raytrain_lm.console import Progress
@@ -68,7 +68,7 @@ def prepare(
     settings = dict(tokenizer=tokenizer, vocab_size=vocab_size, tokenizer_sample_mb=tokenizer_sample_mb,
                     val_every=val_every, shard_tokens=shard_tokens, force=force)
     check_prepare(sources, out, **settings)  # before Ray starts: a bad input costs a second
-    address = address or os.environ.get("RAY_ADDRESS")
+    address = address or env.ray_address()
     if ray is None:
         ray = bool(address) or any("://" in s for s in sources) or \
             input_megabytes(sources) > RAY_FROM_MB

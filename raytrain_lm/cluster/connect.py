@@ -16,6 +16,7 @@ import socket
 import sys
 from typing import Optional
 
+from raytrain_lm import env
 from raytrain_lm.cluster.registry import SINGLE_MACHINE_ENV, read_record, running_local_cluster
 from raytrain_lm.errors import UserError
 
@@ -30,7 +31,7 @@ def use_token_auth_if_available() -> bool:
     """Send the token on every request of this process when one exists (RAY_AUTH_MODE=token).
 
     A cluster without authentication ignores it; one with authentication needs it."""
-    mode = os.environ.get("RAY_AUTH_MODE")
+    mode = env.ray_auth_mode()
     if mode is not None:  # the user chose explicitly
         return mode.lower() == "token"
     if not token_available():
@@ -171,7 +172,7 @@ def check_reachable(address: str, timeout: float = 3.0) -> None:
         raise UserError(f"no Ray cluster answers at {address}; start one with "
                         f"`python cli.py cluster local-up` or check the address") from None
     with conn:
-        if os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true"):
+        if env.ray_use_tls():
             return
         try:
             conn.sendall(_HTTP2_PREFACE)
@@ -191,7 +192,7 @@ def starts_own_ray(address: Optional[str]) -> bool:
 
     if ray.is_initialized():
         return False
-    address = address or os.environ.get("RAY_ADDRESS")
+    address = address or env.ray_address()
     return address == "local" or (not address and running_local_cluster() is None)
 
 
@@ -203,7 +204,7 @@ def connect_ray(address: Optional[str], min_cpus: float, verbose: bool = False,
 
     if ray.is_initialized():
         return False
-    address = address or os.environ.get("RAY_ADDRESS")
+    address = address or env.ray_address()
     quiet = dict(log_to_driver=verbose, logging_level=logging.INFO if verbose else logging.WARNING)
     if not address and (running := running_local_cluster()):
         address = running["address"]  # already up: joining it saves a Ray start

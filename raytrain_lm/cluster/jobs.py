@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Callable, Optional
 from urllib.parse import urlparse
 
+from raytrain_lm import env
 from raytrain_lm.cluster.connect import (
     NO_TOKEN,
     check_listening,
@@ -40,9 +41,9 @@ Say = Callable[[str], None]
 
 def jobs_address(address: Optional[str]) -> str:
     """--address, else RAY_API_SERVER_ADDRESS, else an http RAY_ADDRESS, else the local default."""
-    address = address or os.environ.get("RAY_API_SERVER_ADDRESS")
-    if not address and os.environ.get("RAY_ADDRESS", "").startswith(("http://", "https://")):
-        address = os.environ["RAY_ADDRESS"]
+    address = address or env.ray_api_server()
+    if not address and (env.ray_address() or "").startswith(("http://", "https://")):
+        address = env.ray_address()
     address = (address or DEFAULT_JOBS_ADDRESS).rstrip("/")
     if "://" not in address:
         address = f"http://{address}"
@@ -136,7 +137,7 @@ def submit(train_args: list[str], given: dict, address: Optional[str] = None, fo
     client = job_client(address)
     python = shlex.quote(sys.executable) if is_local_address(address) else "python"
     entrypoint = f"{python} cli.py train {shlex.join(args)}"
-    env_vars = {k: os.environ[k] for k in FORWARDED_ENV if os.environ.get(k)}
+    env_vars = env.present(FORWARDED_ENV)
     with job_working_dir(given, cwd or Path.cwd()) as (working_dir, uploaded):
         say(uploaded)
         runtime_env = {"working_dir": str(working_dir), **({"env_vars": env_vars} if env_vars else {})}

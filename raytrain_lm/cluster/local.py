@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from typing import Callable, Optional
 
+from raytrain_lm import env
 from raytrain_lm.cluster.connect import free_port, token_available
 from raytrain_lm.cluster.jobs import DEFAULT_DASHBOARD_PORT, job_client
 from raytrain_lm.cluster.registry import (
@@ -50,7 +51,8 @@ def local_up(port: int = DEFAULT_PORT, dashboard_port: int = DEFAULT_DASHBOARD_P
                             f"`python cli.py cluster local-down --port {port}`), or choose another {what}")
     if num_cpus is not None and num_cpus < 1:
         raise UserError(f"--num-cpus must be at least 1, got {num_cpus}")
-    mode = os.environ.get("RAY_AUTH_MODE", "token")
+    mode = env.ray_auth_mode()
+    mode = "token" if mode is None else mode
     if mode.lower() != "token":
         raise UserError(f"RAY_AUTH_MODE={mode} would start a cluster without authentication, on "
                         f"which anyone who reaches its ports runs code as you; unset RAY_AUTH_MODE "
@@ -62,7 +64,7 @@ def local_up(port: int = DEFAULT_PORT, dashboard_port: int = DEFAULT_DASHBOARD_P
         raise UserError(f"{temp_dir} belongs to another user (or is a link); a cluster of yours "
                         f"cannot keep its sockets and logs there: remove it, or choose another "
                         f"--port")
-    env = {**os.environ, "RAY_AUTH_MODE": "token", MARKER_ENV: str(temp_dir)}
+    child_env = {**os.environ, "RAY_AUTH_MODE": "token", MARKER_ENV: str(temp_dir)}
     if not token_available():
         from ray._private.authentication.authentication_token_setup import generate_and_save_token
 
@@ -74,7 +76,7 @@ def local_up(port: int = DEFAULT_PORT, dashboard_port: int = DEFAULT_DASHBOARD_P
         say("warning: --public: the cluster's ports listen on every network interface (token "
             "authentication on); the dashboard and jobs API stay on 127.0.0.1")
     else:
-        env[SINGLE_MACHINE_ENV] = "0"
+        child_env[SINGLE_MACHINE_ENV] = "0"
     cmd = ray_cli() + [
         "start", "--head", f"--port={port}",
         "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}",
@@ -83,7 +85,7 @@ def local_up(port: int = DEFAULT_PORT, dashboard_port: int = DEFAULT_DASHBOARD_P
         f"--dashboard-agent-listen-port={free_port()}",
         f"--temp-dir={temp_dir}", "--disable-usage-stats",
     ] + ([f"--num-cpus={num_cpus}"] if num_cpus else [])
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    proc = subprocess.run(cmd, env=child_env, capture_output=True, text=True, timeout=180)
     if proc.returncode != 0:
         lines = [line for line in (proc.stderr + proc.stdout).splitlines() if line.strip()]
         raise UserError(f"`ray start` failed: {lines[-1] if lines else proc.returncode}")

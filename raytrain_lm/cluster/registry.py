@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import Optional
 from urllib.parse import urlparse
 
+from raytrain_lm import env
+
 DEFAULT_PORT = 6379
 
 # Ray's single-machine mode (its default on macOS and Windows): the node's address is 127.0.0.1,
@@ -35,8 +37,7 @@ def local_temp_dir(port: int = DEFAULT_PORT) -> Path:
 
 
 def records_dir() -> Path:
-    state = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
-    return Path(state) / "raytrain-lm" / "clusters"
+    return env.state_home() / "raytrain-lm" / "clusters"
 
 
 def _record_path(port: int) -> Path:

@@ -25,18 +25,17 @@ import shutil
 from pathlib import Path
 from typing import Iterator
 
+from raytrain_lm import env
 from raytrain_lm.data.manifest import dataset_files, load_manifest
 from raytrain_lm.errors import UserError
 from raytrain_lm.store.files import MANIFEST, REMOTE_SOURCE, TOKENIZER
 from raytrain_lm.store.storage import open_uri, sha256_file, staged_folder
 
-CACHE_ENV = "RAYTRAIN_LM_CACHE"
-CACHE_GB_ENV = "RAYTRAIN_LM_CACHE_GB"
 DEFAULT_CACHE_GB = 100.0
 
 
 def cache_dir_for(uri: str) -> Path:
-    base = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "raytrain-lm")
+    base = env.cache_dir()
     key = hashlib.sha256(uri.rstrip("/").encode()).hexdigest()[:16]
     name = uri.rstrip("/").rsplit("/", 1)[-1] or "dataset"
     return base / "datasets" / f"{name}-{key}"
@@ -96,7 +95,7 @@ def fetch_shard(folder: Path, entry: dict) -> Path:
 def evict(folder: Path, keep: Path) -> None:
     """Delete the least recently used shards until the cache is within its bound (never `keep`).
     A shard another worker has memory-mapped stays readable to it until it lets go."""
-    limit = float(os.environ.get(CACHE_GB_ENV) or DEFAULT_CACHE_GB) * 1e9
+    limit = env.cache_gb(DEFAULT_CACHE_GB) * 1e9
     shards = sorted(folder.glob("*.arrow"), key=lambda p: p.stat().st_mtime)
     total = sum(p.stat().st_size for p in shards)
     for p in shards:

@@ -1,7 +1,9 @@
 """Everything that makes the model distributed or memory-lean, applied from outside `model.py` and
 `llama.py` (which import nothing from torch.distributed): the same code for both architectures.
 
-Two ways to build, one interface (`Parallelized`):
+Builds only: `parallelize(cfg, device)` returns the model as this rank holds it (`Built`: its parts,
+the modules to call, the pipeline schedule and what running it needs); worker/step.py runs it
+(forward/backward, clipping, the optimizers, validation). Two ways to build, one result:
 - replicated (DDP, no --tp/--pp): the whole model on every worker, wrapped by Ray Train's
   `prepare_model` (parallel/ddp.py): activation checkpointing, then DDP, then compile; with
   --strategy zero1, AdamW's states sharded over the workers (optim.ZeroOneAdamW).
@@ -37,14 +39,20 @@ from raytrain_lm.config.sizes import pipeline_microbatches, pipeline_stages
 from raytrain_lm.model import architecture, build_model
 from raytrain_lm.parallel import ddp, fsdp
 from raytrain_lm.parallel.ac import apply_activation_checkpointing
-from raytrain_lm.parallel.mesh import Coords, all_reduce, build_mesh, is_distributed, rank_coords
-from raytrain_lm.parallel.traffic import PipelineTimer, clock_for
-from raytrain_lm.worker.optim import build_optimizer
+from raytrain_lm.parallel.mesh import Coords, build_mesh, is_distributed, rank_coords
 
 
-class Parallelized:
+def parallelize(cfg: TrainConfig, device: torch.device, dtype: Optional[torch.dtype] = None,
+                force: frozenset = frozenset(), ddp_wrap=None) -> "Built":
+    """The model of `cfg` as this rank holds it (see Built)."""
+    return Built(cfg, device, dtype, force, ddp_wrap)
+
+
+class Built:
     """The model as this rank holds it: its parts (one, or its pipeline stages), the modules to
-    call, one optimizer per part, and how a step, a clip and a validation run on this layout."""
+    call, and what a step on this layout needs to run them: the mesh, the pipeline schedule and
+    its loss, the tied-embedding and pp groups, `norm_exclude`, `reports_loss`. Nothing here
+    steps: worker/step.py owns the optimizers, the step and validation."""
 
     def __init__(self, cfg: TrainConfig, device: torch.device,
                  dtype: Optional[torch.dtype] = None, force: frozenset = frozenset(),
@@ -66,9 +74,9 @@ class Parallelized:
         self.mesh = None if self.replicated else build_mesh(device, cfg.tp, cfg.pp)
         self.mixed_by_fsdp = dtype is not None and \
             fsdp.shards(cfg, self.dp, self.replicated, self.force_fsdp)
-        self.schedule = self.tied_group = self.pp_group = self.timer = None
+        self.schedule = self.loss_fn = self.tied_group = self.pp_group = None
+        self.has_first = self.has_last = True
         self.norm_exclude: set[int] = set()
-        self.comm_bytes: dict[str, int] = {}  # per mesh dim, one step (step.py counts them)
         if self.replicated:
             with torch.device(device):  # built and initialised on the device (model.init_device)
                 model = build_model(cfg.model, seed=cfg.seed)
@@ -77,7 +85,6 @@ class Parallelized:
         else:
             self.parts = self._build_sharded()
             self.modules = self.parts
-        self.optimizers = [build_optimizer(part, cfg, device) for part in self.parts]
         if self.pp_on:
             self._build_pipeline()
         # The ranks whose loss is their dp group's (tp ranks hold copies; with pp, the last stage).
@@ -115,7 +122,6 @@ class Parallelized:
         self.schedule = pp.build_schedule(cfg.pp_schedule, self.stages, pipeline_stages(cfg),
                                           pipeline_microbatches(cfg), self.mesh["pp"],
                                           self.loss_fn, self.device)
-        self.timer = PipelineTimer(self.schedule, clock_for(self.device))
         self.has_first = any(m.is_first for m in self.parts)
         self.has_last = any(m.is_last for m in self.parts)
         self.pp_group = self.mesh["pp"].get_group()
@@ -123,12 +129,12 @@ class Parallelized:
         self.tied_group = pp.tied_group(self.mesh) if architecture(cfg.model).tied else None
         self.norm_exclude = pp.duplicate_tied_params(self.parts)
 
-    # ---------------------------------------------------------------- a step
+    # ---------------------------------------------------------------- running it
 
     def params(self) -> list[nn.Parameter]:
         return list({id(p): p for part in self.parts for p in part.parameters()}.values())
 
-    def _loss_ctx(self):
+    def loss_ctx(self):
         """Under tensor parallelism the logits stay sharded over the vocabulary and the loss is
         computed on the shards (forward and backward inside loss_parallel)."""
         if self.tp_on:
@@ -137,114 +143,6 @@ class Parallelized:
             return loss_parallel()
         return contextlib.nullcontext()
 
-    def forward_backward(self, batches, autocast, scaler) -> tuple[torch.Tensor, float]:
-        """Gradients of one step's mean loss over the whole global batch; returns (the loss of
-        this rank's dp group, or 0 on ranks that do not report it; seconds waiting for data)."""
-        import time
-
-        accum, waited, total = self.cfg.grad_accum, 0.0, None
-        for micro in range(accum):
-            t0 = time.perf_counter()
-            x, y = batches.next()
-            waited += time.perf_counter() - t0
-            if self.schedule is not None:
-                loss = self._pipeline_step(x, y, autocast)
-            else:
-                with ddp.no_sync(self.modules[0], sync=micro == accum - 1), autocast, self._loss_ctx():
-                    _, loss = self.modules[0](x, y)
-                    scaler.scale(loss / accum).backward()
-                loss = _local(loss.detach()) / accum
-            total = loss if total is None else total + loss
-        return (total if self.reports_loss else torch.zeros_like(total)), waited
-
-    def _pipeline_step(self, x, y, autocast) -> torch.Tensor:
-        """One schedule step: the first stage takes the inputs, the last the targets; the
-        microbatch losses come back on the last stage."""
-        losses: list[torch.Tensor] = []
-        with autocast, self._loss_ctx():
-            self.timer.measure(lambda: self.schedule.step(*((x,) if self.has_first else ()),
-                                                          target=y if self.has_last else None,
-                                                          losses=losses))
-        if not self.has_last:
-            return torch.zeros((), device=self.device)
-        return torch.stack([_local(loss.detach()) for loss in losses]).mean()
-
-    def clip_and_step(self, scaler) -> torch.Tensor:
-        """Global gradient-norm clipping, then every optimizer; returns the norm before clipping."""
-        from raytrain_lm.parallel import grad, pp
-
-        if not self.replicated:
-            grad.align_grads_(self.params())
-            pp.sync_tied_grads(self.parts, self.tied_group)
-        for optimizer in self.optimizers:
-            scaler.unscale_(optimizer)
-        if self.replicated:
-            norm = torch.nn.utils.clip_grad_norm_(self.parts[0].parameters(), self.cfg.grad_clip)
-        else:
-            norm = grad.clip_grad_norm_(self.params(), self.cfg.grad_clip, self.pp_group,
-                                        self.norm_exclude)
-        for optimizer in self.optimizers:
-            scaler.step(optimizer)
-        scaler.update()
-        return norm
-
-    def take_bubble(self) -> Optional[float]:
-        """The share of the pipeline steps since the last call this rank spent idle (None
-        without a pipeline)."""
-        return self.timer.take() if self.timer is not None else None
-
-    def zero_grad(self) -> None:
-        for optimizer in self.optimizers:
-            optimizer.zero_grad(set_to_none=True)
-
-    def set_lr(self, lr: float) -> None:
-        for optimizer in self.optimizers:
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-
     def train(self, mode: bool = True) -> None:
         for module in self.modules:
             module.train(mode)
-
-    # ---------------------------------------------------------------- validation
-
-    @torch.no_grad()
-    def evaluate(self, validation, autocast) -> tuple[float, float, float]:
-        """(summed token loss in nats, targets, bytes of text those targets stand for) over the
-        validation windows, all ranks together. Padding windows (a rank with fewer windows runs
-        full batches all the same) carry ignored targets and count for no bytes (Validation).
-        Each data-parallel group counts once: its loss-reporting rank adds its sums."""
-        self.train(False)
-        # (loss sum, tokens, text bytes)
-        total = torch.zeros(3, dtype=torch.float64, device=self.device)
-        if self.reports_loss:
-            total[2] = float(validation.text_bytes)
-        for x, y in validation:
-            tokens = int((y != validation.IGNORE).sum())
-            if self.schedule is not None:
-                loss_sum = self._pipeline_eval(x, y, autocast)
-            else:
-                with autocast, self._loss_ctx():
-                    _, loss = self.modules[0](x, y)
-                loss_sum = _local(loss).double() * tokens if tokens else torch.zeros((), dtype=torch.float64)
-            if self.reports_loss:
-                total[0] += loss_sum.to(total)
-                total[1] += tokens
-        self.train(True)
-        all_reduce(total)
-        loss_sum, tokens, text_bytes = total.tolist()
-        return loss_sum, tokens, text_bytes
-
-    def _pipeline_eval(self, x, y, autocast) -> torch.Tensor:
-        losses: list[torch.Tensor] = []
-        with autocast, self._loss_ctx(), self.loss_fn.summing():
-            self.schedule.eval(*((x,) if self.has_first else ()),
-                               target=y if self.has_last else None, losses=losses)
-        if not self.has_last:
-            return torch.zeros((), dtype=torch.float64, device=self.device)
-        return torch.stack([_local(loss).double() for loss in losses]).sum()
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A loss that may be a DTensor (replicated over tp) as a plain tensor."""
-    return t.to_local() if hasattr(t, "to_local") else t

@@ -9,6 +9,7 @@ import pyarrow.fs as pafs
 from ray.train import UserCallback
 
 from raytrain_lm.errors import last_line
+from raytrain_lm.run.row import MetricsRow
 from raytrain_lm.store.files import BEST_DIR
 from raytrain_lm.store.storage import copy_commit_last, share_folder, staged_folder
 
@@ -38,7 +39,7 @@ class ForwardMetrics(UserCallback):
         self.queue = queue
 
     def after_report(self, run_context, metrics, checkpoint):
-        row = dict(metrics[0])
+        row: MetricsRow = dict(metrics[0])  # type: ignore[assignment]
         if checkpoint is not None:
             row["checkpoint"] = checkpoint.path
         self.queue.put(row)

@@ -15,9 +15,10 @@ from raytrain_lm.config.sizes import worker_counts
 from raytrain_lm.ray_compat.backend import TorchConfig
 from raytrain_lm.ray_compat.controller import Polls, helper_callbacks, run_controller
 from raytrain_lm.ray_compat.scaling import FixedPolicyWithoutAutoscaler, SizedElasticPolicy
+from raytrain_lm.run.row import WorkerInputs
 
 
-def train_loop(config: dict) -> None:
+def train_loop(config: WorkerInputs) -> None:
     """The training function Ray sends to the workers, by reference: the loop's module (which
     imports torch) is imported there, not where the trainer is built."""
     from raytrain_lm.worker.loop import train_loop_per_worker

@@ -7,6 +7,7 @@ import os
 from typing import Any, Optional
 
 from raytrain_lm.errors import UserError
+from raytrain_lm.run.row import MetricsRow
 from raytrain_lm.store import files
 
 
@@ -25,7 +26,7 @@ def _fmt_rate(x: Optional[float]) -> str:
     return f"{x / 1e6:.2f}M" if x >= 1e6 else f"{x / 1e3:.1f}k" if x >= 1e3 else f"{x:.0f}"
 
 
-def progress_line(row: dict[str, Any], max_steps: int) -> str:
+def progress_line(row: MetricsRow, max_steps: int) -> str:
     step = row["step"]
     eta = (max_steps - step) * row["step_time"]
     parts = [

@@ -4,11 +4,11 @@ this happens is in preflight.py."""
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from typing import Any, Callable, Optional
 
+from raytrain_lm import env
 from raytrain_lm.cluster.connect import check_reachable, connect_ray, starts_own_ray
 from raytrain_lm.config.checks import validate
 from raytrain_lm.config.settings import TrainConfig
@@ -27,32 +27,30 @@ from raytrain_lm.run.preflight import (
     resume_step,
     worker_memory_gb,
 )
+from raytrain_lm.run.row import MetricsRow, WorkerInputs
 from raytrain_lm.run.summary import build_summary
 from raytrain_lm.store import files
 from raytrain_lm.store.claims import RunClaim, live_claims
 from raytrain_lm.store.runs import best_val_loss
 from raytrain_lm.store.storage import MetricsLog, RunFolder
-from raytrain_lm.worker.drills import FAULT_ENV, WINDOWS_ENV
 
 # Ray Train's controller collects reports when it polls the workers (default every 2 s) and a
 # worker holds one report at a time, so reports more frequent than the poll stall training. The
 # controller takes it as an argument (controller.Polls); a value the user set always wins.
-POLL_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
-USER_POLL = os.environ.get(POLL_ENV)
 DEFAULT_POLL_S = 0.5
 ROWS_POLL_S = 0.25  # how often the driver takes new rows from the controller (progress lines)
 
 
 def report_poll_seconds(default: float = DEFAULT_POLL_S) -> float:
     """How often Ray Train's controller should collect reports: the user's setting, else `default`."""
-    return float(USER_POLL or default)
+    return float(env.health_poll() or default)
 
 
 def loop_config(cfg: TrainConfig, init_from: Optional[str] = None, fail_at: Optional[str] = None,
-                force: bool = False) -> dict:
+                force: bool = False) -> WorkerInputs:
     """What every worker's `train_loop_per_worker` is given (see build_trainer)."""
-    return {"train": cfg.to_dict(), "run_name": cfg.name, "init_from": init_from,
-            "fail_at": fail_at, "force": force, "log_windows": bool(os.environ.get(WINDOWS_ENV))}
+    return WorkerInputs(train=cfg.to_dict(), run_name=cfg.name, init_from=init_from,
+                        fail_at=fail_at, force=force, log_windows=env.log_windows())
 
 
 def build_trainer(cfg: TrainConfig, run: RunFolder, callbacks: Optional[list] = None,
@@ -133,7 +131,7 @@ def _launch(cfg: TrainConfig, run: RunFolder, t_launch: float, previous: dict,
     """run_training from connecting to Ray on, with the run's folder claimed."""
     # Ray Train and the Ray connection are imported only now: a bad input above fails in a
     # second, not after ~2 s of imports; nor does an address where nothing answers
-    check_reachable(cfg.address or os.environ.get("RAY_ADDRESS") or "local")
+    check_reachable(cfg.address or env.ray_address() or "local")
     from raytrain_lm.ray_compat.callbacks import ForwardMetrics, HeldRows, KeepBest
 
     asked = cfg.cpus_per_worker  # None: the launch decides (cpus.py); a resume decides again
@@ -149,7 +147,7 @@ def _launch(cfg: TrainConfig, run: RunFolder, t_launch: float, previous: dict,
 
     callbacks = [ForwardMetrics(HeldRows()), KeepBest(best_val_loss(run) if resume else None)]
     trainer = build_trainer(cfg, run, callbacks=callbacks, init_from=init_from,
-                            fail_at=os.environ.get(FAULT_ENV), poll_seconds=poll_seconds,
+                            fail_at=env.fail_at(), poll_seconds=poll_seconds,
                             force=force, worker_env=worker_env,
                             pg_cleaner=False,  # this driver's job ends with the run
                             autoscaler=not started_ray)
@@ -178,7 +176,7 @@ def choose_worker_cpus(cfg: TrainConfig, worker_env: Optional[dict[str, str]],
     start, the machine's cores shared among the workers of `trials` concurrent trials) and say
     it in the launch line. Returns whether this process will start its own Ray."""
     own_ray = starts_own_ray(cfg.address)
-    omp = (worker_env or {}).get(OMP_ENV) or (os.environ.get(OMP_ENV) if own_ray else None)
+    omp = (worker_env or {}).get(OMP_ENV) or (env.omp_threads() if own_ray else None)
     chosen = decide(cfg.cpus_per_worker, cfg.workers, own_ray, machine_cores(), trials, omp)
     cfg.cpus_per_worker = chosen.cpus
     if chosen.line:
@@ -300,7 +298,7 @@ class Follower:
         tb.close()
         return outcome.get("result"), outcome.get("error")
 
-    def _take(self, row: dict, tb) -> None:
+    def _take(self, row: MetricsRow, tb) -> None:
         if row.get("event") == "worker_failure":
             self.groups.failure(row["error"])
             self.say(f"worker failure: {row['error']}; restarting from the latest checkpoint")

@@ -10,13 +10,14 @@ from typing import Any, Optional
 
 from raytrain_lm.config.settings import TrainConfig
 from raytrain_lm.config.sizes import is_elastic, workers_text
+from raytrain_lm.run.row import MetricsRow
 
 
 def _median(values: list) -> Optional[float]:
     return statistics.median(values) if values else None
 
 
-def from_metrics(rows: list[dict]) -> dict[str, Any]:
+def from_metrics(rows: list[MetricsRow]) -> dict[str, Any]:
     """What the metrics rows (metrics.jsonl) tell about a run."""
     last = rows[-1] if rows else {}
     evals = [r for r in rows if r.get("val_loss") is not None]

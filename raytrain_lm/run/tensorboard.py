@@ -20,10 +20,11 @@ from tensorboard.compat.proto.event_pb2 import Event, SessionLog
 from tensorboard.compat.proto.summary_pb2 import Summary
 from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
+from raytrain_lm.run.row import MetricsRow
 from raytrain_lm.store.storage import RunFolder
 
-# metrics key -> TensorBoard tag; the prefix groups the charts.
-TAGS = {
+# metrics key (run/row.MetricsRow) -> TensorBoard tag; the prefix groups the charts.
+TAGS: dict[str, str] = {
     "loss": "loss/train",
     "val_loss": "loss/val",
     "val_ppl": "loss/val_perplexity",
@@ -52,7 +53,7 @@ class TensorBoardLog:
         self.last_step: Optional[int] = None
         self.failed = False
 
-    def add(self, row: dict) -> None:
+    def add(self, row: MetricsRow) -> None:
         if self.failed:
             return
         try:

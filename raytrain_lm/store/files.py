@@ -11,9 +11,11 @@ dataset's folder. Everything that reads or writes these files takes the names fr
 
 from __future__ import annotations
 
-import os
 import re
 from typing import Optional
+
+from raytrain_lm import env
+from raytrain_lm.env import STORAGE_ENV  # noqa: F401  (settings, options name it)
 
 # ---------------------------------------------------------------- a run's folder
 SUMMARY = "summary.json"
@@ -48,11 +50,8 @@ def is_plain_name(name: object) -> bool:
 
 # Where runs live when --storage is not given: a cluster sets RAYTRAIN_LM_STORAGE on every node
 # (cluster.yaml: s3://...), so the driver, the workers and the read commands agree.
-STORAGE_ENV = "RAYTRAIN_LM_STORAGE"
-
-
 def default_storage() -> str:
-    return os.environ.get(STORAGE_ENV) or "runs"
+    return env.storage() or "runs"
 
 
 def checkpoint_name(step: int) -> str:

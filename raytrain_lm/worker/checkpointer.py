@@ -19,7 +19,7 @@ import tempfile
 import time
 from collections import deque
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import pyarrow.fs as pafs
 import ray.train
@@ -27,6 +27,7 @@ import torch
 from ray.train import CheckpointUploadMode
 
 from raytrain_lm.config.settings import TrainConfig
+from raytrain_lm.run.row import MetricsRow
 from raytrain_lm.store import checkpoint_format as ckpt_io
 from raytrain_lm.store.files import checkpoint_name
 from raytrain_lm.store.runs import FoundCheckpoint, latest_checkpoint
@@ -57,8 +58,8 @@ class Checkpointer:
         self.mode = upload_mode(cfg, self.fs)
         self.fail_at, self.run_name = fail_at, run_name
         self.waited: Optional[float] = None  # seconds training stood still for the last checkpoint
-        self.recent: deque[dict] = deque(maxlen=RECENT_ROWS)  # the rows each checkpoint carries
-        self.resent: Optional[list[dict]] = None  # rows to send again with the first report
+        self.recent: deque[MetricsRow] = deque(maxlen=RECENT_ROWS)  # the rows each checkpoint carries
+        self.resent: Optional[list[MetricsRow]] = None  # rows to send again with the first report
         self.resumed_from: Optional[int] = None
 
     def find_latest(self) -> Optional[FoundCheckpoint]:
@@ -71,9 +72,8 @@ class Checkpointer:
         # The schedule keeps the learning rates used up to this checkpoint: decided here, from the
         # checkpoint actually resumed from (an older one when the newest is incomplete).
         resumed_horizon(TrainConfig.from_dict(state["config"]), self.cfg, state["step"])
-        ckpt_io.load_state(found.path, step_fn.parallel)
-        if step_fn.scaler.is_enabled() and state["scaler"]:
-            step_fn.scaler.load_state_dict(state["scaler"])  # else fp16 starts here: a fresh scale
+        ckpt_io.load_state(found.path, step_fn)  # its parts and optimizers
+        step_fn.load_scaler_state(state["scaler"])  # none saved: fp16 starts here, a fresh scale
         stream.load_state_dict(state["data"])
         self.resumed_from = state["step"]
         # The last rows reported before this checkpoint, itself included: the driver may not have
@@ -84,7 +84,7 @@ class Checkpointer:
         found.cleanup()
         return state["step"], state["tokens"]
 
-    def report(self, row: dict[str, Any], save: bool, step_fn=None, stream=None) -> None:
+    def report(self, row: MetricsRow, save: bool, step_fn=None, stream=None) -> None:
         """`ray.train.report` (a barrier: every rank calls it), with a checkpoint if `save`."""
         step = row["step"]
         row["resumed_from_step"] = self.resumed_from
@@ -98,13 +98,13 @@ class Checkpointer:
             return
         state = None
         if self.rank == 0:
-            state = {"scaler": step_fn.scaler.state_dict(), "step": step, "tokens": row["tokens"],
+            state = {"scaler": step_fn.scaler_state(), "step": step, "tokens": row["tokens"],
                      "data": stream.state_dict(), "world_size": self.world,
                      "val_loss": row.get("val_loss"), "recent_metrics": list(self.recent),
                      "config": self.cfg.to_dict(), "tokenizer": self.tokenizer.spec()}
         started = time.perf_counter()
         tmp = tempfile.mkdtemp(prefix="raytrain-lm-ckpt-")  # Ray deletes it once uploaded
-        ckpt_io.save_checkpoint(Path(tmp), self.rank, step_fn.parallel, state=state,
+        ckpt_io.save_checkpoint(Path(tmp), self.rank, step_fn, state=state,
                                 tokenizer_raw=self.tokenizer.raw if self.rank == 0 else None,
                                 commit=False)
         ray.train.report(row, checkpoint=ray.train.Checkpoint.from_directory(tmp),

@@ -17,8 +17,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
-FAULT_ENV = "RAYTRAIN_LM_FAIL_AT"
-WINDOWS_ENV = "RAYTRAIN_LM_LOG_WINDOWS"
+from raytrain_lm.env import WINDOWS_ENV
+
 WINDOWS_DIR = "windows"
 
 

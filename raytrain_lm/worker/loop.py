@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
 
 import ray.train
 import ray.train.torch
@@ -31,6 +30,7 @@ from raytrain_lm.parallel.fsdp import to_float
 from raytrain_lm.parallel.mesh import rank_coords
 from raytrain_lm.plan import matmul_params, param_counts
 from raytrain_lm.run.preflight import check_device_memory
+from raytrain_lm.run.row import WorkerInputs
 from raytrain_lm.store import checkpoint_format as ckpt_io
 from raytrain_lm.worker.checkpointer import Checkpointer, restore_rng
 from raytrain_lm.worker.drills import WindowLog, fault_drill
@@ -40,21 +40,20 @@ from raytrain_lm.worker.preemption import PreemptionWatch
 from raytrain_lm.worker.step import TrainStep
 
 
-def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
-    cfg = TrainConfig.from_dict(loop_config["train"])
+def train_loop_per_worker(inputs: WorkerInputs) -> None:
+    cfg = TrainConfig.from_dict(inputs.train)
     cfg.data = resolve_dataset(cfg.data)  # s3://... -> verified local cache on this node
     ctx = ray.train.get_context()
     rank, world, device = ctx.get_world_rank(), ctx.get_world_size(), ray.train.torch.get_device()
     sized = fit_to_world(cfg, world)  # this size's micro-batches: the same global batch
     if sized is None:  # the trainer starts only sizes that can (scaling.py)
         raise UserError(f"a group of {world} workers cannot split this run's global batch evenly")
-    check_device_memory(sized, device, loop_config.get("force", False))  # the GPU's real memory
+    check_device_memory(sized, device, inputs.force)  # the GPU's real memory
     if device.type == "cuda":
         check_tp_in_node(cfg.tp, ctx.get_local_world_size())  # NVLink, not the network
         torch.set_float32_matmul_precision("high")  # TF32 for any matmul left in fp32
     tokenizer = dataset_tokenizer(cfg.data)  # a BPE's file travels into every checkpoint
-    checkpointer = Checkpointer(cfg, rank, world, tokenizer, loop_config.get("fail_at"),
-                                loop_config["run_name"])
+    checkpointer = Checkpointer(cfg, rank, world, tokenizer, inputs.fail_at, inputs.run_name)
     found = checkpointer.find_latest()  # this run's newest valid checkpoint, or None
     state, rng = ckpt_io.load_resume_state(found.path, found.meta, rank) if found else (None, None)
     coords = rank_coords(rank, world, cfg.tp, cfg.pp)
@@ -64,40 +63,41 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     baseline_mem = peak_memory_gb(device)
     step_fn = TrainStep(sized, device)
     build_mem = peak_memory_gb(device) - baseline_mem  # built sharded: only this rank's shards
-    logs = loop_config.get("log_windows")  # drills.py: which windows each rank reads
-    log = WindowLog.for_group(checkpointer.fs, checkpointer.run_path, rank, world) if logs else None
-    batches = train_stream(sized, coords.dp, step_fn.parallel.dp, log)  # tp, pp peers: same rows
-    validation = Validation(sized, coords.dp, step_fn.parallel.dp, tokenizer.text_byte_lengths())
+    # drills.py: which windows each rank reads
+    log = WindowLog.for_group(checkpointer.fs, checkpointer.run_path, rank, world) \
+        if inputs.log_windows else None
+    batches = train_stream(sized, coords.dp, step_fn.dp, log)  # tp, pp peers: same rows
+    validation = Validation(sized, coords.dp, step_fn.dp, tokenizer.text_byte_lengths())
     if found is not None:
         step, tokens = checkpointer.restore(found, state, step_fn, batches)
     else:
         step, tokens = 0, 0
-        if loop_config.get("init_from"):  # a checkpoint, or a Hugging Face Llama folder
-            init_from = Path(loop_config["init_from"])
+        if inputs.init_from:  # a checkpoint, or a Hugging Face Llama folder
+            init_from = Path(inputs.init_from)
             if hf_llama.is_hf_folder(init_from):
-                hf_llama.load_weights(init_from, step_fn.parallel)
+                hf_llama.load_weights(init_from, step_fn)
             else:
-                ckpt_io.load_weights(init_from, ckpt_io.read_meta(init_from), step_fn.parallel)
+                ckpt_io.load_weights(init_from, ckpt_io.read_meta(init_from), step_fn)
     restore_rng(rng, cfg.seed, rank // cfg.tp)  # the saved RNG states, else a dropout stream per rank
 
     n_params = param_counts(cfg.model)["total"]
     fpt = flops_per_token(cfg.model, matmul_params(cfg.model), cfg.seq_len)
     cadence, preemption = Cadence(cfg), PreemptionWatch()
-    step_tokens = sized.batch_size * cfg.seq_len * sized.grad_accum * step_fn.parallel.dp
+    step_tokens = sized.batch_size * cfg.seq_len * sized.grad_accum * step_fn.dp
     peak = gpu_peak_tflops(device, cfg.peak_tflops, step_fn.precision)
     meter = Meter(device, world, fpt, peak, n_params, baseline_mem, build_mem,
-                  loss_ranks=step_fn.parallel.dp)
-    step_fn.parallel.train()
+                  loss_ranks=step_fn.dp)
+    step_fn.train()
     while step < cfg.max_steps:
         lr = lr_at(step, cfg)
         loss, grad_norm, waited = step_fn(batches, lr)
         step, tokens = step + 1, tokens + step_tokens
         meter.add_step(loss, step_tokens, waited)
-        fault_drill(loop_config.get("fail_at"), step, rank, loop_config["run_name"])
+        fault_drill(inputs.fail_at, step, rank, inputs.run_name)
         preempted = preemption.check(step)  # a node of the run is going: checkpoint now
         if not (cadence.reports(step) or preempted):
             continue
-        row = meter.row(step, lr, to_float(grad_norm), step_fn.parallel)
+        row = meter.row(step, lr, to_float(grad_norm), step_fn)
         row.update(tokens=tokens, epoch=batches.epoch, workers=world,
                    threads=torch.get_num_threads())  # what the launch line said (cpus.py)
         if preempted:
@@ -106,8 +106,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             val, bpb = step_fn.evaluate(validation)
             row.update(val_loss=val, val_ppl=math.exp(min(val, 50.0)), val_bpb=bpb)
         save = cadence.checkpoints(step) or bool(preempted)
-        if save and step_fn.parallel.replicated:
-            row["replica_spread"] = meter.replica_spread(step_fn.parallel.parts[0])  # 0.0: they agree
+        if save and step_fn.replicated:
+            row["replica_spread"] = meter.replica_spread(step_fn.parts[0])  # 0.0: they agree
         checkpointer.report(row, save=save, step_fn=step_fn, stream=batches)
         cadence.paced(step, meter.slowest_step_time)
         meter.next_interval(exclude_since_row=save or cadence.validates(step))

@@ -12,6 +12,7 @@ import torch
 from raytrain_lm.gpus import peak_tflops
 from raytrain_lm.parallel.fsdp import held_bytes, param_fraction
 from raytrain_lm.parallel.mesh import all_reduce
+from raytrain_lm.run.row import MetricsRow
 
 
 def gpu_peak_tflops(device: torch.device, override: Optional[float] = None,
@@ -108,12 +109,14 @@ class Meter:
         self.timer.tokens += tokens
         self.timer.data_wait += data_wait
 
-    def row(self, step: int, lr: float, grad_norm: float, parallel) -> dict:
+    def row(self, step: int, lr: float, grad_norm: float, step_fn) -> MetricsRow:
+        """`step_fn`: the step (step.TrainStep): its parts and optimizers (memory held), the
+        pipeline's bubble and the bytes each mesh dimension moved."""
         elapsed = self.timer.elapsed()
         losses = all_reduce(torch.stack(self.losses).double()) / self.loss_ranks
         wait = all_reduce(torch.tensor([self.timer.data_wait], dtype=torch.float64, device=self.device))
         mem = all_reduce(torch.tensor([peak_memory_gb(self.device),
-                                       held_bytes(parallel.parts, parallel.optimizers) / 1e9,
+                                       held_bytes(step_fn.parts, step_fn.optimizers) / 1e9,
                                        peak_memory_gb(self.device) - self.baseline_mem, self.build_mem,
                                        elapsed / self.timer.steps,
                                        reserved_memory_gb(self.device) or 0.0],
@@ -122,7 +125,7 @@ class Meter:
         # all-reduce, so the loop's time-paced cadence (loop.Cadence) agrees everywhere.
         self.slowest_step_time = mem[4].item()
         tps = self.timer.tokens / elapsed
-        row = {
+        row: MetricsRow = {
             "step": step,
             "loss": losses.mean().item(),
             "step_losses": losses.tolist(),  # per-step global losses, for exact-resume checks
@@ -138,9 +141,9 @@ class Meter:
             "model_state_gb": mem[1].item(),  # params + grads + optimizer states, max over ranks
             "mem_above_baseline_gb": mem[2].item(),  # max over ranks of what the run added
             "build_mem_gb": mem[3].item(),  # max over ranks of what building the model added
-            "param_fraction": param_fraction(parallel.parts, self.num_parameters),  # on rank 0
-            "bubble": parallel.take_bubble(),  # pipeline idle share (rank 0's), None without pp
-            "comm_bytes": parallel.comm_bytes,  # rank 0's bytes sent per step, per mesh dim
+            "param_fraction": param_fraction(step_fn.parts, self.num_parameters),  # on rank 0
+            "bubble": step_fn.take_bubble(),  # pipeline idle share (rank 0's), None without pp
+            "comm_bytes": step_fn.comm_bytes,  # rank 0's bytes sent per step, per mesh dim
             "elapsed": time.perf_counter() - self.start,
             "train_start_unix": self.start_unix,
             "first_step_unix": self.first_step_unix,

@@ -10,15 +10,15 @@ and counts the restart against `--max-preemptions`, not `--max-failures`.
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any, Optional
 
 import ray.train
 
+from raytrain_lm import env
+
 # How often Ray's watcher asks the cluster which nodes are being drained (Ray's default: 5 s,
 # which would eat a fifth of a 25 s notice). A value the user set in the environment wins.
-POLL_ENV = "RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S"
 DEFAULT_POLL_S = 1.0
 
 # Asking is a barrier through Ray's synchronization actor, which a short step notices.
@@ -29,7 +29,7 @@ PACING_STEPS = 10  # steps timed (asking at each) before the pace is set
 
 def preemption_poll_seconds() -> float:
     """How often the watcher looks (controller.Polls): the user's setting, else DEFAULT_POLL_S."""
-    return float(os.environ.get(POLL_ENV) or DEFAULT_POLL_S)
+    return float(env.preemption_poll() or DEFAULT_POLL_S)
 
 
 class PreemptionWatch:

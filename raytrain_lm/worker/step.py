@@ -1,6 +1,8 @@
-"""One optimizer step of the model as this rank holds it, and a validation pass: what the loop
-calls. The layout (ddp, fsdp, tp, pp) is the business of `parallel.Parallelized`; here: the
-learning rate, mixed precision, the step.
+"""The one owner of a run's step: the model as this rank holds it (built by
+`parallel.parallelize`), its optimizers, the gradient scaler and the learning rate; the step
+(accumulation, autocast, no_sync, the pipeline schedule), clipping, validation, the bytes each
+mesh dimension moves and the pipeline's bubble. The loop, Meter and Checkpointer talk to it
+through its methods and properties, never to the built layout directly.
 
 Mixed precision, one mechanism per layout (as torchtitan's maybe_enable_amp): where FSDP shards
 over dp, its MixedPrecisionPolicy alone (parameters gathered and computed in bf16/fp16,
@@ -10,15 +12,19 @@ DTensor ops and pipeline stages (tested on CPU in bf16). fp16 adds a gradient sc
 
 from __future__ import annotations
 
+import time
 from contextlib import nullcontext
 from typing import Optional
 
 import torch
+import torch.nn as nn
 
 from raytrain_lm.config.settings import TrainConfig
-from raytrain_lm.parallel import Parallelized
-from raytrain_lm.parallel.traffic import CommCounter
+from raytrain_lm.parallel import ddp, grad, parallelize, pp
+from raytrain_lm.parallel.mesh import all_reduce
+from raytrain_lm.parallel.traffic import CommCounter, PipelineTimer, clock_for
 from raytrain_lm.tokenizer import bits_per_byte
+from raytrain_lm.worker.optim import build_optimizer
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -48,16 +54,54 @@ def autocast_dtype(cfg: TrainConfig, device: torch.device) -> Optional[torch.dty
 
 class TrainStep:
     def __init__(self, cfg: TrainConfig, device: torch.device, **layout):
-        """`layout`: Parallelized's `force` and `ddp_wrap` (bench/gpu_check.py)."""
+        """`layout`: parallelize's `force` and `ddp_wrap` (bench/gpu_check.py)."""
         self.cfg, self.device = cfg, device
         dtype = autocast_dtype(cfg, device)
         self.precision = {v: k for k, v in DTYPES.items()}[dtype]  # fp32, bf16 or fp16
-        self.parallel = Parallelized(cfg, device, dtype, **layout)
-        by_fsdp = self.parallel.mixed_by_fsdp
-        self.autocast = torch.autocast(device.type, dtype=dtype) if dtype and not by_fsdp \
-            else nullcontext()
+        self.model = parallelize(cfg, device, dtype, **layout)
+        self.optimizers = [build_optimizer(part, cfg, device) for part in self.model.parts]
+        self.autocast = torch.autocast(device.type, dtype=dtype) \
+            if dtype and not self.model.mixed_by_fsdp else nullcontext()
         self.scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+        self.timer = PipelineTimer(self.model.schedule, clock_for(device)) \
+            if self.model.schedule is not None else None
+        self.comm_bytes: dict[str, int] = {}  # per mesh dim, one step (see _count_comm)
         self.steps = 0
+
+    # ---------------------------------------------------------------- what others read
+
+    @property
+    def parts(self) -> list[nn.Module]:
+        """The model's parts as this rank holds them (with `optimizers`: what a checkpoint saves)."""
+        return self.model.parts
+
+    @property
+    def dp(self) -> int:
+        """The data-parallel size: how many ranks read different data."""
+        return self.model.dp
+
+    @property
+    def replicated(self) -> bool:
+        """A whole replica of the model on every rank (DDP, ZeRO-1)."""
+        return self.model.replicated
+
+    def train(self, mode: bool = True) -> None:
+        self.model.train(mode)
+
+    def take_bubble(self) -> Optional[float]:
+        """The share of the pipeline steps since the last call this rank spent idle (None
+        without a pipeline)."""
+        return self.timer.take() if self.timer is not None else None
+
+    def scaler_state(self) -> dict:
+        return self.scaler.state_dict()
+
+    def load_scaler_state(self, state: dict) -> None:
+        """A saved fp16 scale; without one (or without fp16) the scaler starts fresh."""
+        if self.scaler.is_enabled() and state:
+            self.scaler.load_state_dict(state)
+
+    # ---------------------------------------------------------------- a step
 
     def __call__(self, batches, lr: float) -> tuple[torch.Tensor, torch.Tensor, float]:
         """(the step's loss of this rank's data-parallel group, 0 on ranks that do not report it;
@@ -65,25 +109,123 @@ class TrainStep:
         self.steps += 1
         with self._count_comm() as counter:
             # Gradients are freed here rather than after the step, so a report sees them as held.
-            self.parallel.zero_grad()
-            self.parallel.set_lr(lr)
-            loss, waited = self.parallel.forward_backward(batches, self.autocast, self.scaler)
-            grad_norm = self.parallel.clip_and_step(self.scaler)
+            for optimizer in self.optimizers:
+                optimizer.zero_grad(set_to_none=True)
+                for group in optimizer.param_groups:
+                    group["lr"] = lr
+            loss, waited = self._forward_backward(batches)
+            grad_norm = self._clip_and_step()
         if counter is not None:
-            self.parallel.comm_bytes = counter.bytes_per_dim()
+            self.comm_bytes = counter.bytes_per_dim()
         return loss, grad_norm, waited
 
     def _count_comm(self):
         """The bytes each mesh dimension moves, counted on this run's second step (the first
         one sets things up) of a sharded layout; every step moves the same."""
-        if self.steps != 2 or self.parallel.mesh is None:
+        if self.steps != 2 or self.model.mesh is None:
             return nullcontext()
-        return CommCounter(self.parallel.mesh)
+        return CommCounter(self.model.mesh)
+
+    def _forward_backward(self, batches) -> tuple[torch.Tensor, float]:
+        """Gradients of one step's mean loss over the whole global batch; returns (the loss of
+        this rank's dp group, or 0 on ranks that do not report it; seconds waiting for data)."""
+        m = self.model
+        accum, waited, total = self.cfg.grad_accum, 0.0, None
+        for micro in range(accum):
+            t0 = time.perf_counter()
+            x, y = batches.next()
+            waited += time.perf_counter() - t0
+            if m.schedule is not None:
+                loss = self._pipeline_step(x, y)
+            else:
+                with ddp.no_sync(m.modules[0], sync=micro == accum - 1), self.autocast, m.loss_ctx():
+                    # the loss alone: holding the logits (batch x seq x vocab) through the
+                    # backward would keep them alive when nothing needs them
+                    loss = m.modules[0](x, y)[1]
+                    self.scaler.scale(loss / accum).backward()
+                loss = _local(loss.detach()) / accum
+            total = loss if total is None else total + loss
+        return (total if m.reports_loss else torch.zeros_like(total)), waited
+
+    def _pipeline_step(self, x, y) -> torch.Tensor:
+        """One schedule step: the first stage takes the inputs, the last the targets; the
+        microbatch losses come back on the last stage."""
+        m = self.model
+        losses: list[torch.Tensor] = []
+        with self.autocast, m.loss_ctx():
+            self.timer.measure(lambda: m.schedule.step(*((x,) if m.has_first else ()),
+                                                       target=y if m.has_last else None,
+                                                       losses=losses))
+        if not m.has_last:
+            return torch.zeros((), device=self.device)
+        return torch.stack([_local(loss.detach()) for loss in losses]).mean()
+
+    def _clip_and_step(self) -> torch.Tensor:
+        """Global gradient-norm clipping, then every optimizer; returns the norm before clipping."""
+        m = self.model
+        if not m.replicated:
+            grad.align_grads_(m.params())
+            pp.sync_tied_grads(m.parts, m.tied_group)
+        for optimizer in self.optimizers:
+            self.scaler.unscale_(optimizer)
+        if m.replicated:
+            norm = torch.nn.utils.clip_grad_norm_(m.parts[0].parameters(), self.cfg.grad_clip)
+        else:
+            norm = grad.clip_grad_norm_(m.params(), self.cfg.grad_clip, m.pp_group, m.norm_exclude)
+        for optimizer in self.optimizers:
+            self.scaler.step(optimizer)
+        self.scaler.update()
+        return norm
+
+    # ---------------------------------------------------------------- validation
 
     def evaluate(self, validation) -> tuple[float, float]:
         """(mean loss over the validation windows' targets, all ranks together, in nats per
         token; the same loss in bits per byte of the text those targets stand for:
         tokenizer-independent)."""
-        loss_sum, tokens, text_bytes = self.parallel.evaluate(validation, self.autocast)
+        loss_sum, tokens, text_bytes = self._validation_sums(validation)
         val_loss = loss_sum / tokens
         return val_loss, bits_per_byte(val_loss, tokens, text_bytes)
+
+    @torch.no_grad()
+    def _validation_sums(self, validation) -> tuple[float, float, float]:
+        """(summed token loss in nats, targets, bytes of text those targets stand for) over the
+        validation windows, all ranks together. Padding windows (a rank with fewer windows runs
+        full batches all the same) carry ignored targets and count for no bytes (Validation).
+        Each data-parallel group counts once: its loss-reporting rank adds its sums."""
+        m = self.model
+        m.train(False)
+        # (loss sum, tokens, text bytes)
+        total = torch.zeros(3, dtype=torch.float64, device=self.device)
+        if m.reports_loss:
+            total[2] = float(validation.text_bytes)
+        for x, y in validation:
+            tokens = int((y != validation.IGNORE).sum())
+            if m.schedule is not None:
+                loss_sum = self._pipeline_eval(x, y)
+            else:
+                with self.autocast, m.loss_ctx():
+                    loss = m.modules[0](x, y)[1]
+                loss_sum = _local(loss).double() * tokens if tokens else torch.zeros((), dtype=torch.float64)
+            if m.reports_loss:
+                total[0] += loss_sum.to(total)
+                total[1] += tokens
+        m.train(True)
+        all_reduce(total)
+        loss_sum, tokens, text_bytes = total.tolist()
+        return loss_sum, tokens, text_bytes
+
+    def _pipeline_eval(self, x, y) -> torch.Tensor:
+        m = self.model
+        losses: list[torch.Tensor] = []
+        with self.autocast, m.loss_ctx(), m.loss_fn.summing():
+            m.schedule.eval(*((x,) if m.has_first else ()),
+                            target=y if m.has_last else None, losses=losses)
+        if not m.has_last:
+            return torch.zeros((), dtype=torch.float64, device=self.device)
+        return torch.stack([_local(loss).double() for loss in losses]).sum()
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A loss that may be a DTensor (replicated over tp) as a plain tensor."""
+    return t.to_local() if hasattr(t, "to_local") else t

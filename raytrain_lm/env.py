@@ -1,0 +1,106 @@
+"""Every environment variable the project reads, one accessor each, read when called (never at
+import: a test or a parent process may set one after the import). Pure Python: no torch, no Ray.
+
+Writes stay where they are about a child process (the local cluster's marker, Ray's TLS and auth
+settings for the processes this one starts, MASTER_ADDR/PORT for torch's rendezvous)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Optional
+
+# ours
+STORAGE_ENV = "RAYTRAIN_LM_STORAGE"  # the default --storage
+CACHE_ENV = "RAYTRAIN_LM_CACHE"  # a node's cache of datasets on shared storage
+CACHE_GB_ENV = "RAYTRAIN_LM_CACHE_GB"  # that cache's bound
+FAULT_ENV = "RAYTRAIN_LM_FAIL_AT"  # the fault drill (worker/drills.py)
+WINDOWS_ENV = "RAYTRAIN_LM_LOG_WINDOWS"  # the window log drill (worker/drills.py)
+# Ray's and others' that we read too
+RAY_ADDRESS_ENV = "RAY_ADDRESS"
+RAY_API_SERVER_ENV = "RAY_API_SERVER_ADDRESS"
+RAY_AUTH_MODE_ENV = "RAY_AUTH_MODE"
+RAY_USE_TLS_ENV = "RAY_USE_TLS"
+HEALTH_POLL_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
+PREEMPTION_POLL_ENV = "RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S"
+OMP_ENV = "OMP_NUM_THREADS"
+
+
+def _get(name: str) -> Optional[str]:
+    """The variable's value; unset and empty are the same (None)."""
+    return os.environ.get(name) or None
+
+
+def storage() -> Optional[str]:
+    """$RAYTRAIN_LM_STORAGE: where runs go when --storage is not given."""
+    return _get(STORAGE_ENV)
+
+
+def cache_dir() -> Path:
+    """$RAYTRAIN_LM_CACHE, else ~/.cache/raytrain-lm: a node's cache of remote datasets."""
+    return Path(_get(CACHE_ENV) or Path.home() / ".cache" / "raytrain-lm")
+
+
+def cache_gb(default: float) -> float:
+    """$RAYTRAIN_LM_CACHE_GB, else `default`: the bound of that cache, in GB."""
+    return float(_get(CACHE_GB_ENV) or default)
+
+
+def fail_at() -> Optional[str]:
+    """$RAYTRAIN_LM_FAIL_AT: the fault drill's spec (worker/drills.py), None when off."""
+    return _get(FAULT_ENV)
+
+
+def log_windows() -> bool:
+    """$RAYTRAIN_LM_LOG_WINDOWS set: every rank logs which windows it read (worker/drills.py)."""
+    return bool(_get(WINDOWS_ENV))
+
+
+def ray_address() -> Optional[str]:
+    """$RAY_ADDRESS: the cluster to join when no --address is given."""
+    return _get(RAY_ADDRESS_ENV)
+
+
+def ray_api_server() -> Optional[str]:
+    """$RAY_API_SERVER_ADDRESS: a job server's address (cluster/jobs.py)."""
+    return _get(RAY_API_SERVER_ENV)
+
+
+def ray_auth_mode() -> Optional[str]:
+    """$RAY_AUTH_MODE: Ray's authentication mode ("token"; None: unset, not chosen)."""
+    return os.environ.get(RAY_AUTH_MODE_ENV)
+
+
+def ray_use_tls() -> bool:
+    """$RAY_USE_TLS: Ray's gRPC over TLS."""
+    return (_get(RAY_USE_TLS_ENV) or "0").lower() in ("1", "true")
+
+
+def health_poll() -> Optional[str]:
+    """$RAY_TRAIN_HEALTH_CHECK_INTERVAL_S: the user's poll of the workers, None: ours."""
+    return _get(HEALTH_POLL_ENV)
+
+
+def preemption_poll() -> Optional[str]:
+    """$RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S: the user's poll for preemption, None: ours."""
+    return _get(PREEMPTION_POLL_ENV)
+
+
+def omp_threads() -> Optional[str]:
+    """$OMP_NUM_THREADS of this process."""
+    return _get(OMP_ENV)
+
+
+def plain_terminal() -> bool:
+    """$NO_COLOR set or $TERM=dumb: no colours, no live lines."""
+    return bool(_get("NO_COLOR")) or os.environ.get("TERM") == "dumb"
+
+
+def state_home() -> Path:
+    """$XDG_STATE_HOME, else ~/.local/state."""
+    return Path(_get("XDG_STATE_HOME") or Path.home() / ".local" / "state")
+
+
+def present(names) -> dict[str, str]:
+    """Those of `names` that are set, with their values (what a job forwards to its cluster)."""
+    return {k: os.environ[k] for k in names if _get(k)}

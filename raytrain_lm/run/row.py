@@ -1,0 +1,72 @@
+"""The two contracts between the driver and the workers, typed, torch-free and picklable:
+
+- `MetricsRow`: one metrics row as a worker reports it (`worker/metrics.Meter.row`, completed by
+  the loop and the checkpointer), the controller's callbacks pass it on, and the driver writes it
+  to metrics.jsonl, TensorBoard and summary.json, which `report` and `runs` read back. A
+  TypedDict: on the wire and on disk it stays the plain dict with these exact keys (old runs'
+  files still read), and a type checker sees a misspelt key.
+- `WorkerInputs`: what the driver hands every worker's `train_loop_per_worker`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, TypedDict
+
+
+class MetricsRow(TypedDict, total=False):
+    # the step and its optimisation (Meter.row)
+    step: int
+    loss: float  # mean over the interval's steps, all data-parallel groups
+    step_losses: list[float]  # each step's global loss (exact-resume checks)
+    lr: float
+    grad_norm: float  # before clipping
+    # speed and memory (Meter.row); GB = 1e9 bytes
+    tokens_per_second: float
+    step_time: float  # seconds per step, this interval
+    data_wait_frac: float
+    mfu: Optional[float]  # None without a known peak
+    peak_mem_gb: float
+    peak_mem_reserved_gb: Optional[float]  # None on CPU
+    model_state_gb: float  # params + grads + optimizer states, max over ranks
+    mem_above_baseline_gb: float
+    build_mem_gb: float
+    param_fraction: float  # of the model's parameters rank 0 holds
+    bubble: Optional[float]  # the pipeline's idle share, None without pp
+    comm_bytes: dict[str, int]  # rank 0's bytes per step, per mesh dim
+    elapsed: float  # seconds since this worker group's loop started
+    train_start_unix: float
+    first_step_unix: Optional[float]
+    num_parameters: int
+    # the loop's
+    tokens: int  # seen so far
+    epoch: int
+    workers: int
+    threads: int  # torch threads per worker
+    preemption: str  # a node of the run about to go: why this checkpoint was taken
+    val_loss: float  # nats per token, validation rows only
+    val_ppl: float
+    val_bpb: float  # bits per byte of text
+    replica_spread: float  # checkpoint rows of replicated layouts: 0.0 when replicas agree
+    # the checkpointer's
+    resumed_from_step: Optional[int]
+    checkpoint_wait_s: float  # how long training stood still for the previous checkpoint
+    resumed_rows: list[dict]  # rows re-sent after a resume (the driver unpacks them)
+    # the controller's and the driver's
+    checkpoint: str  # the checkpoint this row's step saved (its path, or its name)
+    event: str  # "worker_failure": a row that reports a failed worker group
+    error: str
+
+
+ROW_KEYS = frozenset(MetricsRow.__annotations__)
+
+
+@dataclass
+class WorkerInputs:
+    """What every worker is given (run/driver.py's `worker_inputs`)."""
+    train: dict[str, Any]  # TrainConfig.to_dict(): the run's config
+    run_name: str
+    init_from: Optional[str] = None  # --init-from: a checkpoint or a Hugging Face folder
+    fail_at: Optional[str] = None  # the fault drill (worker/drills.py)
+    force: bool = False  # --force: past the memory check
+    log_windows: bool = False  # the window log drill (worker/drills.py)
