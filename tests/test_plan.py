@@ -236,9 +236,10 @@ def test_step_time_by_hand():
 def test_a_pipeline_runs_at_the_pace_of_the_rank_with_the_head(ac):
     """Each microbatch passes every stage, so a pipeline's step follows its slowest rank: with
     the layers split evenly, the last, which also runs the head (Llama 3 8B's 128256 x 4096 head
-    holds 2.4 blocks' matmul weights: at seq 8192 rank 3 of 4 runs 23% more FLOPs than the others,
-    16% more than their average; 13% with full recomputation, which reruns the blocks only). The ranks' FLOPs add up to the model's, recomputation included; without a pipeline the one rank runs
-    them all."""
+    holds 2.4 blocks' matmul weights: at seq 8192 rank 3 of 4 runs 23% more FLOPs than the
+    others, 16% more than their average; 13% with full recomputation, which reruns the blocks
+    only). The ranks' FLOPs add up to the model's, recomputation included; without a pipeline
+    the one rank runs them all."""
     from raytrain_lm.plan.estimate import recompute_flops_per_token, stage_flops_per_token
 
     m = preset_config("llama3-8b").model
