@@ -230,20 +230,47 @@ def test_step_time_by_hand():
     cl = Cluster(gpus=8, gpus_per_node=4, intra_gbps=0.008, inter_gbps=0.0008, tflops=1e-6,
                  efficiency=1.0)
     e = estimate_layout(TINY, tiny_layout(), cl)
-    # FLOPs per token 6 * (1768 - 64) + 12 * 2 * 8 * 8 = 11760; 2 dp x 4 sequences x 8 tokens = 64
-    # tokens: 752640 FLOPs over 8 GPUs at 1e6 FLOP/s = 0.09408 s.
-    assert e.compute_s == pytest.approx(0.09408)
-    # Rank 0 is the slowest: tp 2560 B / 1e6 = 0.00256 s, all exposed, stretched with compute
+    # FLOPs per token 6 * (1768 - 64) + 12 * 2 * 8 * 8 = 11760: per layer 6 * 784 + 12 * 8 * 8 =
+    # 5472, the head 6 * (128 + 8) = 816. Rank 0 runs layer 0, rank 1 layer 1 and the head: 6288
+    # per token of its pipeline replica's 4 sequences x 8 tokens, split over tp 2, at 1e6 FLOP/s:
+    # 0.100608 s (the two ranks' average is 0.09408 s: 752640 FLOPs over 8 GPUs).
+    assert e.compute_s == pytest.approx(0.100608)
+    # Rank 1 is the slowest: tp 2560 B / 1e6 = 0.00256 s, all exposed, stretched with compute
     # by the bubble 1/3. pp: one send (2 x 8 x 8 bf16 = 256 B) takes 0.00256 s; the fill and
     # drain cross the one boundary twice (2 (v pp - 1) = 2 sends, 0.00512 s); the steady state's
     # other sends hide under compute; the tied wte gradient (128 B, 0.00128 s) follows the last
-    # microbatch. dp: the gather (0.000496 s) hides under compute, the gradient reduce-scatter
-    # (0.000992 s) runs after the last microbatch.
+    # microbatch. dp: the gather (0.000472 s) hides under compute, the gradient reduce-scatter
+    # of its 400 + 64 + 8 parameters (0.000944 s) runs after the last microbatch.
     assert e.bubble == pytest.approx(1 / 3)
     assert e.pp_s == pytest.approx(0.00512 + 0.00128)
-    assert e.step_s == pytest.approx((0.09408 + 0.00256) / (2 / 3) + 0.00512 + 0.00128 + 0.000992)
-    assert e.bubble_s == pytest.approx((0.09408 + 0.00256) / 2)
+    assert e.step_s == pytest.approx((0.100608 + 0.00256) / (2 / 3) + 0.00512 + 0.00128 + 0.000944)
+    assert e.bubble_s == pytest.approx((0.100608 + 0.00256) / 2)
     assert e.mfu == pytest.approx(752640 / (e.step_s * 8 * 1e6))
+
+
+@pytest.mark.parametrize("ac", ["none", "selective", "op", "full"])
+def test_a_pipeline_runs_at_the_pace_of_the_rank_with_the_head(ac):
+    """Each microbatch passes every stage, so a pipeline's step follows its slowest rank: with
+    the layers split evenly, the last, which also runs the head (Llama 3 8B's 128256 x 4096 head
+    holds 2.4 blocks' matmul weights: at seq 8192 rank 3 of 4 runs 23% more FLOPs than the
+    others, 16% more than their average; 13% with full recomputation, which reruns the blocks
+    only). The ranks' FLOPs add up to the model's, recomputation included; without a pipeline
+    the one rank runs them all."""
+    from raytrain_lm.plan.estimate import recompute_flops_per_token, stage_flops_per_token
+
+    m = preset_config("llama3-8b").model
+    seq = 8192
+    whole = flops_per_token(m, seq) + recompute_flops_per_token(m, ac, seq)
+    ranks = rank_stages(m, 4, 1)
+    per_rank = [stage_flops_per_token(m, st, ac, seq) for st in ranks]
+    assert sum(per_rank) == pytest.approx(whole)
+    assert per_rank[0] == per_rank[1] == per_rank[2] < per_rank[3]
+    assert stage_flops_per_token(m, rank_stages(m, 1, 1)[0], ac, seq) == pytest.approx(whole)
+    cl = Cluster(gpus=4, efficiency=0.5)
+    lay = Layout(1, 1, 4, "ddp", ac, False, "1f1b", 1, 8, seq)
+    e = estimate_layout(m, lay, cl)
+    assert e.compute_s == pytest.approx(per_rank[3] * 8 * seq / (cl.tflops * 1e12 * 0.5))
+    assert e.compute_s > 1.1 * whole * 8 * seq / (4 * cl.tflops * 1e12 * 0.5)
 
 
 def test_70b_on_64_h100s_needs_sharding_and_keeps_tp_in_a_node():

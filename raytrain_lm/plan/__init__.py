@@ -93,8 +93,10 @@ all-gather and reduce-scatter (n-1)/n x size), as parallel/traffic.py counts the
 Step time:
 - Compute: the step's model FLOPs (PaLM: 6 N + 12 L H Q T per token, model.flops_per_token) plus
   recomputation (full: one more forward of every block; op: the 2nd, 4th, ... matmul of each
-  block but its last; selective recomputes only elementwise ops, counted as free), spread evenly over every
-  GPU at --gpu-tflops x the compute efficiency:
+  block but its last; selective recomputes only elementwise ops, counted as free), on the
+  slowest pipeline rank (estimate.stage_flops_per_token: its layers, and on the last the head;
+  each microbatch passes every stage) or, without a pipeline, spread evenly over every GPU, at
+  --gpu-tflops x the compute efficiency:
   efficiency.py's function of the matmul size (peak_fraction x F / (F + F_HALF), F the FLOPs
   of one h x h/tp matmul of a micro-batch), or --compute-efficiency.
 - Overlap (estimate.rank_step): tp traffic is all exposed (vanilla TP: each collective sits
@@ -104,8 +106,8 @@ Step time:
   embedding's all-reduce is exposed; dp traffic overlaps compute up to the compute time without a
   pipeline, and only its gathers with one (torch.distributed.pipelining reduces gradients after
   the last microbatch), zero1's parameter broadcast not at all.
-- Not modelled: latency, the optimizer step, data loading, the extra work of the first and last
-  stages (embedding, head), fp8.
+- Not modelled: latency, the optimizer step, data loading, the loss's and the embedding's
+  non-matmul work, fp8.
 - MFU = model FLOPs / (step time x GPUs x peak).
 
 Which layouts, and in which order:

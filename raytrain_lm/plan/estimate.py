@@ -17,6 +17,7 @@ from raytrain_lm.plan.layout import (
     PRECISIONS,
     Cluster,
     Layout,
+    Stage,
     candidate_ranks,
     matmul_params,
     param_counts,
@@ -56,6 +57,23 @@ def recompute_flops_per_token(m: ModelConfig, ac: str, seq_len: int,
     return 2.0 * m.n_layer * block + 4.0 * m.n_layer * m.n_embd * seq_len
 
 
+def stage_flops_per_token(m: ModelConfig, stages: list[Stage], ac: str, seq_len: int,
+                          early_stop: bool = True) -> float:
+    """The FLOPs per token (of its pipeline replica's tokens) that one pp rank's stages run,
+    recomputation included: each block's 6 x its matmul weights + 12 H Q T of attention plus its
+    share of the recomputation, and on the last stage the head (6 x its weights and the final
+    norm's: matmul_params' rest). The ranks' sum is flops_per_token + recompute_flops_per_token;
+    a pipeline runs at the pace of its slowest rank (each microbatch passes every stage), and the
+    rank with the head does more than the average where the layers are split evenly (Megatron-LM
+    of 2021 and torchtitan split layers only, the head on the last stage; parallel/pp.py gives
+    any extra layers to the middle stages)."""
+    head = flops_per_token(m, seq_len) - m.n_layer * 6.0 * param_counts(m)["block"] \
+        - 12.0 * m.n_layer * m.n_embd * seq_len
+    layer = (flops_per_token(m, seq_len) - head
+             + recompute_flops_per_token(m, ac, seq_len, early_stop)) / m.n_layer
+    return sum(st.layers * layer + (head if st.last else 0.0) for st in stages)
+
+
 def bubble(pp: int, microbatches: int, stages_per_rank: int = 1) -> float:
     """Idle fraction of a pipelined step: (p - 1) / (v m + p - 1)."""
     return (pp - 1) / (stages_per_rank * microbatches + pp - 1)
@@ -66,7 +84,7 @@ class Estimate:
     layout: Layout
     memory: MemoryPlan  # the rank that needs the most
     comm: Comm  # the slowest rank's
-    compute_s: float
+    compute_s: float  # the slowest pp rank's (its stages' FLOPs: stage_flops_per_token)
     bubble: float
     tp_s: float  # exposed (all of it)
     pp_s: float  # exposed: the fill and drain sends, and what the steady state cannot hide
@@ -127,19 +145,20 @@ def estimate_layout(m: ModelConfig, lay: Layout, cl: Cluster) -> Estimate:
     memory = max((rank_memory(m, lay, cl, ranks[r], r) for r in candidates), key=lambda x: x.total)
     tokens = lay.dp * lay.sequences * lay.seq_len
     model_flops = flops_per_token(m, lay.seq_len) * tokens
-    work = model_flops + recompute_flops_per_token(m, lay.ac, lay.seq_len, cl.recompute_early_stop) * tokens
     eff = compute_efficiency(m, lay.micro_batch, lay.seq_len, lay.tp, cl.peak_fraction,
                              cl.efficiency)
-    compute = work / (lay.gpus * cl.tflops * 1e12 * eff)
+    replica_tokens = lay.sequences * lay.seq_len  # one pipeline replica's, split over its tp ranks
     idle = bubble(lay.pp, lay.microbatches, lay.v) if lay.pp > 1 else 0.0
     send_s = pp_send_bytes(m, lay, cl) / cl.bandwidth(lay.blocks["pp"]) if lay.pp > 1 else 0.0
     slowest = None
     for r in candidates:
+        work = stage_flops_per_token(m, ranks[r], lay.ac, lay.seq_len, cl.recompute_early_stop)
+        compute = work * replica_tokens / (lay.tp * cl.tflops * 1e12 * eff)
         comm = rank_comm(m, lay, cl, ranks[r])
         times = rank_step(lay, cl, comm, compute, idle, send_s)
-        if slowest is None or times[-1] > slowest[1][-1]:
-            slowest = (comm, times)
-    comm, (t_tp, t_pp, exposed, step) = slowest
+        if slowest is None or times[-1] > slowest[2][-1]:
+            slowest = (comm, compute, times)
+    comm, compute, (t_tp, t_pp, exposed, step) = slowest
     return Estimate(layout=lay, memory=memory, comm=comm, compute_s=compute, bubble=idle,
                     tp_s=t_tp, pp_s=t_pp, dp_exposed_s=exposed, step_s=step,
                     mfu=model_flops / (step * lay.gpus * cl.tflops * 1e12),

@@ -265,8 +265,8 @@ def explain_text(e: Estimate, rank: int, ranked: list[Estimate], cl: Cluster) ->
              + ("fits" if e.fits else "does NOT fit")
              + f"; ~{e.mfu:.0%} MFU",
              f"step time {e.step_s:.4g} s:",
-             line("compute", e.compute_s, f"the step's FLOPs at {e.efficiency:.3f} of "
-                  f"{cl.tflops:g} TFLOP/s"),
+             line("compute", e.compute_s, ("the slowest pp rank's" if lay.pp > 1 else "the step's")
+                  + f" FLOPs at {e.efficiency:.3f} of {cl.tflops:g} TFLOP/s"),
              line("exposed tp", e.tp_s, f"{c.tp / GB:.3g} GB sent per GPU at {bw('tp')}; none "
                   f"hidden" if lay.tp > 1 else "no tensor parallelism"),
              line("bubble", e.bubble_s, f"{e.bubble:.1%} of a pipelined step idle" if lay.pp > 1
