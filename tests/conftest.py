@@ -135,6 +135,11 @@ def cli_here(*args: str, cwd: Path | None = None, env: dict | None = None, timeo
             connect.check_reachable(address)  # what connect_ray checks first
         raise AssertionError("an in-process CLI call (conftest.cli_here) would connect to Ray")
 
+    def bind(old, new):  # every module that holds `old` by name (`from ... import connect_ray`)
+        for module in [m for name, m in list(sys.modules.items()) if name.startswith("raytrain_lm")]:
+            if getattr(module, "connect_ray", None) is old:
+                module.connect_ray = new
+
     saved_env, saved_cwd, saved_argv = dict(os.environ), os.getcwd(), sys.argv
     saved_connect, saved_disconnect = connect.connect_ray, cli._disconnect_ray
     out, err = io.StringIO(), io.StringIO()
@@ -143,7 +148,7 @@ def cli_here(*args: str, cwd: Path | None = None, env: dict | None = None, timeo
         os.environ.update({"RAY_ADDRESS": CLOSED_ADDRESS, **(env or {})})
         os.chdir(cwd or ROOT)
         sys.argv = ["cli.py", *args]
-        connect.connect_ray = connect_refused
+        bind(saved_connect, connect_refused)  # also the modules imported during the call bind this
         cli._disconnect_ray = lambda: None  # a session cluster of this process stays up
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             try:
@@ -151,7 +156,8 @@ def cli_here(*args: str, cwd: Path | None = None, env: dict | None = None, timeo
             except SystemExit as e:
                 code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     finally:
-        connect.connect_ray, cli._disconnect_ray = saved_connect, saved_disconnect
+        bind(connect_refused, saved_connect)
+        cli._disconnect_ray = saved_disconnect
         sys.argv = saved_argv
         os.chdir(saved_cwd)
         os.environ.clear()

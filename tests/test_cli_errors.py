@@ -117,6 +117,25 @@ def test_tune_resume_refuses_a_name_out_of_storage(tmp_path):
     assert_clean_error(result, "--name '../elsewhere' is not a valid name")
 
 
+@pytest.mark.parametrize("command", ["train", "tune"])
+def test_cli_here_never_connects_to_ray(tmp_path, monkeypatch, command):
+    """conftest.cli_here stops every in-process call at the connection, whichever way a module
+    holds `connect_ray` (tune/sweep.py and run/driver.py import it by name): else, in the whole
+    suite, where this process holds the session cluster, a call would train on it for minutes.
+    `ray.init` is a fuse here, so a broken guard fails at once instead of starting a Ray."""
+    import ray
+
+    import raytrain_lm.run.driver  # noqa: F401  (bind connect_ray before the call, as in the suite)
+    import raytrain_lm.tune.sweep  # noqa: F401
+
+    def fuse(*args, **kwargs):
+        raise RuntimeError("fuse: a test reached ray.init")
+
+    monkeypatch.setattr(ray, "init", fuse)
+    result = cli_here(command, "--storage", str(tmp_path / "runs"), env={"RAY_ADDRESS": "local"})
+    assert result.returncode == 1 and "would connect to Ray" in result.stderr, result.stderr
+
+
 def test_names_of_letters_digits_dots_dashes_underscores_are_fine():
     from raytrain_lm.config.load import build_config
 

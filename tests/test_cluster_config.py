@@ -276,6 +276,16 @@ def test_local_down_finds_only_the_processes_of_its_own_temp_dir():
             proc.wait()
 
 
+def test_local_down_finds_processes_in_a_fresh_interpreter():
+    """psutil is not ours to install: Ray bundles it, on sys.path once `ray` is imported. A fresh
+    interpreter (as `cluster local-down` is) must find it; this test process has long imported Ray."""
+    code = ("from pathlib import Path; from raytrain_lm.cluster.local import cluster_processes; "
+            "print(len(cluster_processes(Path('/no/such/ray/temp'))))")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0 and result.stdout.strip() == "0", result.stderr
+
+
 SECRETS = [".env", ".aws/credentials", ".ssh/id_rsa", ".netrc", "deploy.pem", "tls.key",
            "runs/r/summary.json", "data/pydoc/manifest.json", "notes/private.txt"]
 

@@ -4,6 +4,7 @@ machine (which `ray stop` would kill)."""
 
 from __future__ import annotations
 
+import importlib
 import os
 import signal
 import stat
@@ -117,10 +118,11 @@ def keep_token_private() -> Optional[str]:
 
 
 def _psutil():
-    import psutil
-    import ray  # noqa: F401  (puts the psutil Ray bundles on sys.path)
+    """psutil as Ray bundles it: `import ray` puts ray/thirdparty_files on sys.path first, and
+    psutil is not one of our own dependencies (an import sorter must not put psutil first)."""
+    import ray  # noqa: F401
 
-    return psutil
+    return importlib.import_module("psutil")
 
 
 def names_dir(arg: str, folder: Path) -> bool:
