@@ -1,6 +1,9 @@
-"""FSDP2 and activation checkpointing on two real gloo workers, against DDP on the same data: FSDP
-on Ray Train workers (with a killed worker), full activation checkpointing on the local harness."""
+"""FSDP2, ZeRO-1/2 and activation checkpointing on two real gloo workers, against DDP on the same
+data. The arithmetic (each strategy's losses, its shards, an exact resume) runs on the local
+harness; FSDP and ZeRO-1 also run on Ray Train workers, each with a worker killed and restarted
+from its checkpoint by Ray."""
 
+import shutil
 
 import pytest
 
@@ -12,6 +15,7 @@ from raytrain_lm.run.driver import run_training
 from raytrain_lm.store.checkpoint_format import load_checkpoint
 
 STEPS = SMALL_STEPS
+pytestmark = pytest.mark.slow  # Ray runs and the harness's, every test here
 
 
 def train(data, storage, name, on=run_training, **flags):
@@ -19,6 +23,15 @@ def train(data, storage, name, on=run_training, **flags):
     summary = on(small_config(data, storage, name, **flags), say=lambda m: None, on_metrics=rows.append)
     assert summary["status"] == "completed"
     return step_losses(storage / name), rows
+
+
+def losses_of(rows) -> dict[int, float]:
+    """step -> loss, from these rows only (a resumed run's folder also holds the earlier rows)."""
+    out = {}
+    for row in rows:
+        first = row["step"] - len(row["step_losses"]) + 1
+        out.update(zip(range(first, row["step"] + 1), row["step_losses"]))
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -33,8 +46,8 @@ def ddp(reference_run):
 
 
 @pytest.fixture(scope="module")
-def fsdp(ray_address, pydoc_data, storage):
-    return train(pydoc_data, storage, "fsdp", strategy="fsdp")
+def fsdp(pydoc_data, storage):
+    return train(pydoc_data, storage, "fsdp", on=run_local, strategy="fsdp")
 
 
 def test_fsdp_matches_ddp_and_shards_the_model(ddp, fsdp):
@@ -61,8 +74,10 @@ def test_fsdp_checkpoint_loads_in_one_process(fsdp, storage):
     assert state["step"] == STEPS and state["format"] == "dcp"
 
 
-def test_fsdp_resume_after_killed_worker_with_selective_recompute(fsdp, pydoc_data, storage,
+def test_fsdp_resume_after_killed_worker_with_selective_recompute(ray_address, fsdp, pydoc_data, storage,
                                                                   monkeypatch):
+    """On Ray Train workers: rank 0 dies after step 13, Ray restarts the group, and the run goes
+    on from step 10's checkpoint with the uninterrupted (harness) run's losses."""
     monkeypatch.setenv("RAYTRAIN_LM_FAIL_AT", "0:13")
     losses, rows = train(pydoc_data, storage, "fsdp-killed", strategy="fsdp", max_failures=1,
                          activation_checkpointing="selective")
@@ -72,7 +87,6 @@ def test_fsdp_resume_after_killed_worker_with_selective_recompute(fsdp, pydoc_da
         assert losses[s] == pytest.approx(reference[s], rel=1e-6, abs=1e-7)
 
 
-@pytest.mark.slow
 def test_full_activation_checkpointing_gives_the_same_losses(ddp, pydoc_data, storage):
     losses, _ = train(pydoc_data, storage, "ddp-ac", on=run_local, activation_checkpointing="full")
     for s in ddp[0]:
@@ -95,11 +109,12 @@ def test_an_fsdp_checkpoint_exports_its_tied_embedding_once(fsdp, storage, tmp_p
 
 
 # ZeRO-1 (DDP with AdamW's states sharded, optim.ZeroOneAdamW) and ZeRO-2 (FSDP2 with
-# reshard_after_forward=False) on the same two workers: the DDP run's losses, and a killed
-# worker's restart resumes each exactly.
+# reshard_after_forward=False) on the same two workers: the DDP run's losses, and each resumes
+# exactly from its checkpoint (ZeRO-1 after a killed worker on Ray, ZeRO-2 on the harness: its
+# checkpoint is FSDP's, whose restart on Ray is tested above).
 @pytest.fixture(scope="module")
-def zero_runs(ray_address, pydoc_data, storage):
-    return {s: train(pydoc_data, storage, s, strategy=s) for s in ("zero1", "zero2")}
+def zero_runs(pydoc_data, storage):
+    return {s: train(pydoc_data, storage, s, on=run_local, strategy=s) for s in ("zero1", "zero2")}
 
 
 @pytest.mark.parametrize("strategy", ["zero1", "zero2"])
@@ -115,11 +130,25 @@ def test_zero_matches_ddp_and_shards_the_optimizer(ddp, zero_runs, strategy):
     assert (0.6 < ratio < 0.8) if strategy == "zero1" else (0.45 < ratio < 0.6)
 
 
-@pytest.mark.parametrize("strategy", ["zero1", "zero2"])
-def test_zero_resumes_after_a_killed_worker(zero_runs, pydoc_data, storage, monkeypatch, strategy):
+def test_zero1_resumes_after_a_killed_worker(ray_address, zero_runs, pydoc_data, storage, monkeypatch):
     monkeypatch.setenv("RAYTRAIN_LM_FAIL_AT", "0:13")
-    losses, rows = train(pydoc_data, storage, f"{strategy}-killed", strategy=strategy, max_failures=1)
+    losses, rows = train(pydoc_data, storage, "zero1-killed", strategy="zero1", max_failures=1)
     assert rows[-1]["resumed_from_step"] == 10
-    reference = zero_runs[strategy][0]
+    reference = zero_runs["zero1"][0]
     for s in reference:
+        assert losses[s] == pytest.approx(reference[s], rel=1e-6, abs=1e-7)
+
+
+def test_zero2_resumes_exactly_from_its_checkpoint(zero_runs, pydoc_data, storage):
+    """The ZeRO-2 run's folder without its final checkpoint, resumed: from step 20, steps 21-30
+    have the uninterrupted run's losses."""
+    shutil.copytree(storage / "zero2", storage / "zero2-resumed")
+    shutil.rmtree(storage / "zero2-resumed" / f"checkpoint_{STEPS:08d}")
+    rows = []
+    summary = run_local(small_config(pydoc_data, storage, "zero2-resumed", strategy="zero2"),
+                        resume=True, say=lambda m: None, on_metrics=rows.append)
+    assert summary["status"] == "completed" and summary["resumed_from_step"] == STEPS - 10
+    losses, reference = losses_of(rows), zero_runs["zero2"][0]
+    assert losses.keys() == set(range(STEPS - 9, STEPS + 1))
+    for s in losses:
         assert losses[s] == pytest.approx(reference[s], rel=1e-6, abs=1e-7)
