@@ -1,5 +1,6 @@
 """--virtual-stages: interleaved 1F1B with three stages per worker trains the one-worker model
-(real Ray workers over gloo), and a bad value is refused before anything starts."""
+(the workers' loop on gloo ranks of the local harness: the schedule's arithmetic, not Ray), and a
+bad value is refused before anything starts."""
 
 import pytest
 
@@ -35,13 +36,13 @@ def test_virtual_stages_are_checked():
                                                      pp_schedule="interleaved-1f1b")))
 
 
-def test_three_stages_per_worker_train_the_one_worker_model(ray_address, pydoc_data, tmp_path):
-    from raytrain_lm.run.driver import run_training
+@pytest.mark.slow
+def test_three_stages_per_worker_train_the_one_worker_model(pydoc_data, tmp_path):
+    from local_mode import run_local
 
     for name, workers, flags in (("one", 1, {}), ("v3", 2, dict(
             pp=2, pp_schedule="interleaved-1f1b", virtual_stages=3, microbatches=4))):
-        summary = run_training(config(pydoc_data, tmp_path, name, workers, **flags),
-                               say=lambda m: None)
+        summary = run_local(config(pydoc_data, tmp_path, name, workers, **flags))
         assert summary["status"] == "completed"
     one, v3 = step_losses(tmp_path / "one"), step_losses(tmp_path / "v3")
     assert one.keys() == v3.keys() == set(range(1, 7))
