@@ -224,16 +224,21 @@ def small_config(data, storage, name, sets=SMALL_SETTINGS, **flags):
     return build_config(flags=flags, sets=sets)
 
 
+def row_losses(rows) -> dict[int, float]:
+    """step -> global training loss of that step, from metrics rows (each carries the losses of
+    the steps since the row before)."""
+    out = {}
+    for row in rows:
+        first = row["step"] - len(row["step_losses"]) + 1
+        out.update(zip(range(first, row["step"] + 1), row["step_losses"]))
+    return out
+
+
 def step_losses(run_dir: Path) -> dict[int, float]:
     """step -> global training loss of that step, from metrics.jsonl."""
     import json
 
-    out = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        row = json.loads(line)
-        first = row["step"] - len(row["step_losses"]) + 1
-        out.update(zip(range(first, row["step"] + 1), row["step_losses"]))
-    return out
+    return row_losses(json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines())
 
 
 @pytest.fixture(scope="session")

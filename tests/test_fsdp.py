@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from conftest import SMALL_SETTINGS, SMALL_STEPS, small_config, step_losses
+from conftest import SMALL_SETTINGS, SMALL_STEPS, row_losses, small_config, step_losses
 from local_mode import run_local
 from raytrain_lm.config.load import build_config
 from raytrain_lm.model import GPT
@@ -23,15 +23,6 @@ def train(data, storage, name, on=run_training, **flags):
     summary = on(small_config(data, storage, name, **flags), say=lambda m: None, on_metrics=rows.append)
     assert summary["status"] == "completed"
     return step_losses(storage / name), rows
-
-
-def losses_of(rows) -> dict[int, float]:
-    """step -> loss, from these rows only (a resumed run's folder also holds the earlier rows)."""
-    out = {}
-    for row in rows:
-        first = row["step"] - len(row["step_losses"]) + 1
-        out.update(zip(range(first, row["step"] + 1), row["step_losses"]))
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -148,7 +139,8 @@ def test_zero2_resumes_exactly_from_its_checkpoint(zero_runs, pydoc_data, storag
     summary = run_local(small_config(pydoc_data, storage, "zero2-resumed", strategy="zero2"),
                         resume=True, say=lambda m: None, on_metrics=rows.append)
     assert summary["status"] == "completed" and summary["resumed_from_step"] == STEPS - 10
-    losses, reference = losses_of(rows), zero_runs["zero2"][0]
+    # this run's rows only: the copied folder's metrics.jsonl also holds the first run's
+    losses, reference = row_losses(rows), zero_runs["zero2"][0]
     assert losses.keys() == set(range(STEPS - 9, STEPS + 1))
     for s in losses:
         assert losses[s] == pytest.approx(reference[s], rel=1e-6, abs=1e-7)
