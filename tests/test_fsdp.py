@@ -18,9 +18,10 @@ STEPS = SMALL_STEPS
 pytestmark = pytest.mark.slow  # Ray runs and the harness's, every test here
 
 
-def train(data, storage, name, on=run_training, **flags):
+def train(data, storage, name, on=run_training, resume=False, **flags):
     rows = []
-    summary = on(small_config(data, storage, name, **flags), say=lambda m: None, on_metrics=rows.append)
+    summary = on(small_config(data, storage, name, **flags), resume=resume, say=lambda m: None,
+                 on_metrics=rows.append)
     assert summary["status"] == "completed"
     return step_losses(storage / name), rows
 
@@ -135,10 +136,8 @@ def test_zero2_resumes_exactly_from_its_checkpoint(zero_runs, pydoc_data, storag
     have the uninterrupted run's losses."""
     shutil.copytree(storage / "zero2", storage / "zero2-resumed")
     shutil.rmtree(storage / "zero2-resumed" / f"checkpoint_{STEPS:08d}")
-    rows = []
-    summary = run_local(small_config(pydoc_data, storage, "zero2-resumed", strategy="zero2"),
-                        resume=True, say=lambda m: None, on_metrics=rows.append)
-    assert summary["status"] == "completed" and summary["resumed_from_step"] == STEPS - 10
+    _, rows = train(pydoc_data, storage, "zero2-resumed", on=run_local, resume=True, strategy="zero2")
+    assert rows[-1]["resumed_from_step"] == STEPS - 10
     # this run's rows only: the copied folder's metrics.jsonl also holds the first run's
     losses, reference = row_losses(rows), zero_runs["zero2"][0]
     assert losses.keys() == set(range(STEPS - 9, STEPS + 1))
