@@ -31,15 +31,50 @@ def pytest_configure(config):
                                        "Ray tests, not in the fast tier")
 
 
+def uses_ray(item) -> bool:
+    """The test starts or joins a Ray cluster: the session cluster or one of its own."""
+    return "ray_address" in getattr(item, "fixturenames", ()) or item.get_closest_marker("own_cluster") is not None
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups and `-m` deselects
 def pytest_collection_modifyitems(config, items):
     """Mark the tests that need Ray, and run those that start their own Ray clusters after all
     others (a stable sort), so the session cluster of `ray_address` never has to coexist with
-    them or restart."""
+    them or restart.
+
+    Under pytest-xdist (pytest.ini: two workers, `--dist loadgroup`) the tests that use Ray,
+    and the `ray` tests that share a module's fixture with one of them (a layout's runs, a
+    module's storage), form one group, which one worker runs in this order: only one Ray cluster
+    is ever up (two on one machine break Ray Train's helper actors), and each such fixture is
+    made once. Every other test (the fast tier, the `slow` tests on fixtures of their own) goes to
+    whichever worker is free: the second core works through them while the first waits on Ray."""
     for item in items:
-        if "ray_address" in getattr(item, "fixturenames", ()) or item.get_closest_marker("own_cluster") \
-                or item.get_closest_marker("slow"):
+        if uses_ray(item) or item.get_closest_marker("slow"):
             item.add_marker(pytest.mark.ray)
+    shared = {}  # file -> the module-scoped fixtures its Ray tests use
+    for item in items:
+        if uses_ray(item):
+            shared.setdefault(item.path, set()).update(module_fixtures(item))
+    for item in items:
+        if uses_ray(item) or (item.get_closest_marker("ray") and module_fixtures(item) & shared.get(item.path, set())):
+            item.add_marker(pytest.mark.xdist_group(RAY_GROUP))
     items.sort(key=lambda item: item.get_closest_marker("own_cluster") is not None)
+
+
+def module_fixtures(item) -> set[str]:
+    """The fixtures of module, class or package scope that `item` uses (directly or not)."""
+    defs = getattr(item, "_fixtureinfo", None)
+    return {name for name, fixturedefs in (defs.name2fixturedefs.items() if defs else ())
+            if fixturedefs and fixturedefs[-1].scope in ("module", "class", "package")}
+
+
+RAY_GROUP = "ray"
+_RUNNING: list = [None]  # the test being set up, for ray_address's check
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    _RUNNING[0] = item
 
 
 def stop_session_ray() -> None:
@@ -72,9 +107,17 @@ def start_session_ray() -> str:
 
 @pytest.fixture(scope="session")
 def ray_address():
-    """The session's Ray cluster, started once; its address is for subprocesses (`--address`)."""
+    """The session's Ray cluster, started once; its address is for subprocesses (`--address`).
+    Under xdist only the worker of the Ray group may start it: a test that asks for it by
+    `request.getfixturevalue`, which collection cannot see, must sit in a file with a test that
+    names it (conftest.pytest_collection_modifyitems)."""
     import ray
 
+    item = _RUNNING[0]
+    if os.environ.get("PYTEST_XDIST_WORKER") and item is not None \
+            and not any(m.args == (RAY_GROUP,) for m in item.iter_markers("xdist_group")):
+        pytest.fail(f"{item.nodeid} starts the session's Ray outside the Ray group: a second Ray "
+                    f"cluster could run beside the group's; see conftest.pytest_collection_modifyitems")
     yield start_session_ray()
     ray.shutdown()
 
