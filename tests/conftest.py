@@ -42,30 +42,21 @@ def pytest_collection_modifyitems(config, items):
     others (a stable sort), so the session cluster of `ray_address` never has to coexist with
     them or restart.
 
-    Under pytest-xdist (pytest.ini: two workers, `--dist loadgroup`) the tests that use Ray,
-    and the `ray` tests that share a module's fixture with one of them (a layout's runs, a
-    module's storage), form one group, which one worker runs in this order: only one Ray cluster
-    is ever up (two on one machine break Ray Train's helper actors), and each such fixture is
-    made once. Every other test (the fast tier, the `slow` tests on fixtures of their own) goes to
-    whichever worker is free: the second core works through them while the first waits on Ray."""
+    Under pytest-xdist (pytest.ini: two workers, `--dist loadgroup`) the `ray` tests of every
+    file that has a test using Ray form one group, which one worker runs in this order: only one
+    Ray cluster is ever up (two on one machine break Ray Train's helper actors), and each module
+    fixture they share (a layout's runs, a reference run) is made once. Every other test (the
+    fast tier, the `slow` tests of files without Ray) goes to whichever worker is free: the
+    second core works through them while the first waits on Ray. The harness runs of files with
+    Ray stay in the group: several gloo ranks beside a Ray run of several workers oversubscribe
+    two cores, and both slow down several times over."""
+    ray_files = {item.path for item in items if uses_ray(item)}
     for item in items:
         if uses_ray(item) or item.get_closest_marker("slow"):
             item.add_marker(pytest.mark.ray)
-    shared = {}  # file -> the module-scoped fixtures its Ray tests use
-    for item in items:
-        if uses_ray(item):
-            shared.setdefault(item.path, set()).update(module_fixtures(item))
-    for item in items:
-        if uses_ray(item) or (item.get_closest_marker("ray") and module_fixtures(item) & shared.get(item.path, set())):
+        if item.get_closest_marker("ray") and item.path in ray_files:
             item.add_marker(pytest.mark.xdist_group(RAY_GROUP))
     items.sort(key=lambda item: item.get_closest_marker("own_cluster") is not None)
-
-
-def module_fixtures(item) -> set[str]:
-    """The fixtures of module, class or package scope that `item` uses (directly or not)."""
-    defs = getattr(item, "_fixtureinfo", None)
-    return {name for name, fixturedefs in (defs.name2fixturedefs.items() if defs else ())
-            if fixturedefs and fixturedefs[-1].scope in ("module", "class", "package")}
 
 
 RAY_GROUP = "ray"

@@ -2,9 +2,7 @@
 step; models are built sharded; checkpoints move between layouts. The layouts' arithmetic runs on
 the local harness (local_mode.py: the same loop on forked gloo ranks); one pipeline schedule runs
 on real Ray Train workers and matches the harness's one-worker run, and so do the sharded build
-(FSDP x TP) and the killed Llama run. The Ray tests make their own runs and folders: they share
-no module fixture with the harness's tests, which pytest-xdist can then run beside them
-(conftest.pytest_collection_modifyitems)."""
+(FSDP x TP) and the killed Llama run."""
 
 from __future__ import annotations
 
@@ -43,6 +41,9 @@ ARCHS = {
     "gpt": (MODEL, LAYOUTS),
     "llama": (MODEL + LLAMA_SETTINGS, {k: LAYOUTS[k] for k in ("one", "tp2", "pp2-1f1b", "fsdp2xtp2-sp")}),
 }
+# Trained by real Ray Train workers; every other layout on the local harness. With the Ray runs of
+# other modules, each of DDP, FSDP, FSDP x TP and a pipeline schedule runs on Ray at least once.
+ON_RAY = {("gpt", "pp2-1f1b")}
 
 
 def layout_config(data, storage, name, workers, flags, arch="gpt", **more):
@@ -59,20 +60,17 @@ def storage(tmp_path_factory):
     return tmp_path_factory.mktemp("layouts")
 
 
-def make_hf_llama(folder, data):
+@pytest.fixture(scope="module")
+def hf_folder(tmp_path_factory, pydoc_data, storage):
     """A Hugging Face Llama of the Llama runs' shape, with the byte tokenizer: (folder, model)."""
     from raytrain_lm.data.manifest import load_manifest
     from raytrain_lm.run.preflight import fit_model_to_data
     from raytrain_lm.tokenizer import byte_tokenizer_json
 
-    cfg = layout_config(data, folder, "shape", 1, {}, arch="llama")
-    fit_model_to_data(cfg, load_manifest(data))
+    cfg = layout_config(pydoc_data, storage, "shape", 1, {}, arch="llama")
+    fit_model_to_data(cfg, load_manifest(pydoc_data))
+    folder = tmp_path_factory.mktemp("hf-llama")
     return folder, save_hf_llama(folder, cfg.model, byte_tokenizer_json().encode(), seed=7)
-
-
-@pytest.fixture(scope="module")
-def hf_folder(tmp_path_factory, pydoc_data):
-    return make_hf_llama(tmp_path_factory.mktemp("hf-llama"), pydoc_data)
 
 
 def run_name(arch, name):
@@ -81,8 +79,8 @@ def run_name(arch, name):
 
 @pytest.fixture(scope="module")
 def runs(pydoc_data, storage, request):
-    """runs(arch): every layout's per-step losses and metrics rows (one run each on the harness,
-    made on first use)."""
+    """runs(arch): every layout's per-step losses and metrics rows (one run each, on Ray or the
+    harness, made on first use)."""
     done = {}
 
     def get(arch):
@@ -92,7 +90,12 @@ def runs(pydoc_data, storage, request):
             for name, (workers, flags) in ARCHS[arch][1].items():
                 rows = []
                 cfg = layout_config(pydoc_data, storage, run_name(arch, name), workers, flags, arch)
-                summary = run_local(cfg, init_from=init_from, say=lambda m: None, on_metrics=rows.append)
+                if (arch, name) in ON_RAY:
+                    request.getfixturevalue("ray_address")
+                    train = run_training
+                else:
+                    train = run_local
+                summary = train(cfg, init_from=init_from, say=lambda m: None, on_metrics=rows.append)
                 assert summary["status"] == "completed", (arch, name)
                 done[arch][name] = (step_losses(storage / run_name(arch, name)), rows)
         return done[arch]
@@ -147,34 +150,17 @@ def test_a_llama_starts_from_the_hf_models_weights(runs, hf_folder, pydoc_data, 
     assert runs("llama")["one"][0][1] == pytest.approx(expected, rel=1e-5, abs=1e-5)
 
 
-def test_a_killed_llama_run_resumes_bit_identically(ray_address, pydoc_data, tmp_path, monkeypatch):
-    """The one-worker Llama run on real Ray Train workers, its worker killed after step 13:
-    restarted from step 10's checkpoint (not from --init-from again), every step's loss is the
-    uninterrupted harness run's, bit for bit (a run of its own here, from the same HF folder)."""
-    hf = str(make_hf_llama(tmp_path / "hf", pydoc_data)[0])
-    uninterrupted = layout_config(pydoc_data, tmp_path, "llama-one", 1, {}, arch="llama")
-    assert run_local(uninterrupted, init_from=hf)["status"] == "completed"
+def test_a_killed_llama_run_resumes_bit_identically(ray_address, runs, hf_folder, pydoc_data, storage,
+                                                    monkeypatch):
+    """The one-worker Llama run again, its worker killed after step 13: restarted from step 10's
+    checkpoint (not from --init-from again), every step's loss is the uninterrupted run's, bit for
+    bit. (A Ray run of its own, with the restart.)"""
     monkeypatch.setenv("RAYTRAIN_LM_FAIL_AT", "0:13")
-    cfg = layout_config(pydoc_data, tmp_path, "llama-killed", 1, {}, arch="llama", max_failures=1,
+    cfg = layout_config(pydoc_data, storage, "llama-killed", 1, {}, arch="llama", max_failures=1,
                         checkpoint_every=10)
-    summary = run_training(cfg, init_from=hf, say=lambda m: None)
+    summary = run_training(cfg, init_from=str(hf_folder[0]), say=lambda m: None)
     assert summary["restarts"] == 1 and summary["resumed_from_step"] == 10
-    assert step_losses(tmp_path / "llama-killed") == step_losses(tmp_path / "llama-one")
-
-
-def test_a_pipeline_schedule_on_ray_workers_trains_the_one_worker_model(ray_address, pydoc_data, tmp_path):
-    """1F1B over two real Ray Train workers: within 1e-4 of the harness's one-worker run at each
-    step, as every layout is on the harness; it reports its bubble and point-to-point bytes."""
-    one = layout_config(pydoc_data, tmp_path, "one", *LAYOUTS["one"])
-    assert run_local(one)["status"] == "completed"
-    rows = []
-    cfg = layout_config(pydoc_data, tmp_path, "pp2-1f1b", *LAYOUTS["pp2-1f1b"])
-    assert run_training(cfg, say=lambda m: None, on_metrics=rows.append)["status"] == "completed"
-    reference, losses = step_losses(tmp_path / "one"), step_losses(tmp_path / "pp2-1f1b")
-    assert losses.keys() == reference.keys() == set(range(1, STEPS + 1))
-    for step in reference:
-        assert losses[step] == pytest.approx(reference[step], rel=1e-4), step
-    assert rows[-1]["comm_bytes"]["pp"] > 0 and 0.0 < rows[-1]["bubble"] < 1.0
+    assert step_losses(storage / "llama-killed") == runs("llama")["one"][0]
 
 
 @pytest.mark.slow
@@ -219,7 +205,7 @@ def test_a_tp2_checkpoint_resumes_as_fsdp_on_two_workers(runs, storage, pydoc_da
         assert resumed[step] == pytest.approx(uninterrupted[step], rel=1e-5), step
 
 
-def test_built_sharded_no_rank_holds_the_whole_model(ray_address, pydoc_data, tmp_path):
+def test_built_sharded_no_rank_holds_the_whole_model(ray_address, pydoc_data, storage):
     """gpt2-medium's width at half its depth (12 layers: 152M parameters with bytes) on 4
     workers, FSDP over 2 x TP over 2: each builds only its quarter, and its peak memory through a
     training step stays under 0.4x of what a full replica needs for parameters, gradients and
@@ -230,7 +216,7 @@ def test_built_sharded_no_rank_holds_the_whole_model(ray_address, pydoc_data, tm
     cfg = build_config(preset="gpt2-medium", sets=["model.n_layer=12"], flags=dict(
         workers=4, cpus_per_worker=0.5, tp=2, strategy="fsdp", max_steps=1, batch_size=1,
         seq_len=64, log_every=1, eval_every=1, eval_windows=1, checkpoint_every=-1,  # none: 1.8 GB unread
-        data=str(pydoc_data), storage=str(tmp_path), name="big-fsdp2xtp2"))
+        data=str(pydoc_data), storage=str(storage), name="big-fsdp2xtp2"))
     rows = []
     # Peak RSS counts what glibc keeps of freed memory too (it grows step by step: 0.63-0.67x after
     # one 2-way FSDP step here, 0.78x after two); with large blocks mmapped, freed memory goes
@@ -244,7 +230,7 @@ def test_built_sharded_no_rank_holds_the_whole_model(ray_address, pydoc_data, tm
     # at 12 layers, 0.28x at 24, 2026-12-01).
     assert rows[-1]["build_mem_gb"] < 0.5 * 4 * rows[-1]["num_parameters"] / 1e9
     assert rows[-1]["mem_above_baseline_gb"] < 0.4 * full_replica_gb
-    assert not list((tmp_path / "big-fsdp2xtp2").glob("checkpoint_*"))  # --checkpoint-every -1
+    assert not list((storage / "big-fsdp2xtp2").glob("checkpoint_*"))  # --checkpoint-every -1
 
 
 @pytest.mark.parametrize("args,expected", [
