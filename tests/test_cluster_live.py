@@ -613,7 +613,7 @@ def autoscaling_head(tmp_path_factory):
         assert start.returncode == 0, start.stderr[-3000:]
         yield address
     finally:
-        local_down(AUTOSCALE_PORT, say=lambda m: None)
+        local_down(AUTOSCALE_PORT, say=lambda m: None)  # if the test below did not
         assert cluster_processes(temp_dir) == []
 
 
@@ -633,3 +633,15 @@ def test_autoscaler_launches_nodes_for_training(autoscaling_head, pydoc_data, tm
         alive = [n for n in ray.nodes() if n["Alive"]]
     assert len(alive) == 3  # the head and the two nodes the autoscaler launched
     assert sorted(n["Resources"].get("CPU", 0) for n in alive) == [0, 1, 1]
+
+
+def test_local_down_stops_every_process_at_its_sigterm(autoscaling_head):
+    """In Ray's own order: the raylet first, the GCS last. Stopped with the GCS, the autoscaler's
+    monitor waits on it at SIGTERM (it reports its own end there) until the grace runs out and
+    it is killed, so a stop took the whole grace."""
+    temp_dir = local_temp_dir(AUTOSCALE_PORT)
+    assert cluster_processes(temp_dir)
+    started = time.monotonic()
+    local_down(AUTOSCALE_PORT, grace=60, say=lambda m: None)
+    assert cluster_processes(temp_dir) == []
+    assert time.monotonic() - started < 30  # none waited out the grace

@@ -10,6 +10,7 @@ import signal
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -125,6 +126,55 @@ def _psutil():
     return importlib.import_module("psutil")
 
 
+def _stop_stage(proc) -> int:
+    """When `proc` is stopped, in `ray stop`'s order: raylets first (their agents and workers end
+    with them), the GCS last. A process still running when the GCS ends waits on it at SIGTERM
+    (the autoscaler's monitor reports its own end to the GCS) until the grace runs out."""
+    psutil = _psutil()
+    try:
+        name = proc.name()
+    except psutil.Error:  # ended meanwhile
+        return 1
+    return {"raylet": 0, "gcs_server": 2}.get(name, 1)
+
+
+def _terminate(procs: list, grace: float) -> None:
+    """SIGTERM to `procs`, and SIGKILL to those still running after `grace` seconds."""
+    psutil = _psutil()
+    for p in procs:
+        try:
+            p.send_signal(signal.SIGTERM)
+        except psutil.NoSuchProcess:
+            pass
+    for p in _wait_stopped(procs, grace):
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    _wait_stopped(procs, 5)
+
+
+def _wait_stopped(procs: list, timeout: float) -> list:
+    """Waits until every one of `procs` has exited or `timeout` passes; returns those still
+    running. An exited process counts at once, not when it is reaped: the cluster's processes
+    are children of init, which in a container may reap late or never (psutil.wait_procs
+    waits for the reaping)."""
+    psutil = _psutil()
+
+    def running(p) -> bool:
+        try:
+            return p.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    deadline = time.monotonic() + timeout
+    alive = [p for p in procs if running(p)]
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.05)
+        alive = [p for p in alive if running(p)]
+    return alive
+
+
 def names_dir(arg: str, folder: Path) -> bool:
     """Whether a command-line argument names `folder` or a path inside it, alone or as an option's
     value (`--temp-dir=/tmp/x`): /tmp/raytrain-lm-ray-63790 is not inside .../raytrain-lm-ray-6379."""
@@ -163,8 +213,6 @@ def cluster_processes(temp_dir: Path) -> list:
 def local_down(port: int = DEFAULT_PORT, grace: float = 5.0, say: Say = print) -> int:
     """Stop the local cluster on `port` (its jobs first, then its processes); returns how many
     processes were stopped. Other Ray instances on this machine are left alone."""
-    psutil = _psutil()
-
     temp_dir = local_temp_dir(port)
     info = read_record(port)
     if info:  # stop jobs through the API, so their drivers end cleanly
@@ -181,18 +229,9 @@ def local_down(port: int = DEFAULT_PORT, grace: float = 5.0, say: Say = print) -
         procs = cluster_processes(temp_dir)
         if not procs:
             break
-        for p in procs:
-            try:
-                p.send_signal(signal.SIGTERM)
-            except psutil.NoSuchProcess:
-                pass
-        gone, alive = psutil.wait_procs(procs, timeout=grace)
-        for p in alive:
-            try:
-                p.kill()
-            except psutil.NoSuchProcess:
-                pass
-        psutil.wait_procs(alive, timeout=5)
+        stages = [_stop_stage(p) for p in procs]  # before any ends: an ended one has no name
+        for stage in range(3):
+            _terminate([p for p, s in zip(procs, stages) if s == stage], grace)
         stopped += len(procs)
     left = cluster_processes(temp_dir)
     if left:
