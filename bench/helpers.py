@@ -1,15 +1,15 @@
 """What Ray Train's per-run helper processes, its TorchConfig and its runtime envs cost:
 `python cli.py train` with Ray's default controller callbacks and Ray's TorchConfig, with Ray's
-TorchConfig only, with the controller's polls set as Ray's environment variables (which Ray hands
-the controller and every worker as a runtime env), and as shipped (controller.helper_callbacks:
+TorchConfig only, with the controller's polls set as Ray's environment variables and passed on
+as Ray does (to the controller and every worker as a runtime env), and as shipped (controller.helper_callbacks:
 no dataset manager, no placement-group cleaner; backend.TorchConfig: no torch in the controller;
-controller.Polls: no runtime env), alternated, on one already running local Ray.
+controller.Polls: no runtime env, even when the polls' variables are set), alternated, on one already running local Ray.
 
 Timed from outside: the command's wall time, its time to first step (summary.json), and the CPU
 seconds of every process on the machine while it ran (sampled from /proc every 0.1 s; a process
 that ends between two samples keeps its last reading, so the figure is a slight undercount).
-The other arms run the same CLI with `raytrain_lm.ray_compat.trainer` patched: `helper_callbacks` replaced
-by one that keeps all, and/or Ray's own TorchConfig in place of ours.
+The other arms run the same CLI patched: `trainer.helper_callbacks` replaced by one that keeps
+all, Ray's own TorchConfig in place of ours, or `controller.POLL_VARS` emptied.
 
     flock /tmp/ray.lock python bench/helpers.py --reps 4 [--arms env-polls,ours]
 """
@@ -30,18 +30,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 TCK = os.sysconf("SC_CLK_TCK")
 PATCHES = {"callbacks": "t.helper_callbacks = lambda callbacks, *_: callbacks; ",
-           "torchconfig": "from ray.train.torch import TorchConfig; t.TorchConfig = TorchConfig; "}
-# The polls `train` sets (driver.DEFAULT_POLL_S, preemption.DEFAULT_POLL_S) as Ray's variables:
-# Ray then passes them to the controller and every worker in a runtime env, as it did here before.
+           "torchconfig": "from ray.train.torch import TorchConfig; t.TorchConfig = TorchConfig; ",
+           "polls-travel": "import raytrain_lm.ray_compat.controller as c; c.POLL_VARS.clear(); "}
+# The polls `train` sets (driver.DEFAULT_POLL_S, preemption.DEFAULT_POLL_S) as Ray's variables,
+# and let travel as Ray sends them: to the controller and every worker in a runtime env.
 ENV_POLLS = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5", "RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S": "1.0"}
 ARMS = {"ray-defaults": (("callbacks", "torchconfig"), {}),  # name: (patches, environment)
         "ray-torchconfig": (("torchconfig",), {}),
-        "env-polls": ((), ENV_POLLS),
+        "env-polls": (("polls-travel",), ENV_POLLS),
         "ours": ((), {})}
 
 
 def patched_cli(*patches: str) -> list[str]:
-    """`python cli.py` with raytrain_lm.ray_compat.trainer patched back to Ray's defaults."""
+    """`python cli.py` with parts of raytrain_lm.ray_compat patched back to Ray's defaults."""
     if not patches:
         return [sys.executable, "cli.py"]
     code = ("import sys, runpy, raytrain_lm.ray_compat.trainer as t; " + "".join(PATCHES[p] for p in patches) +

@@ -42,7 +42,8 @@ class DiesWhenFirstLoaded:
         return _load_or_die_the_first_time, (self.marker,)
 
 
-def test_a_start_death_is_retried_and_the_run_takes_ready_ray_processes(ray_address, tmp_path):
+def test_a_start_death_is_retried_and_the_run_takes_ready_ray_processes(ray_address, tmp_path,
+                                                                        monkeypatch):
     """One run, two claims about our controller on Ray 2.60.
 
     A worker that dies as its group starts is retried, not the end of the run: Ray ends the run
@@ -53,8 +54,11 @@ def test_a_start_death_is_retried_and_the_run_takes_ready_ray_processes(ray_addr
     The run takes ready Ray processes and its polls are arguments: Ray hands its Train settings
     to the controller and the workers as a runtime env, and an actor with a runtime env of its
     own cannot take one of the processes Ray keeps ready (it waits ~1.5-2 s more here for a new
-    one). Ours take them: no runtime env, none set by the user; the controller's polls are its
-    arguments."""
+    one). Ours take them: no runtime env, none set by the user, and none for the polls when the
+    user sets their variables (they are the controller's arguments: carried as an env, they
+    would cost every actor of every run a fresh process)."""
+    monkeypatch.setenv("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1")  # read by the driver alone
+    monkeypatch.setenv("RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S", "3")
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # tests/ is not on workers' path
     marker, out = tmp_path / "died", tmp_path / "worker_env.json"
     cfg = TrainConfig(workers=1, max_failures=0)

@@ -27,7 +27,11 @@ from dataclasses import dataclass
 import ray
 from ray.exceptions import RayActorError
 from ray.train.v2._internal.callbacks.preemption_callback import PreemptionCallback
-from ray.train.v2._internal.constants import get_env_vars_to_propagate
+from ray.train.v2._internal.constants import (
+    HEALTH_CHECK_INTERVAL_S_ENV_VAR,
+    PREEMPTION_POLL_INTERVAL_S_ENV_VAR,
+    get_env_vars_to_propagate,
+)
 from ray.train.v2._internal.exceptions import WorkerGroupStartupFailedError
 from ray.train.v2._internal.execution.checkpoint.checkpoint_manager import CheckpointManager
 from ray.train.v2._internal.execution.controller import TrainController
@@ -72,7 +76,16 @@ def helper_callbacks(callbacks: list, datasets: dict, pg_cleaner: bool) -> list:
 
 
 class StartDeathsCaughtWorkerGroup(WorkerGroup):
-    """Ray's worker group; a worker that dies at any step of the start fails the start."""
+    """Ray's worker group; a worker that dies at any step of the start fails the start, and the
+    workers' runtime env leaves out the polls' variables (see run_controller)."""
+
+    @staticmethod
+    def _get_worker_runtime_env(custom_runtime_env):
+        runtime_env = WorkerGroup._get_worker_runtime_env(custom_runtime_env)
+        given = custom_runtime_env.get("env_vars") or {}  # --worker-env: the user's own
+        runtime_env["env_vars"] = {k: v for k, v in runtime_env["env_vars"].items()
+                                   if k not in POLL_VARS or k in given}
+        return runtime_env
 
     def _start(self):
         try:
@@ -129,6 +142,9 @@ class Polls:
     preemption_s: float
 
 
+POLL_VARS = {HEALTH_CHECK_INTERVAL_S_ENV_VAR, PREEMPTION_POLL_INTERVAL_S_ENV_VAR}  # Polls' variables
+
+
 class RemadeCheckpointManager(CheckpointManager):
     """Ray's checkpoint manager, where a checkpoint registered at the path of one it already
     holds replaces that one (same folder, newer files) instead of standing beside it."""
@@ -174,8 +190,10 @@ class Controller(TrainController):
 def run_controller(trainer, polls: Polls, **controller_init_kwargs):
     """Ray's `DataParallelTrainer._initialize_and_run_controller` with our controller
     class (Ray names its own inside that method, so it is repeated here), which takes its polls
-    as arguments (Polls). Ray's Train variables that the user set still travel as Ray sends them."""
-    env_vars = get_env_vars_to_propagate()
+    as arguments (Polls). Ray's other Train variables that the user set still travel as Ray sends
+    them; the polls' own would change nothing there (only the controller reads them, and it has
+    them as arguments), yet alone they would give every actor of the run a runtime env."""
+    env_vars = {k: v for k, v in get_env_vars_to_propagate().items() if k not in POLL_VARS}
     runtime_env = {"runtime_env": {"env_vars": env_vars}} if env_vars else {}
     controller_cls = ray.remote(  # on the driver's node, as Ray's
         num_cpus=0, **runtime_env, **on_this_node())(Controller)
