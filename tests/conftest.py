@@ -18,6 +18,12 @@ ROOT = Path(__file__).resolve().parent.parent
 # worker: the tests' models are tiny, and two threads spin against each other when another
 # process holds the second core (a 150-step training here took 4 s on one thread, 83 s on two).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Ray Train's controller takes a worker's report when it polls the workers, and a worker holds
+# one report at a time: the tests' runs report every few steps of a model whose steps take a few
+# ms (rows to check at given steps), and at the product's 0.5 s poll they would mostly wait for
+# it (a user's reports are paced by time instead: loop.Cadence). The driver passes the poll to
+# the controller as an argument (ray_compat.controller.Polls). A value set outside still wins.
+os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1")
 
 
 def pytest_configure(config):
