@@ -93,10 +93,32 @@ def local_cluster():
 
 @pytest.fixture(scope="module")
 def submitted(local_cluster, pydoc_data, tmp_path_factory):
-    storage = tmp_path_factory.mktemp("job-runs")
-    result = run_cli("submit", "--address", DASHBOARD, "--", *SHORT, "--data", str(pydoc_data),
-                     "--storage", str(storage), "--name", "job-run", timeout=300)
-    return result, storage
+    """Our `submit` (2 workers) and, at the same time on the same cluster, plain `ray job submit`
+    (1 worker: the 3 CPUs hold both): (our result, its storage, the plain one's process and
+    storage). Each job spends most of its time starting processes, so together they take little
+    more than one."""
+    storage, plain_storage = tmp_path_factory.mktemp("job-runs"), tmp_path_factory.mktemp("plain")
+    plain = plain_ray_job_submit(pydoc_data, plain_storage)
+    try:
+        result = run_cli("submit", "--address", DASHBOARD, "--", *SHORT, "--data", str(pydoc_data),
+                         "--storage", str(storage), "--name", "job-run", timeout=300)
+    except BaseException:
+        plain.kill()
+        raise
+    return result, storage, plain, plain_storage
+
+
+def plain_ray_job_submit(pydoc_data, storage) -> subprocess.Popen:
+    """What the README shows Ray users: `ray job submit --working-dir . -- python cli.py train`."""
+    ray_exe = os.path.join(os.path.dirname(sys.executable), "ray")
+    with (storage / "stdout").open("w") as out:  # a file: a pipe read only at the end may fill
+        return subprocess.Popen(
+            [ray_exe, "job", "submit", "--address", DASHBOARD, "--working-dir", ".", "--",
+             "python", "cli.py", "train", "--workers", "1", "--max-steps", "2", "--log-every", "2",
+             "--eval-every", "2", "--checkpoint-every", "2", "--data", str(pydoc_data),
+             "--storage", str(storage), "--name", "plain"],
+            cwd=ROOT, env={**os.environ, "RAY_AUTH_MODE": "token"}, stdout=out,
+            stderr=subprocess.STDOUT)
 
 
 def test_the_test_session_starts_its_own_cluster_beside_a_running_one(local_cluster):
@@ -149,7 +171,7 @@ def test_train_joins_the_running_local_cluster(local_cluster, pydoc_data, tmp_pa
 
 
 def test_submitted_training_succeeds_with_logs_and_results(submitted):
-    result, storage = submitted
+    result, storage, *_ = submitted
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
     job_id = re.search(r"submitted job (raysubmit_\w+)", out).group(1)
@@ -162,7 +184,7 @@ def test_submitted_training_succeeds_with_logs_and_results(submitted):
 
 
 def test_jobs_lists_and_prints_logs(submitted):
-    result, _ = submitted
+    result, *_ = submitted
     job_id = re.search(r"submitted job (raysubmit_\w+)", result.stdout).group(1)
     listed = run_cli("jobs", "--address", DASHBOARD)
     assert listed.returncode == 0, listed.stderr
@@ -173,19 +195,14 @@ def test_jobs_lists_and_prints_logs(submitted):
                        "no job raysubmit_nope")
 
 
-def test_plain_ray_job_submit_works_too(submitted, pydoc_data, tmp_path):
-    """What the README shows Ray users: `ray job submit --working-dir . -- python cli.py train`."""
-    ray_exe = os.path.join(os.path.dirname(sys.executable), "ray")
-    env = {**os.environ, "RAY_AUTH_MODE": "token"}
-    result = subprocess.run(
-        [ray_exe, "job", "submit", "--address", DASHBOARD, "--working-dir", ".", "--",
-         "python", "cli.py", "train", "--workers", "1", "--max-steps", "2", "--log-every", "2",
-         "--eval-every", "2", "--checkpoint-every", "2", "--data", str(pydoc_data),
-         "--storage", str(tmp_path), "--name", "plain"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "succeeded" in result.stdout.lower() and "step 2/2" in result.stdout
-    assert json.loads((tmp_path / "plain" / "summary.json").read_text())["status"] == "completed"
+def test_plain_ray_job_submit_works_too(submitted):
+    """The README's plain `ray job submit`, run beside our `submit` (the fixture)."""
+    *_, plain, storage = submitted
+    plain.wait(timeout=300)
+    out = (storage / "stdout").read_text()
+    assert plain.returncode == 0, out[-3000:]
+    assert "succeeded" in out.lower() and "step 2/2" in out
+    assert json.loads((storage / "plain" / "summary.json").read_text())["status"] == "completed"
 
 
 def test_no_token_is_a_clean_error(local_cluster, tmp_path, pydoc_data):
