@@ -82,9 +82,8 @@ class StartDeathsCaughtWorkerGroup(WorkerGroup):
     @staticmethod
     def _get_worker_runtime_env(custom_runtime_env):
         runtime_env = WorkerGroup._get_worker_runtime_env(custom_runtime_env)
-        given = custom_runtime_env.get("env_vars") or {}  # --worker-env: the user's own
-        runtime_env["env_vars"] = {k: v for k, v in runtime_env["env_vars"].items()
-                                   if k not in POLL_VARS or k in given}
+        # Ray's merge, of our propagated variables: --worker-env's own still win
+        runtime_env["env_vars"] = {**propagated_env_vars(), **(custom_runtime_env.get("env_vars") or {})}
         return runtime_env
 
     def _start(self):
@@ -145,6 +144,12 @@ class Polls:
 POLL_VARS = {HEALTH_CHECK_INTERVAL_S_ENV_VAR, PREEMPTION_POLL_INTERVAL_S_ENV_VAR}  # Polls' variables
 
 
+def propagated_env_vars() -> dict[str, str]:
+    """The Ray Train variables set here that Ray hands the controller and the workers, less the
+    polls' own: only the controller reads those, and it has them as arguments (run_controller)."""
+    return {k: v for k, v in get_env_vars_to_propagate().items() if k not in POLL_VARS}
+
+
 class RemadeCheckpointManager(CheckpointManager):
     """Ray's checkpoint manager, where a checkpoint registered at the path of one it already
     holds replaces that one (same folder, newer files) instead of standing beside it."""
@@ -193,7 +198,7 @@ def run_controller(trainer, polls: Polls, **controller_init_kwargs):
     as arguments (Polls). Ray's other Train variables that the user set still travel as Ray sends
     them; the polls' own would change nothing there (only the controller reads them, and it has
     them as arguments), yet alone they would give every actor of the run a runtime env."""
-    env_vars = {k: v for k, v in get_env_vars_to_propagate().items() if k not in POLL_VARS}
+    env_vars = propagated_env_vars()
     runtime_env = {"runtime_env": {"env_vars": env_vars}} if env_vars else {}
     controller_cls = ray.remote(  # on the driver's node, as Ray's
         num_cpus=0, **runtime_env, **on_this_node())(Controller)
