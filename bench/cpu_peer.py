@@ -137,7 +137,7 @@ def mm_gflops(reps: int = 5) -> float:
 
 
 def part_step(args) -> dict:
-    from raytrain_lm.model import flops_per_token
+    from raytrain_lm.models.decoder import flops_per_token
     from raytrain_lm.plan import matmul_params
     from raytrain_lm.worker.optim import lr_at
 

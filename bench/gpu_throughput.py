@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from raytrain_lm.config.presets import preset_config  # noqa: E402
 from raytrain_lm.config.settings import ModelConfig
 from raytrain_lm.errors import UserError  # noqa: E402
-from raytrain_lm.model import GPT, flops_per_token  # noqa: E402
+from raytrain_lm.models.decoder import GPT, flops_per_token  # noqa: E402
 from raytrain_lm.worker.metrics import gpu_peak_tflops, mfu, peak_memory_gb  # noqa: E402
 from raytrain_lm.worker.optim import build_optimizer, lr_at
 

@@ -46,7 +46,7 @@ def build(m, seed: int):
     import torch
 
     from raytrain_lm.config.presets import preset_config
-    from raytrain_lm.model import build_model
+    from raytrain_lm.models.decoder import build_model
     from raytrain_lm.worker.optim import build_optimizer
 
     torch.manual_seed(seed)

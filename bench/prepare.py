@@ -184,7 +184,7 @@ def main() -> None:
     import ray
 
     from raytrain_lm.data.sources import plan_units, read_unit, sample_units
-    from raytrain_lm.tokenizer import train_bpe
+    from raytrain_lm.data.tokenizer import train_bpe
 
     with tempfile.TemporaryDirectory(prefix="bench-prepare-") as tmp:
         t0 = time.perf_counter()

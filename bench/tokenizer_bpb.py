@@ -55,7 +55,7 @@ def main() -> None:
 
     from raytrain_lm.config.load import build_config
     from raytrain_lm.data.prepare import prepare_dataset
-    from raytrain_lm.model import GPT, flops_per_token
+    from raytrain_lm.models.decoder import GPT, flops_per_token
     from raytrain_lm.run.driver import run_training
 
     ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False)  # 2 workers + Ray's own

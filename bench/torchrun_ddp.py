@@ -33,7 +33,7 @@ from raytrain_lm.config.load import build_config
 from raytrain_lm.data.manifest import load_manifest
 from raytrain_lm.data.sampler import BatchPlan, BatchStream, eval_batches
 from raytrain_lm.data.windows import TokenWindows, collate_windows
-from raytrain_lm.model import GPT, flops_per_token
+from raytrain_lm.models.decoder import GPT, flops_per_token
 from raytrain_lm.worker.metrics import StepTimer, gpu_peak_tflops, mfu, peak_memory_gb
 from raytrain_lm.worker.optim import build_optimizer, lr_at
 

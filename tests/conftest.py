@@ -129,7 +129,7 @@ def pydoc_docs() -> list[str]:
 @pytest.fixture(scope="session")
 def bpe_pydoc(pydoc_docs):
     """A 2048-token byte-level BPE trained on the pydoc corpus (a fraction of a second)."""
-    from raytrain_lm.tokenizer import train_bpe
+    from raytrain_lm.data.tokenizer import train_bpe
 
     return train_bpe(pydoc_docs, 2048)
 
@@ -366,7 +366,7 @@ class TrainedHere:
         from raytrain_lm.data.manifest import dataset_tokenizer, load_manifest
         from raytrain_lm.data.prepare import prepare_dataset
         from raytrain_lm.data.windows import TokenWindows
-        from raytrain_lm.model import build_model
+        from raytrain_lm.models.decoder import build_model
         from raytrain_lm.run.preflight import fit_model_to_data
         from raytrain_lm.store.checkpoint_format import save_checkpoint
 

@@ -195,7 +195,7 @@ def _extra_file(tmp: Path) -> None:
 
 
 def _big_id(tmp: Path) -> None:
-    from raytrain_lm.tokenizer import train_bpe
+    from raytrain_lm.data.tokenizer import train_bpe
 
     (tmp / "corp").mkdir()
     (tmp / "corp" / "a.txt").write_text("some words of text. " * 200)

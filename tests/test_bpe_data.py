@@ -12,8 +12,8 @@ from conftest import NO_RAY, cli_here
 from raytrain_lm.data.manifest import dataset_tokenizer, load_manifest
 from raytrain_lm.data.prepare import prepare_dataset
 from raytrain_lm.data.sources import Unit, plan_units, read_unit, sample_units
+from raytrain_lm.data.tokenizer import EOT
 from raytrain_lm.errors import UserError
-from raytrain_lm.tokenizer import EOT
 
 
 def split_tokens(folder, manifest, split):

@@ -511,7 +511,7 @@ def test_an_efa_node_type_names_its_security_group_on_each_interface(filled, tmp
     ("12.8", 12040, "minor-version compatibility"), ("13.0", 12080, "CUDA will not start"),
 ])
 def test_setup_says_in_one_line_when_torchs_cuda_needs_a_newer_driver(torch_cuda, driver, says):
-    from raytrain_lm.gpus import cuda_mismatch
+    from raytrain_lm.plan.gpus import cuda_mismatch
 
     line = cuda_mismatch(torch_cuda, driver)
     assert (line is None) if says is None else (says in line and "\n" not in line)

@@ -4,7 +4,7 @@ setting kept, and the line when a cluster's workers leave a node's CPUs idle (cp
 import pytest
 
 from raytrain_lm.config.load import build_config
-from raytrain_lm.cpus import decide, idle_line, local_share, pack, torch_threads
+from raytrain_lm.run.cpus import decide, idle_line, local_share, pack, torch_threads
 
 
 @pytest.mark.parametrize("cores,workers,trials,share", [

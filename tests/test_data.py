@@ -11,9 +11,9 @@ from conftest import NO_RAY, cli_here
 from raytrain_lm.data.manifest import load_manifest
 from raytrain_lm.data.prepare import prepare_dataset
 from raytrain_lm.data.sampler import BatchPlan, BatchStream, eval_batches
+from raytrain_lm.data.tokenizer import ByteTokenizer
 from raytrain_lm.data.windows import TokenWindows, collate_windows
 from raytrain_lm.errors import UserError
-from raytrain_lm.tokenizer import ByteTokenizer
 
 TEXT = "The quick brown fox jumps over the lazy dog. Ünïcödé ✓\n" * 400  # ~23 KB
 

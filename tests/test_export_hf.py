@@ -157,7 +157,7 @@ def test_padded_ids_are_never_generated(trained_here, tmp_path):
     assert run.model.cfg.vocab_size == 256  # bytes need no padding; pad one to 320 to check
     cfg = copy.deepcopy(run.model.cfg)
     cfg.vocab_size = 320
-    from raytrain_lm.model import GPT
+    from raytrain_lm.models.decoder import GPT
 
     model = GPT(cfg).eval()
     state = {k: v.clone() for k, v in run.model.state_dict().items()}
@@ -178,7 +178,7 @@ def test_export_refusals(trained_here, exported, tmp_path):
     import copy
 
     from raytrain_lm.errors import UserError
-    from raytrain_lm.model import GPT
+    from raytrain_lm.models.decoder import GPT
 
     run = trained_here["bpe"]
     cfg = copy.deepcopy(run.model.cfg)
@@ -204,9 +204,9 @@ def test_c_attn_reaches_gpt2_in_its_qkv_order(tmp_path):
     from transformers import GPT2LMHeadModel
 
     from raytrain_lm.config.settings import ModelConfig
-    from raytrain_lm.model import GPT, qkv_gpt2_to_interleaved
+    from raytrain_lm.data.tokenizer import ByteTokenizer
+    from raytrain_lm.models.decoder import GPT, qkv_gpt2_to_interleaved
     from raytrain_lm.results.export import c_attn_to_gpt2
-    from raytrain_lm.tokenizer import ByteTokenizer
 
     cfg = ModelConfig(n_layer=2, n_head=4, n_embd=32, block_size=16, vocab_size=256, bias=True,
                       dropout=0.0)

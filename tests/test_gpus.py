@@ -8,7 +8,7 @@ from ray._private.accelerators.nvidia_gpu import NvidiaGPUAcceleratorManager
 
 from raytrain_lm.config.load import build_config
 from raytrain_lm.errors import UserError
-from raytrain_lm.gpus import GPUS, gpu_model, label_memory_gb, peak_tflops
+from raytrain_lm.plan.gpus import GPUS, gpu_model, label_memory_gb, peak_tflops
 
 # torch.cuda.get_device_name() of real cards -> (model, dense bf16 peak, memory GB)
 DEVICES = [

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from raytrain_lm.config.settings import ModelConfig
-from raytrain_lm.model import build_model, init_device
+from raytrain_lm.models.decoder import build_model, init_device
 from raytrain_lm.parallel.init import materialize_
 
 

@@ -15,7 +15,7 @@ from raytrain_lm.config.load import build_config
 from raytrain_lm.config.presets import preset_config
 from raytrain_lm.config.settings import ModelConfig
 from raytrain_lm.errors import UserError
-from raytrain_lm.model import architecture, build_model
+from raytrain_lm.models.decoder import architecture, build_model
 from test_cli_errors import assert_clean_error
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # nothing may be fetched from a hub
@@ -60,7 +60,7 @@ def hf_twin(model, attn="sdpa"):
     config (hf_llama.py)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from raytrain_lm import hf_llama
+    from raytrain_lm.models.llama import hf_llama
 
     cfg = model.cfg
     hf = LlamaForCausalLM(LlamaConfig(**hf_llama.hf_config(cfg, cfg.vocab_size, None)))
@@ -175,7 +175,7 @@ def test_init_from_hf_next_step_loss_is_the_hf_models(hf_llama):
     the worker's call): its loss on a training batch is transformers' on the same batch."""
     from types import SimpleNamespace
 
-    from raytrain_lm import hf_llama as hf_io
+    from raytrain_lm.models.llama import hf_llama as hf_io
 
     folder, hf, run = hf_llama
     cfg = with_model(run.cfg, vocab_size=1000)
@@ -191,8 +191,8 @@ def test_init_from_hf_next_step_loss_is_the_hf_models(hf_llama):
 def test_init_from_hf_checks_shape_and_tokenizer(hf_llama, tmp_path):
     """Before any worker starts: the shape (with the settings that would match), the vocabulary,
     the tokenizer (byte for byte the dataset's) and what llama.py cannot compute."""
-    from raytrain_lm import hf_llama as hf_io
     from raytrain_lm.data.manifest import load_manifest
+    from raytrain_lm.models.llama import hf_llama as hf_io
 
     folder, _, run = hf_llama
     manifest = load_manifest(run.data)
@@ -231,7 +231,7 @@ def test_train_refuses_an_hf_folder_of_another_shape_in_one_line(hf_llama, tmp_p
 def test_an_export_imports_back(trained_here, tmp_path):
     """ours -> Hugging Face -> ours: the weights come back (the padding rows of the vocabulary
     aside, which the export drops)."""
-    from raytrain_lm import hf_llama as hf_io
+    from raytrain_lm.models.llama import hf_llama as hf_io
     from raytrain_lm.results.export import export_hf
 
     run = trained_here["llama"]
@@ -330,14 +330,14 @@ def test_llama_py_stays_free_of_torch_distributed_and_the_driver_of_torch(hf_lla
 
     from conftest import ROOT
 
-    for path in ("raytrain_lm/llama.py", "raytrain_lm/model.py"):
+    for path in ("raytrain_lm/models/llama/llama.py", "raytrain_lm/models/decoder.py"):
         tree = ast.parse((ROOT / path).read_text())
         names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
         names += [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module]
         assert not [n for n in names if n.startswith("torch.distributed")], path
     folder, _, run = hf_llama
     code = ("import sys; from raytrain_lm.config.load import build_config; "
-            "from raytrain_lm.data.manifest import load_manifest; from raytrain_lm import hf_llama; "
+            "from raytrain_lm.data.manifest import load_manifest; from raytrain_lm.models.llama import hf_llama; "
             f"cfg = build_config(preset='llama-tiny', sets=['model.vocab_size=1000']); "
             f"hf_llama.is_hf_folder({str(folder)!r}) and hf_llama.model_fields("
             f"hf_llama.read_config({str(folder)!r}), 'x'); "

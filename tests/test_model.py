@@ -2,7 +2,7 @@ import torch
 
 from raytrain_lm.config.presets import preset_config
 from raytrain_lm.config.settings import ModelConfig
-from raytrain_lm.model import GPT, flops_per_token
+from raytrain_lm.models.decoder import GPT, flops_per_token
 
 
 def small_model(**kw):

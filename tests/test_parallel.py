@@ -64,8 +64,8 @@ def storage(tmp_path_factory):
 def hf_folder(tmp_path_factory, pydoc_data, storage):
     """A Hugging Face Llama of the Llama runs' shape, with the byte tokenizer: (folder, model)."""
     from raytrain_lm.data.manifest import load_manifest
+    from raytrain_lm.data.tokenizer import byte_tokenizer_json
     from raytrain_lm.run.preflight import fit_model_to_data
-    from raytrain_lm.tokenizer import byte_tokenizer_json
 
     cfg = layout_config(pydoc_data, storage, "shape", 1, {}, arch="llama")
     fit_model_to_data(cfg, load_manifest(pydoc_data))
@@ -170,9 +170,9 @@ def test_a_sharded_llama_checkpoint_loads_in_one_process(runs, storage, pydoc_da
     the run measured at tp2."""
     from raytrain_lm.config.settings import TrainConfig
     from raytrain_lm.data.loaders import Validation
-    from raytrain_lm.model import architecture
+    from raytrain_lm.data.tokenizer import ByteTokenizer
+    from raytrain_lm.models.decoder import architecture
     from raytrain_lm.store.checkpoint_format import load_checkpoint
-    from raytrain_lm.tokenizer import ByteTokenizer
 
     state = load_checkpoint(storage / "llama-tp2" / f"checkpoint_{STEPS:08d}")
     cfg = TrainConfig.from_dict(state["config"])

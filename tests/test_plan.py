@@ -13,8 +13,8 @@ from raytrain_lm.config.load import build_config
 from raytrain_lm.config.presets import preset_config
 from raytrain_lm.config.settings import ModelConfig
 from raytrain_lm.errors import UserError
-from raytrain_lm.model import GPT
-from raytrain_lm.model import flops_per_token as model_flops_per_token
+from raytrain_lm.models.decoder import GPT
+from raytrain_lm.models.decoder import flops_per_token as model_flops_per_token
 from raytrain_lm.plan import (
     GIB,
     Cluster,
@@ -122,8 +122,8 @@ def test_op_checkpointing_counted_by_hand():
     tests/test_ac.py counts them in torch): the GPT's attention output projection (h x h), the
     Llama's k, o and up projections; it keeps the Llama's block input and down output whole and
     the q, v, attention and gate outputs divided."""
+    from raytrain_lm.config.layout import activation_split
     from raytrain_lm.plan.estimate import recompute_flops_per_token
-    from raytrain_lm.plan.layout import activation_split
 
     assert recompute_flops_per_token(TINY, "op", 8) == 2 * 2 * 8 * 8
     llama = ModelConfig(arch="llama", bias=False, vocab_size=320, block_size=64, n_layer=2,

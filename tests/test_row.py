@@ -12,14 +12,14 @@ from pathlib import Path
 import torch
 
 import raytrain_lm
-from raytrain_lm.run.row import ROW_KEYS, WorkerInputs
 from raytrain_lm.run.tensorboard import TAGS
+from raytrain_lm.store.row import ROW_KEYS, WorkerInputs
 from raytrain_lm.worker.metrics import Meter
 
 PACKAGE = Path(raytrain_lm.__file__).parent
 # every module that builds, completes or reads a metrics row, and its names for a row
 ROW_MODULES = {"worker/metrics.py": "row", "worker/loop.py": "row", "worker/checkpointer.py": "row",
-               "run/driver.py": "row|r", "run/groups.py": "row", "run/summary.py": r"r|last|evals\[-1\]",
+               "run/driver.py": "row|r", "run/groups.py": "row", "store/summary.py": r"r|last|evals\[-1\]",
                "run/tensorboard.py": "row", "results/tables.py": "row", "results/plots.py": "r",
                "ray_compat/callbacks.py": "row"}
 
@@ -53,5 +53,5 @@ def test_the_meters_row_has_only_declared_keys():
 def test_the_worker_inputs_pickle_without_torch():
     inputs = WorkerInputs(train={"lr": 1e-3}, run_name="r", force=True)
     assert pickle.loads(pickle.dumps(inputs)) == inputs
-    code = "import sys, raytrain_lm.run.row; assert 'torch' not in sys.modules"
+    code = "import sys, raytrain_lm.store.row; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=PACKAGE.parent)

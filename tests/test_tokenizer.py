@@ -7,8 +7,7 @@ import random
 import numpy as np
 import pytest
 
-from raytrain_lm.errors import UserError
-from raytrain_lm.tokenizer import (
+from raytrain_lm.data.tokenizer import (
     EOT,
     BPETokenizer,
     ByteTokenizer,
@@ -17,6 +16,7 @@ from raytrain_lm.tokenizer import (
     tokenizer_from_spec,
     train_bpe,
 )
+from raytrain_lm.errors import UserError
 
 EDGE_CASES = [
     "", " ", "\n", "\n\n\n", "  leading and trailing  ", "\t\ttabs\t", "a  b   c    d",

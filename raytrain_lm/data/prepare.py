@@ -24,6 +24,7 @@ import pyarrow.fs as pafs
 
 from raytrain_lm.data.manifest import FORMAT, check_manifest, dataset_files
 from raytrain_lm.data.sources import PIECE_BYTES, check_source, plan_units, read_unit, sample_units
+from raytrain_lm.data.tokenizer import DEFAULT_SAMPLE_MB, Tokenizer, check_choice, make_tokenizer
 from raytrain_lm.errors import UserError
 from raytrain_lm.store.files import MANIFEST, TOKENIZER
 from raytrain_lm.store.storage import (
@@ -33,7 +34,6 @@ from raytrain_lm.store.storage import (
     path_error,
     staged_folder,
 )
-from raytrain_lm.tokenizer import DEFAULT_SAMPLE_MB, Tokenizer, check_choice, make_tokenizer
 
 DEFAULT_SHARD_TOKENS = 1 << 24
 

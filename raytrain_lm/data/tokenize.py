@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Callable, Iterator, Optional
 import numpy as np
 
 from raytrain_lm.data.sources import Unit, read_unit
+from raytrain_lm.data.tokenizer import BPETokenizer, ByteTokenizer, Tokenizer
 from raytrain_lm.store.files import TOKENIZER
-from raytrain_lm.tokenizer import BPETokenizer, ByteTokenizer, Tokenizer
 
 if TYPE_CHECKING:
     import ray

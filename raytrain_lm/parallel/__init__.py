@@ -36,7 +36,7 @@ import torch.nn as nn
 
 from raytrain_lm.config.settings import TrainConfig
 from raytrain_lm.config.sizes import pipeline_microbatches, pipeline_stages
-from raytrain_lm.model import architecture, build_model
+from raytrain_lm.models.decoder import architecture, build_model
 from raytrain_lm.parallel import ddp, fsdp
 from raytrain_lm.parallel.ac import apply_activation_checkpointing
 from raytrain_lm.parallel.mesh import Coords, build_mesh, is_distributed, rank_coords

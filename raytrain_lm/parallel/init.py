@@ -15,7 +15,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from raytrain_lm.model import architecture, fill_buffers_, init_region_, init_targets
+from raytrain_lm.models.decoder import architecture, fill_buffers_, init_region_, init_targets
 
 
 def local_region(p: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:

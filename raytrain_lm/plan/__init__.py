@@ -129,6 +129,30 @@ rank), printout.py (what `plan` prints, --explain), auto.py (train --layout auto
 """
 
 from raytrain_lm.config.checks import STRATEGIES
+from raytrain_lm.config.layout import (
+    AC_MODES,
+    AC_SPLIT,
+    GB,
+    GIB,
+    GPUS_PER_NODE,
+    H100_NVLINK_GBPS,
+    H100_TFLOPS,
+    IB_400_GBPS,
+    PRECISIONS,
+    USABLE_FRACTION,
+    Cluster,
+    Layout,
+    Stage,
+    activation_split,
+    candidate_ranks,
+    held_params,
+    matmul_params,
+    param_counts,
+    rank_stages,
+    root_params,
+    stage_params,
+    tp_param_counts,
+)
 from raytrain_lm.plan.comm import Comm, dp_comm, pp_comm, pp_send_bytes, rank_comm, ring_bytes, tp_comm
 from raytrain_lm.plan.efficiency import F_HALF, PEAK_FRACTION, compute_efficiency, matmul_flops
 from raytrain_lm.plan.estimate import (
@@ -156,30 +180,6 @@ from raytrain_lm.plan.estimate import (
     variants,
     virtual_stage_counts,
     whole_heads,
-)
-from raytrain_lm.plan.layout import (
-    AC_MODES,
-    AC_SPLIT,
-    GB,
-    GIB,
-    GPUS_PER_NODE,
-    H100_NVLINK_GBPS,
-    H100_TFLOPS,
-    IB_400_GBPS,
-    PRECISIONS,
-    USABLE_FRACTION,
-    Cluster,
-    Layout,
-    Stage,
-    activation_split,
-    candidate_ranks,
-    held_params,
-    matmul_params,
-    param_counts,
-    rank_stages,
-    root_params,
-    stage_params,
-    tp_param_counts,
 )
 from raytrain_lm.plan.memory import (
     MemoryPlan,

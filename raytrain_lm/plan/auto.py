@@ -7,9 +7,9 @@ from __future__ import annotations
 import math
 from typing import Optional
 
+from raytrain_lm.config.layout import GIB, Cluster, Layout
 from raytrain_lm.errors import UserError
 from raytrain_lm.plan.estimate import Estimate, plan
-from raytrain_lm.plan.layout import GIB, Cluster, Layout
 from raytrain_lm.plan.printout import reason, recommendation
 
 

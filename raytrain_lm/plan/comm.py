@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from raytrain_lm.config.layout import Cluster, Layout, Stage, held_params, root_params, tp_param_counts
 from raytrain_lm.config.settings import ModelConfig
-from raytrain_lm.plan.layout import Cluster, Layout, Stage, held_params, root_params, tp_param_counts
 
 
 def ring_bytes(op: str, n: int, size: float) -> float:

@@ -7,11 +7,7 @@ from dataclasses import dataclass
 from typing import Iterator, Optional
 
 from raytrain_lm.config.checks import PP_SCHEDULES, STRATEGIES
-from raytrain_lm.config.settings import ModelConfig
-from raytrain_lm.errors import UserError
-from raytrain_lm.plan.comm import Comm, pp_send_bytes, rank_comm
-from raytrain_lm.plan.efficiency import compute_efficiency
-from raytrain_lm.plan.layout import (
+from raytrain_lm.config.layout import (
     AC_MODES,
     GPUS_PER_NODE,
     PRECISIONS,
@@ -23,6 +19,10 @@ from raytrain_lm.plan.layout import (
     param_counts,
     rank_stages,
 )
+from raytrain_lm.config.settings import ModelConfig
+from raytrain_lm.errors import UserError
+from raytrain_lm.plan.comm import Comm, pp_send_bytes, rank_comm
+from raytrain_lm.plan.efficiency import compute_efficiency
 from raytrain_lm.plan.memory import MemoryPlan, rank_memory
 
 

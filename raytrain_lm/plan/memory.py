@@ -4,8 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from raytrain_lm.config.layout import (
+    Cluster,
+    Layout,
+    Stage,
+    activation_split,
+    held_params,
+    root_params,
+    tp_param_counts,
+)
 from raytrain_lm.config.settings import ModelConfig
-from raytrain_lm.plan.layout import Cluster, Layout, Stage, activation_split, held_params, root_params, tp_param_counts
 
 
 @dataclass

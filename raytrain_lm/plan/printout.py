@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Optional
 
+from raytrain_lm.config.layout import GB, GIB, Cluster, Layout, param_counts
 from raytrain_lm.errors import UserError
 from raytrain_lm.plan.estimate import Estimate, estimate_layout, plan
-from raytrain_lm.plan.layout import GB, GIB, Cluster, Layout, param_counts
 
 STRATEGY_NAMES = {"ddp": "DDP", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "fsdp": "FSDP"}
 

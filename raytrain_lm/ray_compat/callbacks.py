@@ -9,8 +9,8 @@ import pyarrow.fs as pafs
 from ray.train import UserCallback
 
 from raytrain_lm.errors import last_line
-from raytrain_lm.run.row import MetricsRow
 from raytrain_lm.store.files import BEST_DIR
+from raytrain_lm.store.row import MetricsRow
 from raytrain_lm.store.storage import copy_commit_last, share_folder, staged_folder
 
 

@@ -15,7 +15,7 @@ from raytrain_lm.config.sizes import worker_counts
 from raytrain_lm.ray_compat.backend import TorchConfig
 from raytrain_lm.ray_compat.controller import Polls, helper_callbacks, run_controller
 from raytrain_lm.ray_compat.scaling import FixedPolicyWithoutAutoscaler, SizedElasticPolicy
-from raytrain_lm.run.row import WorkerInputs
+from raytrain_lm.store.row import WorkerInputs
 
 
 def train_loop(config: WorkerInputs) -> None:

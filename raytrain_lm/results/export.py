@@ -18,14 +18,14 @@ from pathlib import Path
 from typing import Any, Optional
 
 from raytrain_lm.config.settings import ModelConfig, TrainConfig
+from raytrain_lm.data.tokenizer import EOT, Tokenizer, byte_tokenizer_json, tokenizer_from_spec
 from raytrain_lm.errors import UserError
 from raytrain_lm.store.files import TOKENIZER
 from raytrain_lm.store.storage import is_remote, staged_folder
-from raytrain_lm.tokenizer import EOT, Tokenizer, byte_tokenizer_json, tokenizer_from_spec
 
 WEIGHTS, CONFIG = "model.safetensors", "config.json"
 # gpt-2: c_attn's rows are head-interleaved ([h0 q, h0 k, h0 v, h1 q, ...], model.py), which
-# raytrain_lm.model.GPT reads as is; model.qkv_interleaved_to_gpt2 gives GPT-2's [q; k; v].
+# raytrain_lm.models.decoder.GPT reads as is; model.qkv_interleaved_to_gpt2 gives GPT-2's [q; k; v].
 FORMAT = "raytrain-lm/gpt-2"
 FORMATS_OF = {"gpt": FORMAT, "llama": "raytrain-lm/llama"}  # llama.py's names, as they are
 FORMATS = ("native", "hf")
@@ -59,7 +59,7 @@ def export_checkpoint(folder: Path, out: Path, source: str, force: bool = False,
     load_checkpoint."""
     from safetensors.torch import save_file
 
-    from raytrain_lm.model import architecture
+    from raytrain_lm.models.decoder import architecture
     from raytrain_lm.store.checkpoint_format import load_checkpoint  # torch: not before `out` is checked
 
     check_out(out, force)
@@ -156,7 +156,7 @@ def c_attn_to_gpt2(t, n_head: int):
     tensor parallelism's contiguous row split hands each rank whole heads); GPT-2 reads the same
     rows as q, k, v one after another, so without this permutation transformers would load the
     weights silently (same shapes) and compute something else."""
-    from raytrain_lm.model import qkv_interleaved_to_gpt2
+    from raytrain_lm.models.decoder import qkv_interleaved_to_gpt2
 
     return qkv_interleaved_to_gpt2(t, n_head)
 
@@ -203,7 +203,7 @@ def export_hf(state_dict: dict, cfg: ModelConfig, tok: Tokenizer, out: Path,
                         f"{tok.vocab_size} tokens")
     eot = tok.eot_id
     if cfg.arch == "llama":
-        from raytrain_lm import hf_llama
+        from raytrain_lm.models.llama import hf_llama
 
         weights = hf_llama.to_hf(state_dict, tok.vocab_size)
         config = hf_llama.hf_config(cfg, tok.vocab_size, eot)
@@ -265,7 +265,7 @@ def _write_hf(out: Path, weights: dict, config: dict, tok: Tokenizer, block_size
 def export_checkpoint_hf(folder: Path, out: Path, force: bool = False,
                          meta: Optional[dict] = None) -> dict[str, Any]:
     """`export --format hf`: a checkpoint folder -> a Hugging Face model folder."""
-    from raytrain_lm.model import architecture
+    from raytrain_lm.models.decoder import architecture
     from raytrain_lm.store.checkpoint_format import load_checkpoint
 
     check_out(out, force)

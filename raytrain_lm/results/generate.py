@@ -11,10 +11,10 @@ import torch
 
 from raytrain_lm.config.checks import check_sampling
 from raytrain_lm.config.settings import TrainConfig
+from raytrain_lm.data.tokenizer import tokenizer_from_spec
 from raytrain_lm.errors import UserError
-from raytrain_lm.model import Decoder, architecture
+from raytrain_lm.models.decoder import Decoder, architecture
 from raytrain_lm.store.checkpoint_format import load_checkpoint
-from raytrain_lm.tokenizer import tokenizer_from_spec
 
 
 def pick_device(name: str) -> torch.device:

@@ -7,8 +7,8 @@ import os
 from typing import Any, Optional
 
 from raytrain_lm.errors import UserError
-from raytrain_lm.run.row import MetricsRow
 from raytrain_lm.store import files
+from raytrain_lm.store.row import MetricsRow
 
 
 def _fmt_seconds(s: Optional[float]) -> str:

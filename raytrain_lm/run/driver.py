@@ -13,9 +13,9 @@ from raytrain_lm.cluster.connect import check_reachable, connect_ray, starts_own
 from raytrain_lm.config.checks import validate
 from raytrain_lm.config.settings import TrainConfig
 from raytrain_lm.config.sizes import is_elastic, sizes_line
-from raytrain_lm.cpus import OMP_ENV, decide, idle_line, machine_cores
 from raytrain_lm.errors import UserError, last_line
 from raytrain_lm.plan.auto import apply_layout, auto_cluster, choose_layout, cluster_shape
+from raytrain_lm.run.cpus import OMP_ENV, decide, idle_line, machine_cores
 from raytrain_lm.run.groups import WorkerGroups
 from raytrain_lm.run.preflight import (
     check_init_from,
@@ -27,12 +27,12 @@ from raytrain_lm.run.preflight import (
     resume_step,
     worker_memory_gb,
 )
-from raytrain_lm.run.row import MetricsRow, WorkerInputs
-from raytrain_lm.run.summary import build_summary
 from raytrain_lm.store import files
 from raytrain_lm.store.claims import RunClaim, live_claims
+from raytrain_lm.store.row import MetricsRow, WorkerInputs
 from raytrain_lm.store.runs import best_val_loss
 from raytrain_lm.store.storage import MetricsLog, RunFolder
+from raytrain_lm.store.summary import build_summary
 
 # Ray Train's controller collects reports when it polls the workers (default every 2 s) and a
 # worker holds one report at a time, so reports more frequent than the poll stall training. The

@@ -8,13 +8,12 @@ import datetime as _dt
 import os
 from typing import Callable, Optional
 
-from raytrain_lm import hf_llama
 from raytrain_lm.cluster.autoscale import wait_for_resources
 from raytrain_lm.config.checks import check_tp_fits_nodes
 from raytrain_lm.config.settings import DEFAULT_DATA, TrainConfig
 from raytrain_lm.config.sizes import fit_to_world, is_elastic, worker_counts, workers_text
 from raytrain_lm.errors import UserError
-from raytrain_lm.gpus import label_memory_gb
+from raytrain_lm.models.llama import hf_llama
 from raytrain_lm.plan import (
     GIB,
     USABLE_FRACTION,
@@ -24,6 +23,7 @@ from raytrain_lm.plan import (
     plan,
     recommendation,
 )
+from raytrain_lm.plan.gpus import label_memory_gb
 
 
 def ensure_dataset(cfg: TrainConfig, say: Callable[[str], None]) -> dict:

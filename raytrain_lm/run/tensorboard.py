@@ -20,7 +20,7 @@ from tensorboard.compat.proto.event_pb2 import Event, SessionLog
 from tensorboard.compat.proto.summary_pb2 import Summary
 from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
-from raytrain_lm.run.row import MetricsRow
+from raytrain_lm.store.row import MetricsRow
 from raytrain_lm.store.storage import RunFolder
 
 # metrics key (run/row.MetricsRow) -> TensorBoard tag; the prefix groups the charts.

@@ -23,8 +23,7 @@ from typing import Any, Optional
 import pyarrow.fs as pafs
 
 from raytrain_lm.errors import UserError
-from raytrain_lm.run import summary
-from raytrain_lm.store import files
+from raytrain_lm.store import files, summary
 from raytrain_lm.store.storage import RunFolder, resolve_storage
 
 

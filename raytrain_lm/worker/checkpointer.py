@@ -27,11 +27,11 @@ import torch
 from ray.train import CheckpointUploadMode
 
 from raytrain_lm.config.settings import TrainConfig
-from raytrain_lm.run.row import MetricsRow
+from raytrain_lm.data.tokenizer import Tokenizer
 from raytrain_lm.store import checkpoint_format as ckpt_io
 from raytrain_lm.store.files import checkpoint_name
+from raytrain_lm.store.row import MetricsRow
 from raytrain_lm.store.runs import FoundCheckpoint, latest_checkpoint
-from raytrain_lm.tokenizer import Tokenizer
 from raytrain_lm.worker.drills import fault_drill
 from raytrain_lm.worker.optim import resumed_horizon
 

@@ -17,7 +17,6 @@ import ray.train
 import ray.train.torch
 import torch
 
-from raytrain_lm import hf_llama
 from raytrain_lm.config.checks import check_tp_in_node
 from raytrain_lm.config.settings import TrainConfig
 from raytrain_lm.config.sizes import fit_to_world
@@ -25,13 +24,14 @@ from raytrain_lm.data.loaders import Validation, train_stream
 from raytrain_lm.data.manifest import dataset_tokenizer
 from raytrain_lm.data.resolve import resolve_dataset
 from raytrain_lm.errors import UserError
-from raytrain_lm.model import flops_per_token
+from raytrain_lm.models.decoder import flops_per_token
+from raytrain_lm.models.llama import hf_llama
 from raytrain_lm.parallel.fsdp import to_float
 from raytrain_lm.parallel.mesh import rank_coords
 from raytrain_lm.plan import matmul_params, param_counts
 from raytrain_lm.run.preflight import check_device_memory
-from raytrain_lm.run.row import WorkerInputs
 from raytrain_lm.store import checkpoint_format as ckpt_io
+from raytrain_lm.store.row import WorkerInputs
 from raytrain_lm.worker.checkpointer import Checkpointer, restore_rng
 from raytrain_lm.worker.drills import WindowLog, fault_drill
 from raytrain_lm.worker.metrics import Meter, gpu_peak_tflops, peak_memory_gb

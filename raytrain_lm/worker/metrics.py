@@ -9,10 +9,10 @@ from typing import Optional
 
 import torch
 
-from raytrain_lm.gpus import peak_tflops
 from raytrain_lm.parallel.fsdp import held_bytes, param_fraction
 from raytrain_lm.parallel.mesh import all_reduce
-from raytrain_lm.run.row import MetricsRow
+from raytrain_lm.plan.gpus import peak_tflops
+from raytrain_lm.store.row import MetricsRow
 
 
 def gpu_peak_tflops(device: torch.device, override: Optional[float] = None,

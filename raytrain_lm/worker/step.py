@@ -20,10 +20,10 @@ import torch
 import torch.nn as nn
 
 from raytrain_lm.config.settings import TrainConfig
+from raytrain_lm.data.tokenizer import bits_per_byte
 from raytrain_lm.parallel import ddp, grad, parallelize, pp
 from raytrain_lm.parallel.mesh import all_reduce
 from raytrain_lm.parallel.traffic import CommCounter, PipelineTimer, clock_for
-from raytrain_lm.tokenizer import bits_per_byte
 from raytrain_lm.worker.optim import build_optimizer
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}

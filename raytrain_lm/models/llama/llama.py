@@ -31,7 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from raytrain_lm.config.settings import ModelConfig
-from raytrain_lm.model import Decoder
+from raytrain_lm.models.decoder import Decoder
 
 
 class RMSNorm(nn.Module):

@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 from raytrain_lm.config.settings import TrainConfig
 from raytrain_lm.config.sizes import is_elastic, workers_text
-from raytrain_lm.run.row import MetricsRow
+from raytrain_lm.store.row import MetricsRow
 
 
 def _median(values: list) -> Optional[float]:

@@ -168,7 +168,7 @@ def check_init_from(folder: str | Path, cfg: ModelConfig, manifest: dict) -> str
 def tokenizer_sha256(manifest: dict) -> str:
     """sha256 of the tokenizer.json an export of a model of this dataset carries (export.py): a
     BPE's own file, or the byte tokenizer's equivalent."""
-    from raytrain_lm.tokenizer import byte_tokenizer_json
+    from raytrain_lm.data.tokenizer import byte_tokenizer_json
 
     spec = manifest["tokenizer"]
     if spec.get("type") == "byte":

@@ -221,7 +221,7 @@ class GPT(Decoder):
 
 def architecture(cfg: ModelConfig) -> type[Decoder]:
     """The decoder class of `cfg.arch`."""
-    from raytrain_lm.llama import Llama  # llama.py builds on this module
+    from raytrain_lm.models.llama.llama import Llama  # llama.py builds on this module
 
     return {"gpt": GPT, "llama": Llama}[cfg.arch]
 

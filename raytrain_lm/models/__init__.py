@@ -1,0 +1,1 @@
+"""The model families: the decoder skeleton they share and one folder per family."""
