@@ -72,8 +72,10 @@ def run_layout(name: str, workers: int, flags: dict, args, storage: str) -> dict
 
 def planned(result: dict) -> dict:
     """The planner's bytes per dimension and bubble for rank 0 of this layout."""
+    from raytrain_lm.config.layout import Cluster, rank_stages
     from raytrain_lm.config.settings import TrainConfig
-    from raytrain_lm.plan import Cluster, bubble, config_layout, rank_comm, rank_stages
+    from raytrain_lm.plan.comm import rank_comm
+    from raytrain_lm.plan.estimate import bubble, config_layout
 
     cfg = TrainConfig.from_dict(result["config"])
     lay = config_layout(cfg)

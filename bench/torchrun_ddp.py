@@ -33,7 +33,8 @@ from raytrain_lm.config.load import build_config
 from raytrain_lm.data.manifest import load_manifest
 from raytrain_lm.data.sampler import BatchPlan, BatchStream, eval_batches
 from raytrain_lm.data.windows import TokenWindows, collate_windows
-from raytrain_lm.models.decoder import GPT, flops_per_token
+from raytrain_lm.models import flops_per_token
+from raytrain_lm.models.gpt.gpt import GPT
 from raytrain_lm.worker.metrics import StepTimer, gpu_peak_tflops, mfu, peak_memory_gb
 from raytrain_lm.worker.optim import build_optimizer, lr_at
 
@@ -117,7 +118,7 @@ def main(argv=None) -> None:
     model = GPT(cfg.model).to(device)
     raw_model = model
     n_params = raw_model.num_params()
-    fpt = flops_per_token(cfg.model, raw_model.num_params(exclude_position=True), cfg.seq_len)
+    fpt = flops_per_token(cfg.model, cfg.seq_len)
     ddp_kwargs = dict(gradient_as_bucket_view=not args.no_bucket_view, broadcast_buffers=False,
                       static_graph=args.static_graph)
     if args.bucket_cap_mb is not None:

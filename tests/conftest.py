@@ -366,7 +366,7 @@ class TrainedHere:
         from raytrain_lm.data.manifest import dataset_tokenizer, load_manifest
         from raytrain_lm.data.prepare import prepare_dataset
         from raytrain_lm.data.windows import TokenWindows
-        from raytrain_lm.models.decoder import build_model
+        from raytrain_lm.models import build_model
         from raytrain_lm.run.preflight import fit_model_to_data
         from raytrain_lm.store.checkpoint_format import save_checkpoint
 

@@ -7,8 +7,8 @@ import pytest
 from raytrain_lm.config.checks import validate
 from raytrain_lm.config.load import build_config
 from raytrain_lm.errors import UserError
-from raytrain_lm.plan import config_layout, estimate_layout
 from raytrain_lm.plan.auto import apply_layout, auto_cluster, choose_layout, cluster_shape
+from raytrain_lm.plan.estimate import config_layout, estimate_layout
 
 SETS = ["model.n_layer=4", "model.n_head=4", "model.n_embd=64", "model.block_size=64",
         "model.vocab_size=256"]

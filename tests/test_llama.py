@@ -13,9 +13,9 @@ import torch.nn.functional as F
 from conftest import batches_as_read, cli_here, save_hf_llama
 from raytrain_lm.config.load import build_config
 from raytrain_lm.config.presets import preset_config
-from raytrain_lm.config.settings import ModelConfig
 from raytrain_lm.errors import UserError
-from raytrain_lm.models.decoder import architecture, build_model
+from raytrain_lm.models import build_model, decoder_class
+from raytrain_lm.models.family import ModelConfig
 from test_cli_errors import assert_clean_error
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # nothing may be fetched from a hub
@@ -44,7 +44,7 @@ def test_presets_have_the_published_shapes(preset):
     """Meta's multiple_of rule gives the published intermediate sizes, and the model built on
     the meta device has the published parameter count (the issue asks for 0.5%; it is exact), as
     has the planner's count."""
-    from raytrain_lm.plan import param_counts
+    from raytrain_lm.models import family
 
     m = preset_config(preset).model
     params, hidden = PUBLISHED[preset]
@@ -52,7 +52,7 @@ def test_presets_have_the_published_shapes(preset):
     with torch.device("meta"):
         model = build_model(m)
     assert model.num_params() == pytest.approx(params, rel=0.005)
-    assert model.num_params() == param_counts(m)["total"] == params
+    assert model.num_params() == family(m).counts(m).total == params
 
 
 def hf_twin(model, attn="sdpa"):
@@ -64,7 +64,7 @@ def hf_twin(model, attn="sdpa"):
 
     cfg = model.cfg
     hf = LlamaForCausalLM(LlamaConfig(**hf_llama.hf_config(cfg, cfg.vocab_size, None)))
-    hf.load_state_dict(hf_llama.to_hf(model.state_dict(), cfg.vocab_size), strict=True)
+    hf.load_state_dict(hf_llama.to_hf(model.state_dict(), cfg, cfg.vocab_size), strict=True)
     hf.config._attn_implementation = attn
     return hf.eval()
 
@@ -112,7 +112,7 @@ def test_rotary_tables_are_shared_recomputed_and_never_saved():
     assert all(b.attn.rope is model.rope for b in model.h)
     assert not any("rope" in k for k in model.state_dict())
     idx = torch.randint(0, 320, (2, 32), generator=torch.Generator().manual_seed(5))
-    loaded = architecture(SMALL).from_state_dict(SMALL, model.state_dict()).eval()
+    loaded = decoder_class(SMALL).from_state_dict(SMALL, model.state_dict()).eval()
     with torch.device("meta"):
         sharded = build_model(SMALL)
     materialize_(sharded, SMALL, seed=2)  # meta -> to_empty -> tables and initial values
@@ -248,12 +248,13 @@ def test_an_export_imports_back(trained_here, tmp_path):
 def test_plan_prints_the_seeds_arithmetic():
     """`plan --preset llama2-70b`: the exact parameter count, its fp32 bytes (the seed's "280
     GB"), x4 with gradients and AdamW's moments, and what each layout leaves per GPU."""
-    from raytrain_lm.plan import param_counts
+    from raytrain_lm.models import family
 
     r = cli_here("plan", "--preset", "llama2-70b", "--gpus", "64", "--gpus-per-node", "8",
                 "--gpu-memory-gb", "80")
     assert r.returncode == 0, r.stderr
-    n = param_counts(preset_config("llama2-70b").model)["total"]
+    m = preset_config("llama2-70b").model
+    n = family(m).counts(m).total
     assert f"{n:,} parameters" in r.stdout
     assert f"fp32 weights {4 * n / 2**30:,.1f} GiB" in r.stdout and f"x4 = {16 * n / 2**30:,.1f} GiB" in r.stdout
     assert "state GiB" in r.stdout and "recommendation: --tp" in r.stdout
@@ -262,18 +263,20 @@ def test_plan_prints_the_seeds_arithmetic():
 def test_the_planner_counts_the_llama_as_built():
     """Per tp rank every matrix splits (q/k/v/o, gate/up/down, embedding, head), the RMSNorms
     stay whole; a pipeline's last stage holds the untied head, not a copy of the embedding."""
-    from raytrain_lm.plan import Stage, matmul_params, stage_params, tp_param_counts
+    from raytrain_lm.config.layout import Stage, stage_params
+    from raytrain_lm.models import family
 
     m = SMALL
-    p1, p2 = tp_param_counts(m, 1), tp_param_counts(m, 2)
+    p1, p2 = family(m).tp_counts(m, 1), family(m).tp_counts(m, 2)
     model = build_model(m, seed=0)
     block = sum(t.numel() for t in model.h[0].parameters())
     assert p1["block"] == block and p2["block"] == (block - 2 * 64) / 2 + 2 * 64
     assert stage_params(p1, Stage(2, True, True)) == model.num_params()
     assert stage_params(p1, Stage(0, False, True)) == 64 + 320 * 64  # ln_f + head
-    assert matmul_params(m) == model.matmul_params() == model.num_params() - 320 * 64
+    assert family(m).matmul_params(m) == model.num_params() - 320 * 64
     with pytest.raises(UserError, match=r"model.n_kv_head \(2\)"):
-        from raytrain_lm.plan import Cluster, plan
+        from raytrain_lm.config.layout import Cluster
+        from raytrain_lm.plan.estimate import plan
         plan(m, Cluster(gpus=4, gpus_per_node=4), 4, 64, tp=4)
 
 

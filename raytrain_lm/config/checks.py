@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Optional
 
 from raytrain_lm.config.sizes import check_elastic, pipeline_microbatches, pipeline_stages
 from raytrain_lm.errors import UserError
+from raytrain_lm.models import family
 from raytrain_lm.store.files import NAME_RULE, is_plain_name
 
 if TYPE_CHECKING:
@@ -186,7 +187,7 @@ def validate(cfg: TrainConfig) -> None:
         raise UserError(f"model.dropout must be in [0, 1), got {m.dropout}")
     if m.n_embd % m.n_head:
         raise UserError(f"model.n_embd ({m.n_embd}) must be divisible by model.n_head ({m.n_head})")
-    check_arch(m)
+    family(m).check(m)
     if cfg.seq_len > m.block_size:
         raise UserError(f"--seq-len {cfg.seq_len} is larger than the model's context "
                         f"(model.block_size={m.block_size}); lower it or --set model.block_size=...")
@@ -220,33 +221,6 @@ def validate(cfg: TrainConfig) -> None:
 # than the model attends to; the bound keeps what one call holds (every id, the text, --json's
 # document) to a few MB, not the model's context.
 MAX_NEW_TOKENS = 1 << 20
-
-
-ARCHS = ("gpt", "llama")
-
-
-def check_arch(m) -> None:
-    """The architecture and its own settings (ModelConfig)."""
-    if m.arch not in ARCHS:
-        raise UserError(f"model.arch must be one of {', '.join(ARCHS)}, got {m.arch!r}")
-    if m.arch != "llama":
-        return
-    if m.bias:
-        raise UserError("the Llama has no biases: drop model.bias=true")
-    if m.dropout:
-        raise UserError("the Llama has no dropout: drop model.dropout")
-    if m.n_kv_head is not None and (m.n_kv_head < 1 or m.n_head % m.n_kv_head):
-        raise UserError(f"model.n_kv_head ({m.n_kv_head}) must divide model.n_head ({m.n_head}): "
-                        f"each key/value head serves a group of query heads")
-    if m.head_dim % 2:
-        raise UserError(f"the head size model.n_embd / model.n_head ({m.head_dim}) must be even: "
-                        f"rotary embeddings turn pairs of dimensions")
-    for key in ("ffn_dim", "multiple_of"):
-        if getattr(m, key) is not None and getattr(m, key) < 1:
-            raise UserError(f"model.{key} must be at least 1, got {getattr(m, key)}")
-    for key in ("ffn_multiplier", "rope_theta", "norm_eps"):
-        if getattr(m, key) is not None and not getattr(m, key) > 0:
-            raise UserError(f"model.{key} must be positive, got {getattr(m, key)}")
 
 
 def check_sampling(max_new_tokens: int, temperature: float, top_k: Optional[int]) -> None:

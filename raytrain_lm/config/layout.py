@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from raytrain_lm.config.settings import ModelConfig
 from raytrain_lm.config.sizes import split_layers
+from raytrain_lm.models.family import ModelConfig
 
 GB = 1e9  # bytes sent (link speeds are decimal)
 GIB = 2 ** 30  # bytes of memory: an "80 GB" card holds 80 GiB (torch reports 80 x 2^30 for an A100 80GB)
@@ -19,10 +19,6 @@ IB_400_GBPS = 400.0
 H100_TFLOPS = 989.0  # H100 SXM dense bf16 (gpus.py)
 GPUS_PER_NODE = 8
 
-# Activation elements per layer per token, in units of the width: (whole on every tp rank without
-# sequence parallelism, divided by tp). Sums: 17 without recomputation, 11 selective, 9 op (the
-# block input; the outputs of c_attn, attention and c_fc: parallel/ac.py).
-AC_SPLIT = {"none": (5, 12), "selective": (3, 8), "op": (1, 8)}
 AC_MODES = ("none", "selective", "op", "full")
 # STRATEGIES (config/checks.py), of the data-parallel dimension: ddp replicates everything; zero1 shards
 # AdamW's states over dp; zero2 also the gradients (FSDP2 with reshard_after_forward=False:
@@ -148,59 +144,7 @@ class Layout:
         return " ".join(out)
 
 
-# ---------------------------------------------------------------- parameters
-
-def param_counts(m: ModelConfig) -> dict[str, int]:
-    h, V, L = m.n_embd, m.vocab_size or 256, m.n_layer
-    if m.arch == "llama":  # q, o (h x h), k, v (h x kv heads), SwiGLU (3 h x hidden), 2 RMSNorms
-        block = 2 * h * h + 2 * h * m.kv_heads * m.head_dim + 3 * h * m.hidden_dim + 2 * h
-        root = 2 * V * h + h  # embedding, untied head, final norm
-        return {"block": block, "root": root, "total": L * block + root}
-    bias = 1 if m.bias else 0
-    block = 12 * h * h + bias * (3 * h + h + 4 * h + h) + (2 + 2 * bias) * h
-    root = V * h + m.block_size * h + (1 + bias) * h  # tied embedding, positions, final norm
-    return {"block": block, "root": root, "total": L * block + root}
-
-
-def matmul_params(m: ModelConfig) -> int:
-    """The N of 6N FLOPs per token, as model.Decoder.matmul_params counts it: the GPT's
-    parameters but its position embeddings (the tied embedding counts as the head), the Llama's
-    but its embedding (a lookup; its head is its own matrix)."""
-    lookup = (m.vocab_size or 256) * m.n_embd if m.arch == "llama" else m.block_size * m.n_embd
-    return param_counts(m)["total"] - lookup
-
-
-def tp_param_counts(m: ModelConfig, tp: int) -> dict[str, float]:
-    """Parameters one tp rank holds, per piece (parallel/tp.py's layouts). "head": an untied
-    output projection (Llama); without it the last stage holds a copy of the tied wte."""
-    h, V, T = m.n_embd, m.vocab_size or 256, m.block_size
-    if m.arch == "llama":  # every matrix split, the RMSNorms whole
-        split = 2 * h * h + 2 * h * m.kv_heads * m.head_dim + 3 * h * m.hidden_dim
-        return {"block": split / tp + 2 * h, "wte": V * h / tp, "wpe": 0, "ln_f": h,
-                "head": V * h / tp}
-    bias = 1 if m.bias else 0
-    ln = (1 + bias) * h
-    # Split: c_attn (3h x h + 3h), c_fc (4h x h + 4h), attn.c_proj (h x h), mlp.c_proj (h x 4h).
-    # Whole: the row-parallel biases (h each) and the two LayerNorms.
-    block = (12 * h * h + bias * 7 * h) / tp + bias * 2 * h + 2 * ln
-    return {"block": block, "wte": V * h / tp, "wpe": T * h / tp, "ln_f": ln}
-
-
-def activation_split(m: ModelConfig, ac: str) -> tuple[float, float]:
-    """Saved activations per layer per token in units of the width, (whole on every tp rank
-    without sequence parallelism, divided by tp), for ac none or selective. GPT: AC_SPLIT. Llama,
-    counted the same way: without recomputation the two norm inputs and the inputs of q/k/v and
-    of the MLP stay whole (4); the rotated q and k, v, the attention output and SwiGLU's gate,
-    up, silu(gate) and product (4 x hidden) divide. Selective keeps the block input and the two
-    row-parallel outputs whole (3) and the q/k/v and attention outputs, gate and up divided. Op
-    (every other matmul: parallel/ac.py) keeps the block input and the down projection's output
-    whole (2), and the q, v, attention and gate outputs divided."""
-    if m.arch != "llama":
-        return AC_SPLIT[ac]
-    kv, f = 2 * m.kv_heads / m.n_head, m.hidden_dim / m.n_embd
-    return {"none": (4, 2 + kv + 4 * f), "selective": (3, 2 + kv + 2 * f),
-            "op": (2, 2 + kv / 2 + f)}[ac]
-
+# ---------------------------------------------------------------- stages
 
 @dataclass(frozen=True)
 class Stage:

@@ -36,7 +36,7 @@ import torch.nn as nn
 
 from raytrain_lm.config.settings import TrainConfig
 from raytrain_lm.config.sizes import pipeline_microbatches, pipeline_stages
-from raytrain_lm.models.decoder import architecture, build_model
+from raytrain_lm.models import build_model, decoder_class
 from raytrain_lm.parallel import ddp, fsdp
 from raytrain_lm.parallel.ac import apply_activation_checkpointing
 from raytrain_lm.parallel.mesh import Coords, build_mesh, is_distributed, rank_coords
@@ -126,7 +126,7 @@ class Built:
         self.has_last = any(m.is_last for m in self.parts)
         self.pp_group = self.mesh["pp"].get_group()
         # a tied embedding (GPT) lives on the first and the last stage; Llama's head is its own
-        self.tied_group = pp.tied_group(self.mesh) if architecture(cfg.model).tied else None
+        self.tied_group = pp.tied_group(self.mesh) if decoder_class(cfg.model).tied else None
         self.norm_exclude = pp.duplicate_tied_params(self.parts)
 
     # ---------------------------------------------------------------- running it

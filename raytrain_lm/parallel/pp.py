@@ -35,7 +35,8 @@ from torch.distributed.pipelining.schedules import (
 from torch.distributed.tensor import DTensor, Shard
 
 from raytrain_lm.config.sizes import split_layers
-from raytrain_lm.models.decoder import Decoder, build_model
+from raytrain_lm.models import build_model
+from raytrain_lm.models.decoder import Decoder
 from raytrain_lm.parallel.mesh import world_timeout
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B}

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from raytrain_lm.config.layout import Cluster, Layout, Stage, held_params, root_params, tp_param_counts
-from raytrain_lm.config.settings import ModelConfig
+from raytrain_lm.config.layout import Cluster, Layout, Stage, held_params, root_params
+from raytrain_lm.models import family
+from raytrain_lm.models.family import ModelConfig
 
 
 def ring_bytes(op: str, n: int, size: float) -> float:
@@ -94,7 +95,7 @@ def pp_comm(m: ModelConfig, p: dict[str, float], lay: Layout, cl: Cluster,
 
 
 def rank_comm(m: ModelConfig, lay: Layout, cl: Cluster, stages: list[Stage]) -> Comm:
-    p = tp_param_counts(m, lay.tp)
+    p = family(m).tp_counts(m, lay.tp)
     gather, reduce = dp_comm(p, lay, cl, stages)
     pp, tied = pp_comm(m, p, lay, cl, stages)
     return Comm(dp_gather=gather, dp_reduce=reduce, tp=tp_comm(m, lay, cl, stages), pp=pp,

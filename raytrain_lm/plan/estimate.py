@@ -15,30 +15,14 @@ from raytrain_lm.config.layout import (
     Layout,
     Stage,
     candidate_ranks,
-    matmul_params,
-    param_counts,
     rank_stages,
 )
-from raytrain_lm.config.settings import ModelConfig
 from raytrain_lm.errors import UserError
+from raytrain_lm.models import family, flops_per_token
+from raytrain_lm.models.family import ModelConfig
 from raytrain_lm.plan.comm import Comm, pp_send_bytes, rank_comm
 from raytrain_lm.plan.efficiency import compute_efficiency
 from raytrain_lm.plan.memory import MemoryPlan, rank_memory
-
-
-def flops_per_token(m: ModelConfig, seq_len: int) -> float:
-    """model.flops_per_token (PaLM: 6N + 12 L H Q T) with N as loop.py counts it (matmul_params)."""
-    return 6.0 * matmul_params(m) + 12.0 * m.n_layer * m.n_embd * seq_len
-
-
-def block_matmuls(m: ModelConfig) -> list[int]:
-    """A block's matmuls in forward order, by weight elements (their forward FLOPs: 2 per
-    element per token)."""
-    h = m.n_embd
-    if m.arch == "llama":
-        kv = m.kv_heads * m.head_dim
-        return [h * h, h * kv, h * kv, h * h, h * m.hidden_dim, h * m.hidden_dim, h * m.hidden_dim]
-    return [3 * h * h, h * h, 4 * h * h, 4 * h * h]
 
 
 def recompute_flops_per_token(m: ModelConfig, ac: str, seq_len: int,
@@ -48,12 +32,12 @@ def recompute_flops_per_token(m: ModelConfig, ac: str, seq_len: int,
     needs), its last matmul, whose output backward does not need; op runs every other matmul
     again (the 2nd, 4th, ... of a block, not its last; attention's output is kept); selective
     recomputes elementwise ops only (counted as free)."""
-    mms = block_matmuls(m)
+    mms = family(m).block_matmuls(m)
     if ac == "op":
         return 2.0 * m.n_layer * sum(w for i, w in enumerate(mms[:-1]) if i % 2 == 1)
     if ac != "full":
         return 0.0
-    block = param_counts(m)["block"] - (mms[-1] if early_stop else 0)
+    block = family(m).counts(m).block - (mms[-1] if early_stop else 0)
     return 2.0 * m.n_layer * block + 4.0 * m.n_layer * m.n_embd * seq_len
 
 
@@ -62,12 +46,12 @@ def stage_flops_per_token(m: ModelConfig, stages: list[Stage], ac: str, seq_len:
     """The FLOPs per token (of its pipeline replica's tokens) that one pp rank's stages run,
     recomputation included: each block's 6 x its matmul weights + 12 H Q T of attention plus its
     share of the recomputation, and on the last stage the head (6 x its weights and the final
-    norm's: matmul_params' rest). The ranks' sum is flops_per_token + recompute_flops_per_token;
+    norm's: Family.matmul_params' rest). The ranks' sum is flops_per_token + recompute_flops_per_token;
     a pipeline runs at the pace of its slowest rank (each microbatch passes every stage), and the
     rank with the head does more than the average where the layers are split evenly (Megatron-LM
     of 2021 and torchtitan split layers only, the head on the last stage; parallel/pp.py gives
     any extra layers to the middle stages)."""
-    head = flops_per_token(m, seq_len) - m.n_layer * 6.0 * param_counts(m)["block"] \
+    head = flops_per_token(m, seq_len) - m.n_layer * 6.0 * family(m).counts(m).block \
         - 12.0 * m.n_layer * m.n_embd * seq_len
     layer = (flops_per_token(m, seq_len) - head
              + recompute_flops_per_token(m, ac, seq_len, early_stop)) / m.n_layer

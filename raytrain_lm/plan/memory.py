@@ -1,4 +1,4 @@
-"""Memory per GPU of a layout (the assumptions: plan/__init__.py)."""
+"""Memory per GPU of a layout (the assumptions: docs/planner.md#assumptions)."""
 
 from __future__ import annotations
 
@@ -8,12 +8,11 @@ from raytrain_lm.config.layout import (
     Cluster,
     Layout,
     Stage,
-    activation_split,
     held_params,
     root_params,
-    tp_param_counts,
 )
-from raytrain_lm.config.settings import ModelConfig
+from raytrain_lm.models import family
+from raytrain_lm.models.family import ModelConfig
 
 
 @dataclass
@@ -54,7 +53,7 @@ def layer_activation_bytes(m: ModelConfig, lay: Layout, cl: Cluster, ac: str) ->
     tokens, h, t = lay.micro_batch * lay.seq_len, m.n_embd, lay.tp
     if ac == "full":  # the block input, in the run's activation dtype
         return tokens * h * cl.act_bytes / (t if lay.sp else 1)
-    whole, split = activation_split(m, ac)
+    whole, split = family(m).activation_split(m, ac)
     per_token = (whole + split) / t if lay.sp else whole + split / t
     return tokens * h * per_token * cl.act_bytes
 
@@ -122,7 +121,7 @@ def gathered_bytes(p: dict[str, float], lay: Layout, cl: Cluster, stages: list[S
 
 
 def rank_memory(m: ModelConfig, lay: Layout, cl: Cluster, stages: list[Stage], rank: int) -> MemoryPlan:
-    p = tp_param_counts(m, lay.tp)
+    p = family(m).tp_counts(m, lay.tp)
     held = held_params(p, stages)
     shard = lay.dp if lay.sharded else 1
     # fp32 parameters and gradients (divided by dp under FSDP2: zero2 and fsdp shard both at

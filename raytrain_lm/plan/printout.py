@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Optional
 
-from raytrain_lm.config.layout import GB, GIB, Cluster, Layout, param_counts
+from raytrain_lm.config.layout import GB, GIB, Cluster, Layout
 from raytrain_lm.errors import UserError
+from raytrain_lm.models import family
 from raytrain_lm.plan.estimate import Estimate, estimate_layout, plan
 
 STRATEGY_NAMES = {"ddp": "DDP", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "fsdp": "FSDP"}
@@ -109,7 +110,7 @@ def describe(name: str, n_params: int, global_batch: int, seq_len: int, cl: Clus
         lines.append(f"recommendation: {best.layout.flags()} (~{best.memory.total / GIB:.1f} GiB per "
                      f"GPU, ~{best.step_s:.3g} s per step, ~{best.mfu:.0%} MFU)")
         lines.append(f"why: {reason(best, ranked, cl)}")
-    lines.append("assumptions: raytrain_lm/plan/__init__.py; comparisons with published runs: docs/planner.md")
+    lines.append("assumptions and comparisons with published runs: docs/planner.md")
     return "\n".join(lines)
 
 
@@ -167,7 +168,7 @@ def plan_command(cfg, cl: Cluster, tp: Optional[int] = None, pp: Optional[int] =
     if global_batch is None:
         global_batch = cl.gpus * cfg.batch_size * cfg.grad_accum
     ranked = plan(cfg.model, cl, global_batch, cfg.seq_len, tp, pp, strategy, virtual_stages)
-    n_params = param_counts(cfg.model)["total"]
+    n_params = family(cfg.model).counts(cfg.model).total
     if explain is not None:
         e, rank = explained(cfg.model, cl, ranked, explain, global_batch, cfg.seq_len)
         if as_json:

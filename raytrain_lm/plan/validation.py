@@ -23,7 +23,7 @@ from typing import Optional
 
 from raytrain_lm.config.layout import GIB, Cluster
 from raytrain_lm.config.presets import preset_config
-from raytrain_lm.config.settings import ModelConfig
+from raytrain_lm.models.family import ModelConfig
 from raytrain_lm.plan.estimate import Estimate, _bucket, best_variant, estimate_layout, structures, variants
 
 RUNS = Path(__file__).with_name("published_runs.json")

@@ -10,20 +10,14 @@ from typing import Callable, Optional
 
 from raytrain_lm.cluster.autoscale import wait_for_resources
 from raytrain_lm.config.checks import check_tp_fits_nodes
+from raytrain_lm.config.layout import GIB, USABLE_FRACTION
 from raytrain_lm.config.settings import DEFAULT_DATA, TrainConfig
 from raytrain_lm.config.sizes import fit_to_world, is_elastic, worker_counts, workers_text
 from raytrain_lm.errors import UserError
 from raytrain_lm.models.llama import hf_llama
-from raytrain_lm.plan import (
-    GIB,
-    USABLE_FRACTION,
-    config_cluster,
-    config_layout,
-    estimate_layout,
-    plan,
-    recommendation,
-)
+from raytrain_lm.plan.estimate import config_cluster, config_layout, estimate_layout, plan
 from raytrain_lm.plan.gpus import label_memory_gb
+from raytrain_lm.plan.printout import recommendation
 
 
 def ensure_dataset(cfg: TrainConfig, say: Callable[[str], None]) -> dict:

@@ -354,8 +354,8 @@ def load_checkpoint(folder: Path, map_location: str | torch.device = "cpu",
         state["model"] = _full_state_from_dcp(folder)["model"]
     model = state["model"]
     model.setdefault("lm_head.weight", model["wte.weight"])  # tied: one copy may be all there is
-    if meta.get("version", 1) < 3:  # GPT-2's [q; k; v] order, from before model.py interleaved it
-        from raytrain_lm.models.decoder import qkv_gpt2_to_interleaved
+    if meta.get("version", 1) < 3:  # GPT-2's [q; k; v] order, from before the GPT interleaved it
+        from raytrain_lm.models.gpt.hf_gpt import qkv_gpt2_to_interleaved
 
         n_head = state["config"]["model"]["n_head"]
         for key in [k for k in model if k.endswith("attn.c_attn.weight") or k.endswith("attn.c_attn.bias")]:

@@ -24,11 +24,10 @@ from raytrain_lm.data.loaders import Validation, train_stream
 from raytrain_lm.data.manifest import dataset_tokenizer
 from raytrain_lm.data.resolve import resolve_dataset
 from raytrain_lm.errors import UserError
-from raytrain_lm.models.decoder import flops_per_token
+from raytrain_lm.models import family, flops_per_token
 from raytrain_lm.models.llama import hf_llama
 from raytrain_lm.parallel.fsdp import to_float
 from raytrain_lm.parallel.mesh import rank_coords
-from raytrain_lm.plan import matmul_params, param_counts
 from raytrain_lm.run.preflight import check_device_memory
 from raytrain_lm.store import checkpoint_format as ckpt_io
 from raytrain_lm.store.row import WorkerInputs
@@ -80,8 +79,8 @@ def train_loop_per_worker(inputs: WorkerInputs) -> None:
                 ckpt_io.load_weights(init_from, ckpt_io.read_meta(init_from), step_fn)
     restore_rng(rng, cfg.seed, rank // cfg.tp)  # the saved RNG states, else a dropout stream per rank
 
-    n_params = param_counts(cfg.model)["total"]
-    fpt = flops_per_token(cfg.model, matmul_params(cfg.model), cfg.seq_len)
+    n_params = family(cfg.model).counts(cfg.model).total
+    fpt = flops_per_token(cfg.model, cfg.seq_len)
     cadence, preemption = Cadence(cfg), PreemptionWatch()
     step_tokens = sized.batch_size * cfg.seq_len * sized.grad_accum * step_fn.dp
     peak = gpu_peak_tflops(device, cfg.peak_tflops, step_fn.precision)

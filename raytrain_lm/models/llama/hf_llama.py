@@ -16,8 +16,8 @@ import re
 from pathlib import Path
 from typing import Any, Optional
 
-from raytrain_lm.config.settings import ModelConfig
 from raytrain_lm.errors import UserError
+from raytrain_lm.models.family import ModelConfig
 from raytrain_lm.store.files import META
 
 CONFIG, WEIGHTS, INDEX = "config.json", "model.safetensors", "model.safetensors.index.json"
@@ -45,7 +45,7 @@ def _rename(name: str, src: int) -> Optional[str]:
     return None
 
 
-def to_hf(state: dict, vocab_size: int) -> dict:
+def to_hf(state: dict, cfg: ModelConfig, vocab_size: int) -> dict:
     """Our Llama's state dict under LlamaForCausalLM's names, the embedding and head cut to the
     tokenizer's `vocab_size` rows."""
     out = {}
