@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import sys
 
-from raytrain_lm.config.layout import GB, Cluster, Layout
+from raytrain_lm.config.layout import Layout
 from raytrain_lm.models import family
 from raytrain_lm.models.family import ModelConfig
 from raytrain_lm.plan.estimate import estimate_layout, plan
+from raytrain_lm.plan.hardware import GB, Cluster
 from raytrain_lm.plan.printout import reason, recommendation
 
 # name: (model shape, sequence length, global batch in sequences). Global batches as GPT-3's table

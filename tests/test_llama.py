@@ -263,20 +263,20 @@ def test_plan_prints_the_seeds_arithmetic():
 def test_the_planner_counts_the_llama_as_built():
     """Per tp rank every matrix splits (q/k/v/o, gate/up/down, embedding, head), the RMSNorms
     stay whole; a pipeline's last stage holds the untied head, not a copy of the embedding."""
-    from raytrain_lm.config.layout import Stage, stage_params
     from raytrain_lm.models import family
+    from raytrain_lm.plan.stages import StageShape, stage_params
 
     m = SMALL
     p1, p2 = family(m).tp_counts(m, 1), family(m).tp_counts(m, 2)
     model = build_model(m, seed=0)
     block = sum(t.numel() for t in model.h[0].parameters())
     assert p1["block"] == block and p2["block"] == (block - 2 * 64) / 2 + 2 * 64
-    assert stage_params(p1, Stage(2, True, True)) == model.num_params()
-    assert stage_params(p1, Stage(0, False, True)) == 64 + 320 * 64  # ln_f + head
+    assert stage_params(p1, StageShape(2, True, True)) == model.num_params()
+    assert stage_params(p1, StageShape(0, False, True)) == 64 + 320 * 64  # ln_f + head
     assert family(m).matmul_params(m) == model.num_params() - 320 * 64
     with pytest.raises(UserError, match=r"model.n_kv_head \(2\)"):
-        from raytrain_lm.config.layout import Cluster
         from raytrain_lm.plan.estimate import plan
+        from raytrain_lm.plan.hardware import Cluster
         plan(m, Cluster(gpus=4, gpus_per_node=4), 4, 64, tp=4)
 
 

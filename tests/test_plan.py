@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import cli_here, run_cli
-from raytrain_lm.config.layout import GIB, Cluster, Layout, rank_stages
+from raytrain_lm.config.layout import Layout
 from raytrain_lm.config.load import build_config
 from raytrain_lm.config.presets import preset_config
 from raytrain_lm.errors import UserError
@@ -17,9 +17,11 @@ from raytrain_lm.models import family, flops_per_token
 from raytrain_lm.models.family import ModelConfig
 from raytrain_lm.models.gpt.gpt import GPT
 from raytrain_lm.plan.comm import rank_comm, ring_bytes
-from raytrain_lm.plan.estimate import bubble, config_layout, estimate, estimate_layout, plan
+from raytrain_lm.plan.estimate import bubble, estimate, estimate_layout, plan
+from raytrain_lm.plan.hardware import GIB, Cluster
 from raytrain_lm.plan.memory import chunks_in_flight, rank_memory
 from raytrain_lm.plan.printout import recommendation
+from raytrain_lm.plan.stages import rank_stages
 from raytrain_lm.run.preflight import check_memory
 from test_cli_errors import assert_clean_error
 
@@ -300,7 +302,7 @@ def test_config_layout_and_memory_check():
     cfg = build_config(preset="gpt-70b", flags={"workers": 64, "use_gpu": True, "tp": 8, "pp": 2,
                                                 "batch_size": 8, "microbatches": 8,
                                                 "model": {"vocab_size": 50304}})
-    lay = config_layout(cfg)
+    lay = Layout.of(cfg)
     assert (lay.dp, lay.tp, lay.pp, lay.micro_batch, lay.microbatches) == (4, 8, 2, 1, 8)
     check_memory(cfg, 80)  # fits: nothing raised
     with pytest.raises(UserError, match="GiB per worker.*try --tp"):

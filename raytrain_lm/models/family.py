@@ -106,10 +106,12 @@ class Family:
         """Why `tp` tensor-parallel ranks (and `ep` expert-parallel ones) cannot split this model,
         or None: every tp rank holds whole query heads and whole key/value heads (the GPT's are
         its query heads). A family with experts adds that `ep` divides them."""
-        if m.n_head % tp or m.kv_heads % tp:
-            kv = f" and model.n_kv_head ({m.kv_heads})" if m.kv_heads != m.n_head else ""
-            return (f"model.n_head ({m.n_head}){kv} must be divisible by --tp {tp}: each "
+        if m.n_head % tp:
+            return (f"model.n_head ({m.n_head}) must be divisible by --tp {tp}: each "
                     f"tensor-parallel rank holds whole attention heads")
+        if m.kv_heads % tp:
+            return (f"model.n_kv_head ({m.kv_heads}) must be divisible by --tp {tp}: each "
+                    f"tensor-parallel rank holds whole key/value heads")
         if ep > 1:
             return f"model.arch {self.name} has no experts to split over {ep} expert-parallel ranks"
         return None

@@ -5,12 +5,11 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Optional
 
-from raytrain_lm.config.layout import GB, GIB, Cluster, Layout
+from raytrain_lm.config.layout import STRATEGIES, Layout
 from raytrain_lm.errors import UserError
 from raytrain_lm.models import family
 from raytrain_lm.plan.estimate import Estimate, estimate_layout, plan
-
-STRATEGY_NAMES = {"ddp": "DDP", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "fsdp": "FSDP"}
+from raytrain_lm.plan.hardware import GB, GIB, Cluster
 
 
 def recommendation(ranked: list[Estimate]) -> Optional[Estimate]:
@@ -33,7 +32,7 @@ def reason(best: Estimate, ranked: list[Estimate], cl: Cluster) -> str:
                      f"microbatches, {best.bubble:.0%} bubble)")
     if lay.dp > 1:
         rest = "the remaining" if lay.tp * lay.pp > 1 else "all"
-        parts.append(f"{STRATEGY_NAMES[lay.strategy]} over {rest} {lay.dp} ({where('dp')})")
+        parts.append(f"{STRATEGIES[lay.strategy].title} over {rest} {lay.dp} ({where('dp')})")
     if lay.ac != "none":
         parts.append(f"{lay.ac} activation checkpointing")
     fitting = [e for e in ranked if e.fits]

@@ -21,10 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from raytrain_lm.config.layout import GIB, Cluster
 from raytrain_lm.config.presets import preset_config
 from raytrain_lm.models.family import ModelConfig
 from raytrain_lm.plan.estimate import Estimate, _bucket, best_variant, estimate_layout, structures, variants
+from raytrain_lm.plan.hardware import GIB, Cluster
 
 RUNS = Path(__file__).with_name("published_runs.json")
 

@@ -14,7 +14,7 @@ from raytrain_lm.config.checks import validate
 from raytrain_lm.config.settings import TrainConfig
 from raytrain_lm.config.sizes import is_elastic, sizes_line
 from raytrain_lm.errors import UserError, last_line
-from raytrain_lm.plan.auto import apply_layout, auto_cluster, choose_layout, cluster_shape
+from raytrain_lm.plan.auto import auto_cluster, choose_layout, cluster_shape
 from raytrain_lm.run.cpus import OMP_ENV, decide, idle_line, machine_cores
 from raytrain_lm.run.groups import WorkerGroups
 from raytrain_lm.run.preflight import (
@@ -204,7 +204,7 @@ def auto_layout(cfg: TrainConfig, say: Callable[[str], None]) -> None:
 
     per_node, memory = cluster_shape(cfg, ray.nodes(), worker_memory_gb(cfg))
     best, why = choose_layout(cfg, auto_cluster(cfg, per_node, memory))
-    apply_layout(cfg, best.layout)
+    best.layout.apply(cfg)
     validate(cfg)
     say(f"layout auto: {best.layout.flags()} (~{best.memory.total / 2**30:.1f} GiB per worker of "
         f"{memory:g}); {why}")

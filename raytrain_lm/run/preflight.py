@@ -9,14 +9,15 @@ import os
 from typing import Callable, Optional
 
 from raytrain_lm.cluster.autoscale import wait_for_resources
-from raytrain_lm.config.checks import check_tp_fits_nodes
-from raytrain_lm.config.layout import GIB, USABLE_FRACTION
+from raytrain_lm.config.checks import check_layout
+from raytrain_lm.config.layout import Layout
 from raytrain_lm.config.settings import DEFAULT_DATA, TrainConfig
 from raytrain_lm.config.sizes import fit_to_world, is_elastic, worker_counts, workers_text
 from raytrain_lm.errors import UserError
 from raytrain_lm.models.llama import hf_llama
-from raytrain_lm.plan.estimate import config_cluster, config_layout, estimate_layout, plan
+from raytrain_lm.plan.estimate import config_cluster, estimate_layout, plan
 from raytrain_lm.plan.gpus import label_memory_gb
+from raytrain_lm.plan.hardware import GIB, USABLE_FRACTION
 from raytrain_lm.plan.printout import recommendation
 
 
@@ -44,10 +45,8 @@ def fit_model_to_data(cfg: TrainConfig, manifest: dict) -> None:
     vocab = manifest["vocab_size"]
     if cfg.model.vocab_size is None:
         cfg.model.vocab_size = padded_vocab(vocab)
-    if cfg.model.vocab_size % cfg.tp:
-        raise UserError(f"model.vocab_size ({cfg.model.vocab_size}) must be divisible by --tp "
-                        f"{cfg.tp}: the embedding is split over the vocabulary")
-    elif vocab > cfg.model.vocab_size:
+    check_layout(cfg)  # now with the vocabulary: the embedding is split over it
+    if vocab > cfg.model.vocab_size:
         raise UserError(f"dataset {cfg.data} has a vocabulary of {vocab} tokens but the model's "
                         f"vocab_size is {cfg.model.vocab_size}; raise model.vocab_size")
 
@@ -92,11 +91,12 @@ def check_resources(cfg: TrainConfig, say: Callable[[str], None] = print) -> Non
 
 def _check_tp_nodes(cfg: TrainConfig) -> None:
     """A GPU run's --tp fits on one of the cluster's nodes (each worker checks its own node
-    again: checks.check_tp_in_node)."""
+    again: Layout.check_tp_within_node)."""
     import ray
 
     if cfg.use_gpu and cfg.tp > 1:
-        check_tp_fits_nodes(cfg.tp, [n["Resources"].get("GPU", 0) for n in ray.nodes() if n["Alive"]])
+        Layout.of(cfg).check_tp_fits_nodes([n["Resources"].get("GPU", 0) for n in ray.nodes()
+                                            if n["Alive"]])
 
 
 def worker_memory_gb(cfg: TrainConfig) -> Optional[float]:
@@ -132,7 +132,7 @@ def check_memory(cfg: TrainConfig, memory_gb: Optional[float]) -> None:
 
 
 def _check_memory_at(cfg: TrainConfig, memory_gb: float) -> None:
-    layout, cluster = config_layout(cfg), config_cluster(cfg, memory_gb)
+    layout, cluster = Layout.of(cfg), config_cluster(cfg, memory_gb)
     mine = estimate_layout(cfg.model, layout, cluster)
     if mine.fits:
         return

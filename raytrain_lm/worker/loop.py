@@ -17,7 +17,7 @@ import ray.train
 import ray.train.torch
 import torch
 
-from raytrain_lm.config.checks import check_tp_in_node
+from raytrain_lm.config.layout import Layout
 from raytrain_lm.config.settings import TrainConfig
 from raytrain_lm.config.sizes import fit_to_world
 from raytrain_lm.data.loaders import Validation, train_stream
@@ -27,7 +27,6 @@ from raytrain_lm.errors import UserError
 from raytrain_lm.models import family, flops_per_token
 from raytrain_lm.models.llama import hf_llama
 from raytrain_lm.parallel.fsdp import to_float
-from raytrain_lm.parallel.mesh import rank_coords
 from raytrain_lm.run.preflight import check_device_memory
 from raytrain_lm.store import checkpoint_format as ckpt_io
 from raytrain_lm.store.row import WorkerInputs
@@ -49,13 +48,13 @@ def train_loop_per_worker(inputs: WorkerInputs) -> None:
         raise UserError(f"a group of {world} workers cannot split this run's global batch evenly")
     check_device_memory(sized, device, inputs.force)  # the GPU's real memory
     if device.type == "cuda":
-        check_tp_in_node(cfg.tp, ctx.get_local_world_size())  # NVLink, not the network
+        Layout.of(sized).check_tp_within_node(ctx.get_local_world_size())  # NVLink, not the network
         torch.set_float32_matmul_precision("high")  # TF32 for any matmul left in fp32
     tokenizer = dataset_tokenizer(cfg.data)  # a BPE's file travels into every checkpoint
     checkpointer = Checkpointer(cfg, rank, world, tokenizer, inputs.fail_at, inputs.run_name)
     found = checkpointer.find_latest()  # this run's newest valid checkpoint, or None
     state, rng = ckpt_io.load_resume_state(found.path, found.meta, rank) if found else (None, None)
-    coords = rank_coords(rank, world, cfg.tp, cfg.pp)
+    coords = Layout.of(sized).coords(rank)
 
     # --- the model as this rank holds it (built sharded where the layout shards it), then its
     # state: a resumed run's own, else --init-from's weights, else the initial values
