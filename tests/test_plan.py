@@ -18,11 +18,11 @@ from raytrain_lm.models.family import ModelConfig
 from raytrain_lm.models.gpt.gpt import GPT
 from raytrain_lm.plan.comm import rank_comm, ring_bytes
 from raytrain_lm.plan.estimate import bubble, estimate, estimate_layout, plan
+from raytrain_lm.plan.fit import check_memory
 from raytrain_lm.plan.hardware import GIB, Cluster
 from raytrain_lm.plan.memory import chunks_in_flight, rank_memory
 from raytrain_lm.plan.printout import recommendation
 from raytrain_lm.plan.stages import rank_stages
-from raytrain_lm.run.preflight import check_memory
 from test_cli_errors import assert_clean_error
 
 # A 2-layer model small enough to count by hand: width h=8, 2 heads, vocabulary V=16, context T=8,

@@ -19,8 +19,8 @@ from typing import Any, Callable, List, Optional
 import typer
 
 from raytrain_lm.config.presets import PRESETS
-from raytrain_lm.config.settings import TrainConfig, setting_fields
-from raytrain_lm.store.files import STORAGE_ENV, default_storage
+from raytrain_lm.config.settings import TrainConfig, default_storage, setting_fields
+from raytrain_lm.env import STORAGE_ENV
 
 VERBOSE = typer.Option(False, "--verbose", "-v", help="Show Ray's logs and full tracebacks.")
 QUIET = typer.Option(False, "--quiet", "-q", help="No progress lines, only the result.")

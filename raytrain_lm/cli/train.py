@@ -24,13 +24,13 @@ from raytrain_lm.cli.options import (
 from raytrain_lm.cluster.jobs import PATH_SETTINGS
 from raytrain_lm.config.load import build_config
 from raytrain_lm.config.presets import PRESETS
+from raytrain_lm.config.settings import default_storage
 from raytrain_lm.config.sizes import parse_workers
 from raytrain_lm.errors import UserError
 from raytrain_lm.plan.estimate import check_cluster
 from raytrain_lm.plan.hardware import H100_NVLINK_GBPS, H100_TFLOPS, IB_400_GBPS, Cluster
 from raytrain_lm.plan.printout import plan_command
 from raytrain_lm.results.tables import progress_line, results_table
-from raytrain_lm.store.files import default_storage
 from raytrain_lm.tune.lr_scaling import apply_lr_scaling
 
 ARCH = typer.Option(None, help="The model's architecture: gpt (GPT-2) or llama (RMSNorm, "

@@ -23,8 +23,8 @@ from raytrain_lm.cluster.connect import (
     is_auth_error,
     use_token_auth_if_available,
 )
+from raytrain_lm.config.settings import default_storage
 from raytrain_lm.errors import UserError
-from raytrain_lm.store.files import default_storage
 
 PACKAGE = Path(__file__).resolve().parents[1]  # raytrain_lm, wherever it is installed
 ROOT = PACKAGE.parent  # the project, when it is a checkout (cli.py beside the package)

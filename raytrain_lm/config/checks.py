@@ -5,13 +5,13 @@ flags of `generate` (checked before torch is imported)."""
 from __future__ import annotations
 
 import math
+import re
 from typing import TYPE_CHECKING, Optional
 
 from raytrain_lm.config.layout import Layout
 from raytrain_lm.config.sizes import check_elastic
 from raytrain_lm.errors import UserError
 from raytrain_lm.models import family
-from raytrain_lm.store.files import NAME_RULE, is_plain_name
 
 if TYPE_CHECKING:
     from raytrain_lm.config.settings import TrainConfig
@@ -47,6 +47,16 @@ def check_finite(cfg: TrainConfig) -> None:
         for key, value in vars(section).items():
             if isinstance(value, float) and not math.isfinite(value):
                 raise UserError(f"{prefix}{key} must be a finite number, got {value}")
+
+
+# A run's, a sweep's or a shard's name is one plain entry of its folder: never `..`, `/` or a
+# hidden name, so neither a flag nor a crafted manifest can reach outside that folder.
+NAME_RULE = "letters, digits, '.', '_' and '-', not starting with '.', at most 128 characters"
+_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")
+
+
+def is_plain_name(name: object) -> bool:
+    return isinstance(name, str) and _NAME.fullmatch(name) is not None
 
 
 def check_name(name: Optional[str]) -> None:

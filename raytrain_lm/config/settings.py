@@ -13,11 +13,18 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from raytrain_lm import env
+from raytrain_lm.env import STORAGE_ENV
 from raytrain_lm.errors import UserError
 from raytrain_lm.models.family import ModelConfig, setting
-from raytrain_lm.store.files import STORAGE_ENV, default_storage
 
 DEFAULT_DATA = "data/pydoc"  # the built-in corpus, prepared on first use
+
+
+def default_storage() -> str:
+    """Where runs live when --storage is not given: a cluster sets RAYTRAIN_LM_STORAGE on every
+    node (cluster.yaml: s3://...), so the driver, the workers and the read commands agree."""
+    return env.storage() or "runs"
 
 
 @dataclass

@@ -43,6 +43,17 @@ def hf_adapter(m: ModelConfig):
     return importlib.import_module(f.hf_adapter)
 
 
+def hf_importer(model_type: object, where: str):
+    """The adapter of the family that imports Hugging Face folders of `model_type` (`from_hf`,
+    `model_fields`); a UserError, in one line, for a folder no family here imports."""
+    for f in FAMILIES.values():
+        if model_type in f.hf_model_types:
+            return importlib.import_module(f.hf_adapter)
+    kinds = ", ".join(t for f in FAMILIES.values() for t in f.hf_model_types)
+    raise UserError(f"{where} holds a {model_type!r} model; --init-from takes Hugging Face folders "
+                    f"of model_type {kinds} or this project's checkpoints")
+
+
 def flops_per_token(m: ModelConfig, seq_len: int) -> float:
     """Training FLOPs per token, PaLM appendix B: 6N + 12·L·H·Q·T.
 

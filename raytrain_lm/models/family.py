@@ -96,6 +96,7 @@ class Family:
     # Its Hugging Face format, where it has one: the adapter module (names, config.json) and the
     # name `export` records; None: exported in this project's own format only.
     hf_adapter: Optional[str] = None
+    hf_model_types: tuple[str, ...] = ()  # the model_type of the Hugging Face folders it imports
     export_format: str = ""
     export_notes: dict[str, Any] = {}  # what a native export's config.json says of its layout
 

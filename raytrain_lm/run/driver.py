@@ -11,15 +11,17 @@ from typing import Any, Callable, Optional
 from raytrain_lm import env
 from raytrain_lm.cluster.connect import check_reachable, connect_ray, starts_own_ray
 from raytrain_lm.config.checks import validate
+from raytrain_lm.config.inputs import WorkerInputs
 from raytrain_lm.config.settings import TrainConfig
 from raytrain_lm.config.sizes import is_elastic, sizes_line
 from raytrain_lm.errors import UserError, last_line
 from raytrain_lm.plan.auto import auto_cluster, choose_layout, cluster_shape
+from raytrain_lm.plan.fit import check_memory
+from raytrain_lm.ray_compat.polls import Polls
 from raytrain_lm.run.cpus import OMP_ENV, decide, idle_line, machine_cores
 from raytrain_lm.run.groups import WorkerGroups
 from raytrain_lm.run.preflight import (
     check_init_from,
-    check_memory,
     check_resources,
     configured_memory_gb,
     default_run_name,
@@ -29,22 +31,12 @@ from raytrain_lm.run.preflight import (
 )
 from raytrain_lm.store import files
 from raytrain_lm.store.claims import RunClaim, live_claims
-from raytrain_lm.store.row import MetricsRow, WorkerInputs
+from raytrain_lm.store.row import MetricsRow
 from raytrain_lm.store.runs import best_val_loss
 from raytrain_lm.store.storage import MetricsLog, RunFolder
 from raytrain_lm.store.summary import build_summary
 
-# Ray Train's controller collects reports when it polls the workers (default every 2 s) and a
-# worker holds one report at a time, so reports more frequent than the poll stall training. The
-# controller takes it as an argument (controller.Polls); a value the user set always wins.
-DEFAULT_POLL_S = 0.5
 ROWS_POLL_S = 0.25  # how often the driver takes new rows from the controller (progress lines)
-
-
-def report_poll_seconds(default: float = DEFAULT_POLL_S) -> float:
-    """How often Ray Train's controller should collect reports: the user's setting, else `default`."""
-    return float(env.health_poll() or default)
-
 
 def loop_config(cfg: TrainConfig, init_from: Optional[str] = None, fail_at: Optional[str] = None,
                 force: bool = False) -> WorkerInputs:
@@ -59,21 +51,18 @@ def build_trainer(cfg: TrainConfig, run: RunFolder, callbacks: Optional[list] = 
                   worker_env: Optional[dict[str, str]] = None, pg_cleaner: bool = True,
                   autoscaler: bool = True):
     """The TorchTrainer for `cfg`, writing into `run`'s folder. Used by `train` and by each Tune
-    trial. `poll_seconds`: see report_poll_seconds. `force`: workers skip their memory check.
+    trial. `poll_seconds`: the report poll (ray_compat/polls.py). `force`: workers skip their memory check.
     `worker_env`: environment variables of the worker processes (--worker-env). `pg_cleaner`:
     see controller.helper_callbacks. `autoscaler`: see trainer.Trainer."""
     from ray.train import CheckpointConfig, RunConfig
 
-    from raytrain_lm.ray_compat.controller import Polls
     from raytrain_lm.ray_compat.scaling import failure_config, scaling_config
     from raytrain_lm.ray_compat.trainer import Trainer, train_loop
-    from raytrain_lm.worker.preemption import preemption_poll_seconds
 
     return Trainer(
         train_loop,
         cfg=cfg,
-        polls=Polls(report_s=poll_seconds or report_poll_seconds(),
-                    preemption_s=preemption_poll_seconds()),
+        polls=Polls.for_run(poll_seconds),
         pg_cleaner=pg_cleaner,
         autoscaler=autoscaler,
         train_loop_config=loop_config(cfg, init_from, fail_at, force),

@@ -19,13 +19,14 @@ from typing import Callable, Optional
 
 from raytrain_lm.config.settings import TrainConfig
 from raytrain_lm.errors import UserError
-from raytrain_lm.run.driver import report_poll_seconds, run_training
+from raytrain_lm.ray_compat.polls import report_poll_seconds
+from raytrain_lm.run.driver import run_training
 from raytrain_lm.store.files import LR_FIND_PLOT, LR_FIND_RESULT
 from raytrain_lm.store.storage import RunFolder
 
 DIVERGE_FACTOR = 4.0  # stop reading the curve once the smoothed loss is 4x its minimum (as fastai)
 SKIP_START = 0.1  # the first 10% of points: Adam's first steps are noisy whatever the lr
-# A report every step would stall the workers (driver.report_poll_seconds). Each report carries the
+# A report every step would stall the workers (ray_compat/polls.py). Each report carries the
 # loss of every step since the previous one (step_losses) and the lr of a step is known (lr_at),
 # so reports can be sparse and the curve still has a point per step; a short poll keeps up.
 REPORT_POLL_S = 0.1

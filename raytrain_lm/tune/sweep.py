@@ -25,7 +25,8 @@ from raytrain_lm.cluster.connect import connect_ray
 from raytrain_lm.config.checks import validate
 from raytrain_lm.config.settings import TrainConfig, apply_overrides
 from raytrain_lm.errors import UserError
-from raytrain_lm.run.driver import build_trainer, choose_worker_cpus, report_poll_seconds, say_idle_cpus
+from raytrain_lm.ray_compat.polls import report_poll_seconds
+from raytrain_lm.run.driver import build_trainer, choose_worker_cpus, say_idle_cpus
 from raytrain_lm.run.preflight import check_resources, default_run_name, prepare_data
 from raytrain_lm.store.claims import RunClaim
 from raytrain_lm.store.files import SWEEP, TRIAL_CONFIG

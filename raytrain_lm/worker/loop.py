@@ -11,12 +11,12 @@ global batch per step.
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import ray.train
 import ray.train.torch
 import torch
 
+from raytrain_lm.config.inputs import WorkerInputs
 from raytrain_lm.config.layout import Layout
 from raytrain_lm.config.settings import TrainConfig
 from raytrain_lm.config.sizes import fit_to_world
@@ -25,14 +25,11 @@ from raytrain_lm.data.manifest import dataset_tokenizer
 from raytrain_lm.data.resolve import resolve_dataset
 from raytrain_lm.errors import UserError
 from raytrain_lm.models import family, flops_per_token
-from raytrain_lm.models.llama import hf_llama
 from raytrain_lm.parallel.fsdp import to_float
-from raytrain_lm.run.preflight import check_device_memory
 from raytrain_lm.store import checkpoint_format as ckpt_io
-from raytrain_lm.store.row import WorkerInputs
-from raytrain_lm.worker.checkpointer import Checkpointer, restore_rng
+from raytrain_lm.worker.checkpointer import Checkpointer, load_init_from, restore_rng
 from raytrain_lm.worker.drills import WindowLog, fault_drill
-from raytrain_lm.worker.metrics import Meter, gpu_peak_tflops, peak_memory_gb
+from raytrain_lm.worker.metrics import Meter, check_device_memory, gpu_peak_tflops, peak_memory_gb
 from raytrain_lm.worker.optim import lr_at
 from raytrain_lm.worker.preemption import PreemptionWatch
 from raytrain_lm.worker.step import TrainStep
@@ -70,12 +67,8 @@ def train_loop_per_worker(inputs: WorkerInputs) -> None:
         step, tokens = checkpointer.restore(found, state, step_fn, batches)
     else:
         step, tokens = 0, 0
-        if inputs.init_from:  # a checkpoint, or a Hugging Face Llama folder
-            init_from = Path(inputs.init_from)
-            if hf_llama.is_hf_folder(init_from):
-                hf_llama.load_weights(init_from, step_fn)
-            else:
-                ckpt_io.load_weights(init_from, ckpt_io.read_meta(init_from), step_fn)
+        if inputs.init_from:  # a checkpoint, or a Hugging Face folder
+            load_init_from(inputs.init_from, step_fn)
     restore_rng(rng, cfg.seed, rank // cfg.tp)  # the saved RNG states, else a dropout stream per rank
 
     n_params = family(cfg.model).counts(cfg.model).total

@@ -16,6 +16,7 @@ class LlamaFamily(Family):
                      rowwise=("attn.o_proj", "mlp.down_proj"))
     defaults = {"arch": "llama", "bias": False}
     hf_adapter = "raytrain_lm.models.llama.hf_llama"
+    hf_model_types = ("llama",)
     export_format = "raytrain-lm/llama"  # llama.py's names, as they are
 
     def check(self, m: ModelConfig) -> None:
