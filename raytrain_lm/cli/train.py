@@ -10,7 +10,7 @@ import typer
 
 from raytrain_lm.cli.app import app, examples
 from raytrain_lm.cli.options import (
-    CONFIG,
+    CONFIG_FILE,
     JSON,
     QUIET,
     SET,
@@ -80,7 +80,7 @@ def train(
                                           "MIN-MAX to start as soon as MIN fit and grow and "
                                           "shrink with the cluster (elastic) [default: 2]."),
     force: bool = typer.Option(False, help="Launch even if the memory plan says it will not fit."),
-    config: ConfigPath = CONFIG,
+    config: ConfigPath = CONFIG_FILE,
     set_: SetList = SET,
     resume: bool = typer.Option(False, help="Continue the run --name from its latest checkpoint."),
     init_from: Optional[Path] = typer.Option(None, help="Start from this checkpoint's weights (a "

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 # 1e9 would allocate until memory runs out. 2^20 is four times the largest released LM's (Gemma's
 # 262,144) and fits the uint32 shards.
 MAX_VOCAB = 1 << 20
-SCHEDULES = ("cosine", "wsd", "exp_range")  # of the learning rate (optim.lr_at)
+LR_SCHEDULES = ("cosine", "wsd", "exp_range")  # of the learning rate (optim.lr_at)
 UPLOAD_MODES = ("auto", "sync", "async")  # of checkpoints (checkpointer.py)
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 
@@ -138,8 +138,8 @@ def validate(cfg: TrainConfig) -> None:
         raise UserError(f"--gpus-per-node must be at least 1, got {cfg.gpus_per_node}")
     if cfg.layout == "auto" and cfg.min_workers is not None and cfg.min_workers != cfg.workers:
         raise UserError("--layout auto plans one worker count: give --workers N, not MIN-MAX")
-    if cfg.schedule not in SCHEDULES:
-        raise UserError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {cfg.schedule!r}")
+    if cfg.schedule not in LR_SCHEDULES:
+        raise UserError(f"--schedule must be one of {', '.join(LR_SCHEDULES)}, got {cfg.schedule!r}")
     if cfg.schedule == "exp_range" and cfg.min_lr_ratio <= 0:
         raise UserError("the exp_range schedule starts at lr * min_lr_ratio, which must be > 0")
     if cfg.ref_batch_tokens is not None and cfg.ref_batch_tokens < 1:

@@ -25,7 +25,7 @@ from raytrain_lm.errors import UserError
 from raytrain_lm.store.files import MANIFEST, REMOTE_SOURCE
 from raytrain_lm.store.storage import is_remote, open_uri, sha256_file
 
-FORMAT = "raytrain-lm-tokens/1"
+TOKENS_FORMAT = "raytrain-lm-tokens/1"
 SPLITS = ("train", "val")
 
 
@@ -44,7 +44,7 @@ def dataset_files(manifest: dict) -> list[dict]:
 def check_manifest(manifest: dict, where: str, file_ok: Callable[[dict], bool]) -> dict:
     """Raise a UserError unless `manifest` is ours and every file passes `file_ok`."""
     try:
-        if manifest.get("format") != FORMAT:
+        if manifest.get("format") != TOKENS_FORMAT:
             raise ValueError(f"format {manifest.get('format')!r}")
         check_spec(manifest["tokenizer"])
         vocab = manifest["vocab_size"]  # sizes the model's embedding: a number, and not a huge one

@@ -1,27 +1,19 @@
-"""Everything that makes the model distributed or memory-lean, applied from outside the models
-(which import nothing from torch.distributed): the same code for every family, which answers
-what differs (its tensor-parallel plan: models/). It takes the run's Layout (config/layout.py)
-and builds only.
+"""Builds the model as this rank holds it, from outside the models (which import nothing from
+torch.distributed), from the run's Layout (config/layout.py) and its family's tensor-parallel
+plan (models/); worker/step.py runs what it builds.
 
-`parallelize(cfg, device)` returns the model as this rank holds it (`Built`: its parts,
-the modules to call, the pipeline schedule and what running it needs); worker/step.py runs it
-(forward/backward, clipping, the optimizers, validation). Two ways to build, one result:
-- replicated (DDP, no --tp/--pp): the whole model on every worker, wrapped by Ray Train's
-  `prepare_model` (parallel/ddp.py): activation checkpointing, then DDP, then compile; with
-  --strategy zero1, AdamW's states sharded over the workers (optim.ZeroOneAdamW).
-- sharded (--strategy fsdp or zero2, --tp, --pp): built on the meta device, split into pipeline stages
-  (pp.py), tensor-parallelized (tp.py), sharded or replicated over dp (fsdp.py), and only then
-  materialised: each rank allocates its own shards and fills them with the layout-independent
-  initial values (init.py), so no rank ever holds the whole model and every layout starts from
-  the weights a single process would build with the same seed.
+`parallelize(cfg, device)` returns `Built`: the parts, the modules to call, the pipeline schedule
+and what running it needs. Replicated layouts (no tp, no pp, ddp or zero1) wrap a whole model in
+DDP through Ray Train's `prepare_model`; the others are built on the meta device, split into
+stages, tensor-parallelized, sharded or replicated over dp, and only then materialised, each rank
+filling its own shards with the single-process build's values (docs/parallelism.md).
 
-    mesh.py   the (pp, dp, tp) device mesh and how ranks map to it
-    ac.py     activation checkpointing (full or selective)
+    mesh.py   the device mesh of the layout's mesh_shape
+    ac.py     activation checkpointing (full, selective, op)
     ddp.py    DDP through ray.train.torch.prepare_model; no_sync for accumulation
     fsdp.py   FSDP2 or FSDP2's replicate on the dp dim; what a rank holds
     tp.py     tensor (and sequence) parallelism with DTensor; loss without gathering logits
-    pp.py     pipeline stages, schedules, the tied embedding across first and last stage
-              (a family whose head is tied to its embedding)
+    pp.py     pipeline stages, schedules, a tied embedding across first and last stage
     init.py   meta -> local shards -> initial values
     grad.py   gradients in their parameters' layouts; the global gradient norm
     traffic.py bytes per mesh dim per step; the pipeline's bubble

@@ -40,7 +40,7 @@ from raytrain_lm.models import build_model
 from raytrain_lm.models.decoder import Decoder
 from raytrain_lm.parallel.mesh import world_timeout
 
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B}
+PIPELINE_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B}
 
 
 class Stage(nn.Module):
@@ -120,7 +120,7 @@ class PipelineLoss:
 
 def build_schedule(layout: Layout, stages: list[tuple[int, nn.Module]], pp_mesh: DeviceMesh,
                    loss_fn, device="cpu"):
-    cls = SCHEDULES[layout.schedule]
+    cls = PIPELINE_SCHEDULES[layout.schedule]
     group = pp_mesh.get_group()
     pstages = [PipelineStage(m, s, layout.stages, torch.device(device), group=group)
                for s, m in stages]

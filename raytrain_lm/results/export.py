@@ -24,12 +24,12 @@ from raytrain_lm.errors import UserError
 from raytrain_lm.models import family, hf_adapter
 from raytrain_lm.models.family import ModelConfig
 from raytrain_lm.store.files import TOKENIZER
+from raytrain_lm.store.hf_folder import HF_CONFIG, HF_WEIGHTS
 from raytrain_lm.store.storage import is_remote, staged_folder
 
-WEIGHTS, CONFIG = "model.safetensors", "config.json"
 # What every export's safetensors metadata says as its source (export --force replaces only a
 # folder whose weights say so); a native export's config.json names its family's format.
-FORMAT = "raytrain-lm/gpt-2"
+EXPORT_SOURCE = "raytrain-lm/gpt-2"
 FORMATS = ("native", "hf")
 
 
@@ -86,9 +86,9 @@ def export_checkpoint(folder: Path, out: Path, source: str, force: bool = False,
         "train_config": state["config"],
     }
     with staged_folder(out) as tmp:
-        save_file(weights, f"{tmp}/{WEIGHTS}", metadata={"format": "pt", "source": FORMAT})
-        Path(tmp, CONFIG).write_text(json.dumps(config, indent=2) + "\n")
-        os.chmod(f"{tmp}/{WEIGHTS}", 0o666 & ~_umask())  # safetensors creates it owner-only
+        save_file(weights, f"{tmp}/{HF_WEIGHTS}", metadata={"format": "pt", "source": EXPORT_SOURCE})
+        Path(tmp, HF_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+        os.chmod(f"{tmp}/{HF_WEIGHTS}", 0o666 & ~_umask())  # safetensors creates it owner-only
         if tok.raw is not None:
             Path(tmp, TOKENIZER).write_bytes(tok.raw)
     return config
@@ -122,7 +122,7 @@ def is_export(folder: Path) -> bool:
     entries = list(folder.iterdir())
     if any(e.name not in EXPORT_FILES or e.is_symlink() or not e.is_file() for e in entries):
         return False
-    return _safetensors_source(folder / WEIGHTS) == FORMAT
+    return _safetensors_source(folder / HF_WEIGHTS) == EXPORT_SOURCE
 
 
 def _safetensors_source(path: Path) -> Optional[str]:
@@ -180,9 +180,9 @@ def _write_hf(out: Path, weights: dict, config: dict, tok: Tokenizer, block_size
     with staged_folder(out) as tmp:
         # metadata format=pt: transformers refuses a safetensors file without it; source: ours
         # (export --force replaces only a folder whose weights say so)
-        save_file(weights, f"{tmp}/{WEIGHTS}", metadata={"format": "pt", "source": FORMAT})
-        os.chmod(f"{tmp}/{WEIGHTS}", 0o666 & ~_umask())  # safetensors creates it owner-only
-        Path(tmp, CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+        save_file(weights, f"{tmp}/{HF_WEIGHTS}", metadata={"format": "pt", "source": EXPORT_SOURCE})
+        os.chmod(f"{tmp}/{HF_WEIGHTS}", 0o666 & ~_umask())  # safetensors creates it owner-only
+        Path(tmp, HF_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
         Path(tmp, HF_GENERATION_CONFIG).write_text(json.dumps(generation, indent=2) + "\n")
         Path(tmp, HF_TOKENIZER_CONFIG).write_text(json.dumps(tok_config, indent=2) + "\n")
         # a BPE: the dataset's file itself; bytes: an equivalent tokenizer.json (id i = byte i)

@@ -11,24 +11,24 @@ from typing import Any
 from raytrain_lm.errors import UserError
 from raytrain_lm.store.files import META
 
-CONFIG, WEIGHTS, INDEX = "config.json", "model.safetensors", "model.safetensors.index.json"
+HF_CONFIG, HF_WEIGHTS, HF_INDEX = "config.json", "model.safetensors", "model.safetensors.index.json"
 
 
 def is_hf_folder(path: str | Path) -> bool:
     """A model folder with a config.json and safetensors weights that is not a checkpoint of ours
     (its family's adapter then says whether this project computes it)."""
     p = Path(path)
-    return ((p / CONFIG).is_file() and not (p / META).is_file()
-            and ((p / WEIGHTS).is_file() or (p / INDEX).is_file()))
+    return ((p / HF_CONFIG).is_file() and not (p / META).is_file()
+            and ((p / HF_WEIGHTS).is_file() or (p / HF_INDEX).is_file()))
 
 
 def read_config(folder: str | Path) -> dict[str, Any]:
     try:
-        config = json.loads((Path(folder) / CONFIG).read_text())
+        config = json.loads((Path(folder) / HF_CONFIG).read_text())
     except (OSError, json.JSONDecodeError) as e:
-        raise UserError(f"{folder}/{CONFIG} cannot be read: {e}") from None
+        raise UserError(f"{folder}/{HF_CONFIG} cannot be read: {e}") from None
     if not isinstance(config, dict):
-        raise UserError(f"{folder}/{CONFIG} is not a JSON object")
+        raise UserError(f"{folder}/{HF_CONFIG} is not a JSON object")
     return config
 
 
@@ -37,10 +37,10 @@ def read_tensors(folder: str | Path) -> dict:
     from safetensors.torch import load_file
 
     folder = Path(folder)
-    if (folder / INDEX).is_file():
-        files = sorted(set(json.loads((folder / INDEX).read_text())["weight_map"].values()))
+    if (folder / HF_INDEX).is_file():
+        files = sorted(set(json.loads((folder / HF_INDEX).read_text())["weight_map"].values()))
     else:
-        files = [WEIGHTS]
+        files = [HF_WEIGHTS]
     tensors = {}
     for name in files:
         tensors.update(load_file(str(folder / name)))

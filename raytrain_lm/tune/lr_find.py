@@ -29,7 +29,7 @@ SKIP_START = 0.1  # the first 10% of points: Adam's first steps are noisy whatev
 # A report every step would stall the workers (ray_compat/polls.py). Each report carries the
 # loss of every step since the previous one (step_losses) and the lr of a step is known (lr_at),
 # so reports can be sparse and the curve still has a point per step; a short poll keeps up.
-REPORT_POLL_S = 0.1
+LR_FIND_REPORT_POLL_S = 0.1
 REPORT_EVERY = 10
 
 
@@ -152,7 +152,7 @@ def run_lr_find(cfg: TrainConfig, lr_min: float = 1e-5, lr_max: float = 1.0, ste
             on_metrics(row)
 
     summary = run_training(cfg, verbose=verbose, say=say, on_metrics=collect,
-                           poll_seconds=report_poll_seconds(REPORT_POLL_S))
+                           poll_seconds=report_poll_seconds(LR_FIND_REPORT_POLL_S))
     lrs, losses = per_step_curve(rows, cfg)
     found = suggest_lr(lrs, losses)
     run = RunFolder(cfg.storage, cfg.name)

@@ -32,7 +32,7 @@ from raytrain_lm.store.claims import RunClaim
 from raytrain_lm.store.files import SWEEP, TRIAL_CONFIG
 from raytrain_lm.store.storage import RunFolder
 from raytrain_lm.tune.space import SearchSpace, nest
-from raytrain_lm.tune.sweep_config import METRICS, SweepSettings
+from raytrain_lm.tune.sweep_config import SWEEP_METRICS, SweepSettings
 
 # What the trial function itself asks for. Its workers get their own placement group from Ray Train,
 # so the trial needs next to nothing; Tune refuses a request of exactly zero.
@@ -64,7 +64,7 @@ def _forward_to_tune_callback(controllers, trial_id: str):
             for m in metrics:
                 m = dict(m)
                 m.pop("resumed_rows", None)  # for `train`'s metrics.jsonl; Tune has its own log
-                for key in ("loss", *METRICS):
+                for key in ("loss", *SWEEP_METRICS):
                     if m.get(key) is not None and not math.isfinite(m[key]):
                         m[key] = DIVERGED
                         m["diverged"] = True
