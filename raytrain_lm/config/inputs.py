@@ -16,3 +16,4 @@ class WorkerInputs:
     fail_at: Optional[str] = None  # the fault drill (worker/drills.py)
     force: bool = False  # --force: past the memory check
     log_windows: bool = False  # the window log drill (worker/drills.py)
+    nan_at: Optional[int] = None  # the non-finite loss drill (worker/drills.py)

@@ -14,7 +14,7 @@ from raytrain_lm.config.checks import validate
 from raytrain_lm.config.inputs import WorkerInputs
 from raytrain_lm.config.settings import TrainConfig
 from raytrain_lm.config.sizes import is_elastic, sizes_line
-from raytrain_lm.errors import UserError, last_line
+from raytrain_lm.errors import RunFailed, UserError, last_line
 from raytrain_lm.plan.auto import auto_cluster, choose_layout, cluster_shape
 from raytrain_lm.plan.fit import check_memory
 from raytrain_lm.ray_compat.polls import Polls
@@ -42,7 +42,8 @@ def loop_config(cfg: TrainConfig, init_from: Optional[str] = None, fail_at: Opti
                 force: bool = False) -> WorkerInputs:
     """What every worker's `train_loop_per_worker` is given (see build_trainer)."""
     return WorkerInputs(train=cfg.to_dict(), run_name=cfg.name, init_from=init_from,
-                        fail_at=fail_at, force=force, log_windows=env.log_windows())
+                        fail_at=fail_at, force=force, log_windows=env.log_windows(),
+                        nan_at=env.nan_at())
 
 
 def build_trainer(cfg: TrainConfig, run: RunFolder, callbacks: Optional[list] = None,
@@ -150,9 +151,12 @@ def _launch(cfg: TrainConfig, run: RunFolder, t_launch: float, previous: dict,
     checkpoint = checkpoint_uri(run, result.checkpoint.path) if result is not None and result.checkpoint else None
     if checkpoint is None:
         checkpoint = next((r["checkpoint"] for r in reversed(follower.log.rows) if r.get("checkpoint")), None)
-    final = follower.write_summary("failed" if error else "completed", checkpoint,
-                                   _describe(error) if error else None)
+    stopped = follower.stopped(checkpoint) if error is None else None
+    final = follower.write_summary("failed" if error or stopped else "completed", checkpoint,
+                                   _describe(error) if error else stopped)
     final["run_dir"] = run.display_path()
+    if stopped:
+        raise RunFailed(stopped)
     if error is not None:
         raise _user_error_inside(error) or UserError(
             f"training failed: {_describe(error)} (summary in {run.display_path(files.SUMMARY)})")
@@ -232,6 +236,7 @@ class Follower:
         """`previous`: a resumed run's summary.json so far ({} for a new run)."""
         self.cfg, self.run, self.t_launch = cfg, run, t_launch
         self.say, self.on_metrics = say, on_metrics
+        self.nonfinite: Optional[str] = None  # "loss became nan at step N", when it did
         self.log = MetricsLog(run)
         last = self.log.rows[-1] if self.log.rows else {}
         self.groups = WorkerGroups(previous.get("restarts", 0) + (1 if resume else 0),
@@ -287,7 +292,19 @@ class Follower:
         tb.close()
         return outcome.get("result"), outcome.get("error")
 
+    def stopped(self, checkpoint: Optional[str]) -> Optional[str]:
+        """Why the workers stopped short (their loss became non-finite) with the last good
+        checkpoint, `checkpoint` (the latest: none is saved after it), in one line; None when
+        they did not."""
+        if self.nonfinite is None:
+            return None
+        return (f"{self.nonfinite}; the last good checkpoint is "
+                f"{checkpoint or 'none (the run saved none before it)'}")
+
     def _take(self, row: MetricsRow, tb) -> None:
+        if row.get("event") == "nonfinite":  # the workers stop after this row (loop.py)
+            self.nonfinite = row["error"]
+            return
         if row.get("event") == "worker_failure":
             self.groups.failure(row["error"])
             self.say(f"worker failure: {row['error']}; restarting from the latest checkpoint")

@@ -50,7 +50,8 @@ class MetricsRow(TypedDict, total=False):
     resumed_rows: list[dict]  # rows re-sent after a resume (the driver unpacks them)
     # the controller's and the driver's
     checkpoint: str  # the checkpoint this row's step saved (its path, or its name)
-    event: str  # "worker_failure": a row that reports a failed worker group
+    event: str  # "worker_failure": a failed worker group; "nonfinite": the workers stopped
+    # (error: "loss became nan at step N"), having saved nothing after the last good checkpoint
     error: str
 
 

@@ -18,7 +18,7 @@ import math
 from typing import Callable, Optional
 
 from raytrain_lm.config.settings import TrainConfig
-from raytrain_lm.errors import UserError
+from raytrain_lm.errors import RunFailed, UserError
 from raytrain_lm.ray_compat.polls import report_poll_seconds
 from raytrain_lm.run.driver import run_training
 from raytrain_lm.store.files import LR_FIND_PLOT, LR_FIND_RESULT
@@ -151,8 +151,12 @@ def run_lr_find(cfg: TrainConfig, lr_min: float = 1e-5, lr_max: float = 1.0, ste
         if on_metrics:
             on_metrics(row)
 
-    summary = run_training(cfg, verbose=verbose, say=say, on_metrics=collect,
-                           poll_seconds=report_poll_seconds(LR_FIND_REPORT_POLL_S))
+    try:
+        summary = run_training(cfg, verbose=verbose, say=say, on_metrics=collect,
+                               poll_seconds=report_poll_seconds(LR_FIND_REPORT_POLL_S))
+    except RunFailed as e:  # the loss became non-finite: the curve is read up to there
+        say(f"lr-find: {e}")
+        summary = {"run_dir": RunFolder(cfg.storage, cfg.name).display_path()}
     lrs, losses = per_step_curve(rows, cfg)
     found = suggest_lr(lrs, losses)
     run = RunFolder(cfg.storage, cfg.name)

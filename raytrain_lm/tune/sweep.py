@@ -47,7 +47,8 @@ def _forward_to_tune_callback(controllers, trial_id: str):
     """TuneReportCallback (runs in the trainer's controller actor), plus two things:
 
     - non-finite losses are reported as DIVERGED: ASHA compares with NaN-ignoring percentiles, so a
-      NaN loss would never be cut;
+      NaN loss would never be cut; so is the report with which a trial whose loss became
+      non-finite stops (loop.py: it has no loss of its own);
     - before the first report, the controller's handle goes to the driver (`controllers`, a Ray
       queue), so that when ASHA stops this trial the driver can abort the run cleanly."""
     import ray
@@ -64,6 +65,8 @@ def _forward_to_tune_callback(controllers, trial_id: str):
             for m in metrics:
                 m = dict(m)
                 m.pop("resumed_rows", None)  # for `train`'s metrics.jsonl; Tune has its own log
+                if m.get("event") == "nonfinite":
+                    m.update(dict.fromkeys(("loss", *SWEEP_METRICS), DIVERGED), diverged=True)
                 for key in ("loss", *SWEEP_METRICS):
                     if m.get(key) is not None and not math.isfinite(m[key]):
                         m[key] = DIVERGED

@@ -131,6 +131,13 @@ class Checkpointer:
                             destination_filesystem=self.fs)
         return ray.train.Checkpoint(dest, filesystem=self.fs)
 
+    def report_stop(self, step: int, why: str) -> None:
+        """The run's loss (or gradient norm) became non-finite: the last report, with no
+        checkpoint (a non-finite one is never saved, so none of the good ones is rotated out).
+        The driver ends the run with `why` and the last good checkpoint's name."""
+        ray.train.report({"step": step, "event": "nonfinite", "error": why},
+                         checkpoint_upload_mode=self.mode)
+
     def report_final_rows(self, train_start_unix: float) -> None:
         """After resuming from the final checkpoint (the run stopped after writing it, before Ray
         took its report) nothing is left to train, but the driver and Tune still need its rows."""

@@ -28,7 +28,7 @@ from raytrain_lm.models import family, flops_per_token
 from raytrain_lm.parallel.fsdp import to_float
 from raytrain_lm.store import checkpoint_format as ckpt_io
 from raytrain_lm.worker.checkpointer import Checkpointer, load_init_from, restore_rng
-from raytrain_lm.worker.drills import WindowLog, fault_drill
+from raytrain_lm.worker.drills import WindowLog, fault_drill, nan_drill
 from raytrain_lm.worker.metrics import Meter, check_device_memory, gpu_peak_tflops, peak_memory_gb
 from raytrain_lm.worker.optim import lr_at
 from raytrain_lm.worker.preemption import PreemptionWatch
@@ -77,18 +77,22 @@ def train_loop_per_worker(inputs: WorkerInputs) -> None:
     step_tokens = sized.batch_size * cfg.seq_len * sized.grad_accum * step_fn.dp
     peak = gpu_peak_tflops(device, cfg.peak_tflops, step_fn.precision)
     meter = Meter(device, world, fpt, peak, n_params, baseline_mem, build_mem,
-                  loss_ranks=step_fn.dp)
+                  loss_ranks=step_fn.dp, scaler_skips=step_fn.scaler.is_enabled())
     step_fn.train()
     while step < cfg.max_steps:
         lr = lr_at(step, cfg)
+        nan_drill(inputs.nan_at, step + 1, step_fn)
         loss, grad_norm, waited = step_fn(batches, lr)
         step, tokens = step + 1, tokens + step_tokens
-        meter.add_step(loss, step_tokens, waited)
+        meter.add_step(loss, step_tokens, waited, grad_norm)
         fault_drill(inputs.fail_at, step, rank, inputs.run_name)
         preempted = preemption.check(step)  # a node of the run is going: checkpoint now
         if not (cadence.reports(step) or preempted):
             continue
         row = meter.row(step, lr, to_float(grad_norm), step_fn)
+        if meter.nonfinite:  # every rank alike: the run stops here, saving nothing
+            checkpointer.report_stop(step, meter.nonfinite)
+            return
         row.update(tokens=tokens, epoch=batches.epoch, workers=world,
                    threads=torch.get_num_threads())  # what the launch line said (cpus.py)
         if preempted:
