@@ -2,7 +2,7 @@
 
 In the style of PyTorch's DDP tutorial (init_process_group, DistributedSampler, DDP(model)), but
 with this project's pieces, so that the only difference from `python cli.py train` is Ray:
-the same GPT (raytrain_lm/model.py), token shards (TokenWindows), optimizer and schedule
+the same GPT (raytrain_lm/models/gpt/gpt.py), token shards (TokenWindows), optimizer and schedule
 (raytrain_lm/worker/optim.py), DDP options (raytrain_lm/parallel.py), and per-step work and log cadence as
 raytrain_lm/worker/loop.py: the same .item() and the same two small all-reduces every `log_every` steps,
 validation at `eval_every`, a checkpoint written by rank 0 at `checkpoint_every` and at the end.

@@ -280,6 +280,12 @@ class Layout:
         return self.by_fsdp and self.dp > 1
 
     @property
+    def param_shards(self) -> int:
+        """Ranks each parameter and gradient is spread over at rest: dp where FSDP2 shards, else 1
+        (a hybrid strategy would shard over part of dp and replicate over the rest)."""
+        return self.dp if self.sharded else 1
+
+    @property
     def keeps_gathered(self) -> bool:
         """FSDP2 keeps each micro-step's gathered parameters until their backward (zero2)."""
         return STRATEGIES[self.strategy].keeps_gathered

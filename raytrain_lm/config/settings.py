@@ -153,7 +153,7 @@ class TrainConfig:
     @property
     def worker_cpus(self) -> float:
         """The CPUs Ray reserves for each worker: cpus_per_worker, else (before the launch
-        decides it: cpus.py) Ray's own default, 1."""
+        decides it: run/cpus.py) Ray's own default, 1."""
         return 1.0 if self.cpus_per_worker is None else self.cpus_per_worker
 
     @property

@@ -1,6 +1,6 @@
 """Build sharded: construct on the meta device, shard (TP, FSDP, pipeline split), then allocate
 only the local shards (`to_empty`) and fill them with the layout-independent initial values
-defined in model.py (`init_region_`). No rank ever materialises a full parameter it does not own.
+defined in models/decoder.py (`init_region_`). No rank ever materialises a full parameter it does not own.
 
 Why not DTensor's own random init (nn.init.normal_ on a DTensor)? Its RNG is tied to the layout
 (offset-based Philox on CUDA) and it is not supported on CPU meshes in this torch; and the values

@@ -47,7 +47,7 @@ class Stage(nn.Module):
     """The part of a decoder (any family's) one pipeline stage runs. It takes the
     model's own submodules (build it on the meta device first: taking them is free) and runs the
     model class's embed / blocks / head, so the math is the model file's. A Llama's blocks bring
-    the rotary tables they share (llama.py), so every stage has them."""
+    the rotary tables they share (models/llama/llama.py), so every stage has them."""
 
     def __init__(self, model: Decoder, layers: range, is_first: bool, is_last: bool):
         super().__init__()

@@ -92,7 +92,7 @@ def pp_comm(m: ModelConfig, p: dict[str, float], lay: Layout, cl: Cluster,
     out, tied_bytes = lay.microbatches * sends * pp_send_bytes(m, lay, cl), 0.0
     tied = p.get("head") is None  # GPT: the tied embedding's gradient, summed over first + last
     if tied and any(st.first or st.last for st in stages):
-        tied_bytes = ring_bytes("all_reduce", 2, 4 * p["wte"] / (lay.dp if lay.sharded else 1))
+        tied_bytes = ring_bytes("all_reduce", 2, 4 * p["wte"] / lay.param_shards)
     return out + tied_bytes, tied_bytes
 
 

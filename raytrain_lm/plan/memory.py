@@ -119,7 +119,7 @@ def gathered_bytes(p: dict[str, float], lay: Layout, cl: Cluster, stages: list[S
 def rank_memory(m: ModelConfig, lay: Layout, cl: Cluster, stages: list[StageShape], rank: int) -> MemoryPlan:
     p = family(m).tp_counts(m, lay.tp)
     held = held_params(p, stages)
-    shard = lay.dp if lay.sharded else 1
+    shard = lay.param_shards
     # fp32 parameters and gradients (divided by dp under FSDP2: zero2 and fsdp shard both at
     # rest), AdamW's two fp32 moments (divided by dp for all but ddp)
     return MemoryPlan(params=4 * held / shard, grads=4 * held / shard,

@@ -1,7 +1,7 @@
 """Export a checkpoint's model without the training state (optimizer, data position, RNG):
 
 - `native` (the default): safetensors plus a config JSON in this project's names, for plain
-  PyTorch with model.py. Tied weights (the output projection shares the token embedding) are
+  PyTorch with models/. Tied weights (the output projection shares the token embedding) are
   stored once; config.json's "tied" says which names to point at which.
 - `hf`: a Hugging Face model folder (config.json, model.safetensors under transformers' names,
   the tokenizer files), which transformers' Auto classes load without this project: each

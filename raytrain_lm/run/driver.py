@@ -124,7 +124,7 @@ def _launch(cfg: TrainConfig, run: RunFolder, t_launch: float, previous: dict,
     check_reachable(cfg.address or env.ray_address() or "local")
     from raytrain_lm.ray_compat.callbacks import ForwardMetrics, HeldRows, KeepBest
 
-    asked = cfg.cpus_per_worker  # None: the launch decides (cpus.py); a resume decides again
+    asked = cfg.cpus_per_worker  # None: the launch decides (run/cpus.py); a resume decides again
     own_ray = choose_worker_cpus(cfg, worker_env, say)
     started_ray = connect_ray(cfg.address, cfg.workers * cfg.worker_cpus, verbose, say)
     check_resources(cfg, say)

@@ -36,7 +36,7 @@ from raytrain_lm.store.storage import sha256_file
 
 # 2: a global data position (data/sampler.py), RNG states as tensors and plain data (loadable with
 #    weights_only), the validation loss in meta.json.
-# 3: the model's fused q/k/v in head-interleaved order (model.py); model and optimizer always in
+# 3: the model's fused q/k/v in head-interleaved order (models/gpt/gpt.py); model and optimizer always in
 #    dcp/ (FQN-keyed, optimizer state flattened), so any layout loads any other.
 VERSION = 3
 

@@ -94,7 +94,7 @@ def train_loop_per_worker(inputs: WorkerInputs) -> None:
             checkpointer.report_stop(step, meter.nonfinite)
             return
         row.update(tokens=tokens, epoch=batches.epoch, workers=world,
-                   threads=torch.get_num_threads())  # what the launch line said (cpus.py)
+                   threads=torch.get_num_threads())  # what the launch line said (run/cpus.py)
         if preempted:
             row["preemption"] = preempted  # the driver names it as the reason of the restart
         if cadence.validates(step):
