@@ -93,9 +93,11 @@ class Layout:
     # ---------------------------------------------------------------- from and to the settings
 
     @classmethod
-    def of(cls, cfg: TrainConfig, world: Optional[int] = None) -> Layout:
+    def of(cls, cfg: TrainConfig, world: Optional[int] = None, pipelined: bool = False) -> Layout:
         """The layout `cfg` trains with on `world` workers (default: --workers). Settings that
-        make no layout at all are refused here, one line each; `problems` has the rest."""
+        make no layout at all are refused here, one line each; `problems` has the rest.
+        `pipelined`: a schedule and its microbatches even at --pp 1 (one process running a
+        pipeline's code: parallelize's `force`)."""
         world = cfg.workers if world is None else world
         if cfg.tp < 1 or cfg.pp < 1:
             raise UserError(f"--tp and --pp must be at least 1, got {cfg.tp} and {cfg.pp}")
@@ -121,7 +123,7 @@ class Layout:
         common = dict(dp=dp, tp=cfg.tp, pp=cfg.pp, strategy=cfg.strategy,
                       ac=cfg.activation_checkpointing, sp=cfg.sequence_parallel, seq_len=cfg.seq_len,
                       virtual=cfg.virtual_stages or DEFAULT_VIRTUAL)
-        if cfg.pp == 1:
+        if cfg.pp == 1 and not pipelined:
             return cls(schedule="-", micro_batch=cfg.batch_size, microbatches=cfg.grad_accum, **common)
         n = cfg.microbatches or 2 * cfg.pp * (common["virtual"] if cfg.pp_schedule == "interleaved-1f1b" else 1)
         if cfg.batch_size % n:

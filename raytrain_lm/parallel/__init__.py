@@ -59,7 +59,7 @@ class Built:
         self.cfg, self.device, self.dtype = cfg, device, dtype
         world = dist.get_world_size() if is_distributed() else 1
         rank = dist.get_rank() if is_distributed() else 0
-        self.layout = lay = Layout.of(cfg, world)
+        self.layout = lay = Layout.of(cfg, world, pipelined="pp" in force)
         self.coords: Coords = lay.coords(rank)
         self.dp = lay.dp
         self.tp_on, self.pp_on = lay.tp > 1 or "tp" in force, lay.pp > 1 or "pp" in force
