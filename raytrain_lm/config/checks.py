@@ -89,11 +89,7 @@ def check_layout(cfg: TrainConfig) -> None:
         raise UserError(f"--virtual-stages needs --pp-schedule interleaved-1f1b (--pp-schedule "
                         f"{cfg.pp_schedule} runs one stage per worker)")
     if cfg.strategy == "zero1" and (cfg.tp > 1 or cfg.pp > 1):
-        raise UserError("--strategy zero1 works with --tp 1 --pp 1 (it shards DDP's optimizer); "
-                        "use zero2 or fsdp with --tp/--pp")
-    if cfg.strategy == "zero1" and cfg.precision == "fp16":
-        raise UserError("--precision fp16 (a gradient scaler) is not supported with --strategy "
-                        "zero1; use bf16")
+        raise UserError("--strategy zero1 works with --tp 1 --pp 1; use zero2 or fsdp with --tp/--pp")
     if cfg.pp == 1:
         return
     stages, micro = pipeline_stages(cfg), pipeline_microbatches(cfg)

@@ -24,10 +24,10 @@ GPUS_PER_NODE = 8
 # block input; the outputs of c_attn, attention and c_fc: parallel/ac.py).
 AC_SPLIT = {"none": (5, 12), "selective": (3, 8), "op": (1, 8)}
 AC_MODES = ("none", "selective", "op", "full")
-# STRATEGIES (config/checks.py), of the data-parallel dimension: ddp replicates everything; zero1 shards
-# AdamW's states over dp; zero2 also the gradients (FSDP2 with reshard_after_forward=False:
-# parameters gathered once per micro-step and kept through backward); fsdp (ZeRO-3) also the
-# parameters between uses.
+# STRATEGIES (config/checks.py), of the data-parallel dimension: ddp replicates everything; the
+# others run on FSDP2 and hold parameters, gradients and AdamW's states sharded at rest: zero1
+# gathers the parameters once per step, zero2 once per micro-step (both keep them through
+# backward), fsdp (ZeRO-3) gathers them for each use.
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 
 
@@ -118,9 +118,9 @@ class Layout:
 
     @property
     def sharded(self) -> bool:
-        """Gradients (zero2) and parameters (fsdp) shard only over a dp dimension of 2 or more
-        (fsdp.apply_dp); both run on FSDP2."""
-        return self.strategy in ("zero2", "fsdp") and self.dp > 1
+        """Parameters, gradients and states shard only over a dp dimension of 2 or more
+        (fsdp.apply_dp: FSDP2 runs zero1, zero2 and fsdp)."""
+        return self.strategy != "ddp" and self.dp > 1
 
     @property
     def optimizer_shards(self) -> int:

@@ -134,10 +134,11 @@ class TrainConfig:
                              "policy, other layouts by autocast.")
     compile: bool = setting(False, help="torch.compile the model.")
     strategy: str = setting("ddp", help="The data-parallel dimension: ddp (a full replica per "
-                            "data-parallel rank), zero1 (DDP with AdamW's states sharded over the "
-                            "ranks; --tp 1 --pp 1), zero2 (FSDP2 keeping the parameters gathered "
-                            "from forward to backward: gradients and optimizer states sharded) or "
-                            "fsdp (FSDP2: parameters, gradients and optimizer states sharded).")
+                            "data-parallel rank), zero1 (ZeRO-1: gradients reduce-scattered, "
+                            "parameters gathered once per step; --tp 1 --pp 1), zero2 (gathered "
+                            "once per micro-step, kept from forward to backward) or fsdp (gathered "
+                            "for each use); all three hold parameters, gradients and AdamW's "
+                            "states sharded over the ranks between steps (FSDP2).")
     tp: int = setting(1, help="Tensor-parallel degree: each layer's matrices split over this many "
                       "workers (keep it within a node).")
     pp: int = setting(1, help="Pipeline-parallel degree: the layers split into this many stages.")

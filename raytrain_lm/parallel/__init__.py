@@ -5,9 +5,8 @@ Builds only: `parallelize(cfg, device)` returns the model as this rank holds it 
 the modules to call, the pipeline schedule and what running it needs); worker/step.py runs it
 (forward/backward, clipping, the optimizers, validation). Two ways to build, one result:
 - replicated (DDP, no --tp/--pp): the whole model on every worker, wrapped by Ray Train's
-  `prepare_model` (parallel/ddp.py): activation checkpointing, then DDP, then compile; with
-  --strategy zero1, AdamW's states sharded over the workers (optim.ZeroOneAdamW).
-- sharded (--strategy fsdp or zero2, --tp, --pp): built on the meta device, split into pipeline stages
+  `prepare_model` (parallel/ddp.py): activation checkpointing, then DDP, then compile.
+- sharded (--strategy zero1, zero2 or fsdp, --tp, --pp): built on the meta device, split into pipeline stages
   (pp.py), tensor-parallelized (tp.py), sharded or replicated over dp (fsdp.py), and only then
   materialised: each rank allocates its own shards and fills them with the layout-independent
   initial values (init.py), so no rank ever holds the whole model and every layout starts from
@@ -16,7 +15,7 @@ the modules to call, the pipeline schedule and what running it needs); worker/st
     mesh.py   the (pp, dp, tp) device mesh and how ranks map to it
     ac.py     activation checkpointing (full or selective)
     ddp.py    DDP through ray.train.torch.prepare_model; no_sync for accumulation
-    fsdp.py   FSDP2 or FSDP2's replicate on the dp dim; what a rank holds
+    fsdp.py   FSDP2 (zero1, zero2, fsdp) or FSDP2's replicate on the dp dim; what a rank holds
     tp.py     tensor (and sequence) parallelism with DTensor; loss without gathering logits
     pp.py     pipeline stages, schedules, the tied embedding across first and last stage
               (the GPT's; the Llama's head is untied)
@@ -68,9 +67,9 @@ class Built:
         self.coords: Coords = rank_coords(rank, world, cfg.tp, cfg.pp)
         self.dp = world // (cfg.tp * cfg.pp)
         self.tp_on, self.pp_on = cfg.tp > 1 or "tp" in force, cfg.pp > 1 or "pp" in force
-        self.force_fsdp = "fsdp" in force and cfg.strategy in ("fsdp", "zero2")
+        self.force_fsdp = "fsdp" in force and cfg.strategy in fsdp.SHARDED
         self.replicated = not (self.tp_on or self.pp_on or self.force_fsdp) and \
-            (cfg.strategy in ("ddp", "zero1") or world == 1)
+            (cfg.strategy == "ddp" or world == 1)
         self.mesh = None if self.replicated else build_mesh(device, cfg.tp, cfg.pp)
         self.mixed_by_fsdp = dtype is not None and \
             fsdp.shards(cfg, self.dp, self.replicated, self.force_fsdp)

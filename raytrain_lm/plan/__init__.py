@@ -3,8 +3,8 @@ time for every (dp, tp, pp) layout that divides the GPUs, and the fastest one th
 prints them; `train` checks its own layout with the same model (preflight.check_memory).
 
 A layout: dp x tp x pp = GPUs, ranks placed as parallel/mesh.py places them (tp innermost, pp
-outermost); the data-parallel dimension is ddp (replicas), zero1 (AdamW's states sharded), zero2
-(FSDP2 keeping parameters gathered to backward) or fsdp (FSDP2 shards); activation checkpointing
+outermost); the data-parallel dimension is ddp (replicas), zero1 (FSDP2 gathering parameters once per
+step), zero2 (once per micro-step, kept to backward) or fsdp (FSDP2 shards); activation checkpointing
 none, selective, op or full; sequence parallelism (with tp); with pp, the schedule (gpipe, 1f1b, or
 interleaved-1f1b with v stages per GPU) and its microbatches; the micro-batch.
 
@@ -26,19 +26,19 @@ the pipeline rank that needs the most:
   untied head) divided by tp, the RMSNorms whole, no position table; the first stage holds the
   embedding, the last the head and the final norm, and there is no tied gradient to sum.
 - fp32 parameters, gradients and AdamW's two moments: 4 + 4 + 8 bytes per parameter; fsdp and
-  zero2 divide all three by dp, zero1 the moments only, ddp keeps all of them.
+  zero2 and zero1 divide all three by dp (FSDP2 at rest), ddp keeps all of them.
 - FSDP2's working set ("gathered"; memory.gathered_bytes), parameters gathered in the
   activation dtype, at the start of backward:
   - fsdp, no pipeline: the current block and the next (prefetched) and the root group
     (gathered at the start of backward, for the head), plus one block's unsharded gradient in the compute dtype and its
     fp32 copy for the reduce-scatter, plus the head's unsharded gradient;
-  - zero2, no pipeline: every parameter of the rank gathered, plus the same gradients;
+  - zero1, zero2, no pipeline: every parameter of the rank gathered, plus the same gradients;
   - gradient accumulation: also the unsharded fp32 gradient of every parameter, which FSDP2
     keeps between micro-steps while gradient sync is off (ddp.no_sync);
   - pipelined: the stage's parameters stay gathered (reshard_after_forward=False, fsdp.py) and
     torch.distributed.pipelining accumulates their unsharded fp32 gradients until the last
     microbatch.
-  DDP and zero1 keep nothing extra (gradients are DDP's buckets).
+  DDP keeps nothing extra (gradients are DDP's buckets).
 - Activations saved for backward, per layer per token, in the activation dtype (--precision:
   2 bytes in bf16/fp16, 4 in fp32; auto: bf16 on GPU, fp32 on CPU), as Korthikanti et al. 2022 (arXiv
   2205.05198) count them with fused attention (no seq x seq scores): 17 x width without
@@ -71,11 +71,10 @@ the pipeline rank that needs the most:
 
 Communication, bytes each GPU sends per step under ring algorithms (all-reduce 2(n-1)/n x size,
 all-gather and reduce-scatter (n-1)/n x size), as parallel/traffic.py counts them:
-- dp: ddp all-reduces the fp32 gradients of the rank's parameters once per step; zero1 too, and
-  then broadcasts the updated fp32 parameters (an all-gather's volume). fsdp all-gathers
-  parameters (activation dtype) in forward and the blocks again in backward, zero2 once, every
-  micro-step (once per step when pipelined), and both reduce-scatter the fp32 gradients once per
-  step.
+- dp: ddp all-reduces the fp32 gradients of the rank's parameters once per step. fsdp
+  all-gathers parameters (activation dtype) in forward and the blocks again in backward, zero2
+  once, every micro-step (once per step when pipelined), zero1 once per step, and all three
+  reduce-scatter the fp32 gradients once per step.
 - tp: per layer per micro-batch, two all-reduces of (b, seq, width) activations in forward and two
   in backward (with sequence parallelism all-gathers and reduce-scatters of the same volume); one
   more when blocks are recomputed (full or selective: the second LayerNorm needs the attention's
@@ -105,7 +104,7 @@ Step time:
   drain (2 (v pp - 1) sends) are exposed and the steady state's overlap compute, the tied
   embedding's all-reduce is exposed; dp traffic overlaps compute up to the compute time without a
   pipeline, and only its gathers with one (torch.distributed.pipelining reduces gradients after
-  the last microbatch), zero1's parameter broadcast not at all.
+  the last microbatch).
 - Not modelled: latency, the optimizer step, data loading, the loss's and the embedding's
   non-matmul work, fp8.
 - MFU = model FLOPs / (step time x GPUs x peak).

@@ -45,9 +45,7 @@ def trainable(cfg, lay: Layout) -> bool:
         return False
     if lay.pp > 1 and cfg.precision == "fp16":
         return False
-    if lay.tp > 1 and (cfg.model.vocab_size or 0) % lay.tp:
-        return False
-    return not (lay.strategy == "zero1" and cfg.precision == "fp16")
+    return not (lay.tp > 1 and (cfg.model.vocab_size or 0) % lay.tp)
 
 
 def choose_layout(cfg, cl: Cluster) -> tuple[Estimate, str]:

@@ -115,7 +115,7 @@ def rank_step(lay: Layout, cl: Cluster, comm: Comm, compute: float, idle: float,
       gradient all-reduce after the last microbatch (in comm.pp beyond the sends).
     - dp without a pipeline: gathers and gradient reductions overlap the compute (FSDP2
       prefetches its gathers, DDP and FSDP2 reduce buckets or blocks during backward), up to the
-      compute time; zero1's parameter broadcast follows the optimizer step: all of it. With a
+      compute time. With a
       pipeline the gathers overlap, the reductions (after the last microbatch) do not; nor do
       they where the framework reduces after backward (Cluster.overlap_reduce False)."""
     t_tp = comm.tp / cl.bandwidth(lay.blocks["tp"])
@@ -129,9 +129,7 @@ def rank_step(lay: Layout, cl: Cluster, comm: Comm, compute: float, idle: float,
     gather = comm.dp_gather / cl.bandwidth(lay.blocks["dp"])
     reduce = comm.dp_reduce / cl.bandwidth(lay.blocks["dp"])
     if not cl.overlap_reduce:
-        exposed = reduce + (gather if lay.strategy == "zero1" else max(0.0, gather - compute))
-    elif lay.strategy == "zero1":
-        exposed = gather + max(0.0, reduce - compute)
+        exposed = reduce + max(0.0, gather - compute)
     elif lay.pp > 1:
         exposed = max(0.0, gather - compute) + reduce
     else:
@@ -323,8 +321,7 @@ def check_request(m: ModelConfig, cl: Cluster, global_batch: int, seq_len: int,
     if strategy is not None and strategy not in STRATEGIES:
         raise UserError(f"--strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
     if strategy == "zero1" and ((tp or 1) > 1 or (pp or 1) > 1):
-        raise UserError("--strategy zero1 works with --tp 1 --pp 1 (it shards DDP's optimizer); "
-                        "use zero2 or fsdp with --tp/--pp")
+        raise UserError("--strategy zero1 works with --tp 1 --pp 1; use zero2 or fsdp with --tp/--pp")
     if virtual_stages is not None and virtual_stages < 2:
         raise UserError(f"--virtual-stages must be at least 2 (stages per GPU of "
                         f"interleaved-1f1b), got {virtual_stages}")

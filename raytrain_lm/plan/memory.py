@@ -96,8 +96,8 @@ def gathered_bytes(p: dict[str, float], lay: Layout, cl: Cluster, stages: list[S
       the compute dtype and, with bf16/fp16 compute, its fp32 copy for the reduce-scatter (the
       sharded result is the gradient already counted), plus the head's unsharded gradient (it is
       computed first and reduced with the root group at the end);
-    - zero2 (reshard_after_forward=False), no pipeline: every parameter stays gathered from its
-      forward to its backward, so all the rank's parameters, plus the same gradients;
+    - zero1, zero2 (reshard_after_forward=False), no pipeline: every parameter stays gathered
+      from its forward to its backward, so all the rank's parameters, plus the same gradients;
     - gradient accumulation (either): also every parameter's unsharded fp32 gradient, which
       FSDP2 keeps between micro-steps while gradient sync is off (ddp.no_sync);
     - pipelined (either): the stage's parameters stay gathered (reshard_after_forward=False,
@@ -110,7 +110,7 @@ def gathered_bytes(p: dict[str, float], lay: Layout, cl: Cluster, stages: list[S
     if lay.pp > 1:
         return held * (a + 4)
     root = root_params(p, stages)
-    if lay.strategy == "zero2":
+    if lay.strategy in ("zero1", "zero2"):
         working = held * a
     else:
         working = (2 * p["block"] + root) * a
@@ -125,8 +125,8 @@ def rank_memory(m: ModelConfig, lay: Layout, cl: Cluster, stages: list[Stage], r
     p = tp_param_counts(m, lay.tp)
     held = held_params(p, stages)
     shard = lay.dp if lay.sharded else 1
-    # fp32 parameters and gradients (divided by dp under FSDP2: zero2 and fsdp shard both at
-    # rest), AdamW's two fp32 moments (divided by dp for all but ddp)
+    # fp32 parameters and gradients (divided by dp under FSDP2: zero1, zero2 and fsdp shard
+    # both at rest), AdamW's two fp32 moments (divided by dp for all but ddp)
     return MemoryPlan(params=4 * held / shard, grads=4 * held / shard,
                       optimizer=8 * held / lay.optimizer_shards,
                       gathered=gathered_bytes(p, lay, cl, stages),

@@ -8,7 +8,10 @@ Mixed precision, one mechanism per layout (as torchtitan's maybe_enable_amp): wh
 over dp, its MixedPrecisionPolicy alone (parameters gathered and computed in bf16/fp16,
 gradients reduced in fp32) with no autocast around it; everywhere else (DDP, FSDP2's replicate,
 tensor and pipeline parallelism without dp sharding, one worker) torch.autocast, which also runs
-DTensor ops and pipeline stages (tested on CPU in bf16). fp16 adds a gradient scaler."""
+DTensor ops and pipeline stages (tested on CPU in bf16). fp16 adds a gradient scaler. Where
+each rank holds other gradients (zero1, zero2, fsdp, tp) they are DTensors, whose overflow check
+DTensor reduces over the mesh dims they are sharded on, so every rank skips the same steps and
+keeps one scale (tests/test_zero.py)."""
 
 from __future__ import annotations
 
@@ -138,7 +141,9 @@ class TrainStep:
             if m.schedule is not None:
                 loss = self._pipeline_step(x, y)
             else:
-                with ddp.no_sync(m.modules[0], sync=micro == accum - 1), self.autocast, m.loss_ctx():
+                with ddp.no_sync(m.modules[0], sync=micro == accum - 1,
+                                 keep_gathered=self.cfg.strategy == "zero1"), \
+                        self.autocast, m.loss_ctx():
                     # the loss alone: holding the logits (batch x seq x vocab) through the
                     # backward would keep them alive when nothing needs them
                     loss = m.modules[0](x, y)[1]
