@@ -45,8 +45,11 @@ def test_the_meters_row_has_only_declared_keys():
         def take_bubble(self):
             return None
 
+        def take_data_wait(self):
+            return 0.0
+
     meter = Meter(torch.device("cpu"), 1, 1.0, None, 6, 0.0)
-    meter.add_step(torch.tensor(1.0), 10, 0.0)
+    meter.add_step(torch.tensor(1.0), 10)
     assert set(meter.row(1, 1e-3, 1.0, Step())) <= ROW_KEYS
 
 

@@ -307,7 +307,10 @@ class Follower:
         resized = self.groups.row(row)  # a new worker group: a restart, perhaps a resize
         if resized:
             self.say(resized)
-        for r in [*(row.pop("resumed_rows", None) or []), row]:  # rows Ray may have lost
+        # the rows made since the previous report; before them, rows Ray may have lost, re-sent
+        # after a resume (written again, not shown again)
+        fresh = [*(row.pop("earlier_rows", None) or []), row]
+        for r in [*(row.pop("resumed_rows", None) or []), *fresh]:
             if r.get("checkpoint"):
                 r["checkpoint"] = checkpoint_uri(self.run, r["checkpoint"])
             self.log.add(r)
@@ -315,7 +318,8 @@ class Follower:
         if row.get("checkpoint") or resized:
             self.write_summary("running")
         if self.on_metrics:
-            self.on_metrics(row)
+            for r in fresh:
+                self.on_metrics(r)
 
 
 def checkpoint_uri(run: RunFolder, path: str) -> str:

@@ -52,6 +52,7 @@ class MetricsRow(TypedDict, total=False):
     resumed_from_step: Optional[int]
     checkpoint_wait_s: float  # how long training stood still for the previous checkpoint
     resumed_rows: list[dict]  # rows re-sent after a resume (the driver unpacks them)
+    earlier_rows: list[dict]  # the rows made since the previous report (the driver unpacks them)
     # the controller's and the driver's
     checkpoint: str  # the checkpoint this row's step saved (its path, or its name)
     event: str  # "worker_failure": a row that reports a failed worker group

@@ -62,7 +62,9 @@ def _forward_to_tune_callback(controllers, trial_id: str):
             fixed = []
             for m in metrics:
                 m = dict(m)
-                m.pop("resumed_rows", None)  # for `train`'s metrics.jsonl; Tune has its own log
+                # for `train`'s metrics.jsonl; Tune has its own log (of the reported rows)
+                m.pop("resumed_rows", None)
+                m.pop("earlier_rows", None)
                 for key in ("loss", *METRICS):
                     if m.get(key) is not None and not math.isfinite(m[key]):
                         m[key] = DIVERGED

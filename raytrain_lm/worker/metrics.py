@@ -53,7 +53,7 @@ def reserved_memory_gb(device: torch.device) -> Optional[float]:
 
 
 class StepTimer:
-    """Accumulates wall time, time spent waiting for data, and tokens between two log points."""
+    """Accumulates wall time, steps and tokens between two log points."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -66,7 +66,6 @@ class StepTimer:
         now = time.perf_counter()
         self.start = getattr(self, "mark", now) + excluded
         self.mark = now
-        self.data_wait = 0.0
         self.tokens = 0
         self.steps = 0
 
@@ -82,8 +81,8 @@ class StepTimer:
 
 
 class Meter:
-    """What a rank measures between two reports (losses, tokens, time, waiting for data), turned
-    into one metrics row at report time: a few small all-reduces make it global on every rank."""
+    """What a rank measures between two rows (losses, tokens, time; the step's wait for data),
+    turned into one metrics row: two small all-reduces make it global on every rank."""
 
     def __init__(self, device: torch.device, world: int, flops_per_token: float,
                  peak_tflops: Optional[float], num_parameters: int, baseline_mem: float,
@@ -101,20 +100,22 @@ class Meter:
         self._row_done = 0.0
         self.slowest_step_time = 0.0  # seconds per step of the last reported interval, max over ranks
 
-    def add_step(self, loss: torch.Tensor, tokens: int, data_wait: float) -> None:
+    def add_step(self, loss: torch.Tensor, tokens: int) -> None:
         if self.first_step_unix is None:
             self.first_step_unix = time.time()
         self.losses.append(loss)
         self.timer.steps += 1
         self.timer.tokens += tokens
-        self.timer.data_wait += data_wait
 
     def row(self, step: int, lr: float, grad_norm: float, step_fn) -> MetricsRow:
         """`step_fn`: the step (step.TrainStep): its parts and optimizers (memory held), the
-        pipeline's bubble and the bytes each mesh dimension moved."""
-        elapsed = self.timer.elapsed()
-        losses = all_reduce(torch.stack(self.losses).double()) / self.loss_ranks
-        wait = all_reduce(torch.tensor([self.timer.data_wait], dtype=torch.float64, device=self.device))
+        time it waited for data, the pipeline's bubble and the bytes each mesh dimension moved."""
+        elapsed = self.timer.elapsed()  # (a sync on CUDA: the events below are complete)
+        # one all-reduce: every step's loss summed over the ranks, and the data waits
+        sums = all_reduce(torch.cat([torch.stack(self.losses).double().reshape(-1),
+                                     torch.tensor([step_fn.take_data_wait()], dtype=torch.float64,
+                                                  device=self.device)]))
+        losses, wait = sums[:-1] / self.loss_ranks, sums[-1:]
         mem = all_reduce(torch.tensor([peak_memory_gb(self.device),
                                        held_bytes(step_fn.parts, step_fn.optimizers) / 1e9,
                                        peak_memory_gb(self.device) - self.baseline_mem, self.build_mem,
