@@ -4,8 +4,9 @@ restore (if this run has a checkpoint) -> model -> parallelize + optimizer -> da
 metrics row every few steps, sent with a `ray.train.report` about once per `--log-seconds`. A
 report is a barrier across ranks, so every rank follows the same deterministic cadence
 (`Cadence`) of rows, reports, validations and checkpoints, plus a checkpoint at once when a node
-of the run is about to be preempted (`PreemptionWatch`, the same on every rank). The worker group may be any of the run's sizes (config/sizes.py): every size takes the same
-global batch per step.
+of the run is about to be preempted (`PreemptionWatch`, the same on every rank). The worker
+group may be any of the run's sizes (config/sizes.py): every size takes the same global batch
+per step.
 """
 
 from __future__ import annotations
