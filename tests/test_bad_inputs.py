@@ -166,7 +166,7 @@ def _checkpoint(tmp: Path) -> Path:
 
 def _rerecord(folder: Path) -> None:
     """Recompute rank 0's commit record, as whoever changed the files could."""
-    from raytrain_lm.store.storage import sha256_file
+    from raytrain_lm.store.digest import sha256_file
 
     record = json.loads((folder / "rank0.json").read_text())
     (folder / "rank0.json").write_text(json.dumps({rel: sha256_file(folder / rel) for rel in record}))

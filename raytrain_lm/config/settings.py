@@ -165,12 +165,13 @@ class TrainConfig:
                                             "block from its input).")
     seed: int = setting(1337, help="Random seed.")
     # cadence
-    log_every: int = setting(0, help="Steps between metric reports, exactly; 0: paced by "
-                             "--log-seconds. A report is a barrier and waits for Ray's poll of "
-                             "the workers (every 0.5 s): reporting more often stalls training.")
-    log_seconds: float = setting(1.0, help="With --log-every 0: seconds between metric reports; "
-                                 "each report sets the step of the next from the measured step "
-                                 "time (the same on every rank).")
+    log_every: int = setting(0, help="Steps between metrics rows, exactly (1: every step); 0: a "
+                             "row per report. Rows are sent together about every --log-seconds, "
+                             "so metrics.jsonl has every one without a report per row (a barrier "
+                             "that waits for Ray's poll of the workers, every 0.5 s).")
+    log_seconds: float = setting(1.0, help="Seconds between metric reports; each report sets the "
+                                 "step of the next from the measured step time (the same on every "
+                                 "rank).")
     eval_every: int = setting(100, help="Steps between validations.")
     eval_windows: int = setting(256, help="Validation windows (the first ones of the split, the "
                                 "same whatever the worker count); 0: all of them.")

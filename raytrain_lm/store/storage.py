@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import hashlib
 import json
 import os
 import socket
@@ -19,14 +18,6 @@ import pyarrow.fs as pafs
 
 from raytrain_lm.errors import UserError
 from raytrain_lm.store import files
-
-
-def sha256_file(path: str | Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def parse_json(data: bytes | str, where: str) -> Any:
