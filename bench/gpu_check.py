@@ -53,7 +53,7 @@ LAYOUTS = [
     ("ddp fp16+scaler", {"precision": "fp16"}, ()),
     ("ddp fp32 (tf32)", {"precision": "fp32"}, ()),
     ("ddp full-ac", {"activation_checkpointing": "full"}, ()),
-    ("zero1", {"strategy": "zero1"}, ("fsdp",)),
+    ("zero1", {"strategy": "zero1", "grad_accum": 2}, ("fsdp",)),  # gathered once for both
     ("zero2", {"strategy": "zero2"}, ("fsdp",)),
     ("fsdp", {"strategy": "fsdp"}, ("fsdp",)),
     ("fsdp fp16+scaler", {"strategy": "fsdp", "precision": "fp16"}, ("fsdp",)),

@@ -187,7 +187,7 @@ def run_layout(name: str, settings: dict, force: tuple, kind: str, device: torch
                   row["parameters"], baseline)
     for _ in range(steps):
         loss, norm = step(batches, cfg.lr)
-        meter.add_step(loss, cfg.batch_size * cfg.seq_len)
+        meter.add_step(loss, cfg.batch_size * cfg.seq_len * cfg.grad_accum)
     metrics = meter.row(WARMUP + steps, cfg.lr, to_float(norm), step)
     losses += metrics["step_losses"]
     row.update({k: metrics[k] for k in ("step_time", "tokens_per_second", "mfu", "data_wait_frac",

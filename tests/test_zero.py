@@ -27,8 +27,10 @@ CPU = torch.device("cpu")
 
 
 def config(strategy, **flags):
+    # two micro-steps a step: DDP all-reduces once, ZeRO-1 gathers and reduce-scatters once
     return build_config(sets=SETS, flags={"strategy": strategy, "workers": 2, "lr": 1e-2,
-                                          "seq_len": 16, "batch_size": 4, **flags})
+                                          "seq_len": 16, "batch_size": 4, "grad_accum": 2,
+                                          **flags})
 
 
 class Batches:
@@ -163,8 +165,9 @@ def test_zero1_trains_the_ddp_model_and_holds_half_the_states(results):
 
 def test_zero1_sends_no_more_than_ddp(results):
     """ZeRO-1's reduce-scatter of the gradients and gather of the parameters move the bytes of
-    DDP's one all-reduce (it used to all-reduce, then broadcast: 1.5x); beyond them only the
-    global gradient norm's one fp32 scalar crosses dp."""
+    DDP's one all-reduce (it used to all-reduce, then broadcast: 1.5x), with two micro-steps a
+    step too (the parameters stay gathered between them); beyond them only the global gradient
+    norm's one fp32 scalar crosses dp."""
     ranks, _ = results
     for r in ranks:
         plain, zero = (c["world"] for c in r["comm"])
