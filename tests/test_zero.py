@@ -139,15 +139,12 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    import torch.distributed.checkpoint  # noqa: F401
-    from torch.nn.parallel import DistributedDataParallel  # noqa: F401
-
-    import raytrain_lm.store.checkpoint_format  # noqa: F401  (imported once, before the fork)
-    import raytrain_lm.worker.step  # noqa: F401
-
+    """Both ranks' results. The ranks are fresh interpreters (spawn), not forks of this test
+    process: a fork inherits torch.distributed's state from the tests before (a fake-backend
+    group's meshes made DCP's save plan see one rank's shards only)."""
     out = tmp_path_factory.mktemp("zero1")
     folder = out / "ckpt"
-    mp.start_processes(worker, args=(free_port(), str(out), folder), nprocs=2, start_method="fork")
+    mp.start_processes(worker, args=(free_port(), str(out), folder), nprocs=2, start_method="spawn")
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)], folder
 
 
