@@ -175,6 +175,7 @@ class Check:
                        "ray_imported": "ray" in sys.modules, "layouts": []}
         self.started = time.perf_counter()
         self.proc = None
+        self.seen = 0  # lines of rows.jsonl read
 
     def left(self) -> float:
         return self.a.budget - (time.perf_counter() - self.started)
@@ -187,11 +188,13 @@ class Check:
         tmp.write_text(json.dumps(self.result, indent=2) + "\n")
         tmp.replace(self.out / "gpu_check.json")
 
-    def read_rows(self, seen: int) -> tuple[int, list[str]]:
-        """New records of rows.jsonl from line `seen` on: rows kept; the layouts started."""
-        lines = self.rows_file.read_text().splitlines() if self.rows_file.exists() else []
+    def read_rows(self) -> list[str]:
+        """The records rows.jsonl got since the last read: rows kept; returns the layouts
+        started."""
+        text = self.rows_file.read_text() if self.rows_file.exists() else ""
+        lines = text.split("\n")[:-1]  # whole lines only: the last may be in the writing
         started = []
-        for line in lines[seen:]:
+        for line in lines[self.seen:]:
             r = json.loads(line)
             if r.get("event") == "start":
                 started.append(r["layout"])
@@ -199,14 +202,14 @@ class Check:
                 self.modules.append(r)
             else:
                 self.rows[r["layout"]] = r
-        if len(lines) > seen:
+        if len(lines) > self.seen:
+            self.seen = len(lines)
             self.write()
-        return len(lines), started
+        return started
 
     def run_child(self, names: list[str]) -> list[str]:
         """Run `names` in one child; returns the ones it did not reach (it died or ran out of
         time: the layout it was on gets an error row)."""
-        seen = len(self.rows_file.read_text().splitlines()) if self.rows_file.exists() else 0
         cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--out-dir", str(self.out),
                "--layouts", ",".join(names), "--steps", str(self.a.steps)] + \
             (["--smoke"] if self.kind == "smoke" else [])
@@ -214,7 +217,7 @@ class Check:
         current = None
         while True:
             code = self.proc.poll()
-            seen, started = self.read_rows(seen)
+            started = self.read_rows()
             current = started[-1] if started else current
             if code is not None:
                 break
@@ -334,7 +337,7 @@ def main(argv=None) -> int:
     finally:
         if check.proc is not None:
             check.proc.kill()
-        check.read_rows(0)  # whatever a child finished before it was stopped
+        check.read_rows()  # whatever a child finished before it was stopped
         check.write()
     return check.finish()
 
