@@ -1,6 +1,6 @@
 """When the loop makes a metrics row and when it sends rows (loop.Cadence): rows by a fixed step
 count when asked, sends paced by time, the rows between two sends carried by the next; the same
-steps on every rank because the pace comes from the row's own all-reduce (Meter)."""
+steps on every rank because the pace comes from the row's own all-gather (Meter)."""
 
 from __future__ import annotations
 

@@ -132,7 +132,7 @@ class Cadence:
     report per `log_seconds`: a report is a barrier and waits for Ray's poll of the workers when
     the previous one is still queued (one report per poll), so one report per row would throttle
     fast steps to the poll. The decisions add no collective: they are pure functions of the step
-    and of the slowest rank's interval, which every rank receives from the row's own all-reduce
+    and of the slowest rank's interval, which every rank receives from the row's own all-gather
     (Meter), so all ranks call `ray.train.report` at the same steps."""
 
     FIRST_SEND = 1  # the first step's report (compilation, warm-up) gives the first step time

@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 
 from raytrain_lm.parallel.fsdp import held_bytes, param_fraction
-from raytrain_lm.parallel.mesh import all_reduce
+from raytrain_lm.parallel.mesh import all_gather_rows, all_reduce
 from raytrain_lm.plan.gpus import peak_tflops
 from raytrain_lm.store.row import MetricsRow
 
@@ -82,7 +82,7 @@ class StepTimer:
 
 class Meter:
     """What a rank measures between two rows (losses, tokens, time; the step's wait for data),
-    turned into one metrics row: two small all-reduces make it global on every rank."""
+    turned into one metrics row: one small all-gather makes it global on every rank."""
 
     def __init__(self, device: torch.device, world: int, flops_per_token: float,
                  peak_tflops: Optional[float], num_parameters: int, baseline_mem: float,
@@ -111,19 +111,20 @@ class Meter:
         """`step_fn`: the step (step.TrainStep): its parts and optimizers (memory held), the
         time it waited for data, the pipeline's bubble and the bytes each mesh dimension moved."""
         elapsed = self.timer.elapsed()  # (a sync on CUDA: the events below are complete)
-        # one all-reduce: every step's loss summed over the ranks, and the data waits
-        sums = all_reduce(torch.cat([torch.stack(self.losses).double().reshape(-1),
-                                     torch.tensor([step_fn.take_data_wait()], dtype=torch.float64,
-                                                  device=self.device)]))
-        losses, wait = sums[:-1] / self.loss_ranks, sums[-1:]
-        mem = all_reduce(torch.tensor([peak_memory_gb(self.device),
-                                       held_bytes(step_fn.parts, step_fn.optimizers) / 1e9,
-                                       peak_memory_gb(self.device) - self.baseline_mem, self.build_mem,
-                                       elapsed / self.timer.steps,
-                                       reserved_memory_gb(self.device) or 0.0],
-                                      dtype=torch.float64, device=self.device), op="max")
+        n = len(self.losses)
+        mine = torch.cat([torch.stack(self.losses).double().reshape(-1), torch.tensor(
+            [step_fn.take_data_wait(), peak_memory_gb(self.device),
+             held_bytes(step_fn.parts, step_fn.optimizers) / 1e9,
+             peak_memory_gb(self.device) - self.baseline_mem, self.build_mem,
+             elapsed / self.timer.steps, reserved_memory_gb(self.device) or 0.0],
+            dtype=torch.float64, device=self.device)])
+        # One collective a row (a row may be made every step): every rank's values; the losses
+        # and data waits summed over the ranks, the memory and step time their maximum.
+        every = all_gather_rows(mine)
+        losses, wait = every[:, :n].sum(0) / self.loss_ranks, every[:, n].sum()
+        mem = every[:, n + 1:].max(0).values
         # The slowest rank's step time in this interval: identical on every rank after the
-        # all-reduce, so the loop's time-paced cadence (loop.Cadence) agrees everywhere.
+        # all-gather, so the loop's time-paced cadence (loop.Cadence) agrees everywhere.
         self.slowest_step_time = mem[4].item()
         tps = self.timer.tokens / elapsed
         row: MetricsRow = {
@@ -134,7 +135,7 @@ class Meter:
             "grad_norm": grad_norm,
             "tokens_per_second": tps,
             "step_time": elapsed / self.timer.steps,
-            "data_wait_frac": wait[0].item() / self.world / elapsed,
+            "data_wait_frac": wait.item() / self.world / elapsed,
             "mfu": mfu(tps, self.fpt, self.world, self.peak),
             "peak_mem_gb": mem[0].item(),
             # what the allocator holds (allocated + cached); None on CPU
