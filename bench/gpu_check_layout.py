@@ -25,9 +25,9 @@ import torch
 # smoke test compares this with what its processes loaded).
 MODULES = ("raytrain_lm.worker.step", "raytrain_lm.worker.metrics", "raytrain_lm.parallel.ddp",
            "raytrain_lm.parallel.fsdp", "raytrain_lm.store.checkpoint_format",
-           "raytrain_lm.config.layout", "raytrain_lm.config.presets", "raytrain_lm.plan",
-           "raytrain_lm.models.decoder", "raytrain_lm.models.llama.llama",
-           "raytrain_lm.parallel.tp", "raytrain_lm.parallel.init")
+           "raytrain_lm.config.layout", "raytrain_lm.config.presets", "raytrain_lm.plan.estimate",
+           "raytrain_lm.plan.hardware", "raytrain_lm.models", "raytrain_lm.models.gpt.gpt",
+           "raytrain_lm.models.llama.llama", "raytrain_lm.parallel.tp", "raytrain_lm.parallel.init")
 
 # The model of every row but gpt2's: big enough on a GPU that a step is GPU work, not launches.
 MODEL = {"gpu": dict(vocab_size=50304, block_size=512, n_layer=4, n_head=8, n_embd=512),
@@ -152,8 +152,7 @@ def run_layout(name: str, settings: dict, force: tuple, kind: str, device: torch
     """The layout's row: what was built, the timed steps' metrics row, validation, DCP."""
     from torch.nn.parallel import DistributedDataParallel
 
-    from raytrain_lm.config.layout import matmul_params, param_counts
-    from raytrain_lm.models.decoder import flops_per_token
+    from raytrain_lm.models import family, flops_per_token
     from raytrain_lm.parallel.ddp import DDP_KWARGS
     from raytrain_lm.parallel.fsdp import to_float
     from raytrain_lm.worker.metrics import Meter, gpu_peak_tflops, peak_memory_gb
@@ -173,7 +172,8 @@ def run_layout(name: str, settings: dict, force: tuple, kind: str, device: torch
     baseline = peak_memory_gb(device)
     step = TrainStep(cfg, device, force=frozenset(force), ddp_wrap=wrap)
     row.update(precision=step.precision, fsdp_mixed=step.model.mixed_by_fsdp, arch=cfg.model.arch,
-               parameters=param_counts(cfg.model)["total"], init_sums=weights_sums(step.parts))
+               parameters=family(cfg.model).counts(cfg.model).total,
+               init_sums=weights_sums(step.parts))
     batches = PinnedBatches(cfg.model.vocab_size, cfg.batch_size, cfg.seq_len, device)
     step.train()
     losses = []
@@ -183,7 +183,7 @@ def run_layout(name: str, settings: dict, force: tuple, kind: str, device: torch
         losses.append(float(loss))
     step.take_data_wait(), step.take_bubble()
     row["first_steps_s"] = time.perf_counter() - t0
-    fpt = flops_per_token(cfg.model, matmul_params(cfg.model), cfg.seq_len)
+    fpt = flops_per_token(cfg.model, cfg.seq_len)
     meter = Meter(device, 1, fpt, gpu_peak_tflops(device, None, step.precision),
                   row["parameters"], baseline)
     for _ in range(steps):

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 def memory_plan(result: dict, kind: str) -> list[dict]:
     from gpu_check_layout import config
-    from raytrain_lm.plan import GB, estimate
+    from raytrain_lm.plan.estimate import estimate
+    from raytrain_lm.plan.hardware import GB
 
     gpu = kind == "gpu"
     rows = []
@@ -18,7 +19,7 @@ def memory_plan(result: dict, kind: str) -> list[dict]:
             m = model
             if kind == "smoke":  # gpu_throughput's smoke model, not gpt2
                 from gpu_throughput import SMOKE
-                from raytrain_lm.config.settings import ModelConfig
+                from raytrain_lm.models.family import ModelConfig
 
                 m = ModelConfig(**SMOKE["model"])
                 m.vocab_size = throughput["model"]["vocab_size"]

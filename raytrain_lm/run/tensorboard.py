@@ -23,7 +23,7 @@ from tensorboard.summary.writer.event_file_writer import EventFileWriter
 from raytrain_lm.store.row import MetricsRow
 from raytrain_lm.store.storage import RunFolder
 
-# metrics key (run/row.MetricsRow) -> TensorBoard tag; the prefix groups the charts.
+# metrics key (store/row.MetricsRow) -> TensorBoard tag; the prefix groups the charts.
 TAGS: dict[str, str] = {
     "loss": "loss/train",
     "val_loss": "loss/val",
