@@ -18,7 +18,7 @@ PKG = ROOT / "raytrain_lm"
 # Packages (and modules) that run on the driver or in Ray's controller: importing any of their
 # modules must not import torch. store/checkpoint_format.py is the checkpoint format (torch.save and
 # torch.distributed.checkpoint), read and written by workers, `generate` and `export` only.
-TORCH_FREE = ("cli", "config", "run", "ray_compat", "plan", "store", "cluster", "tune",
+TORCH_FREE = ("cli", "config", "run", "ray_compat", "plan", "store", "cluster", "tune", "track",
               "errors", "console", "data.tokenizer", "results.tables", "results.plots")
 TORCH_FREE_EXCEPT = {"raytrain_lm.store.checkpoint_format"}
 # Where Ray's private API (`ray._private`, `ray.train.v2._internal`, ...) may be imported.

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 import queue
+import sys
 import threading
 from typing import Any, Callable, Optional, Sequence
 
@@ -41,12 +43,37 @@ def check_trackers(names: Optional[Sequence[str]]) -> list[str]:
         name = name.strip().lower()
         if name not in TRACKERS:
             raise UserError(f"--track must be one of {', '.join(TRACKERS)}, got {name!r}")
-        if importlib.util.find_spec(TRACKERS[name][0]) is None:
+        if not installed(TRACKERS[name][0]):
             raise UserError(f"--track {name} needs the {TRACKERS[name][0]} client, which is not "
                             f"installed: {EXTRA}")
+        if name == "mlflow":
+            check_mlflow_store()
         if name not in out:
             out.append(name)
     return out
+
+
+def installed(package: str) -> bool:
+    """Whether `package` can be imported (found without importing it; a None in sys.modules is
+    Python's way to keep a package from being imported)."""
+    if package in sys.modules:
+        return sys.modules[package] is not None
+    return importlib.util.find_spec(package) is not None
+
+
+def check_mlflow_store() -> None:
+    """MLflow's store must be one its installed client can write, checked before the run: without
+    MLFLOW_TRACKING_URI, MLflow's default is a SQLite file (needs the full `mlflow` package); a
+    local folder needs MLflow's own opt-in (MLFLOW_ALLOW_FILE_STORE=true)."""
+    uri = os.environ.get("MLFLOW_TRACKING_URI") or ""
+    if not uri and not installed("sqlalchemy"):
+        raise UserError("--track mlflow: set MLFLOW_TRACKING_URI to your MLflow server "
+                        "(http://host:5000), or `pip install mlflow` for its local SQLite store")
+    local_folder = uri.startswith("file:") or (":" not in uri and uri not in ("", "databricks"))
+    if local_folder and (os.environ.get("MLFLOW_ALLOW_FILE_STORE") or "").lower() not in ("1", "true"):
+        raise UserError(f"--track mlflow: MLFLOW_TRACKING_URI={uri} is a local folder, which MLflow "
+                        f"writes only with MLFLOW_ALLOW_FILE_STORE=true (or use a server, or "
+                        f"sqlite:///mlflow.db with `pip install mlflow`)")
 
 
 def flat_params(config: dict, prefix: str = "") -> dict[str, Any]:

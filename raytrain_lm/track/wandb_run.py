@@ -24,6 +24,7 @@ EXIT_CODE = {"completed": 0, "failed": 1, "killed": 130}
 
 class Backend:
     def __init__(self):
+        os.environ.setdefault("WANDB_SILENT", "true")  # its notices would break the progress lines
         import wandb
 
         self.wandb = wandb
@@ -35,16 +36,17 @@ class Backend:
         if kind == "sweep":
             return {}
         wandb = self.wandb
-        run_id = record["id"] if record and record.get("id") else wandb.util.generate_id()
+        run_id = record.get("id") if record else None  # None: W&B makes one
         project = (record or {}).get("project") or os.environ.get("WANDB_PROJECT") or DEFAULT_PROJECT
         self.run = wandb.init(
             project=project, name=name, id=run_id, resume="allow", group=group,
             job_type="trial" if kind == "trial" else "train", reinit="create_new",
             # the driver's console is not W&B's to capture; nor are the machine's stats its to sample
-            settings=wandb.Settings(console="off", silent=True, x_disable_stats=True))
+            settings=wandb.Settings(console="off", silent=True, x_disable_stats=True,
+                                    disable_git=True, save_code=False))
         # after init, not in it: a resumed run's config may change (more --max-steps)
         self.run.config.update(params, allow_val_change=True)
-        return {"id": run_id, "project": project, "entity": self.run.entity, "group": group}
+        return {"id": self.run.id, "project": project, "entity": self.run.entity, "group": group}
 
     def log(self, step: int, values: dict[str, float]) -> None:
         self.run.log(values, step=step)
