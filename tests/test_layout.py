@@ -204,7 +204,8 @@ def test_no_module_over_400_lines():
 # calls. `tune --resume` unpickles it, so these keep their paths (a sweep started before a move
 # would not resume): the globals a tuner.pkl's unpickler looks up (find_class), listed.
 PICKLED_BY_PATH = {"raytrain_lm.tune.report": ("LiveTable",),
-                   "raytrain_lm.tune.sweep": ("_trial_name", "abort_train_run")}
+                   "raytrain_lm.tune.sweep": ("_trial_name", "abort_train_run"),
+                   "raytrain_lm.tune.trial_tracking": ("TrackTrials",)}
 
 
 def test_what_a_saved_sweep_names_by_module_path_is_still_there():

@@ -3,6 +3,7 @@ gloo workers. Dropout is on, so the per-step losses only match if every RNG stat
 
 import json
 import math
+import os
 import signal
 import subprocess
 import sys
@@ -41,14 +42,18 @@ def reference(reference_run):
     return reference_run[0]
 
 
-def test_stopped_driver_resumes_and_matches(reference, pydoc_data, storage, ray_address):
+def test_stopped_driver_resumes_and_matches(reference, pydoc_data, storage, ray_address, tmp_path):
+    """... and its MLflow run (--track mlflow, a local store) continues: one run, every row's
+    loss at its step equal to metrics.jsonl's, FINISHED."""
     args = ["train", "--address", ray_address, "--storage", str(storage), "--name", "driver",
             "--workers", "2", "--max-steps", str(STEPS), "--log-every", "5", "--eval-every", "15",
-            "--checkpoint-every", "10", "--seed", "11", "--data", str(pydoc_data)]
+            "--checkpoint-every", "10", "--seed", "11", "--data", str(pydoc_data), "--track", "mlflow"]
     for s in SETTINGS:
         args += ["--set", s]
+    mlflow_env = {"MLFLOW_TRACKING_URI": (tmp_path / "mlruns").as_uri(), "MLFLOW_ALLOW_FILE_STORE": "true"}
     proc = subprocess.Popen([sys.executable, str(ROOT / "cli.py"), *args], cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, **mlflow_env})
     metrics = storage / "driver" / "metrics.jsonl"
     deadline = time.time() + 180
     while time.time() < deadline and proc.poll() is None:
@@ -67,12 +72,23 @@ def test_stopped_driver_resumes_and_matches(reference, pydoc_data, storage, ray_
     assert json.loads((storage / "driver" / "summary.json").read_text())["status"] == "running"
 
     result = run_cli("train", "--address", ray_address, "--storage", str(storage),
-                     "--name", "driver", "--resume", "--json")
+                     "--name", "driver", "--resume", "--json", env=mlflow_env)
     assert result.returncode == 0, result.stderr
     summary = json.loads(result.stdout)
     assert summary["status"] == "completed" and summary["steps"] == STEPS
     assert summary["resumed_from_step"] in (10, 20) and summary["restarts"] == 1
     assert step_losses(storage / "driver") == reference
+
+    from mlflow import MlflowClient
+
+    client = MlflowClient(mlflow_env["MLFLOW_TRACKING_URI"])
+    record = json.loads((storage / "driver" / "tracking.json").read_text())["mlflow"]
+    assert [r.info.run_id for r in client.search_runs([record["experiment_id"]])] == [record["run_id"]]
+    history = client.get_metric_history(record["run_id"], "loss/train")
+    rows = [json.loads(line) for line in (storage / "driver" / "metrics.jsonl").read_text().splitlines()]
+    assert sorted(m.step for m in history) == [r["step"] for r in rows]  # each step once
+    assert {m.step: m.value for m in history} == {r["step"]: r["loss"] for r in rows}
+    assert client.get_run(record["run_id"]).info.status == "FINISHED"
 
 
 def lr_steps(rows: list[dict]) -> list[tuple[int, float]]:

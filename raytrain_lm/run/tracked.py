@@ -9,8 +9,8 @@ import json
 from typing import Callable, Optional, Sequence
 
 from raytrain_lm.errors import UserError
-from raytrain_lm.store.row import chart_values
 from raytrain_lm.store import files
+from raytrain_lm.store.row import chart_values
 from raytrain_lm.store.storage import RunFolder
 from raytrain_lm.track import Tracking, check_trackers, flat_params
 

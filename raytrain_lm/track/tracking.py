@@ -118,11 +118,13 @@ class Tracking:
         self.dropped: set[str] = set()
         self.backends: dict[str, Any] = dict(backends or {})
         self.calls: queue.Queue = queue.Queue()
+        self.opened = threading.Event()  # set once every tracker has opened its run, or failed to
         self.thread = threading.Thread(target=self._work, name="raytrain-lm-tracking", daemon=True)
         self.thread.start()
         for tracker in self.names:
             self._call(tracker, "open", name, self.records.get(tracker), params, kind, group,
                        (parent or {}).get(tracker))
+        self.calls.put("opened")
 
     # ---------------------------------------------------------------- what the driver calls
 
@@ -155,6 +157,12 @@ class Tracking:
             self.say(f"warning: {', '.join(self.names)} tracking still sending after {wait:g} s; "
                      f"left behind (every row is in metrics.jsonl)")
 
+    def opened_records(self, wait: float = CLOSE_WAIT_S) -> dict:
+        """The records, once every tracker has opened its run (or failed to): what a sweep's
+        trials name as their parent."""
+        self.opened.wait(timeout=wait)
+        return dict(self.records)
+
     # ---------------------------------------------------------------- the background thread
 
     def _call(self, tracker: str, method: str, *args: Any) -> None:
@@ -162,6 +170,9 @@ class Tracking:
 
     def _work(self) -> None:
         while (item := self.calls.get()) is not None:
+            if item == "opened":
+                self.opened.set()
+                continue
             tracker, method, args = item
             if tracker in self.dropped:
                 continue
