@@ -42,7 +42,8 @@ def reference(reference_run):
     return reference_run[0]
 
 
-def test_stopped_driver_resumes_and_matches(reference, pydoc_data, storage, ray_address, tmp_path):
+def test_stopped_driver_resumes_and_matches(reference, pydoc_data, storage, ray_address, tmp_path,
+                                            monkeypatch):
     """... and its MLflow run (--track mlflow, a local store) continues: one run, every row's
     loss at its step equal to metrics.jsonl's, FINISHED."""
     args = ["train", "--address", ray_address, "--storage", str(storage), "--name", "driver",
@@ -81,6 +82,7 @@ def test_stopped_driver_resumes_and_matches(reference, pydoc_data, storage, ray_
 
     from mlflow import MlflowClient
 
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
     client = MlflowClient(mlflow_env["MLFLOW_TRACKING_URI"])
     record = json.loads((storage / "driver" / "tracking.json").read_text())["mlflow"]
     assert [r.info.run_id for r in client.search_runs([record["experiment_id"]])] == [record["run_id"]]

@@ -76,6 +76,7 @@ def mlflow_store(tmp_path, monkeypatch):
     return MlflowClient()
 
 
+@pytest.mark.slow
 def test_mlflow_run_holds_every_row_and_a_resume_continues_it(tmp_path, mlflow_store):
     """Parameters = the flat config; every row's loss at its step equals metrics.jsonl's; the
     summary, summary.json and the curves' figure; FINISHED. A resumed driver (rows resent from
@@ -163,6 +164,7 @@ def _wandb_run(folder: Path) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_wandb_offline_run_holds_every_row_and_a_resume_continues_it(tmp_path, monkeypatch):
     """The same through W&B offline: config, each row's loss at its step, the summary, one
     artifact, the exit code; the resumed driver writes a second offline folder of the same run
@@ -197,19 +199,12 @@ def test_an_unreachable_tracking_server_is_one_warning_and_the_run_goes_on(tmp_p
     assert not (tmp_path / "u" / "tracking.json").exists()
 
 
-def test_track_needs_a_known_tracker_and_its_client(tmp_path, monkeypatch):
-    """Refused before anything starts, one line each: an unknown tracker; a client that is not
-    installed (the line names the extra); MLflow's local-folder store without its opt-in."""
-    res = cli_here("train", "--track", "neptune", "--storage", str(tmp_path))
-    assert res.returncode == 2 and res.stderr.strip() == \
-        "error: --track must be one of mlflow, wandb, got 'neptune'"
-    monkeypatch.setitem(sys.modules, "mlflow", None)  # as without the package
+def test_track_without_its_client_installed_names_the_extra(tmp_path, monkeypatch):
+    """Refused before anything starts, in one line that says what to install (the package kept
+    from being imported the way Python provides: None in sys.modules)."""
+    monkeypatch.setitem(sys.modules, "mlflow", None)
     res = cli_here("train", "--track", "mlflow", "--storage", str(tmp_path))
     assert res.returncode == 2 and res.stderr.strip() == (
         "error: --track mlflow needs the mlflow client, which is not installed: "
         "pip install 'raytrain-lm[track]'")
-    monkeypatch.delitem(sys.modules, "mlflow")
-    res = cli_here("train", "--track", "mlflow", "--storage", str(tmp_path),
-                   env={"MLFLOW_TRACKING_URI": str(tmp_path / "mlruns"), "MLFLOW_ALLOW_FILE_STORE": ""})
-    assert res.returncode == 2 and "MLFLOW_ALLOW_FILE_STORE=true" in res.stderr
     assert list(tmp_path.iterdir()) == []
