@@ -140,7 +140,8 @@ CASES = [
     Bad("evaluate r --tasks hellaswag", "no run 'r' in runs"),
     Bad("evaluate r --tasks ,", "--tasks needs at least one task name"),
     Bad("evaluate r --tasks hellaswag --limit 0", "--limit must be positive, got 0.0"),
-    Bad("evaluate r --tasks hellaswag --include-path nowhere", "--include-path nowhere: not a folder of task YAML files"),
+    Bad("evaluate r --tasks hellaswag --include-path nowhere",
+        "--include-path nowhere: not a folder of task YAML files"),
 ]
 
 

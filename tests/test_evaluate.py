@@ -31,24 +31,27 @@ QUESTIONS = [("Keyword that defines a function in Python:", ["def", "zebra"], 0)
              ("A sequence of characters is a", ["strange", "string"], 1)]
 
 
+PPL_METRICS = "".join(f"  - {{metric: {m}, aggregation: {a}, higher_is_better: false}}\n" for m, a in
+                      (("word_perplexity", "weighted_perplexity"), ("byte_perplexity", "weighted_perplexity"),
+                       ("bits_per_byte", "bits_per_byte")))
+MC_METRICS = "".join(f"  - {{metric: {m}, aggregation: mean, higher_is_better: true}}\n" for m in ("acc", "acc_norm"))
+
+
 def write_tasks(folder):
     """Two tasks in lm-eval's YAML format, their data in local JSONL files."""
     folder.mkdir()
     (folder / "ppl.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
     (folder / "mc.jsonl").write_text("".join(json.dumps({"question": q, "choices": c, "gold": g}) + "\n"
                                              for q, c, g in QUESTIONS))
-    common = "dataset_path: json\ntest_split: test\nmetadata:\n  version: 1.0\n"
-    (folder / "local_ppl.yaml").write_text(
-        f"task: local_ppl\n{common}dataset_kwargs:\n  data_files:\n    test: {folder / 'ppl.jsonl'}\n"
-        "output_type: loglikelihood_rolling\ndoc_to_text: ''\ndoc_to_target: '{{text}}'\n"
-        "metric_list:\n" + "".join(f"  - metric: {m}\n    aggregation: {a}\n    higher_is_better: false\n" for m, a in
-                                   (("word_perplexity", "weighted_perplexity"), ("byte_perplexity", "weighted_perplexity"),
-                                    ("bits_per_byte", "bits_per_byte"))))
-    (folder / "local_mc.yaml").write_text(
-        f"task: local_mc\n{common}dataset_kwargs:\n  data_files:\n    test: {folder / 'mc.jsonl'}\n"
-        "output_type: multiple_choice\ndoc_to_text: '{{question}}'\ndoc_to_choice: '{{choices}}'\n"
-        "doc_to_target: '{{gold}}'\nmetric_list:\n" + "".join(f"  - metric: {m}\n    aggregation: mean\n"
-                                                                 "    higher_is_better: true\n" for m in ("acc", "acc_norm")))
+    for task, data, kind in (("local_ppl", "ppl.jsonl", "loglikelihood_rolling"),
+                             ("local_mc", "mc.jsonl", "multiple_choice")):
+        docs = ("doc_to_text: ''\ndoc_to_target: '{{text}}'\nmetric_list:\n" + PPL_METRICS
+                if kind == "loglikelihood_rolling" else
+                "doc_to_text: '{{question}}'\ndoc_to_choice: '{{choices}}'\ndoc_to_target: '{{gold}}'\n"
+                "metric_list:\n" + MC_METRICS)
+        (folder / f"{task}.yaml").write_text(
+            f"task: {task}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {folder / data}\n"
+            f"test_split: test\noutput_type: {kind}\n{docs}metadata:\n  version: 1.0\n")
 
 
 def log_probs(run, ids: list[int]) -> torch.Tensor:
@@ -79,7 +82,8 @@ def expected_scores(run) -> dict:
             scores.append(log_probs(run, whole)[len(context) - 1:].sum().item())
         acc += max(range(len(choices)), key=lambda i: scores[i]) == gold
         acc_norm += max(range(len(choices)), key=lambda i: scores[i] / len(choices[i])) == gold
-    return {"local_ppl": {"bits_per_byte": -ll / nbytes / math.log(2), "byte_perplexity": 2 ** (-ll / nbytes / math.log(2))},
+    bpb = -ll / nbytes / math.log(2)
+    return {"local_ppl": {"bits_per_byte": bpb, "byte_perplexity": 2 ** bpb},
             "local_mc": {"acc": acc / len(QUESTIONS), "acc_norm": acc_norm / len(QUESTIONS)}}
 
 
@@ -100,25 +104,25 @@ def evaluated(trained_here, tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
         for k, v in env.items():
             patch.setenv(k, v)
-        tracking = Tracking(["mlflow"], "r", {}, on_records=lambda r: (folder / "tracking.json").write_text(json.dumps(r)))
-        tracking.close("completed")
+        Tracking(["mlflow"], "r", {}, on_records=lambda records: (folder / "tracking.json").write_text(
+            json.dumps(records))).close("completed")
     write_tasks(root / "tasks")
     res = cli_here("evaluate", "r", "--storage", str(root / "runs"), "--tasks", "local_ppl,local_mc",
                    "--include-path", str(root / "tasks"), "--json", env=env)
     assert res.returncode == 0, res.stderr
     record = json.loads((folder / "tracking.json").read_text())["mlflow"]
-    return run, folder, json.loads(res.stdout), MlflowClient(env["MLFLOW_TRACKING_URI"]).get_run(record["run_id"])
+    mlflow_run = MlflowClient(env["MLFLOW_TRACKING_URI"]).get_run(record["run_id"])
+    return run, folder, json.loads(res.stdout), mlflow_run
 
 
 def test_scores_equal_the_ones_from_our_models_logits(evaluated):
     run, _, out, _ = evaluated
     expected = expected_scores(run)
     assert out["step"] == run.steps
-    assert out["scores"]["local_ppl"]["bits_per_byte"] == pytest.approx(expected["local_ppl"]["bits_per_byte"], rel=1e-5)
-    assert out["scores"]["local_ppl"]["byte_perplexity"] == pytest.approx(expected["local_ppl"]["byte_perplexity"], rel=1e-5)
+    for metric in ("bits_per_byte", "byte_perplexity"):
+        assert out["scores"]["local_ppl"][metric] == pytest.approx(expected["local_ppl"][metric], rel=1e-5)
     assert out["scores"]["local_mc"]["acc"] == expected["local_mc"]["acc"]
     assert out["scores"]["local_mc"]["acc_norm"] == expected["local_mc"]["acc_norm"]
-    assert 0 < expected["local_mc"]["acc"] < 1 or expected["local_mc"]["acc"] == 1  # a real score
 
 
 def test_results_go_next_to_the_run_its_table_and_its_tracking_run(evaluated):

@@ -177,7 +177,8 @@ def export(
 
 @app.command(epilog=examples("python cli.py evaluate my-run --tasks hellaswag,arc_easy",
                              "python cli.py evaluate my-run --best --tasks lambada_openai --limit 500",
-                             "python cli.py evaluate runs/my-run/checkpoint_00000200 --tasks my_task --include-path tasks/",
+                             "python cli.py evaluate runs/my-run/checkpoint_00000200 --tasks my_task "
+                             "--include-path tasks/",
                              "python cli.py evaluate hf/my-run --tasks arc_easy --device cuda --json"))
 def evaluate(
     model: str = typer.Argument(..., metavar="RUN|CHECKPOINT|HF_FOLDER", help="Run name (in "
