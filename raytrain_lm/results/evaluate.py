@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from raytrain_lm import env
 from raytrain_lm.errors import UserError
 from raytrain_lm.store import files
 from raytrain_lm.store.runs import find_checkpoint, is_run, open_run
@@ -105,7 +105,7 @@ def evaluate(model: str, tasks: list[str], *, storage: str, best: bool = False,
 def harness(folder: Path, tasks: list[str], include_path: Optional[str], limit: Optional[float],
             batch_size: int, num_fewshot: Optional[int], device: str) -> dict:
     """lm-eval's simple_evaluate with its `hf` model on `folder`, in this process."""
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env.set_default("TOKENIZERS_PARALLELISM", "false")  # this process forks no tokenizer
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 

@@ -12,12 +12,12 @@ MLflow's UI nests it there).
 
 from __future__ import annotations
 
-import os
 import tempfile
 import time
 from pathlib import Path
 from typing import Any, Optional
 
+from raytrain_lm import env
 from raytrain_lm.track.tracking import numbers
 
 DEFAULT_EXPERIMENT = "raytrain-lm"
@@ -33,7 +33,7 @@ VALUE_CHARS = 6000  # MLflow's limit for a parameter's value
 class Backend:
     def __init__(self):
         for key, value in HTTP_DEFAULTS.items():
-            os.environ.setdefault(key, value)
+            env.set_default(key, value)
         import mlflow
         from mlflow import MlflowClient
 
@@ -61,9 +61,10 @@ class Backend:
         return {"run_id": self.run_id, "experiment_id": experiment_id, "tracking_uri": self.where}
 
     def _experiment(self) -> str:
-        if os.environ.get("MLFLOW_EXPERIMENT_ID"):
-            return os.environ["MLFLOW_EXPERIMENT_ID"]
-        name = os.environ.get("MLFLOW_EXPERIMENT_NAME") or DEFAULT_EXPERIMENT
+        experiment_id, name = env.mlflow_experiment()
+        if experiment_id:
+            return experiment_id
+        name = name or DEFAULT_EXPERIMENT
         found = self.client.get_experiment_by_name(name)
         return found.experiment_id if found else self.client.create_experiment(name)
 

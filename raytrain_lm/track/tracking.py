@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import os
 import queue
 import sys
 import threading
 from typing import Any, Callable, Optional, Sequence
 
+from raytrain_lm import env
 from raytrain_lm.errors import UserError, last_line
 
 # tracker -> (the package it needs, our module that drives it)
@@ -65,12 +65,12 @@ def check_mlflow_store() -> None:
     """MLflow's store must be one its installed client can write, checked before the run: without
     MLFLOW_TRACKING_URI, MLflow's default is a SQLite file (needs the full `mlflow` package); a
     local folder needs MLflow's own opt-in (MLFLOW_ALLOW_FILE_STORE=true)."""
-    uri = os.environ.get("MLFLOW_TRACKING_URI") or ""
+    uri = env.mlflow_uri() or ""
     if not uri and not installed("sqlalchemy"):
         raise UserError("--track mlflow: set MLFLOW_TRACKING_URI to your MLflow server "
                         "(http://host:5000), or `pip install mlflow` for its local SQLite store")
     local_folder = uri.startswith("file:") or (":" not in uri and uri not in ("", "databricks"))
-    if local_folder and (os.environ.get("MLFLOW_ALLOW_FILE_STORE") or "").lower() not in ("1", "true"):
+    if local_folder and not env.mlflow_file_store_allowed():
         raise UserError(f"--track mlflow: MLFLOW_TRACKING_URI={uri} is a local folder, which MLflow "
                         f"writes only with MLFLOW_ALLOW_FILE_STORE=true (or use a server, or "
                         f"sqlite:///mlflow.db with `pip install mlflow`)")

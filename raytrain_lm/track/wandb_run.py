@@ -13,10 +13,11 @@ folder with the same id, which `wandb sync` uploads into the same run.
 
 from __future__ import annotations
 
-import os
 import tempfile
 from pathlib import Path
 from typing import Any, Optional
+
+from raytrain_lm import env
 
 DEFAULT_PROJECT = "raytrain-lm"
 EXIT_CODE = {"completed": 0, "failed": 1, "killed": 130}
@@ -24,12 +25,12 @@ EXIT_CODE = {"completed": 0, "failed": 1, "killed": 130}
 
 class Backend:
     def __init__(self):
-        os.environ.setdefault("WANDB_SILENT", "true")  # its notices would break the progress lines
+        env.set_default("WANDB_SILENT", "true")  # its notices would break the progress lines
         import wandb
 
         self.wandb = wandb
         self.run = None
-        self.where = f"W&B {os.environ.get('WANDB_MODE') or 'online'}"
+        self.where = f"W&B {env.wandb_mode() or 'online'}"
 
     def open(self, name: str, record: Optional[dict], params: dict[str, Any], kind: str,
              group: Optional[str], parent: Optional[dict]) -> dict:
@@ -37,7 +38,7 @@ class Backend:
             return {}
         wandb = self.wandb
         run_id = record.get("id") if record else None  # None: W&B makes one
-        project = (record or {}).get("project") or os.environ.get("WANDB_PROJECT") or DEFAULT_PROJECT
+        project = (record or {}).get("project") or env.wandb_project() or DEFAULT_PROJECT
         self.run = wandb.init(
             project=project, name=name, id=run_id, resume="allow", group=group,
             job_type="trial" if kind == "trial" else "train", reinit="create_new",
