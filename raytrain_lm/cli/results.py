@@ -1,4 +1,4 @@
-"""`runs`, `report`, `generate`, `export`: looking at what training left behind."""
+"""`runs`, `report`, `generate`, `export`, `evaluate`: looking at what training left behind."""
 
 from __future__ import annotations
 
