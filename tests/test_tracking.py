@@ -190,9 +190,8 @@ def test_an_unreachable_tracking_server_is_one_warning_and_the_run_goes_on(tmp_p
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:1")  # nothing listens there
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     said: list[str] = []
-    t0 = time.time()
     summary = drive(tmp_path, "u", rows_of(STEPS), ["mlflow"], said=said)
-    assert summary["status"] == "completed" and time.time() - t0 < 30
+    assert summary["status"] == "completed"
     assert len(said) == 1 and said[0].startswith("warning: mlflow tracking stopped (http://127.0.0.1:1")
     assert "every row is in metrics.jsonl" in said[0]
     assert sorted(jsonl_losses(tmp_path / "u")) == list(STEPS)
