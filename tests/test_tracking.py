@@ -53,8 +53,7 @@ def drive(storage: Path, name: str, rows: list[dict], track: list[str], resume: 
     run = RunFolder(str(storage), name)
     trackers = trackers_of(run, track, resume)
     follower = Follower(cfg, run, time.time(), {}, resume, said.append, None)
-    follower.tracking = open_tracking(trackers, run, cfg.to_dict(), said.append,
-                                      follower.log.rows[-1]["step"] if follower.log.rows else None)
+    follower.tracking = open_tracking(trackers, run, cfg.to_dict(), said.append, follower.log.rows)
     for row in rows:
         follower.take(dict(row), NoTensorBoard())
     final = follower.write_summary(status)
@@ -81,7 +80,8 @@ def test_mlflow_run_holds_every_row_and_a_resume_continues_it(tmp_path, mlflow_s
     """Parameters = the flat config; every row's loss at its step equals metrics.jsonl's; the
     summary, summary.json and the curves' figure; FINISHED. A resumed driver (rows resent from
     a checkpoint at step 10, as an exact resume recomputes them, then new ones) continues the same
-    MLflow run: one run, each step once, still equal to metrics.jsonl."""
+    MLflow run: one run, each step once, still equal to metrics.jsonl. A run tracked only from
+    a resume on gets the steps it had before first."""
     drive(tmp_path, "r", rows_of(STEPS[:3]), ["mlflow"], status="failed")
     record = json.loads((tmp_path / "r" / "tracking.json").read_text())["mlflow"]
     client = mlflow_store
@@ -105,6 +105,14 @@ def test_mlflow_run_holds_every_row_and_a_resume_continues_it(tmp_path, mlflow_s
     assert {a.path for a in client.list_artifacts(record["run_id"])} == {"summary.json", "curves.png"}
     kept = Path(client.download_artifacts(record["run_id"], "summary.json", str(tmp_path)))
     assert json.loads(kept.read_text())["steps"] == STEPS[-1]
+
+    # tracked only from a resume on: the steps metrics.jsonl already had come first
+    drive(tmp_path, "late", rows_of(STEPS[:3]), [], status="failed")
+    drive(tmp_path, "late", rows_of(STEPS[1:]), ["mlflow"], resume=True)
+    late = json.loads((tmp_path / "late" / "tracking.json").read_text())["mlflow"]["run_id"]
+    history = client.get_metric_history(late, "loss/train")
+    assert sorted(m.step for m in history) == list(STEPS)
+    assert {m.step: m.value for m in history} == pytest.approx(jsonl_losses(tmp_path / "late"))
 
 
 def wandb_records(run_file: Path) -> list:

@@ -163,8 +163,7 @@ def _launch(cfg: TrainConfig, run: RunFolder, t_launch: float, previous: dict,
         say(sizes_line(cfg))
     follower = Follower(cfg, run, t_launch, previous, resume, say, on_metrics)
     follower.write_summary("running")  # kept current: after a crash of this driver it still tells
-    follower.tracking = open_tracking(trackers, run, cfg.to_dict(), say,
-                                      follower.log.rows[-1]["step"] if follower.log.rows else None)
+    follower.tracking = open_tracking(trackers, run, cfg.to_dict(), say, follower.log.rows)
     try:
         result, error = follower.follow(trainer)
     except KeyboardInterrupt:  # Ctrl-C: the tracking runs say so, then the CLI does

@@ -38,14 +38,21 @@ def trackers_of(run: RunFolder, asked: Optional[Sequence[str]], resume: bool) ->
 
 
 def open_tracking(names: list[str], run: RunFolder, config: dict, say: Callable[[str], None],
-                  last_step: Optional[int]) -> Optional[Tracking]:
+                  rows: list[dict]) -> Optional[Tracking]:
     """The run's tracking runs (None without trackers): new ones, or for a resumed run the ones
-    tracking.json names; their ids go to tracking.json as soon as they exist."""
+    tracking.json names; their ids go to tracking.json as soon as they exist. `rows`: what
+    metrics.jsonl already holds: the tracking runs of a resumed run have those steps; a run
+    tracked only from this resume on gets them first."""
     if not names:
         return None
-    return Tracking(names, config["name"], flat_params(config), say=say,
-                    records=saved_records(run), last_step=last_step,
-                    on_records=lambda records: run.write_json(files.TRACKING, records))
+    records = saved_records(run)
+    tracking = Tracking(names, config["name"], flat_params(config), say=say, records=records,
+                        last_step=rows[-1]["step"] if rows and records else None,
+                        on_records=lambda records: run.write_json(files.TRACKING, records))
+    if not records:
+        for row in rows:
+            tracking.log_row(row, chart_values(row))
+    return tracking
 
 
 def row_values(row: dict, restarts: int, resizes: int) -> dict[str, float]:
