@@ -58,7 +58,8 @@ def test_stopped_driver_resumes_and_matches(reference, pydoc_data, storage, ray_
     metrics = storage / "driver" / "metrics.jsonl"
     deadline = time.time() + 180
     while time.time() < deadline and proc.poll() is None:
-        if metrics.exists() and any(json.loads(line)["step"] >= 10 for line in metrics.read_text().splitlines()):
+        if metrics.exists() and any(json.loads(line)["step"] >= 10 for line in metrics.read_text().splitlines()) \
+                and (storage / "driver" / "tracking.json").exists():  # its MLflow run made too
             break
         time.sleep(0.2)
     assert proc.poll() is None, "the run ended before it could be stopped"
