@@ -8,7 +8,7 @@ attention, exact GELU, pre-LayerNorm, tied embeddings, an AdamW loop of four lin
 --steps steps for --rounds rounds, the side that goes first swapping every round; a 2048^2
 `torch.mm` on the same threads, measured between the rounds, is the matmul ceiling. Reported:
 ms per step (median block, min-max), GFLOP/s by PaLM's 6N + 12·L·H·Q·T per token
-(model.flops_per_token), and that as a share of the ceiling.
+(models.flops_per_token), and that as a share of the ceiling.
 
 Part `threads` (no Ray): the project's tiny step in processes of 1 thread, 2 threads and 2
 threads with OMP_WAIT_POLICY=PASSIVE, alternated, --rounds rounds of --steps steps: what two
@@ -137,8 +137,7 @@ def mm_gflops(reps: int = 5) -> float:
 
 
 def part_step(args) -> dict:
-    from raytrain_lm.models.decoder import flops_per_token
-    from raytrain_lm.plan import matmul_params
+    from raytrain_lm.models import flops_per_token
     from raytrain_lm.worker.optim import lr_at
 
     torch.set_num_threads(args.threads)
@@ -182,7 +181,7 @@ def part_step(args) -> dict:
             print(preset, {s: round(v[-1] * 1e3, 1) for s, v in seconds.items()},
                   f"mm {ceilings[-1]:.0f} GFLOP/s", flush=True)
         tokens = cfg.batch_size * cfg.seq_len
-        fpt = flops_per_token(m, matmul_params(m), cfg.seq_len)
+        fpt = flops_per_token(m, cfg.seq_len)
         rows = {}
         for side, secs in seconds.items():
             ms = sorted(s * 1e3 for s in secs)

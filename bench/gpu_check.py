@@ -177,8 +177,9 @@ def memory_plan(result: dict, kind: str) -> list[dict]:
     """The plan's memory for each measured (batch, mode) against max_memory_allocated."""
     import gpu_throughput
     from raytrain_lm.config.presets import preset_config
-    from raytrain_lm.config.settings import ModelConfig
-    from raytrain_lm.plan import GB, estimate
+    from raytrain_lm.models.family import ModelConfig
+    from raytrain_lm.plan.estimate import estimate
+    from raytrain_lm.plan.hardware import GB
 
     model = ModelConfig(**gpu_throughput.SMOKE["model"]) if kind == "smoke" else \
         preset_config("gpt2").model

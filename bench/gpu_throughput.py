@@ -38,9 +38,10 @@ import torch
 # Ray, which they lack): the project's modules come from the checkout.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from raytrain_lm.config.presets import preset_config  # noqa: E402
-from raytrain_lm.config.settings import ModelConfig
 from raytrain_lm.errors import UserError  # noqa: E402
-from raytrain_lm.models.decoder import GPT, flops_per_token  # noqa: E402
+from raytrain_lm.models import family, flops_per_token  # noqa: E402
+from raytrain_lm.models.family import ModelConfig
+from raytrain_lm.models.gpt.gpt import GPT  # noqa: E402
 from raytrain_lm.worker.metrics import gpu_peak_tflops, mfu, peak_memory_gb  # noqa: E402
 from raytrain_lm.worker.optim import build_optimizer, lr_at
 
@@ -243,9 +244,9 @@ def main(argv=None) -> None:
     if cfg.seq_len > model_cfg.block_size:
         fail(f"--seq-len {cfg.seq_len} exceeds the model's block_size {model_cfg.block_size}")
     probe = GPT(model_cfg)
-    n_params, n_matmul = probe.num_params(), probe.num_params(exclude_position=True)
+    n_params, n_matmul = probe.num_params(), family(model_cfg).matmul_params(model_cfg)
     del probe
-    fpt = flops_per_token(model_cfg, n_matmul, cfg.seq_len)
+    fpt = flops_per_token(model_cfg, cfg.seq_len)
     amp_dtype = torch.bfloat16 if device.type == "cuda" and args.precision != "fp32" else None
     peak = gpu_peak_tflops(device, args.peak_tflops, "bf16" if amp_dtype else "fp32")
 

@@ -29,14 +29,14 @@ def matched_llama(gpt_params: int, vocab: int):
     """llama-tiny's ModelConfig with the ffn_dim that brings its parameter count closest to
     `gpt_params`."""
     from raytrain_lm.config.presets import preset_config
-    from raytrain_lm.plan import param_counts
+    from raytrain_lm.models import family
 
     m = preset_config("llama-tiny").model
     m.vocab_size = vocab
 
     def count(f):
         m.ffn_dim = f
-        return param_counts(m)["total"]
+        return family(m).counts(m).total
 
     m.ffn_dim = min(range(1, 8 * m.n_embd), key=lambda f: abs(count(f) - gpt_params))
     return m
@@ -46,7 +46,7 @@ def build(m, seed: int):
     import torch
 
     from raytrain_lm.config.presets import preset_config
-    from raytrain_lm.models.decoder import build_model
+    from raytrain_lm.models import build_model
     from raytrain_lm.worker.optim import build_optimizer
 
     torch.manual_seed(seed)

@@ -18,7 +18,8 @@ import tempfile
 from pathlib import Path
 
 from raytrain_lm.config.load import build_config
-from raytrain_lm.plan import GB, estimate
+from raytrain_lm.plan.estimate import estimate
+from raytrain_lm.plan.hardware import GB
 from raytrain_lm.run.driver import run_training
 
 

@@ -72,11 +72,15 @@ def run_layout(name: str, workers: int, flags: dict, args, storage: str) -> dict
 
 def planned(result: dict) -> dict:
     """The planner's bytes per dimension and bubble for rank 0 of this layout."""
+    from raytrain_lm.config.layout import Layout
     from raytrain_lm.config.settings import TrainConfig
-    from raytrain_lm.plan import Cluster, bubble, config_layout, rank_comm, rank_stages
+    from raytrain_lm.plan.comm import rank_comm
+    from raytrain_lm.plan.estimate import bubble
+    from raytrain_lm.plan.hardware import Cluster
+    from raytrain_lm.plan.stages import rank_stages
 
     cfg = TrainConfig.from_dict(result["config"])
-    lay = config_layout(cfg)
+    lay = Layout.of(cfg)
     cluster = Cluster(gpus=cfg.workers, gpus_per_node=cfg.workers, gpu=False)
     comm = rank_comm(cfg.model, lay, cluster, rank_stages(cfg.model, lay.pp, lay.v)[0])
     out = {"comm_bytes": {"dp": comm.dp, "tp": comm.tp, "pp": comm.pp}}

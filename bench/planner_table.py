@@ -10,8 +10,12 @@ from __future__ import annotations
 
 import sys
 
-from raytrain_lm.config.settings import ModelConfig
-from raytrain_lm.plan import GB, Cluster, Layout, estimate_layout, param_counts, plan, reason, recommendation
+from raytrain_lm.config.layout import Layout
+from raytrain_lm.models import family
+from raytrain_lm.models.family import ModelConfig
+from raytrain_lm.plan.estimate import estimate_layout, plan
+from raytrain_lm.plan.hardware import GB, Cluster
+from raytrain_lm.plan.printout import reason, recommendation
 
 # name: (model shape, sequence length, global batch in sequences). Global batches as GPT-3's table
 # (Brown et al. 2020: 0.5M tokens at 125M, 1M at 1.3B, 2M at 6.7B) and Llama 2 70B's 4M tokens.
@@ -101,7 +105,7 @@ def main() -> None:
     print("\n".join(reasons))
     print()
     for name, (m, seq, batch) in SHAPES.items():
-        print(f"- {name}: {param_counts(m)['total'] / 1e9:.3f}B parameters, n_layer {m.n_layer}, "
+        print(f"- {name}: {family(m).counts(m).total / 1e9:.3f}B parameters, n_layer {m.n_layer}, "
               f"n_head {m.n_head}, n_embd {m.n_embd}, seq {seq}, global batch {batch} x {seq} = "
               f"{batch * seq / 1e6:.2f}M tokens")
     print()
@@ -125,7 +129,7 @@ def llama() -> None:
         m = preset_config(name).model
         seq = m.block_size
         batch = 4 * 2**20 // seq
-        n = param_counts(m)["total"]
+        n = family(m).counts(m).total
         for gpus in (8, 64, 512):
             cl = Cluster(gpus=gpus)
             ranked = plan(m, cl, batch, seq)

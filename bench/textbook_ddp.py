@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from raytrain_lm.config.load import build_config
 from raytrain_lm.data.manifest import load_manifest
-from raytrain_lm.models.decoder import GPT
+from raytrain_lm.models.gpt.gpt import GPT
 
 
 def load_tokens(data_dir: str) -> np.ndarray:

@@ -55,7 +55,7 @@ def main() -> None:
 
     from raytrain_lm.config.load import build_config
     from raytrain_lm.data.prepare import prepare_dataset
-    from raytrain_lm.models.decoder import GPT, flops_per_token
+    from raytrain_lm.models import flops_per_token
     from raytrain_lm.run.driver import run_training
 
     ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False)  # 2 workers + Ray's own
@@ -75,8 +75,7 @@ def main() -> None:
             rows: list[dict] = []
             load = os.getloadavg()[0]
             summary = run_training(cfg, say=lambda s: None, on_metrics=rows.append)
-            model = GPT(cfg.model)
-            fpt = flops_per_token(cfg.model, model.num_params(exclude_position=True), cfg.seq_len)
+            fpt = flops_per_token(cfg.model, cfg.seq_len)
             bytes_per_token = m["train"]["bytes"] / m["train"]["tokens"]
             evals = [r for r in rows if r.get("val_bpb") is not None]
             results.append({

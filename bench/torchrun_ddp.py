@@ -2,7 +2,7 @@
 
 In the style of PyTorch's DDP tutorial (init_process_group, DistributedSampler, DDP(model)), but
 with this project's pieces, so that the only difference from `python cli.py train` is Ray:
-the same GPT (raytrain_lm/model.py), token shards (TokenWindows), optimizer and schedule
+the same GPT (raytrain_lm/models/gpt/gpt.py), token shards (TokenWindows), optimizer and schedule
 (raytrain_lm/worker/optim.py), DDP options (raytrain_lm/parallel.py), and per-step work and log cadence as
 raytrain_lm/worker/loop.py: the same .item() and the same two small all-reduces every `log_every` steps,
 validation at `eval_every`, a checkpoint written by rank 0 at `checkpoint_every` and at the end.
@@ -33,7 +33,8 @@ from raytrain_lm.config.load import build_config
 from raytrain_lm.data.manifest import load_manifest
 from raytrain_lm.data.sampler import BatchPlan, BatchStream, eval_batches
 from raytrain_lm.data.windows import TokenWindows, collate_windows
-from raytrain_lm.models.decoder import GPT, flops_per_token
+from raytrain_lm.models import flops_per_token
+from raytrain_lm.models.gpt.gpt import GPT
 from raytrain_lm.worker.metrics import StepTimer, gpu_peak_tflops, mfu, peak_memory_gb
 from raytrain_lm.worker.optim import build_optimizer, lr_at
 
@@ -117,7 +118,7 @@ def main(argv=None) -> None:
     model = GPT(cfg.model).to(device)
     raw_model = model
     n_params = raw_model.num_params()
-    fpt = flops_per_token(cfg.model, raw_model.num_params(exclude_position=True), cfg.seq_len)
+    fpt = flops_per_token(cfg.model, cfg.seq_len)
     ddp_kwargs = dict(gradient_as_bucket_view=not args.no_bucket_view, broadcast_buffers=False,
                       static_graph=args.static_graph)
     if args.bucket_cap_mb is not None:

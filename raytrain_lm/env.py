@@ -16,6 +16,7 @@ CACHE_ENV = "RAYTRAIN_LM_CACHE"  # a node's cache of datasets on shared storage
 CACHE_GB_ENV = "RAYTRAIN_LM_CACHE_GB"  # that cache's bound
 FAULT_ENV = "RAYTRAIN_LM_FAIL_AT"  # the fault drill (worker/drills.py)
 WINDOWS_ENV = "RAYTRAIN_LM_LOG_WINDOWS"  # the window log drill (worker/drills.py)
+NAN_ENV = "RAYTRAIN_LM_NAN_AT"  # the non-finite loss drill (worker/drills.py)
 # Ray's and others' that we read too
 RAY_ADDRESS_ENV = "RAY_ADDRESS"
 RAY_API_SERVER_ENV = "RAY_API_SERVER_ADDRESS"
@@ -56,6 +57,13 @@ def cache_gb(default: float) -> float:
 def fail_at() -> Optional[str]:
     """$RAYTRAIN_LM_FAIL_AT: the fault drill's spec (worker/drills.py), None when off."""
     return _get(FAULT_ENV)
+
+
+def nan_at() -> Optional[int]:
+    """$RAYTRAIN_LM_NAN_AT: the step whose loss the non-finite drill makes nan (worker/drills.py),
+    None when off."""
+    value = _get(NAN_ENV)
+    return int(value) if value else None
 
 
 def log_windows() -> bool:

@@ -1,8 +1,14 @@
-"""The project's own error type: a problem the user can fix, reported as one line."""
+"""The project's own error types, each reported as one line: a problem the user can fix, and a
+run that started but could not go on."""
 
 
 class UserError(Exception):
     """Bad input or environment. The CLI prints `error: <message>` and exits with code 2."""
+
+
+class RunFailed(Exception):
+    """A run that started and stopped short of its end for a reason the message names (its loss
+    became non-finite). The CLI prints `error: <message>` and exits with code 1."""
 
 
 def last_line(error: BaseException) -> str:

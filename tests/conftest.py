@@ -22,7 +22,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # one report at a time: the tests' runs report every few steps of a model whose steps take a few
 # ms (rows to check at given steps), and at the product's 0.5 s poll they would mostly wait for
 # it (a user's reports are paced by time instead: loop.Cadence). The driver passes the poll to
-# the controller as an argument (ray_compat.controller.Polls). A value set outside still wins.
+# the controller as an argument (ray_compat.polls.Polls). A value set outside still wins.
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1")
 
 
@@ -366,7 +366,7 @@ class TrainedHere:
         from raytrain_lm.data.manifest import dataset_tokenizer, load_manifest
         from raytrain_lm.data.prepare import prepare_dataset
         from raytrain_lm.data.windows import TokenWindows
-        from raytrain_lm.models.decoder import build_model
+        from raytrain_lm.models import build_model
         from raytrain_lm.run.preflight import fit_model_to_data
         from raytrain_lm.store.checkpoint_format import save_checkpoint
 

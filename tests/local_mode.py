@@ -148,6 +148,7 @@ def run_local(cfg, *, resume: bool = False, init_from: Optional[str] = None, for
     from ray.train.v2._internal.execution.storage import StorageContext
 
     from raytrain_lm.cluster.connect import free_port
+    from raytrain_lm.errors import RunFailed
     from raytrain_lm.ray_compat.callbacks import KeepBest
     from raytrain_lm.run.driver import Follower, loop_config, previous_summary, run_folder
     from raytrain_lm.run.preflight import check_init_from, prepare_data
@@ -211,7 +212,11 @@ def run_local(cfg, *, resume: bool = False, init_from: Optional[str] = None, for
                     p.kill()
                     p.join()
         checkpoint = next((r["checkpoint"] for r in reversed(follower.log.rows) if r.get("checkpoint")), None)
-        final = follower.write_summary("failed" if error else "completed", checkpoint, error)
+        stopped = follower.stopped(checkpoint) if error is None else None
+        final = follower.write_summary("failed" if error or stopped else "completed", checkpoint,
+                                       error or stopped)
+        if stopped:
+            raise RunFailed(stopped)
         if error is not None:
             raise RuntimeError(error)
         final["run_dir"] = run.display_path()

@@ -5,8 +5,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from raytrain_lm.config.settings import ModelConfig
-from raytrain_lm.models.decoder import build_model
+from raytrain_lm.models import build_model
+from raytrain_lm.models.family import ModelConfig
 from raytrain_lm.parallel.ac import apply_activation_checkpointing
 
 LLAMA = ModelConfig(arch="llama", bias=False, vocab_size=320, block_size=64, n_layer=2, n_head=4,

@@ -13,7 +13,7 @@ import torch
 from conftest import cli_here
 from raytrain_lm.config.load import build_config
 from raytrain_lm.errors import UserError
-from raytrain_lm.models.decoder import GPT
+from raytrain_lm.models.gpt.gpt import GPT
 from raytrain_lm.store.checkpoint_format import load_checkpoint, load_state, save_checkpoint
 from raytrain_lm.store.storage import sha256_file
 from raytrain_lm.worker.checkpointer import restore_rng

@@ -10,7 +10,7 @@ import ray.cloudpickle
 from ray.train import RunConfig
 
 from raytrain_lm.config.settings import TrainConfig
-from raytrain_lm.ray_compat.controller import Polls
+from raytrain_lm.ray_compat.polls import Polls
 from raytrain_lm.ray_compat.scaling import failure_config, scaling_config
 from raytrain_lm.ray_compat.trainer import Trainer
 

@@ -11,7 +11,7 @@ from conftest import ROOT
 sys.path.insert(0, str(ROOT / "bench"))
 from cpu_peer import RefGPT  # noqa: E402
 from raytrain_lm.config.presets import preset_config  # noqa: E402
-from raytrain_lm.models.decoder import build_model  # noqa: E402
+from raytrain_lm.models import build_model  # noqa: E402
 
 
 @pytest.mark.parametrize("preset", ["tiny", "small"])

@@ -149,7 +149,7 @@ def test_worker_groups_count_restarts_and_say_why_a_size_changed():
 
 def test_a_checkpoint_is_committed_data_first_record_then_meta(tmp_path):
     """The order uploads copy a rank's files in: a copy cut short has no record and is skipped."""
-    from raytrain_lm.models.decoder import GPT
+    from raytrain_lm.models.gpt.gpt import GPT
     from raytrain_lm.store.checkpoint_format import commit_checkpoint, read_meta, save_checkpoint
     from raytrain_lm.worker.optim import build_optimizer
 

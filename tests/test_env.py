@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 
 import raytrain_lm
-from raytrain_lm.run.driver import report_poll_seconds
+from raytrain_lm.ray_compat.polls import report_poll_seconds
 
 PACKAGE = Path(raytrain_lm.__file__).parent
 # a read: os.environ.get / os.environ[...] not assigned to / os.getenv / "in os.environ"

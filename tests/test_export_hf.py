@@ -157,7 +157,7 @@ def test_padded_ids_are_never_generated(trained_here, tmp_path):
     assert run.model.cfg.vocab_size == 256  # bytes need no padding; pad one to 320 to check
     cfg = copy.deepcopy(run.model.cfg)
     cfg.vocab_size = 320
-    from raytrain_lm.models.decoder import GPT
+    from raytrain_lm.models.gpt.gpt import GPT
 
     model = GPT(cfg).eval()
     state = {k: v.clone() for k, v in run.model.state_dict().items()}
@@ -178,7 +178,7 @@ def test_export_refusals(trained_here, exported, tmp_path):
     import copy
 
     from raytrain_lm.errors import UserError
-    from raytrain_lm.models.decoder import GPT
+    from raytrain_lm.models.gpt.gpt import GPT
 
     run = trained_here["bpe"]
     cfg = copy.deepcopy(run.model.cfg)
@@ -197,16 +197,16 @@ def test_export_refusals(trained_here, exported, tmp_path):
 
 
 def test_c_attn_reaches_gpt2_in_its_qkv_order(tmp_path):
-    """Our c_attn rows are head-interleaved (model.py, for tensor parallelism); GPT-2's are
+    """Our c_attn rows are head-interleaved (models/gpt/gpt.py, for tensor parallelism); GPT-2's are
     [q; k; v]. Same shapes, so a missing or wrong-way permutation loads silently in transformers:
     only the logits tell. An untrained model with random biases (every row distinct), 4 heads
     (with 1 head the layouts coincide; with 3 the permutation is its own inverse)."""
     from transformers import GPT2LMHeadModel
 
-    from raytrain_lm.config.settings import ModelConfig
     from raytrain_lm.data.tokenizer import ByteTokenizer
-    from raytrain_lm.models.decoder import GPT, qkv_gpt2_to_interleaved
-    from raytrain_lm.results.export import c_attn_to_gpt2
+    from raytrain_lm.models.family import ModelConfig
+    from raytrain_lm.models.gpt.gpt import GPT
+    from raytrain_lm.models.gpt.hf_gpt import qkv_gpt2_to_interleaved, qkv_interleaved_to_gpt2
 
     cfg = ModelConfig(n_layer=2, n_head=4, n_embd=32, block_size=16, vocab_size=256, bias=True,
                       dropout=0.0)
@@ -216,7 +216,7 @@ def test_c_attn_reaches_gpt2_in_its_qkv_order(tmp_path):
             if name.endswith(".bias"):
                 p.normal_(0, 0.5, generator=torch.Generator().manual_seed(len(name)))
     rows = torch.arange(3 * 32)
-    assert torch.equal(c_attn_to_gpt2(qkv_gpt2_to_interleaved(rows, 4), 4), rows)  # inverse
+    assert torch.equal(qkv_interleaved_to_gpt2(qkv_gpt2_to_interleaved(rows, 4), 4), rows)  # inverse
     export_hf(model.state_dict(), cfg, ByteTokenizer(), tmp_path / "hf")
     hf = GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
     idx = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(4))

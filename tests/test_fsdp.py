@@ -10,7 +10,7 @@ import pytest
 from conftest import SMALL_SETTINGS, SMALL_STEPS, row_losses, small_config, step_losses
 from local_mode import run_local
 from raytrain_lm.config.load import build_config
-from raytrain_lm.models.decoder import GPT
+from raytrain_lm.models.gpt.gpt import GPT
 from raytrain_lm.run.driver import run_training
 from raytrain_lm.store.checkpoint_format import load_checkpoint
 

@@ -84,8 +84,8 @@ def test_force_reaches_the_workers(tmp_path, monkeypatch):
     the device's memory is refused with the config of a trainer built without --force, and
     goes through with one built with it."""
     from raytrain_lm.run.driver import build_trainer
-    from raytrain_lm.run.preflight import check_device_memory
     from raytrain_lm.store.storage import RunFolder
+    from raytrain_lm.worker.metrics import check_device_memory
 
     cfg = build_config(flags=dict(storage=str(tmp_path), name="r", use_gpu=True, workers=1),
                        sets=BEYOND_80GB)
@@ -116,7 +116,7 @@ def fake_device_memory(monkeypatch, total: float) -> None:
 
 def test_a_gpu_worker_refuses_a_plan_beyond_its_device_memory(monkeypatch):
     """On a GPU its real memory; without one, an 80 GB card's reported properties."""
-    from raytrain_lm.run.preflight import check_device_memory
+    from raytrain_lm.worker.metrics import check_device_memory
 
     fake_device_memory(monkeypatch, 80e9)
     cfg = build_config(flags=dict(use_gpu=True, workers=1), sets=BEYOND_80GB)

@@ -11,7 +11,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from raytrain_lm.parallel.mesh import DIMS, build_mesh
+from raytrain_lm.config.layout import Layout
+from raytrain_lm.parallel.mesh import build_mesh
 
 WORLD = timedelta(minutes=45)
 
@@ -20,9 +21,11 @@ def _rank(rank: int, port: int, out) -> None:
     store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=WORLD)
     try:
-        mesh = build_mesh(torch.device("cpu"), tp=2)  # pp and dp: groups of one rank each
+        layout = Layout(dp=1, tp=2, pp=1, strategy="ddp", ac="none", sp=False, schedule="-",
+                        micro_batch=1, microbatches=1, seq_len=8)
+        mesh = build_mesh(torch.device("cpu"), layout)  # pp and dp: groups of one rank each
         out.put({dim: mesh.get_group(dim)._get_backend(torch.device("cpu")).options._timeout
-                 for dim in DIMS})
+                 for dim in mesh.mesh_dim_names})
     finally:
         dist.destroy_process_group()
 
@@ -39,4 +42,4 @@ def test_every_mesh_dim_group_has_the_world_groups_timeout():
     got = [out.get(timeout=60) for _ in procs]
     for p in procs:
         p.join(timeout=60)
-    assert got == [{dim: WORLD for dim in DIMS}] * 2
+    assert got == [{dim: WORLD for dim in ("pp", "dp", "tp")}] * 2

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from raytrain_lm.config.settings import ModelConfig
-from raytrain_lm.models.decoder import build_model, init_device
+from raytrain_lm.models import build_model
+from raytrain_lm.models.decoder import init_device
+from raytrain_lm.models.family import ModelConfig
 from raytrain_lm.parallel.init import materialize_
 
 

@@ -1,7 +1,8 @@
-"""The code layout's rules (docs/architecture.md), checked without Ray: the driver-side packages
-import no torch, Ray's private modules are imported only where the code says it depends on them,
-our modules import each other without a cycle, no module grows past a screenful of screens, and no
-two modules share a name."""
+"""The code layout's rules (docs/architecture.md), checked without Ray: packages import only the
+layers below them (LAYERS, function-level imports included, no exceptions), only leaves sit at
+the root, the driver-side packages import no torch, Ray's private modules are imported only where
+the code says it depends on them, our modules import each other without a cycle, no module grows
+past a screenful of screens, and no two modules share a name."""
 
 from __future__ import annotations
 
@@ -12,15 +13,43 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+from raytrain_lm.models import FAMILIES
+
 ROOT = Path(__file__).resolve().parent.parent
 PKG = ROOT / "raytrain_lm"
 
+# The packages and root modules, lowest first: each imports only from the levels below its own (and
+# from itself); two packages of one level import neither of each other. What both sides of a seam
+# use (the driver and the workers; our code and Ray's private API) lives below both.
+LAYERS = [
+    ("errors", "env"),  # leaves: import nothing of ours
+    ("console",),  # the terminal (env)
+    ("models",),  # what a model is: its settings, its family's answers, its decoder
+    ("config",),  # what a run is: settings, presets, checks, the layout, the workers' inputs
+    ("store",),  # every byte on disk: files, runs, checkpoints, the metrics row, the summary
+    ("data",),  # corpora, tokenizers, shards, the workers' loaders
+    ("plan",),  # layouts' memory, traffic and time; the GPU table
+    ("parallel",),  # builds the model as a rank holds it, from a Layout and the family's plan
+    ("worker",),  # what runs inside a Ray Train worker
+    ("ray_compat", "cluster"),  # our code on Ray's private API; reaching and running clusters
+    ("track",),  # experiment tracking from the driver (MLflow, W&B): runs, sweeps, evaluate use it
+    ("run",),  # the driver side of a run
+    ("results",),  # what a run gives afterwards
+    ("tune",),  # sweeps and lr-find, built on runs and results
+    ("cli",),  # the commands
+]
+LEAVES = LAYERS[0] + LAYERS[1]  # the only modules at the root
+LEVEL = {name: i for i, level in enumerate(LAYERS) for name in level}
+
 # Packages (and modules) that run on the driver or in Ray's controller: importing any of their
 # modules must not import torch. store/checkpoint_format.py is the checkpoint format (torch.save and
-# torch.distributed.checkpoint), read and written by workers, `generate` and `export` only.
-TORCH_FREE = ("cli", "config", "run", "ray_compat", "plan", "store", "cluster", "tune", "track",
-              "errors", "console", "data.tokenizer", "results.tables", "results.plots")
-TORCH_FREE_EXCEPT = {"raytrain_lm.store.checkpoint_format"}
+# torch.distributed.checkpoint), read and written by workers, `generate` and `export` only. In
+# models/ every module but the decoders (decoder.py and each family's, Family.decoder): the
+# checks, the planner and the driver ask the families without torch.
+TORCH_FREE = ("cli", "config", "run", "ray_compat", "plan", "store", "cluster", "tune", "track", "models",
+              "errors", "env", "console", "data.tokenizer", "results.tables", "results.plots")
+TORCH_FREE_EXCEPT = {"raytrain_lm.store.checkpoint_format", "raytrain_lm.models.decoder",
+                     *(f.decoder.partition(":")[0] for f in FAMILIES.values())}
 # Where Ray's private API (`ray._private`, `ray.train.v2._internal`, ...) may be imported.
 RAY_PRIVATE_OK = ("ray_compat", "cluster")
 MAX_LINES = 400
@@ -186,11 +215,49 @@ def test_no_module_level_import_cycle():
 
 def test_no_import_cycle_even_through_functions():
     """Nor through imports inside functions or TYPE_CHECKING blocks, which hide a cycle from
-    Python but not from a reader (config -> checks -> elastic -> config was one). One exception:
-    model.py picks either decoder (`architecture`), and llama.py builds on model.py."""
-    graph = module_graph(top_level_only=False)
-    graph["raytrain_lm.models.decoder"].discard("raytrain_lm.models.llama.llama")
-    assert find_cycle(graph) == []
+    Python but not from a reader (config -> checks -> elastic -> config was one). No exception."""
+    assert find_cycle(module_graph(top_level_only=False)) == []
+
+
+def layer(module: str) -> str:
+    """The LAYERS entry a module of ours belongs to: its package, or itself at the root."""
+    return module.split(".")[1]
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Every import of `graph` (module -> modules it imports) that does not point down LAYERS:
+    into a package of its own level or above. A package missing from LAYERS counts as above all."""
+    bad = []
+    for module, imported in sorted(graph.items()):
+        for other in sorted(imported):
+            mine, theirs = layer(module), layer(other)
+            if mine != theirs and LEVEL.get(theirs, len(LAYERS)) >= LEVEL.get(mine, -1):
+                bad.append(f"{module} -> {other}")
+    return bad
+
+
+def test_imports_point_down_the_layers():
+    """Every import of our modules (at module level, in functions, under TYPE_CHECKING) reaches
+    only the layers below its package's, or its own package; every package and root module has
+    its place in LAYERS, and only leaves sit at the root."""
+    assert upward_imports(module_graph(top_level_only=False)) == []
+    entries = {layer(name) for name in MODULES if name != "raytrain_lm"}
+    assert entries <= set(LEVEL), entries - set(LEVEL)
+    roots = {name.removeprefix("raytrain_lm.") for name, path in MODULES.items()
+             if path.parent == PKG and path.name != "__init__.py"}
+    assert roots <= set(LEAVES), roots - set(LEAVES)
+
+
+def test_the_layer_check_sees_an_upward_import():
+    """The check names an import into a higher layer, into a package of the same level, and
+    into a package LAYERS does not place; imports down and within a package pass."""
+    graph = {"raytrain_lm.config.checks": {"raytrain_lm.worker.loop", "raytrain_lm.models.family",
+                                           "raytrain_lm.config.layout"},
+             "raytrain_lm.cluster.jobs": {"raytrain_lm.ray_compat.trainer"},
+             "raytrain_lm.run.driver": {"raytrain_lm.newpkg.x", "raytrain_lm.errors"}}
+    assert upward_imports(graph) == ["raytrain_lm.cluster.jobs -> raytrain_lm.ray_compat.trainer",
+                                     "raytrain_lm.config.checks -> raytrain_lm.worker.loop",
+                                     "raytrain_lm.run.driver -> raytrain_lm.newpkg.x"]
 
 
 def test_no_module_over_400_lines():

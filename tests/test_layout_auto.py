@@ -5,10 +5,11 @@ session's CPU cluster."""
 import pytest
 
 from raytrain_lm.config.checks import validate
+from raytrain_lm.config.layout import Layout
 from raytrain_lm.config.load import build_config
 from raytrain_lm.errors import UserError
-from raytrain_lm.plan import config_layout, estimate_layout
-from raytrain_lm.plan.auto import apply_layout, auto_cluster, choose_layout, cluster_shape
+from raytrain_lm.plan.auto import auto_cluster, choose_layout, cluster_shape
+from raytrain_lm.plan.estimate import estimate_layout
 
 SETS = ["model.n_layer=4", "model.n_head=4", "model.n_embd=64", "model.block_size=64",
         "model.vocab_size=256"]
@@ -23,11 +24,11 @@ def test_auto_applies_the_planners_best_layout():
     cfg = cfg_of()
     cl = auto_cluster(cfg, 4, 8.0)
     best, why = choose_layout(cfg, cl)
-    apply_layout(cfg, best.layout)
+    best.layout.apply(cfg)
     validate(cfg)  # train accepts it
-    assert config_layout(cfg) == best.layout  # what train builds is what was planned
+    assert Layout.of(cfg) == best.layout  # what train builds is what was planned
     assert cfg.workers * cfg.batch_size * cfg.grad_accum == 16 or cfg.pp > 1
-    assert config_layout(cfg).dp * config_layout(cfg).sequences == 16  # the global batch kept
+    assert Layout.of(cfg).dp * Layout.of(cfg).sequences == 16  # the global batch kept
     assert "fastest of the" in why and estimate_layout(cfg.model, best.layout, cl).fits
 
 

@@ -13,9 +13,9 @@ import torch.nn.functional as F
 from conftest import batches_as_read, cli_here, save_hf_llama
 from raytrain_lm.config.load import build_config
 from raytrain_lm.config.presets import preset_config
-from raytrain_lm.config.settings import ModelConfig
 from raytrain_lm.errors import UserError
-from raytrain_lm.models.decoder import architecture, build_model
+from raytrain_lm.models import build_model, decoder_class
+from raytrain_lm.models.family import ModelConfig
 from test_cli_errors import assert_clean_error
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # nothing may be fetched from a hub
@@ -44,7 +44,7 @@ def test_presets_have_the_published_shapes(preset):
     """Meta's multiple_of rule gives the published intermediate sizes, and the model built on
     the meta device has the published parameter count (the issue asks for 0.5%; it is exact), as
     has the planner's count."""
-    from raytrain_lm.plan import param_counts
+    from raytrain_lm.models import family
 
     m = preset_config(preset).model
     params, hidden = PUBLISHED[preset]
@@ -52,7 +52,7 @@ def test_presets_have_the_published_shapes(preset):
     with torch.device("meta"):
         model = build_model(m)
     assert model.num_params() == pytest.approx(params, rel=0.005)
-    assert model.num_params() == param_counts(m)["total"] == params
+    assert model.num_params() == family(m).counts(m).total == params
 
 
 def hf_twin(model, attn="sdpa"):
@@ -64,7 +64,7 @@ def hf_twin(model, attn="sdpa"):
 
     cfg = model.cfg
     hf = LlamaForCausalLM(LlamaConfig(**hf_llama.hf_config(cfg, cfg.vocab_size, None)))
-    hf.load_state_dict(hf_llama.to_hf(model.state_dict(), cfg.vocab_size), strict=True)
+    hf.load_state_dict(hf_llama.to_hf(model.state_dict(), cfg, cfg.vocab_size), strict=True)
     hf.config._attn_implementation = attn
     return hf.eval()
 
@@ -112,7 +112,7 @@ def test_rotary_tables_are_shared_recomputed_and_never_saved():
     assert all(b.attn.rope is model.rope for b in model.h)
     assert not any("rope" in k for k in model.state_dict())
     idx = torch.randint(0, 320, (2, 32), generator=torch.Generator().manual_seed(5))
-    loaded = architecture(SMALL).from_state_dict(SMALL, model.state_dict()).eval()
+    loaded = decoder_class(SMALL).from_state_dict(SMALL, model.state_dict()).eval()
     with torch.device("meta"):
         sharded = build_model(SMALL)
     materialize_(sharded, SMALL, seed=2)  # meta -> to_empty -> tables and initial values
@@ -171,16 +171,17 @@ def with_model(cfg, **model):
 
 
 def test_init_from_hf_next_step_loss_is_the_hf_models(hf_llama):
-    """The weights --init-from loads into the model as a rank holds it (hf_llama.load_weights,
-    the worker's call): its loss on a training batch is transformers' on the same batch."""
+    """The weights --init-from loads into the model as a rank holds it (the worker's
+    checkpointer.load_hf_weights): its loss on a training batch is transformers' on the same
+    batch."""
     from types import SimpleNamespace
 
-    from raytrain_lm.models.llama import hf_llama as hf_io
+    from raytrain_lm.worker.checkpointer import load_hf_weights
 
     folder, hf, run = hf_llama
     cfg = with_model(run.cfg, vocab_size=1000)
     model = build_model(cfg.model, seed=0)
-    hf_io.load_weights(folder, SimpleNamespace(parts=[model]))
+    load_hf_weights(folder, SimpleNamespace(parts=[model]))
     x, y = batches_as_read(cfg).next()
     with torch.no_grad():
         ours = model(x, y)[1].item()
@@ -192,32 +193,32 @@ def test_init_from_hf_checks_shape_and_tokenizer(hf_llama, tmp_path):
     """Before any worker starts: the shape (with the settings that would match), the vocabulary,
     the tokenizer (byte for byte the dataset's) and what llama.py cannot compute."""
     from raytrain_lm.data.manifest import load_manifest
-    from raytrain_lm.models.llama import hf_llama as hf_io
+    from raytrain_lm.run.preflight import check_hf_init_from
 
     folder, _, run = hf_llama
     manifest = load_manifest(run.data)
     cfg = with_model(run.cfg, vocab_size=1000)
-    assert hf_io.check_init_from(folder, cfg.model, manifest) == str(folder.resolve())
+    assert check_hf_init_from(folder, cfg.model, manifest) == str(folder.resolve())
     with pytest.raises(UserError, match=r"vocab_size: 1000 vs 1024\).*--set model.vocab_size=1000"):
-        hf_io.check_init_from(folder, run.cfg.model, manifest)  # the padded vocabulary
+        check_hf_init_from(folder, run.cfg.model, manifest)  # the padded vocabulary
     wide = with_model(run.cfg, vocab_size=1000, n_kv_head=4)
     with pytest.raises(UserError, match="n_kv_head: 2 vs 4"):
-        hf_io.check_init_from(folder, wide.model, manifest)
+        check_hf_init_from(folder, wide.model, manifest)
     other = tmp_path / "other"
     other.mkdir()
     for f in folder.iterdir():
         (other / f.name).write_bytes(f.read_bytes())
     (other / "tokenizer.json").write_bytes(run.tok.raw.replace(b'"<|endoftext|>"', b'"<|end|>"'))
     with pytest.raises(UserError, match="not the dataset's tokenizer"):
-        hf_io.check_init_from(other, cfg.model, manifest)
+        check_hf_init_from(other, cfg.model, manifest)
     config = json.loads((folder / "config.json").read_text())
     (other / "config.json").write_text(json.dumps({**config, "rope_parameters": {
         "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0}}))
     with pytest.raises(UserError, match="rope_type 'llama3'"):
-        hf_io.check_init_from(other, cfg.model, manifest)
+        check_hf_init_from(other, cfg.model, manifest)
     (other / "config.json").write_text(json.dumps({**config, "model_type": "mistral"}))
     with pytest.raises(UserError, match="holds a 'mistral' model"):
-        hf_io.check_init_from(other, cfg.model, manifest)
+        check_hf_init_from(other, cfg.model, manifest)
 
 
 def test_train_refuses_an_hf_folder_of_another_shape_in_one_line(hf_llama, tmp_path):
@@ -231,12 +232,12 @@ def test_train_refuses_an_hf_folder_of_another_shape_in_one_line(hf_llama, tmp_p
 def test_an_export_imports_back(trained_here, tmp_path):
     """ours -> Hugging Face -> ours: the weights come back (the padding rows of the vocabulary
     aside, which the export drops)."""
-    from raytrain_lm.models.llama import hf_llama as hf_io
     from raytrain_lm.results.export import export_hf
+    from raytrain_lm.worker.checkpointer import hf_weights
 
     run = trained_here["llama"]
     export_hf(run.model.state_dict(), run.cfg.model, run.tok, tmp_path / "hf")
-    back = hf_io.read_weights(tmp_path / "hf")
+    back = hf_weights(tmp_path / "hf")
     V = run.tok.vocab_size
     for name, t in run.model.state_dict().items():
         assert torch.equal(back[name], t[:V] if name in ("wte.weight", "lm_head.weight") else t), name
@@ -248,12 +249,13 @@ def test_an_export_imports_back(trained_here, tmp_path):
 def test_plan_prints_the_seeds_arithmetic():
     """`plan --preset llama2-70b`: the exact parameter count, its fp32 bytes (the seed's "280
     GB"), x4 with gradients and AdamW's moments, and what each layout leaves per GPU."""
-    from raytrain_lm.plan import param_counts
+    from raytrain_lm.models import family
 
     r = cli_here("plan", "--preset", "llama2-70b", "--gpus", "64", "--gpus-per-node", "8",
                 "--gpu-memory-gb", "80")
     assert r.returncode == 0, r.stderr
-    n = param_counts(preset_config("llama2-70b").model)["total"]
+    m = preset_config("llama2-70b").model
+    n = family(m).counts(m).total
     assert f"{n:,} parameters" in r.stdout
     assert f"fp32 weights {4 * n / 2**30:,.1f} GiB" in r.stdout and f"x4 = {16 * n / 2**30:,.1f} GiB" in r.stdout
     assert "state GiB" in r.stdout and "recommendation: --tp" in r.stdout
@@ -262,18 +264,20 @@ def test_plan_prints_the_seeds_arithmetic():
 def test_the_planner_counts_the_llama_as_built():
     """Per tp rank every matrix splits (q/k/v/o, gate/up/down, embedding, head), the RMSNorms
     stay whole; a pipeline's last stage holds the untied head, not a copy of the embedding."""
-    from raytrain_lm.plan import Stage, matmul_params, stage_params, tp_param_counts
+    from raytrain_lm.models import family
+    from raytrain_lm.plan.stages import StageShape, stage_params
 
     m = SMALL
-    p1, p2 = tp_param_counts(m, 1), tp_param_counts(m, 2)
+    p1, p2 = family(m).tp_counts(m, 1), family(m).tp_counts(m, 2)
     model = build_model(m, seed=0)
     block = sum(t.numel() for t in model.h[0].parameters())
     assert p1["block"] == block and p2["block"] == (block - 2 * 64) / 2 + 2 * 64
-    assert stage_params(p1, Stage(2, True, True)) == model.num_params()
-    assert stage_params(p1, Stage(0, False, True)) == 64 + 320 * 64  # ln_f + head
-    assert matmul_params(m) == model.matmul_params() == model.num_params() - 320 * 64
+    assert stage_params(p1, StageShape(2, True, True)) == model.num_params()
+    assert stage_params(p1, StageShape(0, False, True)) == 64 + 320 * 64  # ln_f + head
+    assert family(m).matmul_params(m) == model.num_params() - 320 * 64
     with pytest.raises(UserError, match=r"model.n_kv_head \(2\)"):
-        from raytrain_lm.plan import Cluster, plan
+        from raytrain_lm.plan.estimate import plan
+        from raytrain_lm.plan.hardware import Cluster
         plan(m, Cluster(gpus=4, gpus_per_node=4), 4, 64, tp=4)
 
 
@@ -322,26 +326,28 @@ def test_native_export_of_a_llama_loads_into_llama_py(trained_here, tmp_path):
 
 
 def test_llama_py_stays_free_of_torch_distributed_and_the_driver_of_torch(hf_llama):
-    """llama.py, like model.py, imports nothing from torch.distributed; the driver's checks of an
-    HF folder (preflight -> hf_llama) import no torch at all."""
+    """llama.py, like every module of models/, imports nothing from torch.distributed; the
+    driver's check of an HF folder (preflight.check_hf_init_from) imports no torch at all."""
     import ast
     import subprocess
     import sys
 
     from conftest import ROOT
 
-    for path in ("raytrain_lm/models/llama/llama.py", "raytrain_lm/models/decoder.py"):
-        tree = ast.parse((ROOT / path).read_text())
+    paths = sorted((ROOT / "raytrain_lm" / "models").rglob("*.py"))
+    assert ROOT / "raytrain_lm/models/llama/llama.py" in paths
+    for path in paths:
+        tree = ast.parse(path.read_text())
         names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
         names += [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module]
         assert not [n for n in names if n.startswith("torch.distributed")], path
     folder, _, run = hf_llama
-    code = ("import sys; from raytrain_lm.config.load import build_config; "
-            "from raytrain_lm.data.manifest import load_manifest; from raytrain_lm.models.llama import hf_llama; "
-            f"cfg = build_config(preset='llama-tiny', sets=['model.vocab_size=1000']); "
-            f"hf_llama.is_hf_folder({str(folder)!r}) and hf_llama.model_fields("
-            f"hf_llama.read_config({str(folder)!r}), 'x'); "
-            f"hf_llama.tokenizer_sha256(load_manifest({str(run.data)!r})); "
+    saved = json.dumps(with_model(run.cfg, vocab_size=1000).to_dict())
+    code = ("import sys; from raytrain_lm.config.settings import TrainConfig; "
+            "from raytrain_lm.data.manifest import load_manifest; "
+            "from raytrain_lm.run.preflight import check_hf_init_from; "
+            f"import json; cfg = TrainConfig.from_dict(json.loads({saved!r})); "
+            f"check_hf_init_from({str(folder)!r}, cfg.model, load_manifest({str(run.data)!r})); "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                          env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT)

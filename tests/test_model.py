@@ -1,8 +1,9 @@
 import torch
 
 from raytrain_lm.config.presets import preset_config
-from raytrain_lm.config.settings import ModelConfig
-from raytrain_lm.models.decoder import GPT, flops_per_token
+from raytrain_lm.models import family, flops_per_token
+from raytrain_lm.models.family import ModelConfig
+from raytrain_lm.models.gpt.gpt import GPT
 
 
 def small_model(**kw):
@@ -63,8 +64,8 @@ def test_flops_of_the_tiny_preset():
     cfg.vocab_size = 256
     model = GPT(cfg)
     assert model.num_params() == 858_880
-    assert model.num_params(exclude_position=True) == 826_112
-    assert flops_per_token(cfg, 826_112, 128) == 5_743_104
+    assert family(cfg).matmul_params(cfg) == model.num_params() - model.wpe.weight.numel() == 826_112
+    assert flops_per_token(cfg, 128) == 5_743_104
 
 
 def test_sampling_never_returns_an_id_the_tokenizer_cannot_decode():

@@ -171,12 +171,12 @@ def test_a_sharded_llama_checkpoint_loads_in_one_process(runs, storage, pydoc_da
     from raytrain_lm.config.settings import TrainConfig
     from raytrain_lm.data.loaders import Validation
     from raytrain_lm.data.tokenizer import ByteTokenizer
-    from raytrain_lm.models.decoder import architecture
+    from raytrain_lm.models import decoder_class
     from raytrain_lm.store.checkpoint_format import load_checkpoint
 
     state = load_checkpoint(storage / "llama-tp2" / f"checkpoint_{STEPS:08d}")
     cfg = TrainConfig.from_dict(state["config"])
-    model = architecture(cfg.model).from_state_dict(cfg.model, state["model"]).eval()
+    model = decoder_class(cfg.model).from_state_dict(cfg.model, state["model"]).eval()
     total, tokens = 0.0, 0
     with torch.no_grad():
         for x, y in validation_as_read(cfg, ByteTokenizer().text_byte_lengths()):

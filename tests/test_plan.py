@@ -9,32 +9,20 @@ import pytest
 import torch
 
 from conftest import cli_here, run_cli
+from raytrain_lm.config.layout import Layout
 from raytrain_lm.config.load import build_config
 from raytrain_lm.config.presets import preset_config
-from raytrain_lm.config.settings import ModelConfig
 from raytrain_lm.errors import UserError
-from raytrain_lm.models.decoder import GPT
-from raytrain_lm.models.decoder import flops_per_token as model_flops_per_token
-from raytrain_lm.plan import (
-    GIB,
-    Cluster,
-    Layout,
-    bubble,
-    chunks_in_flight,
-    config_layout,
-    estimate,
-    estimate_layout,
-    flops_per_token,
-    param_counts,
-    plan,
-    rank_comm,
-    rank_memory,
-    rank_stages,
-    recommendation,
-    ring_bytes,
-    tp_param_counts,
-)
-from raytrain_lm.run.preflight import check_memory
+from raytrain_lm.models import family, flops_per_token
+from raytrain_lm.models.family import ModelConfig
+from raytrain_lm.models.gpt.gpt import GPT
+from raytrain_lm.plan.comm import rank_comm, ring_bytes
+from raytrain_lm.plan.estimate import bubble, estimate, estimate_layout, plan
+from raytrain_lm.plan.fit import check_memory
+from raytrain_lm.plan.hardware import GIB, Cluster
+from raytrain_lm.plan.memory import chunks_in_flight, rank_memory
+from raytrain_lm.plan.printout import recommendation
+from raytrain_lm.plan.stages import rank_stages
 from test_cli_errors import assert_clean_error
 
 # A 2-layer model small enough to count by hand: width h=8, 2 heads, vocabulary V=16, context T=8,
@@ -55,18 +43,18 @@ def test_parameter_count_matches_the_model(preset):
     cfg = preset_config(preset).model
     cfg.vocab_size = cfg.vocab_size or 256
     with torch.device("meta"):
-        assert param_counts(cfg)["total"] == GPT(cfg).num_params()
+        assert family(cfg).counts(cfg).total == GPT(cfg).num_params()
 
 
 def test_tensor_parallel_shard_of_a_block():
     m = ModelConfig(vocab_size=16, block_size=8, n_layer=2, n_head=2, n_embd=8, bias=True)
-    p1 = tp_param_counts(m, 1)
-    assert p1["block"] == param_counts(m)["block"]
-    assert p1["wte"] + p1["wpe"] + p1["ln_f"] == param_counts(m)["root"]
+    p1, counts = family(m).tp_counts(m, 1), family(m).counts(m)
+    assert p1["block"] == counts.block
+    assert p1["wte"] + p1["wpe"] + p1["ln_f"] == counts.root
     # By hand at tp=2, h=8: c_attn (3*64 + 24)/2 = 108, c_fc (4*64 + 32)/2 = 144, attn.c_proj
     # weight 64/2 = 32 + bias 8 (whole), mlp.c_proj weight 256/2 = 128 + bias 8 (whole), two
     # LayerNorms 2 * 16 = 32 (whole): 460. wte 16*8/2 = 64, wpe 8*8/2 = 32, ln_f 16.
-    assert tp_param_counts(m, 2) == {"block": 460, "wte": 64, "wpe": 32, "ln_f": 16}
+    assert family(m).tp_counts(m, 2) == {"block": 460, "wte": 64, "wpe": 32, "ln_f": 16}
 
 
 def test_memory_of_tp2_pp2_fsdp2_by_hand():
@@ -122,7 +110,6 @@ def test_op_checkpointing_counted_by_hand():
     tests/test_ac.py counts them in torch): the GPT's attention output projection (h x h), the
     Llama's k, o and up projections; it keeps the Llama's block input and down output whole and
     the q, v, attention and gate outputs divided."""
-    from raytrain_lm.config.layout import activation_split
     from raytrain_lm.plan.estimate import recompute_flops_per_token
 
     assert recompute_flops_per_token(TINY, "op", 8) == 2 * 2 * 8 * 8
@@ -130,8 +117,9 @@ def test_op_checkpointing_counted_by_hand():
                         n_head=4, n_kv_head=2, n_embd=64, multiple_of=32)
     kv, f = 2 * 16, llama.hidden_dim  # k/v width: 2 kv heads of 16
     assert recompute_flops_per_token(llama, "op", 64) == 2 * 2 * (64 * kv + 64 * 64 + 64 * f)
-    assert activation_split(llama, "op") == (2, 1 + 0.5 + 1 + f / 64)
-    assert sum(activation_split(llama, "op")) < sum(activation_split(llama, "selective"))
+    split = family(llama).activation_split
+    assert split(llama, "op") == (2, 1 + 0.5 + 1 + f / 64)
+    assert sum(split(llama, "op")) < sum(split(llama, "selective"))
 
 
 def test_data_parallel_memory_and_comm_by_hand():
@@ -218,10 +206,14 @@ def test_interleaved_in_flight_matches_torchs_schedule():
 
 
 def test_flops_match_the_model():
+    """The one FLOPs count (models.flops_per_token, the planner's and the loop's MFU) is PaLM's
+    6N + 12 L H Q T with N the built model's matmul parameters: all but the positions."""
     m = preset_config("gpt2").model
     m.vocab_size = 50304
-    n = param_counts(m)["total"] - m.block_size * m.n_embd  # as loop.py counts them
-    assert flops_per_token(m, 1024) == model_flops_per_token(m, n, 1024)
+    with torch.device("meta"):
+        model = GPT(m)
+    n = model.num_params() - model.wpe.weight.numel()
+    assert flops_per_token(m, 1024) == 6 * n + 12 * m.n_layer * m.n_embd * 1024
 
 
 def test_step_time_by_hand():
@@ -276,7 +268,7 @@ def test_a_pipeline_runs_at_the_pace_of_the_rank_with_the_head(ac):
 def test_70b_on_64_h100s_needs_sharding_and_keeps_tp_in_a_node():
     m = preset_config("gpt-70b").model
     m.vocab_size = 50304
-    n = param_counts(m)["total"]
+    n = family(m).counts(m).total
     cl = Cluster(gpus=64, gpus_per_node=8, memory_gb=80)
     ranked = plan(m, cl, global_batch=64, seq_len=4096)
     fitting = [e for e in ranked if e.fits]
@@ -310,7 +302,7 @@ def test_config_layout_and_memory_check():
     cfg = build_config(preset="gpt-70b", flags={"workers": 64, "use_gpu": True, "tp": 8, "pp": 2,
                                                 "batch_size": 8, "microbatches": 8,
                                                 "model": {"vocab_size": 50304}})
-    lay = config_layout(cfg)
+    lay = Layout.of(cfg)
     assert (lay.dp, lay.tp, lay.pp, lay.micro_batch, lay.microbatches) == (4, 8, 2, 1, 8)
     check_memory(cfg, 80)  # fits: nothing raised
     with pytest.raises(UserError, match="GiB per worker.*try --tp"):
@@ -407,7 +399,7 @@ def test_train_passes_a_layout_that_fits(tmp_path, pydoc_data):
 
 def gpt2_plan(**kw) -> str:
     """`plan`'s output for GPT-2 on 8 H100s, in process (what the CLI prints)."""
-    from raytrain_lm.plan import plan_command
+    from raytrain_lm.plan.printout import plan_command
 
     cfg = build_config(preset="gpt2", flags={"workers": 8, "model": {"vocab_size": 50304}})
     cluster = kw.pop("cluster", Cluster(gpus=8))
@@ -480,7 +472,7 @@ def test_zero1_broadcast_is_exposed_and_zero2_gathers_once():
 
 
 def test_efficiency_grows_with_matmul_size_and_a_flag_overrides_it():
-    from raytrain_lm.plan import F_HALF, compute_efficiency, matmul_flops
+    from raytrain_lm.plan.efficiency import F_HALF, compute_efficiency, matmul_flops
 
     m = preset_config("gpt2").model
     small, large = (compute_efficiency(m, b, 1024, 1) for b in (1, 64))
@@ -498,7 +490,7 @@ def test_efficiency_grows_with_matmul_size_and_a_flag_overrides_it():
 def test_virtual_stages_any_number():
     """Interleaving v stages per GPU: the bubble (p-1)/(v m + p-1), v m chunks of 1/v of the
     layers, and the layouts tried (v that split the layers evenly, or as asked)."""
-    from raytrain_lm.plan import virtual_stage_counts
+    from raytrain_lm.plan.estimate import virtual_stage_counts
 
     m = ModelConfig(vocab_size=256, block_size=64, n_layer=16, n_head=4, n_embd=64)
     assert virtual_stage_counts(m, 2) == [2, 4, 8]
@@ -522,7 +514,7 @@ def test_global_batch_any_size_a_layout_splits():
 
 
 def test_explain_breaks_the_step_and_the_memory_down():
-    from raytrain_lm.plan import plan_command
+    from raytrain_lm.plan.printout import plan_command
 
     cfg = build_config(preset="gpt-70b", flags={"workers": 64, "model": {"vocab_size": 50304}})
     out = json.loads(plan_command(cfg, Cluster(gpus=64), as_json=True,

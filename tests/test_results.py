@@ -259,7 +259,7 @@ def test_generated_text_looks_like_the_corpus_and_untrained_text_does_not(traine
     """After 120 steps (val loss ~2.4 nats/byte) most samples read like the docs' prose; a model
     of the same shape that has learnt nothing never passes the same criterion."""
     from raytrain_lm.config.settings import TrainConfig
-    from raytrain_lm.models.decoder import GPT
+    from raytrain_lm.models.gpt.gpt import GPT
     from raytrain_lm.results.generate import generate_text, sample
 
     folder = trained[1] / f"checkpoint_{STEPS:08d}"
@@ -363,8 +363,8 @@ def test_export_round_trips_the_weights_bit_exactly(trained, tmp_path):
     for name, tensor in state.items():
         assert weights[name].dtype == tensor.dtype and torch.equal(weights[name], tensor), name
 
-    from raytrain_lm.config.settings import ModelConfig
-    from raytrain_lm.models.decoder import GPT
+    from raytrain_lm.models.family import ModelConfig
+    from raytrain_lm.models.gpt.gpt import GPT
 
     model = GPT(ModelConfig(**config["model"]))
     model.load_state_dict(weights)  # strict: every name present, none extra

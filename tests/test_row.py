@@ -1,5 +1,5 @@
-"""The typed contracts of run/row.py: the metrics row every side spells the same way, and the
-worker's inputs (torch-free, picklable)."""
+"""The typed contracts between the driver and the workers: the metrics row every side spells the
+same way (store/row.py), and the worker's inputs (config/inputs.py; torch-free, picklable)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from pathlib import Path
 import torch
 
 import raytrain_lm
-from raytrain_lm.store.row import CHART_NAMES, ROW_KEYS, WorkerInputs
+from raytrain_lm.config.inputs import WorkerInputs
+from raytrain_lm.store.row import CHART_NAMES, ROW_KEYS
 from raytrain_lm.worker.metrics import Meter
 
 PACKAGE = Path(raytrain_lm.__file__).parent
@@ -52,5 +53,5 @@ def test_the_meters_row_has_only_declared_keys():
 def test_the_worker_inputs_pickle_without_torch():
     inputs = WorkerInputs(train={"lr": 1e-3}, run_name="r", force=True)
     assert pickle.loads(pickle.dumps(inputs)) == inputs
-    code = "import sys, raytrain_lm.store.row; assert 'torch' not in sys.modules"
+    code = "import sys, raytrain_lm.config.inputs, raytrain_lm.store.row; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=PACKAGE.parent)

@@ -22,7 +22,7 @@ def test_an_older_checkpoint_loads_into_this_trees_model(name):
     """Its config.json builds a config here, and its checkpoint's weights fill the model that
     config builds, name for name and shape for shape (strict)."""
     from raytrain_lm.config.settings import TrainConfig
-    from raytrain_lm.models.decoder import build_model
+    from raytrain_lm.models import build_model
     from raytrain_lm.store.checkpoint_format import load_checkpoint
 
     cfg = TrainConfig.from_dict(saved(name))

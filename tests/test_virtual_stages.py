@@ -6,8 +6,8 @@ import pytest
 
 from conftest import step_losses
 from raytrain_lm.config.checks import validate
+from raytrain_lm.config.layout import Layout
 from raytrain_lm.config.load import build_config
-from raytrain_lm.config.sizes import pipeline_stages
 from raytrain_lm.errors import UserError
 
 MODEL = ["model.n_layer=6", "model.n_head=2", "model.n_embd=32", "model.block_size=32",
@@ -25,7 +25,7 @@ def test_virtual_stages_are_checked():
     base = dict(workers=2, pp=2, seq_len=32, batch_size=8, microbatches=4)
     cfg = build_config(sets=MODEL, flags=dict(base, pp_schedule="interleaved-1f1b", virtual_stages=3))
     validate(cfg)
-    assert pipeline_stages(cfg) == 6
+    assert Layout.of(cfg).stages == 6
     with pytest.raises(UserError, match="--virtual-stages needs --pp-schedule interleaved-1f1b"):
         validate(build_config(sets=MODEL, flags=dict(base, virtual_stages=3)))
     with pytest.raises(UserError, match="fewer than the 8 pipeline stages"):

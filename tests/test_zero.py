@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from raytrain_lm.config.load import build_config
-from raytrain_lm.models.decoder import build_model
+from raytrain_lm.models import build_model
 from raytrain_lm.worker.optim import ZeroOneAdamW, build_optimizer, owners
 
 SETS = ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=16",

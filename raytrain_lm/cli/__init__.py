@@ -18,13 +18,13 @@ from raytrain_lm.cli import data, train, results, tune, cluster  # isort: skip  
 from raytrain_lm.cli.app import app
 from raytrain_lm.cluster.connect import quiet_ray_logging
 from raytrain_lm.console import paint
-from raytrain_lm.errors import UserError
+from raytrain_lm.errors import RunFailed, UserError
 
 
 def main() -> None:
     """The one place that turns errors into what the user sees: a UserError or bad usage is one
-    line and exit code 2; anything unexpected is one line and exit code 1, with the traceback
-    only under --verbose."""
+    line and exit code 2; a run that failed (RunFailed) is its one line and exit code 1;
+    anything unexpected is one line and exit code 1, with the traceback only under --verbose."""
     verbose = "--verbose" in sys.argv or "-v" in sys.argv
     if not verbose:
         quiet_ray_logging()
@@ -47,6 +47,11 @@ def main() -> None:
             raise
         err(str(e))
         sys.exit(2)
+    except RunFailed as e:
+        if verbose:
+            raise
+        err(str(e))
+        sys.exit(1)
     except (KeyboardInterrupt, typer.Abort):
         typer.echo("interrupted", err=True)
         sys.exit(130)

@@ -19,13 +19,13 @@ from typing import Any, Callable, List, Optional
 import typer
 
 from raytrain_lm.config.presets import PRESETS
-from raytrain_lm.config.settings import TrainConfig, setting_fields
-from raytrain_lm.store.files import STORAGE_ENV, default_storage
+from raytrain_lm.config.settings import TrainConfig, default_storage, setting_fields
+from raytrain_lm.env import STORAGE_ENV
 
 VERBOSE = typer.Option(False, "--verbose", "-v", help="Show Ray's logs and full tracebacks.")
 QUIET = typer.Option(False, "--quiet", "-q", help="No progress lines, only the result.")
 JSON = typer.Option(False, "--json", help="Print the result as JSON (nothing else on stdout).")
-CONFIG = typer.Option(None, help="YAML/TOML/JSON file of settings.")
+CONFIG_FILE = typer.Option(None, help="YAML/TOML/JSON file of settings.")
 SET = typer.Option(None, "--set", help="Override any setting: key=value, e.g. model.n_layer=6.")
 TRACK = typer.Option(None, "--track", metavar="mlflow|wandb", help="Send the run to MLflow or Weights & "
                      "Biases from the driver: config, every metrics row, summary, curves, status "

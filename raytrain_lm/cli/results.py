@@ -135,7 +135,7 @@ def export(
     model: str = MODEL_ARG,
     out: str = typer.Option(..., help="Local folder to write the model into."),
     format: str = typer.Option("native", "--format", help="native: model.safetensors + "
-                               "config.json for plain PyTorch and model.py; hf: a Hugging Face "
+                               "config.json for plain PyTorch and models/; hf: a Hugging Face "
                                "GPT-2 folder (AutoModelForCausalLM / AutoTokenizer load it)."),
     best: bool = BEST,
     force: bool = typer.Option(False, help="Replace --out if it exists."),

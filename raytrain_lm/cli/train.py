@@ -10,7 +10,7 @@ import typer
 
 from raytrain_lm.cli.app import app, examples
 from raytrain_lm.cli.options import (
-    CONFIG,
+    CONFIG_FILE,
     JSON,
     QUIET,
     SET,
@@ -25,11 +25,13 @@ from raytrain_lm.cli.options import (
 from raytrain_lm.cluster.jobs import PATH_SETTINGS
 from raytrain_lm.config.load import build_config
 from raytrain_lm.config.presets import PRESETS
+from raytrain_lm.config.settings import default_storage
 from raytrain_lm.config.sizes import parse_workers
 from raytrain_lm.errors import UserError
-from raytrain_lm.plan import H100_NVLINK_GBPS, H100_TFLOPS, IB_400_GBPS, Cluster, check_cluster, plan_command
+from raytrain_lm.plan.estimate import check_cluster
+from raytrain_lm.plan.hardware import H100_NVLINK_GBPS, H100_TFLOPS, IB_400_GBPS, Cluster
+from raytrain_lm.plan.printout import plan_command
 from raytrain_lm.results.tables import progress_line, results_table
-from raytrain_lm.store.files import default_storage
 from raytrain_lm.tune.lr_scaling import apply_lr_scaling
 
 ARCH = typer.Option(None, help="The model's architecture: gpt (GPT-2) or llama (RMSNorm, "
@@ -81,7 +83,7 @@ def train(
                                           "MIN-MAX to start as soon as MIN fit and grow and "
                                           "shrink with the cluster (elastic) [default: 2]."),
     force: bool = typer.Option(False, help="Launch even if the memory plan says it will not fit."),
-    config: ConfigPath = CONFIG,
+    config: ConfigPath = CONFIG_FILE,
     set_: SetList = SET,
     resume: bool = typer.Option(False, help="Continue the run --name from its latest checkpoint."),
     init_from: Optional[Path] = typer.Option(None, help="Start from this checkpoint's weights (a "

@@ -10,7 +10,7 @@ import typer
 
 from raytrain_lm.cli.app import app, examples
 from raytrain_lm.cli.options import (
-    CONFIG,
+    CONFIG_FILE,
     JSON,
     QUIET,
     SET,
@@ -126,7 +126,7 @@ def lr_find(
     lr_min: float = typer.Option(1e-5, help="Learning rate of the first step."),
     lr_max: float = typer.Option(1.0, help="Learning rate of the last step."),
     steps: int = typer.Option(100, help="Steps of the test (one loss each)."),
-    config: ConfigPath = CONFIG,
+    config: ConfigPath = CONFIG_FILE,
     set_: SetList = SET,
     verbose: bool = VERBOSE,
     quiet: bool = QUIET,

@@ -23,11 +23,11 @@ from raytrain_lm.cluster.connect import (
     is_auth_error,
     use_token_auth_if_available,
 )
+from raytrain_lm.config.settings import default_storage
 from raytrain_lm.errors import UserError
-from raytrain_lm.store.files import default_storage
 
 PACKAGE = Path(__file__).resolve().parents[1]  # raytrain_lm, wherever it is installed
-ROOT = PACKAGE.parent  # the project, when it is a checkout (cli.py beside the package)
+PROJECT = PACKAGE.parent  # the project, when it is a checkout (cli.py beside the package)
 DEFAULT_DASHBOARD_PORT = 8265  # the dashboard serves the jobs API
 DEFAULT_JOBS_ADDRESS = f"http://127.0.0.1:{DEFAULT_DASHBOARD_PORT}"
 # The job's cli.py where the package is installed without the project around it.
@@ -156,7 +156,7 @@ def submit(train_args: list[str], given: dict, address: Optional[str] = None, fo
 
 
 @contextlib.contextmanager
-def job_working_dir(given: dict, cwd: Path, root: Path = ROOT, package: Path = PACKAGE):
+def job_working_dir(given: dict, cwd: Path, root: Path = PROJECT, package: Path = PACKAGE):
     """The job's working dir, made of only what the job runs: the package's modules, cli.py (the
     project's, else a two-line one) and a --config file named by a relative path (the job finds
     it where `train` was told it is). Never the project folder as a whole, which may hold

@@ -7,10 +7,9 @@ import os
 import subprocess
 from pathlib import Path
 
+from raytrain_lm.cluster.jobs import PROJECT
 from raytrain_lm.cluster.local import ray_cli
 from raytrain_lm.errors import UserError
-
-ROOT = Path(__file__).resolve().parents[2]  # the project: where the config's file mounts start
 
 
 def load_cluster_config(path: str | Path) -> dict:
@@ -101,6 +100,6 @@ def run_launcher(action: str, config_path: str | Path, yes: bool = False) -> int
     load_cluster_config(config_path)  # errors name the path as the user gave it
     cmd = launcher_command(action, Path(config_path).resolve(), yes)
     try:
-        return subprocess.call(cmd, cwd=ROOT)
+        return subprocess.call(cmd, cwd=PROJECT)
     except KeyboardInterrupt:
         return 130

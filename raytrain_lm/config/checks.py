@@ -5,11 +5,13 @@ flags of `generate` (checked before torch is imported)."""
 from __future__ import annotations
 
 import math
+import re
 from typing import TYPE_CHECKING, Optional
 
-from raytrain_lm.config.sizes import check_elastic, pipeline_microbatches, pipeline_stages
+from raytrain_lm.config.layout import Layout
+from raytrain_lm.config.sizes import check_elastic
 from raytrain_lm.errors import UserError
-from raytrain_lm.store.files import NAME_RULE, is_plain_name
+from raytrain_lm.models import family
 
 if TYPE_CHECKING:
     from raytrain_lm.config.settings import TrainConfig
@@ -19,8 +21,9 @@ if TYPE_CHECKING:
 # 1e9 would allocate until memory runs out. 2^20 is four times the largest released LM's (Gemma's
 # 262,144) and fits the uint32 shards.
 MAX_VOCAB = 1 << 20
-SCHEDULES = ("cosine", "wsd", "exp_range")  # of the learning rate (optim.lr_at)
+LR_SCHEDULES = ("cosine", "wsd", "exp_range")  # of the learning rate (optim.lr_at)
 UPLOAD_MODES = ("auto", "sync", "async")  # of checkpoints (checkpointer.py)
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 
 
 def check_resumable(was: TrainConfig, cfg: TrainConfig, preset: str) -> None:
@@ -46,93 +49,28 @@ def check_finite(cfg: TrainConfig) -> None:
                 raise UserError(f"{prefix}{key} must be a finite number, got {value}")
 
 
+# A run's, a sweep's or a shard's name is one plain entry of its folder: never `..`, `/` or a
+# hidden name, so neither a flag nor a crafted manifest can reach outside that folder.
+NAME_RULE = "letters, digits, '.', '_' and '-', not starting with '.', at most 128 characters"
+_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")
+
+
+def is_plain_name(name: object) -> bool:
+    return isinstance(name, str) and _NAME.fullmatch(name) is not None
+
+
 def check_name(name: Optional[str]) -> None:
     """A run or sweep name is a folder inside --storage, never a path out of it."""
     if name is not None and not is_plain_name(name):
         raise UserError(f"--name {name!r} is not a valid name: use {NAME_RULE}")
 
 
-PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
-STRATEGIES = ("ddp", "zero1", "zero2", "fsdp")
-
-
 def check_layout(cfg: TrainConfig) -> None:
-    """What a (dp, pp, tp) layout needs, checked before any worker starts; one line each."""
-    m = cfg.model
-    if cfg.tp < 1 or cfg.pp < 1:
-        raise UserError(f"--tp and --pp must be at least 1, got {cfg.tp} and {cfg.pp}")
-    if cfg.workers % (cfg.tp * cfg.pp):
-        raise UserError(f"--workers {cfg.workers} must be a multiple of --tp x --pp = "
-                        f"{cfg.tp * cfg.pp}: the data-parallel size is workers / (tp x pp)")
-    if m.n_head % cfg.tp:
-        raise UserError(f"model.n_head ({m.n_head}) must be divisible by --tp {cfg.tp}: each "
-                        f"tensor-parallel rank holds whole attention heads")
-    if m.arch == "llama" and m.kv_heads % cfg.tp:
-        raise UserError(f"model.n_kv_head ({m.kv_heads}) must be divisible by --tp {cfg.tp}: each "
-                        f"tensor-parallel rank holds whole key/value heads")
-    if m.block_size % cfg.tp:
-        raise UserError(f"model.block_size ({m.block_size}) must be divisible by --tp {cfg.tp}")
-    if cfg.sequence_parallel and cfg.tp == 1:
-        raise UserError("--sequence-parallel needs --tp 2 or more")
-    if cfg.sequence_parallel and cfg.seq_len % cfg.tp:
-        raise UserError(f"--seq-len {cfg.seq_len} must be divisible by --tp {cfg.tp} with "
-                        f"--sequence-parallel")
-    if cfg.compile and (cfg.tp > 1 or cfg.pp > 1):
-        raise UserError("--compile works with --tp 1 --pp 1 (ddp or fsdp) for now")
-    if cfg.pp_schedule not in PP_SCHEDULES:
-        raise UserError(f"--pp-schedule must be one of {', '.join(PP_SCHEDULES)}, got {cfg.pp_schedule!r}")
-    if cfg.microbatches < 0:
-        raise UserError(f"--microbatches must be >= 0 (0: twice the stages), got {cfg.microbatches}")
-    if cfg.virtual_stages < 0 or cfg.virtual_stages == 1:
-        raise UserError(f"--virtual-stages must be 0 (2) or at least 2, got {cfg.virtual_stages}")
-    if cfg.virtual_stages and cfg.pp_schedule != "interleaved-1f1b":
-        raise UserError(f"--virtual-stages needs --pp-schedule interleaved-1f1b (--pp-schedule "
-                        f"{cfg.pp_schedule} runs one stage per worker)")
-    if cfg.strategy == "zero1" and (cfg.tp > 1 or cfg.pp > 1):
-        raise UserError("--strategy zero1 works with --tp 1 --pp 1 (it shards DDP's optimizer); "
-                        "use zero2 or fsdp with --tp/--pp")
-    if cfg.strategy == "zero1" and cfg.precision == "fp16":
-        raise UserError("--precision fp16 (a gradient scaler) is not supported with --strategy "
-                        "zero1; use bf16")
-    if cfg.pp == 1:
-        return
-    stages, micro = pipeline_stages(cfg), pipeline_microbatches(cfg)
-    if m.n_layer < stages:
-        raise UserError(f"model.n_layer ({m.n_layer}) is fewer than the {stages} pipeline stages "
-                        f"of --pp {cfg.pp} --pp-schedule {cfg.pp_schedule}")
-    if micro < cfg.pp:
-        raise UserError(f"--microbatches {micro} is fewer than the {cfg.pp} pipeline stages: the "
-                        f"pipeline would never fill")
-    if cfg.pp_schedule == "interleaved-1f1b" and micro % cfg.pp:
-        raise UserError(f"interleaved-1f1b needs --microbatches ({micro}) to be a multiple of "
-                        f"--pp ({cfg.pp})")
-    if cfg.batch_size % micro:
-        raise UserError(f"--batch-size {cfg.batch_size} must be divisible by --microbatches "
-                        f"{micro}: each microbatch is batch-size / microbatches sequences")
-    if cfg.grad_accum != 1:
-        raise UserError("with --pp, the pipeline's --microbatches accumulate gradients: use them "
-                        "instead of --grad-accum")
-    if cfg.precision == "fp16":
-        raise UserError("--precision fp16 (a gradient scaler) is not supported with --pp; use bf16")
-
-
-def check_tp_in_node(tp: int, workers_on_node: int) -> None:
-    """On a GPU worker: its tp group (tp consecutive ranks, and Ray gives a node's workers
-    consecutive ranks) stays inside its node only if the node runs a multiple of tp workers.
-    Tensor parallelism all-reduces activations in every layer: across nodes it crawls."""
-    if tp > 1 and (workers_on_node < tp or workers_on_node % tp):
-        raise UserError(f"--tp {tp} needs each tensor-parallel group's {tp} GPUs on one node, but "
-                        f"a node runs {workers_on_node} of this run's workers; use nodes with a "
-                        f"multiple of {tp} GPUs (cluster.yaml: gpu_8x) or a smaller --tp")
-
-
-def check_tp_fits_nodes(tp: int, gpus_per_node: list[float]) -> None:
-    """Before launch, where the cluster's nodes are known: some node holds tp GPUs."""
-    most = int(max(gpus_per_node, default=0))
-    if tp > 1 and most and most < tp:
-        raise UserError(f"--tp {tp} needs {tp} GPUs on one node (tensor parallelism all-reduces "
-                        f"activations in every layer) but the cluster's nodes have at most {most}; "
-                        f"use nodes with {tp} or more GPUs (cluster.yaml: gpu_8x) or a smaller --tp")
+    """What the parallel layout needs (config/layout.py), checked before any worker starts: the
+    first problem, one line."""
+    problems = Layout.of(cfg).problems(cfg.model, cfg.precision, cfg.compile)
+    if problems:
+        raise UserError(problems[0])
 
 
 def validate(cfg: TrainConfig) -> None:
@@ -186,11 +124,11 @@ def validate(cfg: TrainConfig) -> None:
         raise UserError(f"model.dropout must be in [0, 1), got {m.dropout}")
     if m.n_embd % m.n_head:
         raise UserError(f"model.n_embd ({m.n_embd}) must be divisible by model.n_head ({m.n_head})")
-    check_arch(m)
+    family(m).check(m)
     if cfg.seq_len > m.block_size:
         raise UserError(f"--seq-len {cfg.seq_len} is larger than the model's context "
                         f"(model.block_size={m.block_size}); lower it or --set model.block_size=...")
-    if cfg.precision not in ("auto", "fp32", "bf16", "fp16"):
+    if cfg.precision not in PRECISIONS:
         raise UserError(f"precision must be auto, fp32, bf16 or fp16, got {cfg.precision!r}")
     check_layout(cfg)
     check_elastic(cfg)
@@ -200,13 +138,8 @@ def validate(cfg: TrainConfig) -> None:
         raise UserError(f"--gpus-per-node must be at least 1, got {cfg.gpus_per_node}")
     if cfg.layout == "auto" and cfg.min_workers is not None and cfg.min_workers != cfg.workers:
         raise UserError("--layout auto plans one worker count: give --workers N, not MIN-MAX")
-    if cfg.strategy not in STRATEGIES:
-        raise UserError(f"--strategy must be one of {', '.join(STRATEGIES)}, got {cfg.strategy!r}")
-    if cfg.activation_checkpointing not in ("none", "selective", "op", "full"):
-        raise UserError("--activation-checkpointing must be none, selective, op or full, got "
-                        f"{cfg.activation_checkpointing!r}")
-    if cfg.schedule not in SCHEDULES:
-        raise UserError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {cfg.schedule!r}")
+    if cfg.schedule not in LR_SCHEDULES:
+        raise UserError(f"--schedule must be one of {', '.join(LR_SCHEDULES)}, got {cfg.schedule!r}")
     if cfg.schedule == "exp_range" and cfg.min_lr_ratio <= 0:
         raise UserError("the exp_range schedule starts at lr * min_lr_ratio, which must be > 0")
     if cfg.ref_batch_tokens is not None and cfg.ref_batch_tokens < 1:
@@ -220,33 +153,6 @@ def validate(cfg: TrainConfig) -> None:
 # than the model attends to; the bound keeps what one call holds (every id, the text, --json's
 # document) to a few MB, not the model's context.
 MAX_NEW_TOKENS = 1 << 20
-
-
-ARCHS = ("gpt", "llama")
-
-
-def check_arch(m) -> None:
-    """The architecture and its own settings (ModelConfig)."""
-    if m.arch not in ARCHS:
-        raise UserError(f"model.arch must be one of {', '.join(ARCHS)}, got {m.arch!r}")
-    if m.arch != "llama":
-        return
-    if m.bias:
-        raise UserError("the Llama has no biases: drop model.bias=true")
-    if m.dropout:
-        raise UserError("the Llama has no dropout: drop model.dropout")
-    if m.n_kv_head is not None and (m.n_kv_head < 1 or m.n_head % m.n_kv_head):
-        raise UserError(f"model.n_kv_head ({m.n_kv_head}) must divide model.n_head ({m.n_head}): "
-                        f"each key/value head serves a group of query heads")
-    if m.head_dim % 2:
-        raise UserError(f"the head size model.n_embd / model.n_head ({m.head_dim}) must be even: "
-                        f"rotary embeddings turn pairs of dimensions")
-    for key in ("ffn_dim", "multiple_of"):
-        if getattr(m, key) is not None and getattr(m, key) < 1:
-            raise UserError(f"model.{key} must be at least 1, got {getattr(m, key)}")
-    for key in ("ffn_multiplier", "rope_theta", "norm_eps"):
-        if getattr(m, key) is not None and not getattr(m, key) > 0:
-            raise UserError(f"model.{key} must be positive, got {getattr(m, key)}")
 
 
 def check_sampling(max_new_tokens: int, temperature: float, top_k: Optional[int]) -> None:

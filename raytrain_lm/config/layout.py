@@ -1,91 +1,78 @@
-"""What is planned: the cluster, a layout, and where the parameters are."""
+"""The parallel layout: one value, `Layout`, holding a run's choices of how its model and batch are
+split over the workers (data, tensor, pipeline and expert parallelism, the data-parallel
+strategy, the pipeline schedule, micro-batches, activation checkpointing, sequence parallelism),
+every rule those choices obey and every fact derived from them. The checks, the planner,
+`--layout auto` and parallel/ ask it instead of restating it. Pure Python.
+
+The settings stay flat (`--tp`, `--strategy`, ... in TrainConfig); `Layout.of(cfg)` reads them and
+`Layout.apply(cfg)` writes them back.
+
+Ranks: dp x tp x pp = workers, tp innermost and pp outermost (parallel/mesh.py); expert
+parallelism, where a family has experts, is carved out of the data-parallel ranks (as
+torchtitan's ParallelDims: ep divides dp), so it adds no ranks of its own.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
-from raytrain_lm.config.settings import ModelConfig
-from raytrain_lm.config.sizes import split_layers
+from raytrain_lm.errors import UserError
+from raytrain_lm.models import family
 
-GB = 1e9  # bytes sent (link speeds are decimal)
-GIB = 2 ** 30  # bytes of memory: an "80 GB" card holds 80 GiB (torch reports 80 x 2^30 for an A100 80GB)
-USABLE_FRACTION = 0.9
-# Defaults of the cluster (H100 SXM nodes of 8 GPUs):
-# NVLink 4: 900 GB/s per GPU both directions together = 450 GB/s = 3600 Gb/s per direction.
-H100_NVLINK_GBPS = 3600.0
-# One 400 Gb/s InfiniBand (or RoCE) NIC per GPU, as in DGX H100 and Meta's Grand Teton hosts.
-IB_400_GBPS = 400.0
-H100_TFLOPS = 989.0  # H100 SXM dense bf16 (gpus.py)
-GPUS_PER_NODE = 8
-
-# Activation elements per layer per token, in units of the width: (whole on every tp rank without
-# sequence parallelism, divided by tp). Sums: 17 without recomputation, 11 selective, 9 op (the
-# block input; the outputs of c_attn, attention and c_fc: parallel/ac.py).
-AC_SPLIT = {"none": (5, 12), "selective": (3, 8), "op": (1, 8)}
-AC_MODES = ("none", "selective", "op", "full")
-# STRATEGIES (config/checks.py), of the data-parallel dimension: ddp replicates everything; zero1 shards
-# AdamW's states over dp; zero2 also the gradients (FSDP2 with reshard_after_forward=False:
-# parameters gathered once per micro-step and kept through backward); fsdp (ZeRO-3) also the
-# parameters between uses.
-PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+if TYPE_CHECKING:
+    from raytrain_lm.config.settings import TrainConfig
+    from raytrain_lm.models.family import ModelConfig
 
 
 @dataclass(frozen=True)
-class Cluster:
-    gpus: int
-    gpus_per_node: int = GPUS_PER_NODE
-    memory_gb: float = 80.0
-    intra_gbps: float = H100_NVLINK_GBPS  # per GPU per direction, gigabits per second
-    inter_gbps: float = IB_400_GBPS
-    tflops: float = H100_TFLOPS  # peak per GPU
-    efficiency: Optional[float] = None  # of the peak, reached by the matmuls; None: efficiency.py
-    gpu: bool = True  # False: CPU workers (fp32 activations)
-    precision: str = "auto"  # the run's --precision: auto is bf16 on GPU, fp32 on CPU
-    peak_fraction: Optional[float] = None  # efficiency.py's ceiling; None: its default
-    # Whether the training framework overlaps the gradient reduction with backward (this
-    # project's DDP and FSDP2 do; Megatron-LM's DDP of 2021 reduced after the backward pass)
-    overlap_reduce: bool = True
-    # Bytes a gradient value takes in the data-parallel reduction: fp32 here (FSDP2's
-    # reduce_dtype, DDP's fp32 gradients); Megatron-LM reduces fp16 gradients in fp16 unless
-    # --accumulate-allreduce-grads-in-fp32
-    reduce_bytes: int = 4
-    # Whether full recomputation stops once backward has what it needs (torch.utils.checkpoint's
-    # non-reentrant default, this project's and torchtitan's: a block's last matmul and its
-    # all-reduce are not run again); Megatron-LM's and DeepSpeed's checkpointing reruns the
-    # whole block
-    recompute_early_stop: bool = True
-    # Whether pipeline sends overlap compute (torch.distributed.pipelining posts them
-    # asynchronously); Megatron-LM's p2p of 2021 (and Megatron-DeepSpeed's) waits for each
-    # batched send/receive and synchronizes the device before computing on
-    overlap_pp: bool = True
+class Strategy:
+    """A data-parallel strategy, by what it shards over the dp ranks and how it is built. The
+    planner's memory and traffic and parallel/'s builders read these traits, not names."""
+    name: str
+    title: str  # as `plan` names it
+    shards_optimizer: bool  # AdamW's states
+    fsdp: bool  # built on FSDP2: parameters and gradients sharded at rest
+    keeps_gathered: bool = False  # FSDP2 keeps each micro-step's gathered parameters to backward
+    plain_only: bool = False  # only without tp and pp (it wraps DDP's optimizer)
+    pipelined_as: Optional[str] = None  # with pp it is the same as this one (not planned twice)
+    fp16: bool = True  # runs with fp16's gradient scaler
 
-    @property
-    def budget(self) -> float:
-        """Bytes a GPU may plan for: --gpu-memory-gb is GiB, as cards are sold."""
-        return self.memory_gb * GIB * USABLE_FRACTION
 
-    @property
-    def act_bytes(self) -> int:
-        """Activations, checkpointed block inputs, gathered FSDP parameters, tp collectives and
-        pipeline sends: 2 bytes in bf16/fp16, 4 in fp32 (auto: bf16 on GPU, fp32 on CPU)."""
-        if self.precision == "auto":
-            return 2 if self.gpu else 4
-        return 4 if self.precision == "fp32" else 2
+# In the planner's order of preference among equals. A new strategy: one entry here, its builder
+# in parallel/ (fsdp.apply_dp or a module of its own), and plan/comm.py if it moves other bytes
+# (docs/architecture.md, "Adding a strategy").
+STRATEGIES = {s.name: s for s in (
+    Strategy("ddp", "DDP", shards_optimizer=False, fsdp=False),
+    Strategy("zero1", "ZeRO-1", shards_optimizer=True, fsdp=False, plain_only=True, fp16=False),
+    Strategy("zero2", "ZeRO-2", shards_optimizer=True, fsdp=True, keeps_gathered=True,
+             pipelined_as="fsdp"),
+    Strategy("fsdp", "FSDP", shards_optimizer=True, fsdp=True),
+)}
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+AC_MODES = ("none", "selective", "op", "full")
+DEFAULT_VIRTUAL = 2  # stages per worker of interleaved-1f1b when --virtual-stages is 0
 
-    @property
-    def node(self) -> int:
-        """GPUs that share a node's fast links (all of them when they do not fill one node)."""
-        return min(self.gpus_per_node, self.gpus)
 
-    def inside(self, block: int) -> bool:
-        """Whether a group whose ranks lie in aligned blocks of `block` consecutive ranks stays
-        inside one node."""
-        return block <= self.node and self.node % block == 0
+def split_layers(n_layer: int, n_stages: int) -> list[range]:
+    """Contiguous, as even as possible; any extra layers go to the middle stages, since the first
+    and last stages also run the embeddings and the head."""
+    if n_layer < n_stages:
+        raise ValueError(f"{n_layer} layers cannot fill {n_stages} pipeline stages")
+    sizes = [n_layer // n_stages] * n_stages
+    order = sorted(range(n_stages), key=lambda s: (s in (0, n_stages - 1), abs(s - n_stages / 2)))
+    for s in order[: n_layer % n_stages]:
+        sizes[s] += 1
+    starts = [sum(sizes[:s]) for s in range(n_stages)]
+    return [range(st, st + n) for st, n in zip(starts, sizes)]
 
-    def bandwidth(self, block: int) -> float:
-        """Bytes/s per GPU per direction for such a group."""
-        return (self.intra_gbps if self.inside(block) else self.inter_gbps) * 1e9 / 8
+
+@dataclass(frozen=True)
+class Coords:
+    """A rank's place in the mesh."""
+    pp: int
+    dp: int
+    tp: int
 
 
 @dataclass(frozen=True)
@@ -93,44 +80,72 @@ class Layout:
     dp: int
     tp: int
     pp: int
-    strategy: str  # of the dp dimension: ddp, zero1, zero2 or fsdp
-    ac: str  # activation checkpointing: none, selective, full
-    sp: bool  # sequence parallelism
-    schedule: str  # gpipe, 1f1b, interleaved-1f1b; "-" without pp
+    strategy: str  # of the dp dimension: STRATEGIES
+    ac: str  # activation checkpointing: AC_MODES
+    sp: bool  # sequence parallelism (with tp)
+    schedule: str  # PP_SCHEDULES; "-" without pp
     micro_batch: int  # b: sequences per micro-batch
     microbatches: int  # n: pipeline microbatches (pp > 1), else gradient-accumulation steps
     seq_len: int
-    virtual: int = 2  # stages per GPU of the interleaved schedule (the others run one)
+    virtual: int = DEFAULT_VIRTUAL  # stages per worker of the interleaved schedule (the others run one)
+    ep: int = 1  # expert-parallel ranks, out of dp (a family with experts)
 
-    @property
-    def gpus(self) -> int:
-        return self.dp * self.tp * self.pp
+    # ---------------------------------------------------------------- from and to the settings
 
-    @property
-    def v(self) -> int:
-        """Pipeline stages per GPU."""
-        return self.virtual if self.schedule == "interleaved-1f1b" else 1
+    @classmethod
+    def of(cls, cfg: TrainConfig, world: Optional[int] = None, pipelined: bool = False) -> Layout:
+        """The layout `cfg` trains with on `world` workers (default: --workers). Settings that
+        make no layout at all are refused here, one line each; `problems` has the rest.
+        `pipelined`: a schedule and its microbatches even at --pp 1 (one process running a
+        pipeline's code: parallelize's `force`)."""
+        world = cfg.workers if world is None else world
+        if cfg.tp < 1 or cfg.pp < 1:
+            raise UserError(f"--tp and --pp must be at least 1, got {cfg.tp} and {cfg.pp}")
+        if world % (cfg.tp * cfg.pp):
+            raise UserError(f"--workers {world} must be a multiple of --tp x --pp = "
+                            f"{cfg.tp * cfg.pp}: the data-parallel size is workers / (tp x pp)")
+        if cfg.strategy not in STRATEGIES:
+            raise UserError(f"--strategy must be one of {', '.join(STRATEGIES)}, got {cfg.strategy!r}")
+        if cfg.activation_checkpointing not in AC_MODES:
+            raise UserError(f"--activation-checkpointing must be {', '.join(AC_MODES[:-1])} or "
+                            f"{AC_MODES[-1]}, got {cfg.activation_checkpointing!r}")
+        if cfg.pp_schedule not in PP_SCHEDULES:
+            raise UserError(f"--pp-schedule must be one of {', '.join(PP_SCHEDULES)}, got {cfg.pp_schedule!r}")
+        if cfg.microbatches < 0:
+            raise UserError(f"--microbatches must be >= 0 (0: twice the stages), got {cfg.microbatches}")
+        if cfg.virtual_stages < 0 or cfg.virtual_stages == 1:
+            raise UserError(f"--virtual-stages must be 0 ({DEFAULT_VIRTUAL}) or at least 2, got "
+                            f"{cfg.virtual_stages}")
+        if cfg.virtual_stages and cfg.pp_schedule != "interleaved-1f1b":
+            raise UserError(f"--virtual-stages needs --pp-schedule interleaved-1f1b (--pp-schedule "
+                            f"{cfg.pp_schedule} runs one stage per worker)")
+        dp = world // (cfg.tp * cfg.pp)
+        common = dict(dp=dp, tp=cfg.tp, pp=cfg.pp, strategy=cfg.strategy,
+                      ac=cfg.activation_checkpointing, sp=cfg.sequence_parallel, seq_len=cfg.seq_len,
+                      virtual=cfg.virtual_stages or DEFAULT_VIRTUAL)
+        if cfg.pp == 1 and not pipelined:
+            return cls(schedule="-", micro_batch=cfg.batch_size, microbatches=cfg.grad_accum, **common)
+        n = cfg.microbatches or 2 * cfg.pp * (common["virtual"] if cfg.pp_schedule == "interleaved-1f1b" else 1)
+        if cfg.batch_size % n:
+            raise UserError(f"--batch-size {cfg.batch_size} must be divisible by --microbatches "
+                            f"{n}: each microbatch is batch-size / microbatches sequences")
+        if cfg.grad_accum != 1:
+            raise UserError("with --pp, the pipeline's --microbatches accumulate gradients: use them "
+                            "instead of --grad-accum")
+        return cls(schedule=cfg.pp_schedule, micro_batch=cfg.batch_size // n, microbatches=n, **common)
 
-    @property
-    def sequences(self) -> int:
-        """S: sequences per data-parallel rank per step."""
-        return self.micro_batch * self.microbatches
-
-    @property
-    def sharded(self) -> bool:
-        """Gradients (zero2) and parameters (fsdp) shard only over a dp dimension of 2 or more
-        (fsdp.apply_dp); both run on FSDP2."""
-        return self.strategy in ("zero2", "fsdp") and self.dp > 1
-
-    @property
-    def optimizer_shards(self) -> int:
-        """Ranks AdamW's states are spread over: dp for every strategy but ddp."""
-        return self.dp if self.strategy != "ddp" else 1
-
-    @property
-    def blocks(self) -> dict[str, int]:
-        """Each dimension's groups as aligned blocks of consecutive ranks (parallel/mesh.py)."""
-        return {"tp": self.tp, "dp": self.dp * self.tp, "pp": self.gpus}
+    def apply(self, cfg: TrainConfig) -> None:
+        """Set cfg's layout settings to this layout (the data-parallel size follows from
+        --workers; the global batch is workers x batch-size x grad-accum either way)."""
+        cfg.tp, cfg.pp, cfg.strategy = self.tp, self.pp, self.strategy
+        cfg.activation_checkpointing, cfg.sequence_parallel = self.ac, self.sp
+        if self.pp > 1:
+            cfg.pp_schedule, cfg.batch_size, cfg.microbatches, cfg.grad_accum = \
+                self.schedule, self.sequences, self.microbatches, 1
+            cfg.virtual_stages = self.v if self.schedule == "interleaved-1f1b" else 0
+        else:
+            cfg.batch_size, cfg.grad_accum, cfg.microbatches, cfg.virtual_stages = \
+                self.micro_batch, self.microbatches, 0, 0
 
     def flags(self) -> str:
         """This layout as `train` flags (the data-parallel size follows from --workers)."""
@@ -141,109 +156,167 @@ class Layout:
         if self.pp > 1:
             out += [f"--pp-schedule {self.schedule}", f"--batch-size {self.sequences}",
                     f"--microbatches {self.microbatches}"]
-            if self.schedule == "interleaved-1f1b" and self.v != 2:
+            if self.schedule == "interleaved-1f1b" and self.v != DEFAULT_VIRTUAL:
                 out.append(f"--virtual-stages {self.v}")
         else:
             out += [f"--batch-size {self.micro_batch}", f"--grad-accum {self.microbatches}"]
         return " ".join(out)
 
+    # ---------------------------------------------------------------- the rules
 
-# ---------------------------------------------------------------- parameters
+    def problems(self, m: ModelConfig, precision: str = "auto", compile: bool = False) -> list[str]:
+        """What this layout cannot train for model `m` with `precision` (fp16: a gradient
+        scaler) and `compile`, one line each, in the order a user should fix them; [] when it
+        trains."""
+        out = []
+        heads = family(m).check_layout(m, self.tp, self.ep)
+        if heads:
+            out.append(heads)
+        if m.block_size % self.tp:
+            out.append(f"model.block_size ({m.block_size}) must be divisible by --tp {self.tp}")
+        if m.vocab_size is not None and m.vocab_size % self.tp:
+            out.append(f"model.vocab_size ({m.vocab_size}) must be divisible by --tp {self.tp}: the "
+                       f"embedding is split over the vocabulary")
+        if self.sp and self.tp == 1:
+            out.append("--sequence-parallel needs --tp 2 or more")
+        if self.sp and self.seq_len % self.tp:
+            out.append(f"--seq-len {self.seq_len} must be divisible by --tp {self.tp} with "
+                       f"--sequence-parallel")
+        if self.ep > 1 and self.dp % self.ep:
+            out.append(f"--ep {self.ep} must divide the data-parallel size {self.dp}: expert "
+                       f"parallelism splits the data-parallel ranks")
+        if compile and (self.tp > 1 or self.pp > 1):
+            out.append("--compile works with --tp 1 --pp 1 (ddp or fsdp) for now")
+        strategy = STRATEGIES[self.strategy]
+        if strategy.plain_only and (self.tp > 1 or self.pp > 1):
+            out.append(f"--strategy {self.strategy} works with --tp 1 --pp 1 (it shards DDP's "
+                       f"optimizer); use zero2 or fsdp with --tp/--pp")
+        if not strategy.fp16 and precision == "fp16":
+            out.append(f"--precision fp16 (a gradient scaler) is not supported with --strategy "
+                       f"{self.strategy}; use bf16")
+        if self.pp == 1:
+            return out
+        if m.n_layer < self.stages:
+            out.append(f"model.n_layer ({m.n_layer}) is fewer than the {self.stages} pipeline stages "
+                       f"of --pp {self.pp} --pp-schedule {self.schedule}")
+        if self.microbatches < self.pp:
+            out.append(f"--microbatches {self.microbatches} is fewer than the {self.pp} pipeline "
+                       f"stages: the pipeline would never fill")
+        if self.schedule == "interleaved-1f1b" and self.microbatches % self.pp:
+            out.append(f"interleaved-1f1b needs --microbatches ({self.microbatches}) to be a "
+                       f"multiple of --pp ({self.pp})")
+        if precision == "fp16":
+            out.append("--precision fp16 (a gradient scaler) is not supported with --pp; use bf16")
+        return out
 
-def param_counts(m: ModelConfig) -> dict[str, int]:
-    h, V, L = m.n_embd, m.vocab_size or 256, m.n_layer
-    if m.arch == "llama":  # q, o (h x h), k, v (h x kv heads), SwiGLU (3 h x hidden), 2 RMSNorms
-        block = 2 * h * h + 2 * h * m.kv_heads * m.head_dim + 3 * h * m.hidden_dim + 2 * h
-        root = 2 * V * h + h  # embedding, untied head, final norm
-        return {"block": block, "root": root, "total": L * block + root}
-    bias = 1 if m.bias else 0
-    block = 12 * h * h + bias * (3 * h + h + 4 * h + h) + (2 + 2 * bias) * h
-    root = V * h + m.block_size * h + (1 + bias) * h  # tied embedding, positions, final norm
-    return {"block": block, "root": root, "total": L * block + root}
+    @staticmethod
+    def strategies(dp: int, tp: int, pp: int) -> list[str]:
+        """The data-parallel strategies worth planning at this shape: every one `train` runs
+        (zero1 only without tp and pp), less those that are another one here (zero2 when
+        pipelined: a pipelined fsdp keeps its stages gathered already), ddp alone at dp 1
+        (nothing to shard over)."""
+        if dp == 1:
+            return ["ddp"]
+        return [s.name for s in STRATEGIES.values()
+                if not (s.plain_only and (tp > 1 or pp > 1)) and not (s.pipelined_as and pp > 1)]
 
+    def check_tp_within_node(self, workers_on_node: int) -> None:
+        """On a GPU worker: its tp group (tp consecutive ranks; Ray gives a node's workers
+        consecutive ranks) stays inside its node only if the node runs a multiple of tp workers.
+        Tensor parallelism all-reduces activations in every layer: across nodes it crawls."""
+        if self.tp > 1 and (workers_on_node < self.tp or workers_on_node % self.tp):
+            raise UserError(f"--tp {self.tp} needs each tensor-parallel group's {self.tp} GPUs on one node, "
+                    f"but a node runs {workers_on_node} of this run's workers; use nodes with a "
+                    f"multiple of {self.tp} GPUs (cluster.yaml: gpu_8x) or a smaller --tp")
 
-def matmul_params(m: ModelConfig) -> int:
-    """The N of 6N FLOPs per token, as model.Decoder.matmul_params counts it: the GPT's
-    parameters but its position embeddings (the tied embedding counts as the head), the Llama's
-    but its embedding (a lookup; its head is its own matrix)."""
-    lookup = (m.vocab_size or 256) * m.n_embd if m.arch == "llama" else m.block_size * m.n_embd
-    return param_counts(m)["total"] - lookup
+    def check_tp_fits_nodes(self, gpus_per_node: list[float]) -> None:
+        """Before launch, where the cluster's nodes are known: some node holds a tp group (no GPU
+        node yet passes: an autoscaler may add them, and the workers check again)."""
+        most = int(max(gpus_per_node, default=0))
+        if self.tp > 1 and most and most < self.tp:
+            raise UserError(f"--tp {self.tp} needs {self.tp} GPUs on one node (tensor parallelism "
+                    f"all-reduces activations in every layer) but the cluster's nodes have at most "
+                    f"{most}; use nodes with {self.tp} or more GPUs (cluster.yaml: gpu_8x) or a "
+                    f"smaller --tp")
 
+    # ---------------------------------------------------------------- derived facts
 
-def tp_param_counts(m: ModelConfig, tp: int) -> dict[str, float]:
-    """Parameters one tp rank holds, per piece (parallel/tp.py's layouts). "head": an untied
-    output projection (Llama); without it the last stage holds a copy of the tied wte."""
-    h, V, T = m.n_embd, m.vocab_size or 256, m.block_size
-    if m.arch == "llama":  # every matrix split, the RMSNorms whole
-        split = 2 * h * h + 2 * h * m.kv_heads * m.head_dim + 3 * h * m.hidden_dim
-        return {"block": split / tp + 2 * h, "wte": V * h / tp, "wpe": 0, "ln_f": h,
-                "head": V * h / tp}
-    bias = 1 if m.bias else 0
-    ln = (1 + bias) * h
-    # Split: c_attn (3h x h + 3h), c_fc (4h x h + 4h), attn.c_proj (h x h), mlp.c_proj (h x 4h).
-    # Whole: the row-parallel biases (h each) and the two LayerNorms.
-    block = (12 * h * h + bias * 7 * h) / tp + bias * 2 * h + 2 * ln
-    return {"block": block, "wte": V * h / tp, "wpe": T * h / tp, "ln_f": ln}
+    @property
+    def gpus(self) -> int:
+        return self.dp * self.tp * self.pp
 
+    @property
+    def v(self) -> int:
+        """Pipeline stages per worker."""
+        return self.virtual if self.schedule == "interleaved-1f1b" else 1
 
-def activation_split(m: ModelConfig, ac: str) -> tuple[float, float]:
-    """Saved activations per layer per token in units of the width, (whole on every tp rank
-    without sequence parallelism, divided by tp), for ac none or selective. GPT: AC_SPLIT. Llama,
-    counted the same way: without recomputation the two norm inputs and the inputs of q/k/v and
-    of the MLP stay whole (4); the rotated q and k, v, the attention output and SwiGLU's gate,
-    up, silu(gate) and product (4 x hidden) divide. Selective keeps the block input and the two
-    row-parallel outputs whole (3) and the q/k/v and attention outputs, gate and up divided. Op
-    (every other matmul: parallel/ac.py) keeps the block input and the down projection's output
-    whole (2), and the q, v, attention and gate outputs divided."""
-    if m.arch != "llama":
-        return AC_SPLIT[ac]
-    kv, f = 2 * m.kv_heads / m.n_head, m.hidden_dim / m.n_embd
-    return {"none": (4, 2 + kv + 4 * f), "selective": (3, 2 + kv + 2 * f),
-            "op": (2, 2 + kv / 2 + f)}[ac]
+    @property
+    def stages(self) -> int:
+        """Pipeline stages in all."""
+        return self.pp * self.v
 
+    def layers(self, n_layer: int) -> list[range]:
+        """Each pipeline stage's layers (parallel/pp.py builds them, the planner counts them)."""
+        return split_layers(n_layer, self.stages)
 
-@dataclass(frozen=True)
-class Stage:
-    layers: int
-    first: bool
-    last: bool
+    @property
+    def sequences(self) -> int:
+        """S: sequences per data-parallel rank per step."""
+        return self.micro_batch * self.microbatches
 
+    @property
+    def replicated(self) -> bool:
+        """A whole model on every rank, trained by DDP (Ray Train's prepare_model): no tp, no pp,
+        and a strategy without FSDP2 (or one rank, with nothing to shard over)."""
+        return self.tp == 1 and self.pp == 1 and (not STRATEGIES[self.strategy].fsdp or self.dp == 1)
 
-def rank_stages(m: ModelConfig, pp: int, v: int) -> list[list[Stage]]:
-    """Each pp rank's stages: stage s on rank s % pp ("loop" placement, parallel/pp.py)."""
-    n = pp * v
-    sizes = [len(r) for r in split_layers(m.n_layer, n)]
-    return [[Stage(sizes[s], s == 0, s == n - 1) for s in range(r, n, pp)] for r in range(pp)]
+    @property
+    def by_fsdp(self) -> bool:
+        """The strategy is built on FSDP2 (zero2, fsdp): it shards wherever dp > 1."""
+        return STRATEGIES[self.strategy].fsdp
 
+    @property
+    def sharded(self) -> bool:
+        """FSDP2 shards the parameters and gradients (zero2, fsdp) over a dp dimension of 2 or
+        more (fsdp.apply_dp); it then owns the mixed precision too (step.py)."""
+        return self.by_fsdp and self.dp > 1
 
-def stage_params(p: dict[str, float], st: Stage) -> float:
-    """A stage's parameters. Tied (no "head"): wte on the first and the last stage, once where
-    one stage is both. Untied: wte on the first, the head on the last."""
-    head = p.get("head")
-    embeddings = p["wte"] if st.first or (st.last and head is None) else 0
-    return (st.layers * p["block"] + embeddings + (head if st.last and head else 0)
-            + (p["wpe"] if st.first else 0) + (p["ln_f"] if st.last else 0))
+    @property
+    def param_shards(self) -> int:
+        """Ranks each parameter and gradient is spread over at rest: dp where FSDP2 shards, else 1
+        (a hybrid strategy would shard over part of dp and replicate over the rest)."""
+        return self.dp if self.sharded else 1
 
+    @property
+    def keeps_gathered(self) -> bool:
+        """FSDP2 keeps each micro-step's gathered parameters until their backward (zero2)."""
+        return STRATEGIES[self.strategy].keeps_gathered
 
-def held_params(p: dict[str, float], stages: list[Stage]) -> float:
-    return sum(stage_params(p, st) for st in stages)
+    @property
+    def broadcasts_params(self) -> bool:
+        """A sharded optimizer on whole replicas (zero1): after its step each rank broadcasts the
+        parameters it updated (worker/optim.ZeroOneAdamW)."""
+        strategy = STRATEGIES[self.strategy]
+        return strategy.shards_optimizer and not strategy.fsdp
 
+    @property
+    def optimizer_shards(self) -> int:
+        """Ranks AdamW's states are spread over: dp for every strategy but ddp."""
+        return self.dp if STRATEGIES[self.strategy].shards_optimizer else 1
 
-def root_params(p: dict[str, float], stages: list[Stage]) -> float:
-    """Parameters outside the blocks (FSDP's root group) on a rank."""
-    return sum(stage_params(p, Stage(0, st.first, st.last)) for st in stages)
+    @property
+    def mesh_shape(self) -> dict[str, int]:
+        """The device mesh's dims, outermost first (parallel/mesh.py builds it); a rank's place
+        in it is `coords`."""
+        return {"pp": self.pp, "dp": self.dp, "tp": self.tp}
 
+    def coords(self, rank: int) -> Coords:
+        """Where `rank` sits in the mesh, row-major over mesh_shape (tp innermost), without
+        building it (data sharding, seeds, logs)."""
+        return Coords(pp=rank // (self.dp * self.tp), dp=(rank // self.tp) % self.dp,
+                      tp=rank % self.tp)
 
-def candidate_ranks(ranks: list[list[Stage]]) -> list[int]:
-    """The pp ranks that can be the worst: the first (most microbatches in flight, embeddings),
-    the last (head, logits), and of the others the first with each layer count (a later rank
-    with as many layers holds fewer microbatches and sends as much)."""
-    p = len(ranks)
-    out = {0, p - 1}
-    seen = set()
-    for r in range(1, p - 1):
-        layers = sum(st.layers for st in ranks[r])
-        if layers not in seen:
-            seen.add(layers)
-            out.add(r)
-    return sorted(out)
+    @property
+    def blocks(self) -> dict[str, int]:
+        """Each dimension's groups as aligned blocks of consecutive ranks (parallel/mesh.py)."""
+        return {"tp": self.tp, "dp": self.dp * self.tp, "pp": self.gpus}

@@ -11,8 +11,9 @@ from typing import Any, Optional
 
 from raytrain_lm.config.checks import check_resumable, validate
 from raytrain_lm.config.presets import preset_config
-from raytrain_lm.config.settings import ARCH_DEFAULTS, TrainConfig, apply_overrides
+from raytrain_lm.config.settings import TrainConfig, apply_overrides
 from raytrain_lm.errors import UserError
+from raytrain_lm.models import FAMILIES
 
 
 def parse_set_args(items: list[str]) -> dict[str, Any]:
@@ -87,8 +88,8 @@ def build_config(
                 or "tiny")
         cfg = preset_config(name)
         arch = _chosen_arch(file_data, flags, set_data)
-        if arch is not None and arch != cfg.model.arch and arch in ARCH_DEFAULTS:
-            apply_overrides(cfg.model, ARCH_DEFAULTS[arch], source=f"model.arch={arch}")
+        if arch is not None and arch != cfg.model.arch and arch in FAMILIES:
+            apply_overrides(cfg.model, FAMILIES[arch].defaults, source=f"model.arch={arch}")
     apply_overrides(cfg, file_data, source=f"config file {config_file}")
     apply_overrides(cfg, flags, source="flags")
     apply_overrides(cfg, set_data, source="--set")

@@ -1,4 +1,5 @@
-"""What a run is, typed: ModelConfig and TrainConfig (each setting's default and help beside it),
+"""What a run is, typed: TrainConfig (each setting's default and help beside it; its `model` is the
+family's ModelConfig, models/family.py),
 and `apply_overrides`, the one way a layer of settings (a preset, a file, flags, --set, a saved
 config.json) is applied: it rejects unknown keys and wrong types, so a typo never silently trains
 the wrong model. Presets: presets.py; layering the sources: load.py; checks: checks.py."""
@@ -12,67 +13,18 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from raytrain_lm import env
+from raytrain_lm.env import STORAGE_ENV
 from raytrain_lm.errors import UserError
-from raytrain_lm.store.files import STORAGE_ENV, default_storage
+from raytrain_lm.models.family import ModelConfig, setting
 
 DEFAULT_DATA = "data/pydoc"  # the built-in corpus, prepared on first use
 
 
-def setting(default: Any = dataclasses.MISSING, *, help: str, factory: Any = dataclasses.MISSING):
-    """A config field with its help text beside it: `--help` of every command reads it from here."""
-    return field(default=default, default_factory=factory, metadata={"help": help})
-
-
-@dataclass
-class ModelConfig:
-    vocab_size: Optional[int] = setting(None, help="Vocabulary size [default: the dataset's tokenizer's].")
-    block_size: int = setting(256, help="Longest context the model can attend to (position embeddings).")
-    n_layer: int = setting(4, help="Transformer blocks.")
-    n_head: int = setting(4, help="Attention heads per block.")
-    n_embd: int = setting(128, help="Width of the residual stream (a multiple of n_head).")
-    dropout: float = setting(0.0, help="Dropout probability (attention, residual, embeddings).")
-    bias: bool = setting(True, help="Biases in linear layers and LayerNorms (gpt; the Llama has none).")
-    # The Llama family (arch="llama", llama.py): RMSNorm, rotary positions, SwiGLU, grouped-query
-    # attention, no biases, an untied head. Ignored by the GPT.
-    arch: str = setting("gpt", help="Architecture: gpt (GPT-2: LayerNorm, learned positions, GELU, "
-                        "tied embeddings) or llama (RMSNorm, RoPE, SwiGLU, GQA, untied head).")
-    n_kv_head: Optional[int] = setting(None, help="llama: key/value heads (grouped-query attention; "
-                                       "divides n_head) [default: n_head].")
-    ffn_dim: Optional[int] = setting(None, help="llama: SwiGLU hidden size [default: Llama's rule, "
-                                     "8/3 x n_embd x ffn_multiplier rounded up to multiple_of].")
-    ffn_multiplier: Optional[float] = setting(None, help="llama: scales the SwiGLU hidden size "
-                                              "(Llama 2 70B and Llama 3: 1.3; 405B: 1.2).")
-    multiple_of: int = setting(256, help="llama: the SwiGLU hidden size is rounded up to a multiple "
-                               "of this.")
-    rope_theta: float = setting(10000.0, help="llama: rotary base (Llama 2: 10000, Llama 3: 500000).")
-    norm_eps: float = setting(1e-5, help="llama: RMSNorm epsilon.")
-
-    @property
-    def kv_heads(self) -> int:
-        return self.n_kv_head or self.n_head
-
-    @property
-    def head_dim(self) -> int:
-        return self.n_embd // self.n_head
-
-    @property
-    def hidden_dim(self) -> int:
-        """The MLP's hidden size: GPT 4 x n_embd; Llama's SwiGLU ffn_dim, else Meta's rule
-        (llama/model.py: int(2 * 4 * dim / 3), times ffn_multiplier, up to a multiple_of)."""
-        if self.arch != "llama":
-            return 4 * self.n_embd
-        if self.ffn_dim is not None:
-            return self.ffn_dim
-        hidden = int(2 * 4 * self.n_embd / 3)
-        if self.ffn_multiplier is not None:
-            hidden = int(self.ffn_multiplier * hidden)
-        return self.multiple_of * -(-hidden // self.multiple_of)
-
-
-# What choosing an architecture sets, applied right after the preset (`--arch llama` on a GPT
-# preset: its shape as a Llama, without biases); file, flags and --set still override it.
-ARCH_DEFAULTS: dict[str, dict[str, Any]] = {"gpt": dict(arch="gpt"),
-                                             "llama": dict(arch="llama", bias=False)}
+def default_storage() -> str:
+    """Where runs live when --storage is not given: a cluster sets RAYTRAIN_LM_STORAGE on every
+    node (cluster.yaml: s3://...), so the driver, the workers and the read commands agree."""
+    return env.storage() or "runs"
 
 
 @dataclass
@@ -201,7 +153,7 @@ class TrainConfig:
     @property
     def worker_cpus(self) -> float:
         """The CPUs Ray reserves for each worker: cpus_per_worker, else (before the launch
-        decides it: cpus.py) Ray's own default, 1."""
+        decides it: run/cpus.py) Ray's own default, 1."""
         return 1.0 if self.cpus_per_worker is None else self.cpus_per_worker
 
     @property

@@ -1,7 +1,6 @@
-"""A run's layout arithmetic (pure Python: no Ray, no torch), shared by the checks, the planner
-and parallel/: the pipeline's shape (stages, microbatches, the layer split), and an elastic run's
-sizes: `--workers MIN-MAX`, which worker counts it may train on, and how a
-worker group of any of those sizes keeps the global batch.
+"""An elastic run's sizes (pure Python: no Ray, no torch): `--workers MIN-MAX`, which worker
+counts it may train on, and how a worker group of any of those sizes keeps the global batch (the
+layout itself, its stages and microbatches: layout.py).
 
 The global batch is fixed by the largest size: `batch_size x grad_accum x` the data-parallel size at
 MAX workers. A smaller group takes the same number of sequences per step, each data-parallel rank
@@ -18,33 +17,11 @@ import copy
 import dataclasses
 from typing import TYPE_CHECKING, Optional
 
+from raytrain_lm.config.layout import Layout
 from raytrain_lm.errors import UserError
 
 if TYPE_CHECKING:
     from raytrain_lm.config.settings import TrainConfig
-
-
-def pipeline_stages(cfg: TrainConfig) -> int:
-    """Pipeline stages in all: --virtual-stages (default 2) per worker for the interleaved
-    schedule, one for the others."""
-    return cfg.pp * ((cfg.virtual_stages or 2) if cfg.pp_schedule == "interleaved-1f1b" else 1)
-
-
-def pipeline_microbatches(cfg: TrainConfig) -> int:
-    return cfg.microbatches or 2 * pipeline_stages(cfg)
-
-
-def split_layers(n_layer: int, n_stages: int) -> list[range]:
-    """Contiguous, as even as possible; any extra layers go to the middle stages, since the first
-    and last stages also run the embeddings and the head."""
-    if n_layer < n_stages:
-        raise ValueError(f"{n_layer} layers cannot fill {n_stages} pipeline stages")
-    sizes = [n_layer // n_stages] * n_stages
-    order = sorted(range(n_stages), key=lambda s: (s in (0, n_stages - 1), abs(s - n_stages / 2)))
-    for s in order[: n_layer % n_stages]:
-        sizes[s] += 1
-    starts = [sum(sizes[:s]) for s in range(n_stages)]
-    return [range(st, st + n) for st, n in zip(starts, sizes)]
 
 
 def parse_workers(text: str) -> tuple[int, int]:
@@ -77,7 +54,8 @@ def workers_text(cfg: TrainConfig) -> str:
 
 
 def dp_size(cfg: TrainConfig, world: int) -> int:
-    return world // (cfg.tp * cfg.pp)
+    """The data-parallel size of `world` workers (a multiple of tp x pp)."""
+    return Layout.of(cfg, world).dp
 
 
 def global_batch(cfg: TrainConfig) -> int:
@@ -100,7 +78,7 @@ def fit_to_world(cfg: TrainConfig, world: int) -> Optional[TrainConfig]:
     fitted = copy.deepcopy(cfg)
     fitted.workers, fitted.min_workers = world, None  # a fixed group of this size, same batch
     if cfg.pp > 1:  # the pipeline accumulates: more microbatches of the configured size
-        size = cfg.batch_size // pipeline_microbatches(cfg)
+        size = Layout.of(cfg).micro_batch
         if per_rank % size:
             return None
         fitted.batch_size, fitted.microbatches = per_rank, per_rank // size

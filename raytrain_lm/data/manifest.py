@@ -12,19 +12,20 @@ the same checks: the format, the tokenizer, and every listed file present.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Callable
 
 import pyarrow.fs as pafs
 
-from raytrain_lm.config.checks import MAX_VOCAB
-from raytrain_lm.data.tokenizer import check_spec, tokenizer_from_spec
+from raytrain_lm.config.checks import MAX_VOCAB, is_plain_name
+from raytrain_lm.data.tokenizer import byte_tokenizer_json, check_spec, tokenizer_from_spec
 from raytrain_lm.errors import UserError
-from raytrain_lm.store.files import MANIFEST, REMOTE_SOURCE, is_plain_name
+from raytrain_lm.store.files import MANIFEST, REMOTE_SOURCE
 from raytrain_lm.store.storage import is_remote, open_uri, sha256_file
 
-FORMAT = "raytrain-lm-tokens/1"
+TOKENS_FORMAT = "raytrain-lm-tokens/1"
 SPLITS = ("train", "val")
 
 
@@ -43,7 +44,7 @@ def dataset_files(manifest: dict) -> list[dict]:
 def check_manifest(manifest: dict, where: str, file_ok: Callable[[dict], bool]) -> dict:
     """Raise a UserError unless `manifest` is ours and every file passes `file_ok`."""
     try:
-        if manifest.get("format") != FORMAT:
+        if manifest.get("format") != TOKENS_FORMAT:
             raise ValueError(f"format {manifest.get('format')!r}")
         check_spec(manifest["tokenizer"])
         vocab = manifest["vocab_size"]  # sizes the model's embedding: a number, and not a huge one
@@ -120,3 +121,12 @@ def _load_remote(uri: str) -> dict:
     except (ValueError, RecursionError) as e:
         raise UserError(f"{uri} is not a valid dataset: {MANIFEST}: {e}") from None
     return check_manifest(manifest, uri, lambda shard: shard["file"] in present)
+
+
+def tokenizer_sha256(manifest: dict) -> str:
+    """sha256 of the tokenizer.json an export of a model of this dataset carries (export.py): a
+    BPE's own file, or the byte tokenizer's equivalent."""
+    spec = manifest["tokenizer"]
+    if spec.get("type") == "byte":
+        return hashlib.sha256(byte_tokenizer_json().encode()).hexdigest()
+    return spec["sha256"]

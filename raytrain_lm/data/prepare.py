@@ -22,7 +22,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.fs as pafs
 
-from raytrain_lm.data.manifest import FORMAT, check_manifest, dataset_files
+from raytrain_lm.data.manifest import TOKENS_FORMAT, check_manifest, dataset_files
 from raytrain_lm.data.sources import PIECE_BYTES, check_source, plan_units, read_unit, sample_units
 from raytrain_lm.data.tokenizer import DEFAULT_SAMPLE_MB, Tokenizer, check_choice, make_tokenizer
 from raytrain_lm.errors import UserError
@@ -257,7 +257,7 @@ def _write_dataset(stream: Iterator[tuple[np.ndarray, bool]], tok: Tokenizer, fs
         raise UserError(f"corpus {', '.join(sources)} is too small ({total} tokens): it needs at least "
                         f"{2 * block_tokens} tokens for a train and a validation split")
     manifest = {
-        "format": FORMAT,
+        "format": TOKENS_FORMAT,
         "source": sources[0] if len(sources) == 1 else sources,
         "tokenizer": tok.spec(),
         "vocab_size": tok.vocab_size,

@@ -1,1 +1,66 @@
-"""The model families: the decoder skeleton they share and one folder per family."""
+"""The model families, by `model.arch`: each a folder (its Family, torch-free, beside its decoder),
+listed once here; the one FLOPs count and building a model go through this registry."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Optional
+
+from raytrain_lm.errors import UserError
+from raytrain_lm.models.family import Family, ModelConfig
+from raytrain_lm.models.gpt import GPTFamily
+from raytrain_lm.models.llama import LlamaFamily
+
+FAMILIES: dict[str, Family] = {f.name: f for f in (GPTFamily(), LlamaFamily())}
+
+
+def family(m: ModelConfig | str) -> Family:
+    """The family of a config (or of an arch name); an unknown one is the user's to fix."""
+    arch = m if isinstance(m, str) else m.arch
+    if arch not in FAMILIES:
+        raise UserError(f"model.arch must be one of {', '.join(FAMILIES)}, got {arch!r}")
+    return FAMILIES[arch]
+
+
+def decoder_class(m: ModelConfig):
+    """The family's decoder class (imports torch)."""
+    module, _, name = family(m).decoder.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def build_model(m: ModelConfig, seed: Optional[int] = None):
+    """The family's decoder for `m`: initialised with `seed` (default: torch's current seed), or
+    left uninitialised when built under `torch.device("meta")` (decoder.Decoder)."""
+    return decoder_class(m)(m, seed=seed)
+
+
+def hf_adapter(m: ModelConfig):
+    """The family's Hugging Face adapter module (`to_hf`, `hf_config`); a UserError where it has
+    none."""
+    f = family(m)
+    if f.hf_adapter is None:
+        raise UserError(f"model.arch {f.name} has no Hugging Face format: export it with --format native")
+    return importlib.import_module(f.hf_adapter)
+
+
+def hf_importer(model_type: object, where: str):
+    """The adapter of the family that imports Hugging Face folders of `model_type` (`from_hf`,
+    `model_fields`); a UserError, in one line, for a folder no family here imports."""
+    for f in FAMILIES.values():
+        if model_type in f.hf_model_types:
+            return importlib.import_module(f.hf_adapter)
+    kinds = ", ".join(t for f in FAMILIES.values() for t in f.hf_model_types)
+    raise UserError(f"{where} holds a {model_type!r} model; --init-from takes Hugging Face folders "
+                    f"of model_type {kinds} or this project's checkpoints")
+
+
+def flops_per_token(m: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token, PaLM appendix B: 6N + 12·L·H·Q·T.
+
+    N counts the parameters used in matrix multiplies (Family.matmul_params: the GPT's all but
+    the position embeddings, the tied token embedding counting once, as the output projection;
+    the Llama's all but the token embedding, a lookup). L layers, H (query) heads, Q head size,
+    T sequence length: the 12·L·H·Q·T term is attention's QK^T and AV products (forward +
+    backward)."""
+    L, H, Q, T = m.n_layer, m.n_head, m.n_embd // m.n_head, seq_len
+    return 6.0 * family(m).matmul_params(m) + 12.0 * L * H * Q * T

@@ -1,25 +1,19 @@
-"""Everything that makes the model distributed or memory-lean, applied from outside `model.py` and
-`llama.py` (which import nothing from torch.distributed): the same code for both architectures.
+"""Builds the model as this rank holds it, from outside the models (which import nothing from
+torch.distributed), from the run's Layout (config/layout.py) and its family's tensor-parallel
+plan (models/); worker/step.py runs what it builds.
 
-Builds only: `parallelize(cfg, device)` returns the model as this rank holds it (`Built`: its parts,
-the modules to call, the pipeline schedule and what running it needs); worker/step.py runs it
-(forward/backward, clipping, the optimizers, validation). Two ways to build, one result:
-- replicated (DDP, no --tp/--pp): the whole model on every worker, wrapped by Ray Train's
-  `prepare_model` (parallel/ddp.py): activation checkpointing, then DDP, then compile; with
-  --strategy zero1, AdamW's states sharded over the workers (optim.ZeroOneAdamW).
-- sharded (--strategy fsdp or zero2, --tp, --pp): built on the meta device, split into pipeline stages
-  (pp.py), tensor-parallelized (tp.py), sharded or replicated over dp (fsdp.py), and only then
-  materialised: each rank allocates its own shards and fills them with the layout-independent
-  initial values (init.py), so no rank ever holds the whole model and every layout starts from
-  the weights a single process would build with the same seed.
+`parallelize(cfg, device)` returns `Built`: the parts, the modules to call, the pipeline schedule
+and what running it needs. Replicated layouts (no tp, no pp, ddp or zero1) wrap a whole model in
+DDP through Ray Train's `prepare_model`; the others are built on the meta device, split into
+stages, tensor-parallelized, sharded or replicated over dp, and only then materialised, each rank
+filling its own shards with the single-process build's values (docs/parallelism.md).
 
-    mesh.py   the (pp, dp, tp) device mesh and how ranks map to it
-    ac.py     activation checkpointing (full or selective)
+    mesh.py   the device mesh of the layout's mesh_shape
+    ac.py     activation checkpointing (full, selective, op)
     ddp.py    DDP through ray.train.torch.prepare_model; no_sync for accumulation
     fsdp.py   FSDP2 or FSDP2's replicate on the dp dim; what a rank holds
     tp.py     tensor (and sequence) parallelism with DTensor; loss without gathering logits
-    pp.py     pipeline stages, schedules, the tied embedding across first and last stage
-              (the GPT's; the Llama's head is untied)
+    pp.py     pipeline stages, schedules, a tied embedding across first and last stage
     init.py   meta -> local shards -> initial values
     grad.py   gradients in their parameters' layouts; the global gradient norm
     traffic.py bytes per mesh dim per step; the pipeline's bubble
@@ -34,12 +28,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from raytrain_lm.config.layout import Coords, Layout
 from raytrain_lm.config.settings import TrainConfig
-from raytrain_lm.config.sizes import pipeline_microbatches, pipeline_stages
-from raytrain_lm.models.decoder import architecture, build_model
+from raytrain_lm.models import build_model, decoder_class
 from raytrain_lm.parallel import ddp, fsdp
 from raytrain_lm.parallel.ac import apply_activation_checkpointing
-from raytrain_lm.parallel.mesh import Coords, build_mesh, is_distributed, rank_coords
+from raytrain_lm.parallel.mesh import build_mesh, is_distributed
 
 
 def parallelize(cfg: TrainConfig, device: torch.device, dtype: Optional[torch.dtype] = None,
@@ -65,15 +59,15 @@ class Built:
         self.cfg, self.device, self.dtype = cfg, device, dtype
         world = dist.get_world_size() if is_distributed() else 1
         rank = dist.get_rank() if is_distributed() else 0
-        self.coords: Coords = rank_coords(rank, world, cfg.tp, cfg.pp)
-        self.dp = world // (cfg.tp * cfg.pp)
-        self.tp_on, self.pp_on = cfg.tp > 1 or "tp" in force, cfg.pp > 1 or "pp" in force
-        self.force_fsdp = "fsdp" in force and cfg.strategy in ("fsdp", "zero2")
-        self.replicated = not (self.tp_on or self.pp_on or self.force_fsdp) and \
-            (cfg.strategy in ("ddp", "zero1") or world == 1)
-        self.mesh = None if self.replicated else build_mesh(device, cfg.tp, cfg.pp)
-        self.mixed_by_fsdp = dtype is not None and \
-            fsdp.shards(cfg, self.dp, self.replicated, self.force_fsdp)
+        self.layout = lay = Layout.of(cfg, world, pipelined="pp" in force)
+        self.coords: Coords = lay.coords(rank)
+        self.dp = lay.dp
+        self.tp_on, self.pp_on = lay.tp > 1 or "tp" in force, lay.pp > 1 or "pp" in force
+        self.force_fsdp = "fsdp" in force and lay.by_fsdp
+        self.replicated = lay.replicated and not (self.tp_on or self.pp_on or self.force_fsdp)
+        self.mesh = None if self.replicated else build_mesh(device, lay)
+        # FSDP's MixedPrecisionPolicy, where it shards, is the run's mixed precision (step.py)
+        self.mixed_by_fsdp = dtype is not None and (lay.sharded or self.force_fsdp)
         self.schedule = self.loss_fn = self.tied_group = self.pp_group = None
         self.has_first = self.has_last = True
         self.norm_exclude: set[int] = set()
@@ -88,7 +82,7 @@ class Built:
         if self.pp_on:
             self._build_pipeline()
         # The ranks whose loss is their dp group's (tp ranks hold copies; with pp, the last stage).
-        self.reports_loss = self.coords.tp == 0 and self.coords.pp == cfg.pp - 1
+        self.reports_loss = self.coords.tp == 0 and self.coords.pp == lay.pp - 1
 
     # ---------------------------------------------------------------- building
 
@@ -98,8 +92,7 @@ class Built:
 
         cfg = self.cfg
         if self.pp_on:
-            per_rank = pipeline_stages(cfg) // cfg.pp
-            self.stages = pp.build_stage_modules(cfg.model, self.coords.pp, cfg.pp, per_rank)
+            self.stages = pp.build_stage_modules(cfg.model, self.layout, self.coords.pp)
         else:
             with torch.device("meta"):
                 self.stages = [(0, build_model(cfg.model))]
@@ -108,8 +101,8 @@ class Built:
             if self.tp_on:
                 tp.apply_tp(part, self.mesh["tp"], sequence_parallel=cfg.sequence_parallel,
                             local_logits=self.pp_on)
-            fsdp.apply_dp(part, self.mesh["dp"], cfg, self.dtype, pipelined=self.pp_on,
-                          force=self.force_fsdp)
+            fsdp.apply_dp(part, self.mesh["dp"], self.layout, self.dtype, compile=cfg.compile,
+                          pipelined=self.pp_on, force=self.force_fsdp)
             materialize_(part, cfg.model, cfg.seed, self.device)
         return [part for _, part in self.stages]
 
@@ -119,14 +112,13 @@ class Built:
         cfg = self.cfg
         tp_mesh = self.mesh["tp"] if self.tp_on else None
         self.loss_fn = pp.PipelineLoss(tp_mesh)
-        self.schedule = pp.build_schedule(cfg.pp_schedule, self.stages, pipeline_stages(cfg),
-                                          pipeline_microbatches(cfg), self.mesh["pp"],
-                                          self.loss_fn, self.device)
+        self.schedule = pp.build_schedule(self.layout, self.stages, self.mesh["pp"], self.loss_fn,
+                                          self.device)
         self.has_first = any(m.is_first for m in self.parts)
         self.has_last = any(m.is_last for m in self.parts)
         self.pp_group = self.mesh["pp"].get_group()
-        # a tied embedding (GPT) lives on the first and the last stage; Llama's head is its own
-        self.tied_group = pp.tied_group(self.mesh) if architecture(cfg.model).tied else None
+        # a tied embedding lives on the first and the last stage; an untied head is its own
+        self.tied_group = pp.tied_group(self.mesh) if decoder_class(cfg.model).tied else None
         self.norm_exclude = pp.duplicate_tied_params(self.parts)
 
     # ---------------------------------------------------------------- running it

@@ -9,21 +9,15 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from raytrain_lm.config.settings import TrainConfig
+from raytrain_lm.config.layout import Layout
 
 # A Block returns (x, (k, v)) and k, v are views; FSDP2 warns about in-place ops on returned
 # views. Nothing writes into them (they are only the KV cache), so the warning is noise.
 warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
 
 
-def shards(cfg: TrainConfig, dp: int, replicated: bool, force: bool = False) -> bool:
-    """Whether FSDP's fully_shard manages the parameters (and so the mixed precision) of this
-    layout: --strategy fsdp or zero2 over a dp dim of 2 or more (or of one, `force`d)."""
-    return not replicated and cfg.strategy in ("fsdp", "zero2") and (dp > 1 or force)
-
-
-def apply_dp(part: nn.Module, dp_mesh, cfg: TrainConfig, dtype: Optional[torch.dtype],
-             pipelined: bool, force: bool = False) -> nn.Module:
+def apply_dp(part: nn.Module, dp_mesh, layout: Layout, dtype: Optional[torch.dtype],
+             compile: bool = False, pipelined: bool = False, force: bool = False) -> nn.Module:
     """Shard (fsdp) or replicate (ddp) a model part over the "dp" mesh dim, in place, before its
     parameters are materialised. Both compose with tensor parallelism (the parameters are
     already DTensors on the tp dim) and with pipeline stages:
@@ -38,7 +32,7 @@ def apply_dp(part: nn.Module, dp_mesh, cfg: TrainConfig, dtype: Optional[torch.d
     Both average the gradients over dp, so dp-sharded batches give the whole batch's gradient."""
     if dp_mesh.size() == 1 and not force:  # (force: fully_shard on one rank, for checks)
         return part
-    if cfg.strategy == "ddp":
+    if not layout.by_fsdp:
         from torch.distributed._composable.replicate_with_fsdp import replicate
 
         replicate(part, mesh=dp_mesh)
@@ -46,12 +40,12 @@ def apply_dp(part: nn.Module, dp_mesh, cfg: TrainConfig, dtype: Optional[torch.d
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     # Pipelined: kept gathered (each microbatch would re-gather otherwise); zero2: kept to backward.
-    kwargs = {"mesh": dp_mesh, "reshard_after_forward": not pipelined and cfg.strategy != "zero2"}
+    kwargs = {"mesh": dp_mesh, "reshard_after_forward": not pipelined and not layout.keeps_gathered}
     if dtype is not None:
         # Gather parameters and compute in `dtype`; reduce gradients in fp32 for accuracy. The
         # run's only mixed precision (no autocast around it: step.py).
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-    if cfg.compile:
+    if compile:
         for block in blocks(part):
             block.compile()  # per block, as torchtitan does: FSDP's hooks stay outside graphs
     for block in blocks(part):

@@ -1,6 +1,6 @@
 """Build sharded: construct on the meta device, shard (TP, FSDP, pipeline split), then allocate
 only the local shards (`to_empty`) and fill them with the layout-independent initial values
-defined in model.py (`init_region_`). No rank ever materialises a full parameter it does not own.
+defined in models/decoder.py (`init_region_`). No rank ever materialises a full parameter it does not own.
 
 Why not DTensor's own random init (nn.init.normal_ on a DTensor)? Its RNG is tied to the layout
 (offset-based Philox on CUDA) and it is not supported on CPU meshes in this torch; and the values
@@ -15,7 +15,8 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from raytrain_lm.models.decoder import architecture, fill_buffers_, init_region_, init_targets
+from raytrain_lm.models import decoder_class
+from raytrain_lm.models.decoder import fill_buffers_, init_region_, init_targets
 
 
 def local_region(p: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
@@ -37,7 +38,7 @@ def init_sharded_(model: nn.Module, cfg, seed: int) -> int:
     """Fill the local shard of every parameter of `model` (a decoder or a pipeline stage of one,
     sharded or not).
     Returns the number of elements this rank filled (for tests: sum of local shards)."""
-    filled, spec = 0, architecture(cfg).init_spec
+    filled, spec = 0, decoder_class(cfg).init_spec
     for fqn, module, _, p in init_targets(model):
         local, offset = local_region(p)
         init_region_(local, fqn, spec(cfg, module, fqn), p.shape, offset, seed)

@@ -1,6 +1,7 @@
-"""The device mesh: one named dimension per kind of parallelism, built in one place.
+"""The device mesh: one named dimension per kind of parallelism, built in one place from the
+Layout's mesh_shape (config/layout.py, where a rank's coordinates are computed too).
 
-Rank -> coordinates (row-major over DIMS, tp innermost):
+Rank -> coordinates (row-major, tp innermost):
 
     rank = (pp_i * dp + dp_i) * tp + tp_i
     pp_i = rank // (dp * tp),  dp_i = (rank // tp) % dp,  tp_i = rank % tp
@@ -23,27 +24,25 @@ special-cases them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 
-DIMS = ("pp", "dp", "tp")
+from raytrain_lm.config.layout import Layout
 
 
 def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def build_mesh(device: torch.device, tp: int = 1, pp: int = 1):
-    """The (pp, dp, tp) mesh over every worker, dp = world / (tp * pp)."""
+def build_mesh(device: torch.device, layout: Layout):
+    """The layout's mesh (pp, dp, tp) over every worker."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    world = dist.get_world_size()
-    if world % (tp * pp):
-        raise ValueError(f"{world} workers are not a multiple of tp x pp = {tp} x {pp}")
-    mesh = init_device_mesh(device.type, (pp, world // (tp * pp), tp), mesh_dim_names=DIMS)
-    for dim in DIMS:
+    shape = layout.mesh_shape
+    if dist.get_world_size() != layout.gpus:
+        raise ValueError(f"{dist.get_world_size()} workers are not the layout's {layout.gpus}")
+    mesh = init_device_mesh(device.type, tuple(shape.values()), mesh_dim_names=tuple(shape))
+    for dim in shape:
         match_world_timeout(mesh.get_group(dim))
     return mesh
 
@@ -67,19 +66,6 @@ def match_world_timeout(group) -> None:
     timeout = world_timeout()
     if timeout is not None and group is not None:
         dist.distributed_c10d._set_pg_timeout(timeout, group)
-
-
-@dataclass(frozen=True)
-class Coords:
-    pp: int
-    dp: int
-    tp: int
-
-
-def rank_coords(rank: int, world: int, tp: int = 1, pp: int = 1) -> Coords:
-    """Where a rank sits in the mesh, without building it (data sharding, seeds, logs)."""
-    dp = world // (tp * pp)
-    return Coords(pp=rank // (dp * tp), dp=(rank // tp) % dp, tp=rank % tp)
 
 
 def all_reduce(t: torch.Tensor, op: str = "sum", group=None) -> torch.Tensor:

@@ -1,12 +1,13 @@
 """Pipeline parallelism with torch.distributed.pipelining, stages built by hand (no tracer).
 
-* Split by layers: stage s holds blocks layers[s]; the first stage also the embedding (GPT:
-  wte/wpe/drop; Llama: wte), the last ln_f/lm_head. A stage module keeps the full model's FQNs (h is a
-  ModuleDict keyed by the original layer index: "h.5.attn.c_attn.weight" in the stage is the same
-  key as in the GPT), so
-  DCP checkpoints and the layout-independent init work across layouts unchanged.
-* Tied embeddings (Megatron's "embedding group", the GPT only): the last stage holds its own copy of `wte`
-  (registered as `wte`, with lm_head.weight tied to it, exactly as in GPT), initialised to the same
+* Split by layers (Layout.layers): stage s holds blocks layers[s]; the first stage also what the
+  model's `embed` uses (Decoder.EMBED: the GPT's wte/wpe/drop, the Llama's wte), the last ln_f and
+  lm_head. A stage module keeps the full model's FQNs (h is a ModuleDict keyed by the original
+  layer index: "h.5.attn.c_attn.weight" in the stage is the same key as in the model), so DCP
+  checkpoints and the layout-independent init work across layouts unchanged.
+* Tied embeddings (Megatron's "embedding group": a decoder whose head is tied, the GPT): the last
+  stage holds its own copy of `wte` (registered as `wte`, with lm_head.weight tied to it, exactly
+  as in the model), initialised to the same
   values by construction. After each backward the gradients of the two copies are summed across
   the first and last stage (`sync_tied_grads`), so both copies take identical optimizer steps and
   the result equals the tied single-process model. The global grad norm counts the copy once.
@@ -34,18 +35,19 @@ from torch.distributed.pipelining.schedules import (
 )
 from torch.distributed.tensor import DTensor, Shard
 
-from raytrain_lm.config.sizes import split_layers
-from raytrain_lm.models.decoder import Decoder, build_model
+from raytrain_lm.config.layout import Layout
+from raytrain_lm.models import build_model
+from raytrain_lm.models.decoder import Decoder
 from raytrain_lm.parallel.mesh import world_timeout
 
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B}
+PIPELINE_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B}
 
 
-class GPTStage(nn.Module):
-    """The part of a decoder (model.GPT or llama.Llama) one pipeline stage runs. It takes the
+class Stage(nn.Module):
+    """The part of a decoder (any family's) one pipeline stage runs. It takes the
     model's own submodules (build it on the meta device first: taking them is free) and runs the
     model class's embed / blocks / head, so the math is the model file's. A Llama's blocks bring
-    the rotary tables they share (llama.py), so every stage has them."""
+    the rotary tables they share (models/llama/llama.py), so every stage has them."""
 
     def __init__(self, model: Decoder, layers: range, is_first: bool, is_last: bool):
         super().__init__()
@@ -75,17 +77,16 @@ def stage_ids(pp_rank: int, pp_size: int, stages_per_rank: int) -> list[int]:
     return [pp_rank + v * pp_size for v in range(stages_per_rank)]
 
 
-def build_stage_modules(cfg, pp_rank: int, pp_size: int, stages_per_rank: int) -> list[tuple[int, GPTStage]]:
+def build_stage_modules(m, layout: Layout, pp_rank: int) -> list[tuple[int, Stage]]:
     """(stage index, stage module) for this rank, on the meta device."""
-    n_stages = pp_size * stages_per_rank
-    splits = split_layers(cfg.n_layer, n_stages)
+    splits = layout.layers(m.n_layer)
     with torch.device("meta"):
-        full = build_model(cfg)
+        full = build_model(m)
     out = []
-    for s in stage_ids(pp_rank, pp_size, stages_per_rank):
-        # This rank's stages take disjoint modules out of its meta GPT: wte goes to both the
-        # first and the last stage, but with pp > 1 those are never on the same rank.
-        out.append((s, GPTStage(full, splits[s], s == 0, s == n_stages - 1)))
+    for s in stage_ids(pp_rank, layout.pp, layout.v):
+        # This rank's stages take disjoint modules out of its meta model: wte goes to both the
+        # first and the last stage (tied), but with pp > 1 those are never on the same rank.
+        out.append((s, Stage(full, splits[s], s == 0, s == layout.stages - 1)))
     return out
 
 
@@ -117,16 +118,17 @@ class PipelineLoss:
         return loss.to_local() if isinstance(loss, DTensor) else loss  # replicated over tp
 
 
-def build_schedule(name: str, stages: list[tuple[int, nn.Module]], n_stages: int,
-                   n_microbatches: int, pp_mesh: DeviceMesh, loss_fn, device="cpu"):
-    cls = SCHEDULES[name]
+def build_schedule(layout: Layout, stages: list[tuple[int, nn.Module]], pp_mesh: DeviceMesh,
+                   loss_fn, device="cpu"):
+    cls = PIPELINE_SCHEDULES[layout.schedule]
     group = pp_mesh.get_group()
-    pstages = [PipelineStage(m, s, n_stages, torch.device(device), group=group) for s, m in stages]
+    pstages = [PipelineStage(m, s, layout.stages, torch.device(device), group=group)
+               for s, m in stages]
     if cls is ScheduleInterleaved1F1B:
-        return cls(pstages, n_microbatches, loss_fn=loss_fn, scale_grads=True)
+        return cls(pstages, layout.microbatches, loss_fn=loss_fn, scale_grads=True)
     if len(pstages) != 1:
-        raise ValueError(f"{name} runs one stage per rank")
-    return cls(pstages[0], n_microbatches, loss_fn=loss_fn, scale_grads=True)
+        raise ValueError(f"{layout.schedule} runs one stage per rank")
+    return cls(pstages[0], layout.microbatches, loss_fn=loss_fn, scale_grads=True)
 
 
 def tied_group(mesh: DeviceMesh) -> dist.ProcessGroup | None:

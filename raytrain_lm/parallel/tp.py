@@ -1,27 +1,26 @@
-"""Tensor (and optional sequence) parallelism for the decoders of model.py and llama.py, with
-DTensor's `parallelize_module` on the "tp" mesh dim. Works on the full model and on pipeline
-stages (parallel/pp.py: GPTStage), which hold a subset of the same attributes.
+"""Tensor (and optional sequence) parallelism for any decoder of models/, with DTensor's
+`parallelize_module` on the "tp" mesh dim. Works on the full model and on pipeline stages
+(parallel/pp.py: Stage), which hold a subset of the same attributes. The roots (embeddings, head,
+final norm) are the same in every family; a block's projections split as its family's tp plan
+says (Family.tp_plan: colwise by output features, rowwise by input features).
 
 Layouts (tp ranks r = 0..tp-1):
-  c_attn, mlp.c_fc       ColwiseParallel: weight Shard(0). c_attn's rows are head-interleaved
-                          (model.py), so rank r holds whole heads r*H/tp .. (r+1)*H/tp-1 with
-                          their q, k and v.
-  attn.c_proj, mlp.c_proj RowwiseParallel: weight Shard(1), bias Replicate; output all-reduced
+  colwise projections     ColwiseParallel: weight Shard(0), so rank r holds whole heads r*H/tp ..
+                          (r+1)*H/tp-1 (the GPT's c_attn rows are head-interleaved, gpt.py; the
+                          Llama's k/v heads r*KV/tp.., KV divisible by tp: Family.check_layout)
+                          and a slice of the MLP's hidden units.
+  rowwise projections     RowwiseParallel: weight Shard(1), bias Replicate; output all-reduced
                           (or reduce-scattered over the sequence with SP).
   wte                     RowwiseParallel on the embedding = Shard(0) of the (V, C) weight
                           (vocab-parallel lookup, masked, then all-reduce / reduce-scatter).
-  lm_head                 ColwiseParallel = Shard(0) of the same (V, C) weight, so the tie with wte
-                          survives: one DTensor, two users. Output logits stay Shard(-1) (vocab)
-                          and cross_entropy runs under `loss_parallel()`: full logits are never
-                          gathered.
-  wpe                     RowwiseParallel too: Shard(0) over positions; its (T, C) output is
-                          all-reduced, or reduce-scattered over T with SP.
-  Llama (llama.py)        q_proj, k_proj, v_proj, gate_proj, up_proj ColwiseParallel (rank r:
-                          query heads r*H/tp.., key/value heads r*KV/tp..: n_kv_head divisible
-                          by tp, config/checks.py); o_proj, down_proj RowwiseParallel; wte as above,
-                          lm_head untied ColwiseParallel; no wpe (rotary tables: plain buffers,
-                          every rank holds them whole).
-  LayerNorms, RMSNorms    SequenceParallel with SP (Replicate params, sequence-sharded
+  lm_head                 ColwiseParallel = Shard(0) of the (V, C) weight; tied (the GPT), the
+                          same DTensor as wte: one tensor, two users. Output logits stay
+                          Shard(-1) (vocab) and cross_entropy runs under `loss_parallel()`: full
+                          logits are never gathered.
+  wpe                     (the GPT's positions) RowwiseParallel too: Shard(0) over positions; its
+                          (T, C) output is all-reduced, or reduce-scattered over T with SP. The
+                          Llama's rotary tables are plain buffers every rank holds whole.
+  norms                   SequenceParallel with SP (Replicate params, sequence-sharded
                           activations); without SP `ReplicateParallel` below makes their params
                           Replicate DTensors as well, so that every parameter is a DTensor
                           (optimizers, grad-norm and DCP then treat the model uniformly).
@@ -46,6 +45,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 from torch.distributed.tensor.parallel.style import ParallelStyle
+
+from raytrain_lm.models import family
 
 
 class ReplicateParallel(ParallelStyle):
@@ -77,7 +78,7 @@ def _outputs_to_local(module, outputs, mesh):
 
 def apply_tp(module: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool = False,
              loss_parallel: bool = True, local_logits: bool = False) -> nn.Module:
-    """Parallelize a decoder or a GPTStage in place (ideally still on the meta device).
+    """Parallelize a decoder or a Stage in place (ideally still on the meta device).
 
     loss_parallel: keep logits sharded over the vocabulary (the caller wraps forward+backward in
         `torch.distributed.tensor.parallel.loss_parallel()`); else all-gather them.
@@ -113,14 +114,14 @@ def apply_tp(module: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool 
         assert module.lm_head.weight.placements == module.wte.weight.placements
         module.lm_head.weight = module.wte.weight
 
-    colwise, rowwise = PROJECTIONS[module.cfg.arch]
+    projections = family(module.cfg).tp_plan
     for block in _blocks(module):
         plan = {
             "ln_1": SequenceParallel() if sp else ReplicateParallel(),
             "ln_2": SequenceParallel() if sp else ReplicateParallel(),
-            **{name: ColwiseParallel() for name in colwise},
+            **{name: ColwiseParallel() for name in projections.colwise},
             **{name: RowwiseParallel(output_layouts=seq) if sp else RowwiseParallel()
-               for name in rowwise},
+               for name in projections.rowwise},
         }
         if sp:  # all-gather the sequence before attention and the MLP
             plan["attn"] = PrepareModuleInput(input_layouts=(seq, None),
@@ -128,16 +129,6 @@ def apply_tp(module: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool 
             plan["mlp"] = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),))
         parallelize_module(block, tp_mesh, plan)
     return module
-
-
-# Per architecture, a block's column-parallel linears (output features split: whole heads, a
-# slice of the MLP's hidden units) and its row-parallel ones (input features split, output
-# all-reduced or reduce-scattered).
-PROJECTIONS = {
-    "gpt": (("attn.c_attn", "mlp.c_fc"), ("attn.c_proj", "mlp.c_proj")),
-    "llama": (("attn.q_proj", "attn.k_proj", "attn.v_proj", "mlp.gate_proj", "mlp.up_proj"),
-              ("attn.o_proj", "mlp.down_proj")),
-}
 
 
 def _has(module: nn.Module, name: str) -> bool:

@@ -26,8 +26,6 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from raytrain_lm.parallel.mesh import DIMS
-
 _FUNCOL = ("_c10d_functional", "_c10d_functional_autograd")
 
 
@@ -55,6 +53,7 @@ class CommCounter(TorchDispatchMode):
         # collectives on the groups of an earlier, equal mesh (DeviceMesh equality is by rank
         # layout and dim names, and sharding decisions are cached by it).
         self.names = {}  # ranks of a group -> mesh dim name
+        self.dims = tuple(mesh.mesh_dim_names) if mesh is not None else ()
         if mesh is not None:
             for dim in mesh.mesh_dim_names:
                 if mesh[dim].size() > 1:
@@ -137,7 +136,7 @@ class CommCounter(TorchDispatchMode):
 
     def bytes_per_dim(self) -> dict[str, int]:
         """Bytes this rank sent over each mesh dim (ring algorithms), e.g. {"dp": ..., "tp": ...}."""
-        return {dim: d["wire"] for dim, d in self.by_dim().items() if dim in DIMS}
+        return {dim: d["wire"] for dim, d in self.by_dim().items() if dim in self.dims}
 
     def by_dim(self) -> dict:
         """{dim: {"wire": bytes sent, "payload": ..., "recv": ..., "ops": {op: calls}}}"""

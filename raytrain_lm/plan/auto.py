@@ -7,9 +7,10 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-from raytrain_lm.config.layout import GIB, Cluster, Layout
+from raytrain_lm.config.layout import Layout
 from raytrain_lm.errors import UserError
 from raytrain_lm.plan.estimate import Estimate, plan
+from raytrain_lm.plan.hardware import GIB, Cluster
 from raytrain_lm.plan.printout import reason, recommendation
 
 
@@ -26,28 +27,9 @@ def auto_cluster(cfg, gpus_per_node: Optional[int], memory_gb: Optional[float]) 
                    gpu=cfg.use_gpu, precision=cfg.precision)
 
 
-def apply_layout(cfg, lay: Layout) -> None:
-    """Set cfg's layout settings to `lay` (the global batch is unchanged)."""
-    cfg.tp, cfg.pp, cfg.strategy = lay.tp, lay.pp, lay.strategy
-    cfg.activation_checkpointing, cfg.sequence_parallel = lay.ac, lay.sp
-    if lay.pp > 1:
-        cfg.pp_schedule, cfg.batch_size, cfg.microbatches, cfg.grad_accum = \
-            lay.schedule, lay.sequences, lay.microbatches, 1
-        cfg.virtual_stages = lay.v if lay.schedule == "interleaved-1f1b" else 0
-    else:
-        cfg.batch_size, cfg.grad_accum, cfg.microbatches, cfg.virtual_stages = \
-            lay.micro_batch, lay.microbatches, 0, 0
-
-
 def trainable(cfg, lay: Layout) -> bool:
-    """Whether `train` runs this layout with cfg's other settings (checks.check_layout)."""
-    if cfg.compile and (lay.tp > 1 or lay.pp > 1):
-        return False
-    if lay.pp > 1 and cfg.precision == "fp16":
-        return False
-    if lay.tp > 1 and (cfg.model.vocab_size or 0) % lay.tp:
-        return False
-    return not (lay.strategy == "zero1" and cfg.precision == "fp16")
+    """Whether `train` runs this layout with cfg's other settings (the layout's own rules)."""
+    return not lay.problems(cfg.model, cfg.precision, cfg.compile)
 
 
 def choose_layout(cfg, cl: Cluster) -> tuple[Estimate, str]:

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from raytrain_lm.config.layout import Cluster, Layout, Stage, held_params, root_params, tp_param_counts
-from raytrain_lm.config.settings import ModelConfig
+from raytrain_lm.config.layout import Layout
+from raytrain_lm.models import family
+from raytrain_lm.models.family import ModelConfig
+from raytrain_lm.plan.hardware import Cluster
+from raytrain_lm.plan.stages import StageShape, held_params, root_params
 
 
 def ring_bytes(op: str, n: int, size: float) -> float:
@@ -34,7 +37,7 @@ class Comm:
         return self.dp_gather + self.dp_reduce
 
 
-def dp_comm(p: dict[str, float], lay: Layout, cl: Cluster, stages: list[Stage]) -> tuple[float, float]:
+def dp_comm(p: dict[str, float], lay: Layout, cl: Cluster, stages: list[StageShape]) -> tuple[float, float]:
     """(gathers, gradient reduction) of the data-parallel dimension: ddp all-reduces the fp32
     gradients; zero1 too, then each rank broadcasts the fp32 parameters it updated (an
     all-gather's volume); zero2 gathers the parameters once per micro-step (kept through
@@ -44,12 +47,12 @@ def dp_comm(p: dict[str, float], lay: Layout, cl: Cluster, stages: list[Stage]) 
     if lay.dp == 1:
         return 0.0, 0.0
     g = cl.reduce_bytes
-    if lay.strategy in ("ddp", "zero1"):
-        params = ring_bytes("all_gather", lay.dp, 4 * held) if lay.strategy == "zero1" else 0.0
+    if not lay.sharded:  # DDP's all-reduce; a sharded optimizer broadcasts what it updated
+        params = ring_bytes("all_gather", lay.dp, 4 * held) if lay.broadcasts_params else 0.0
         return params, ring_bytes("all_reduce", lay.dp, g * held)
     if lay.pp > 1:
         gathered = held  # once, kept for every microbatch
-    elif lay.strategy == "zero2":
+    elif lay.keeps_gathered:
         gathered = lay.microbatches * held
     else:  # each micro-step: blocks in forward and again in backward, the root stays gathered
         root = root_params(p, stages)
@@ -58,7 +61,7 @@ def dp_comm(p: dict[str, float], lay: Layout, cl: Cluster, stages: list[Stage]) 
             ring_bytes("reduce_scatter", lay.dp, g * held))
 
 
-def tp_comm(m: ModelConfig, lay: Layout, cl: Cluster, stages: list[Stage]) -> float:
+def tp_comm(m: ModelConfig, lay: Layout, cl: Cluster, stages: list[StageShape]) -> float:
     if lay.tp == 1:
         return 0.0
     # fwd 2, bwd 2, and the attention output's again where it is recomputed (op keeps
@@ -81,7 +84,7 @@ def pp_send_bytes(m: ModelConfig, lay: Layout, cl: Cluster) -> float:
 
 
 def pp_comm(m: ModelConfig, p: dict[str, float], lay: Layout, cl: Cluster,
-            stages: list[Stage]) -> tuple[float, float]:
+            stages: list[StageShape]) -> tuple[float, float]:
     """(all the pipeline's bytes, of which the tied embedding's gradient all-reduce)."""
     if lay.pp == 1:
         return 0.0, 0.0
@@ -89,12 +92,12 @@ def pp_comm(m: ModelConfig, p: dict[str, float], lay: Layout, cl: Cluster,
     out, tied_bytes = lay.microbatches * sends * pp_send_bytes(m, lay, cl), 0.0
     tied = p.get("head") is None  # GPT: the tied embedding's gradient, summed over first + last
     if tied and any(st.first or st.last for st in stages):
-        tied_bytes = ring_bytes("all_reduce", 2, 4 * p["wte"] / (lay.dp if lay.sharded else 1))
+        tied_bytes = ring_bytes("all_reduce", 2, 4 * p["wte"] / lay.param_shards)
     return out + tied_bytes, tied_bytes
 
 
-def rank_comm(m: ModelConfig, lay: Layout, cl: Cluster, stages: list[Stage]) -> Comm:
-    p = tp_param_counts(m, lay.tp)
+def rank_comm(m: ModelConfig, lay: Layout, cl: Cluster, stages: list[StageShape]) -> Comm:
+    p = family(m).tp_counts(m, lay.tp)
     gather, reduce = dp_comm(p, lay, cl, stages)
     pp, tied = pp_comm(m, p, lay, cl, stages)
     return Comm(dp_gather=gather, dp_reduce=reduce, tp=tp_comm(m, lay, cl, stages), pp=pp,

@@ -18,7 +18,7 @@ table below). `--compute-efficiency` replaces the whole formula with a constant,
 
 from __future__ import annotations
 
-from raytrain_lm.config.settings import ModelConfig
+from raytrain_lm.models.family import ModelConfig
 
 # FLOPs of one matmul at which half of the ceiling is reached. The published runs below hardly
 # constrain it (their matmuls are large: the fit's root-mean-square log error is 8.3% at 1e9,

@@ -1,4 +1,4 @@
-"""Step time of a layout; which layouts exist and how they rank; a config's own layout."""
+"""Step time of a layout; which layouts exist and how they rank; the cluster `train` checks."""
 
 from __future__ import annotations
 
@@ -6,39 +6,16 @@ import math
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
-from raytrain_lm.config.checks import PP_SCHEDULES, STRATEGIES
-from raytrain_lm.config.layout import (
-    AC_MODES,
-    GPUS_PER_NODE,
-    PRECISIONS,
-    Cluster,
-    Layout,
-    Stage,
-    candidate_ranks,
-    matmul_params,
-    param_counts,
-    rank_stages,
-)
-from raytrain_lm.config.settings import ModelConfig
+from raytrain_lm.config.checks import PRECISIONS
+from raytrain_lm.config.layout import AC_MODES, PP_SCHEDULES, STRATEGIES, Layout
 from raytrain_lm.errors import UserError
+from raytrain_lm.models import family, flops_per_token
+from raytrain_lm.models.family import ModelConfig
 from raytrain_lm.plan.comm import Comm, pp_send_bytes, rank_comm
 from raytrain_lm.plan.efficiency import compute_efficiency
+from raytrain_lm.plan.hardware import GPUS_PER_NODE, Cluster
 from raytrain_lm.plan.memory import MemoryPlan, rank_memory
-
-
-def flops_per_token(m: ModelConfig, seq_len: int) -> float:
-    """model.flops_per_token (PaLM: 6N + 12 L H Q T) with N as loop.py counts it (matmul_params)."""
-    return 6.0 * matmul_params(m) + 12.0 * m.n_layer * m.n_embd * seq_len
-
-
-def block_matmuls(m: ModelConfig) -> list[int]:
-    """A block's matmuls in forward order, by weight elements (their forward FLOPs: 2 per
-    element per token)."""
-    h = m.n_embd
-    if m.arch == "llama":
-        kv = m.kv_heads * m.head_dim
-        return [h * h, h * kv, h * kv, h * h, h * m.hidden_dim, h * m.hidden_dim, h * m.hidden_dim]
-    return [3 * h * h, h * h, 4 * h * h, 4 * h * h]
+from raytrain_lm.plan.stages import StageShape, candidate_ranks, rank_stages
 
 
 def recompute_flops_per_token(m: ModelConfig, ac: str, seq_len: int,
@@ -48,26 +25,26 @@ def recompute_flops_per_token(m: ModelConfig, ac: str, seq_len: int,
     needs), its last matmul, whose output backward does not need; op runs every other matmul
     again (the 2nd, 4th, ... of a block, not its last; attention's output is kept); selective
     recomputes elementwise ops only (counted as free)."""
-    mms = block_matmuls(m)
+    mms = family(m).block_matmuls(m)
     if ac == "op":
         return 2.0 * m.n_layer * sum(w for i, w in enumerate(mms[:-1]) if i % 2 == 1)
     if ac != "full":
         return 0.0
-    block = param_counts(m)["block"] - (mms[-1] if early_stop else 0)
+    block = family(m).counts(m).block - (mms[-1] if early_stop else 0)
     return 2.0 * m.n_layer * block + 4.0 * m.n_layer * m.n_embd * seq_len
 
 
-def stage_flops_per_token(m: ModelConfig, stages: list[Stage], ac: str, seq_len: int,
+def stage_flops_per_token(m: ModelConfig, stages: list[StageShape], ac: str, seq_len: int,
                           early_stop: bool = True) -> float:
     """The FLOPs per token (of its pipeline replica's tokens) that one pp rank's stages run,
     recomputation included: each block's 6 x its matmul weights + 12 H Q T of attention plus its
     share of the recomputation, and on the last stage the head (6 x its weights and the final
-    norm's: matmul_params' rest). The ranks' sum is flops_per_token + recompute_flops_per_token;
+    norm's: Family.matmul_params' rest). The ranks' sum is flops_per_token + recompute_flops_per_token;
     a pipeline runs at the pace of its slowest rank (each microbatch passes every stage), and the
     rank with the head does more than the average where the layers are split evenly (Megatron-LM
     of 2021 and torchtitan split layers only, the head on the last stage; parallel/pp.py gives
     any extra layers to the middle stages)."""
-    head = flops_per_token(m, seq_len) - m.n_layer * 6.0 * param_counts(m)["block"] \
+    head = flops_per_token(m, seq_len) - m.n_layer * 6.0 * family(m).counts(m).block \
         - 12.0 * m.n_layer * m.n_embd * seq_len
     layer = (flops_per_token(m, seq_len) - head
              + recompute_flops_per_token(m, ac, seq_len, early_stop)) / m.n_layer
@@ -129,8 +106,8 @@ def rank_step(lay: Layout, cl: Cluster, comm: Comm, compute: float, idle: float,
     gather = comm.dp_gather / cl.bandwidth(lay.blocks["dp"])
     reduce = comm.dp_reduce / cl.bandwidth(lay.blocks["dp"])
     if not cl.overlap_reduce:
-        exposed = reduce + (gather if lay.strategy == "zero1" else max(0.0, gather - compute))
-    elif lay.strategy == "zero1":
+        exposed = reduce + (gather if lay.broadcasts_params else max(0.0, gather - compute))
+    elif lay.broadcasts_params:
         exposed = gather + max(0.0, reduce - compute)
     elif lay.pp > 1:
         exposed = max(0.0, gather - compute) + reduce
@@ -178,8 +155,8 @@ def tp_sizes(m: ModelConfig, cl: Cluster) -> list[int]:
 
 
 def whole_heads(m: ModelConfig, tp: int) -> bool:
-    """Each tp rank holds whole query heads and (Llama) whole key/value heads."""
-    return m.n_head % tp == 0 and (m.arch != "llama" or m.kv_heads % tp == 0)
+    """Each tp rank holds whole query heads and whole key/value heads (Family.check_layout)."""
+    return family(m).check_layout(m, tp) is None
 
 
 def micro_batches(sequences: int) -> list[int]:
@@ -201,16 +178,6 @@ def virtual_stage_counts(m: ModelConfig, pp: int, fixed: Optional[int] = None) -
     return [v for v in range(2, 9) if pp * v <= m.n_layer and (v == 2 or m.n_layer % (pp * v) == 0)]
 
 
-def strategies(dp: int, tp: int, pp: int) -> list[str]:
-    """The data-parallel strategies `train` runs at this layout: all four over dp > 1 (zero1 only
-    without tp and pp: it wraps DDP's optimizer; zero2 only without pp: a pipelined fsdp keeps
-    its stages gathered already, so the two are the same), ddp alone at dp 1 (nothing to shard
-    over)."""
-    if dp == 1:
-        return ["ddp"]
-    return [s for s in STRATEGIES if (s != "zero1" or tp == pp == 1) and (s != "zero2" or pp == 1)]
-
-
 def structures(m: ModelConfig, cl: Cluster, seq_len: int, tp: Optional[int] = None,
                pp: Optional[int] = None, strategy: Optional[str] = None,
                virtual_stages: Optional[int] = None) -> Iterator[tuple]:
@@ -221,7 +188,7 @@ def structures(m: ModelConfig, cl: Cluster, seq_len: int, tp: Optional[int] = No
             if cl.gpus % (t * p):
                 continue
             dp = cl.gpus // (t * p)
-            kinds = [strategy] if strategy else strategies(dp, t, p)
+            kinds = [strategy] if strategy else Layout.strategies(dp, t, p)
             schedules = []
             if p > 1:
                 for name in PP_SCHEDULES:
@@ -273,7 +240,7 @@ def rank_key(e: Estimate) -> tuple:
     lay = e.layout
     if not e.fits:
         return (1, e.memory.total)
-    return (0, _bucket(e.step_s), AC_MODES.index(lay.ac), lay.sp, STRATEGIES.index(lay.strategy),
+    return (0, _bucket(e.step_s), AC_MODES.index(lay.ac), lay.sp, list(STRATEGIES).index(lay.strategy),
             lay.pp, lay.v, lay.tp, e.memory.total)
 
 
@@ -322,9 +289,9 @@ def check_request(m: ModelConfig, cl: Cluster, global_batch: int, seq_len: int,
         raise UserError(f"the global batch must be at least 1 sequence, got {global_batch}")
     if strategy is not None and strategy not in STRATEGIES:
         raise UserError(f"--strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
-    if strategy == "zero1" and ((tp or 1) > 1 or (pp or 1) > 1):
-        raise UserError("--strategy zero1 works with --tp 1 --pp 1 (it shards DDP's optimizer); "
-                        "use zero2 or fsdp with --tp/--pp")
+    if strategy is not None and STRATEGIES[strategy].plain_only and ((tp or 1) > 1 or (pp or 1) > 1):
+        raise UserError(f"--strategy {strategy} works with --tp 1 --pp 1 (it shards DDP's "
+                        f"optimizer); use zero2 or fsdp with --tp/--pp")
     if virtual_stages is not None and virtual_stages < 2:
         raise UserError(f"--virtual-stages must be at least 2 (stages per GPU of "
                         f"interleaved-1f1b), got {virtual_stages}")
@@ -357,21 +324,7 @@ def check_pp(m: ModelConfig, cl: Cluster, pp: int, tp: int) -> None:
         raise UserError(f"--pp {pp} is more stages than model.n_layer ({m.n_layer}) layers")
 
 
-# ---------------------------------------------------------------- a config's own layout
-
-def config_layout(cfg) -> Layout:
-    """The layout a TrainConfig trains with."""
-    from raytrain_lm.config.sizes import pipeline_microbatches, pipeline_stages
-
-    dp = cfg.workers // (cfg.tp * cfg.pp)
-    if cfg.pp > 1:
-        n = pipeline_microbatches(cfg)
-        return Layout(dp, cfg.tp, cfg.pp, cfg.strategy, cfg.activation_checkpointing,
-                      cfg.sequence_parallel, cfg.pp_schedule, cfg.batch_size // n, n, cfg.seq_len,
-                      max(2, pipeline_stages(cfg) // cfg.pp))
-    return Layout(dp, cfg.tp, 1, cfg.strategy, cfg.activation_checkpointing,
-                  cfg.sequence_parallel, "-", cfg.batch_size, cfg.grad_accum, cfg.seq_len)
-
+# ---------------------------------------------------------------- a config's cluster
 
 def config_cluster(cfg, memory_gb: float) -> Cluster:
     """The cluster `train` checks against: GPUs per node unknown before Ray starts, so the

@@ -1,19 +1,14 @@
-"""Memory per GPU of a layout (the assumptions: plan/__init__.py)."""
+"""Memory per GPU of a layout (the assumptions: docs/planner.md#assumptions)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from raytrain_lm.config.layout import (
-    Cluster,
-    Layout,
-    Stage,
-    activation_split,
-    held_params,
-    root_params,
-    tp_param_counts,
-)
-from raytrain_lm.config.settings import ModelConfig
+from raytrain_lm.config.layout import Layout
+from raytrain_lm.models import family
+from raytrain_lm.models.family import ModelConfig
+from raytrain_lm.plan.hardware import Cluster
+from raytrain_lm.plan.stages import StageShape, held_params, root_params
 
 
 @dataclass
@@ -54,12 +49,12 @@ def layer_activation_bytes(m: ModelConfig, lay: Layout, cl: Cluster, ac: str) ->
     tokens, h, t = lay.micro_batch * lay.seq_len, m.n_embd, lay.tp
     if ac == "full":  # the block input, in the run's activation dtype
         return tokens * h * cl.act_bytes / (t if lay.sp else 1)
-    whole, split = activation_split(m, ac)
+    whole, split = family(m).activation_split(m, ac)
     per_token = (whole + split) / t if lay.sp else whole + split / t
     return tokens * h * per_token * cl.act_bytes
 
 
-def activation_bytes(m: ModelConfig, lay: Layout, cl: Cluster, stages: list[Stage], rank: int) -> float:
+def activation_bytes(m: ModelConfig, lay: Layout, cl: Cluster, stages: list[StageShape], rank: int) -> float:
     tokens = lay.micro_batch * lay.seq_len
     per_microbatch = 0.0  # all of this rank's stages
     for st in stages:
@@ -74,7 +69,7 @@ def activation_bytes(m: ModelConfig, lay: Layout, cl: Cluster, stages: list[Stag
     return held
 
 
-def logits_bytes(m: ModelConfig, lay: Layout, cl: Cluster, stages: list[Stage]) -> float:
+def logits_bytes(m: ModelConfig, lay: Layout, cl: Cluster, stages: list[StageShape]) -> float:
     if not any(st.last for st in stages):
         return 0.0
     elements = lay.micro_batch * lay.seq_len * (m.vocab_size or 256) / lay.tp
@@ -86,7 +81,7 @@ def logits_bytes(m: ModelConfig, lay: Layout, cl: Cluster, stages: list[Stage]) 
     return elements * max(cl.act_bytes + 4 + 4, 4 + 4 + 4) + (held - 1) * elements * 4
 
 
-def gathered_bytes(p: dict[str, float], lay: Layout, cl: Cluster, stages: list[Stage]) -> float:
+def gathered_bytes(p: dict[str, float], lay: Layout, cl: Cluster, stages: list[StageShape]) -> float:
     """FSDP2's unsharded working set at the peak (the start of backward), as torch's FSDP2 runs:
     - fsdp, no pipeline: the block being computed and the next one, all-gathered ahead
       (FSDP2's implicit prefetch), plus the root group (embeddings, head, final norm), gathered
@@ -110,7 +105,7 @@ def gathered_bytes(p: dict[str, float], lay: Layout, cl: Cluster, stages: list[S
     if lay.pp > 1:
         return held * (a + 4)
     root = root_params(p, stages)
-    if lay.strategy == "zero2":
+    if lay.keeps_gathered:
         working = held * a
     else:
         working = (2 * p["block"] + root) * a
@@ -121,10 +116,10 @@ def gathered_bytes(p: dict[str, float], lay: Layout, cl: Cluster, stages: list[S
     return working + grads
 
 
-def rank_memory(m: ModelConfig, lay: Layout, cl: Cluster, stages: list[Stage], rank: int) -> MemoryPlan:
-    p = tp_param_counts(m, lay.tp)
+def rank_memory(m: ModelConfig, lay: Layout, cl: Cluster, stages: list[StageShape], rank: int) -> MemoryPlan:
+    p = family(m).tp_counts(m, lay.tp)
     held = held_params(p, stages)
-    shard = lay.dp if lay.sharded else 1
+    shard = lay.param_shards
     # fp32 parameters and gradients (divided by dp under FSDP2: zero2 and fsdp shard both at
     # rest), AdamW's two fp32 moments (divided by dp for all but ddp)
     return MemoryPlan(params=4 * held / shard, grads=4 * held / shard,

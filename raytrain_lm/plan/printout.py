@@ -5,11 +5,11 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Optional
 
-from raytrain_lm.config.layout import GB, GIB, Cluster, Layout, param_counts
+from raytrain_lm.config.layout import STRATEGIES, Layout
 from raytrain_lm.errors import UserError
+from raytrain_lm.models import family
 from raytrain_lm.plan.estimate import Estimate, estimate_layout, plan
-
-STRATEGY_NAMES = {"ddp": "DDP", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "fsdp": "FSDP"}
+from raytrain_lm.plan.hardware import GB, GIB, Cluster
 
 
 def recommendation(ranked: list[Estimate]) -> Optional[Estimate]:
@@ -32,7 +32,7 @@ def reason(best: Estimate, ranked: list[Estimate], cl: Cluster) -> str:
                      f"microbatches, {best.bubble:.0%} bubble)")
     if lay.dp > 1:
         rest = "the remaining" if lay.tp * lay.pp > 1 else "all"
-        parts.append(f"{STRATEGY_NAMES[lay.strategy]} over {rest} {lay.dp} ({where('dp')})")
+        parts.append(f"{STRATEGIES[lay.strategy].title} over {rest} {lay.dp} ({where('dp')})")
     if lay.ac != "none":
         parts.append(f"{lay.ac} activation checkpointing")
     fitting = [e for e in ranked if e.fits]
@@ -109,7 +109,7 @@ def describe(name: str, n_params: int, global_batch: int, seq_len: int, cl: Clus
         lines.append(f"recommendation: {best.layout.flags()} (~{best.memory.total / GIB:.1f} GiB per "
                      f"GPU, ~{best.step_s:.3g} s per step, ~{best.mfu:.0%} MFU)")
         lines.append(f"why: {reason(best, ranked, cl)}")
-    lines.append("assumptions: raytrain_lm/plan/__init__.py; comparisons with published runs: docs/planner.md")
+    lines.append("assumptions and comparisons with published runs: docs/planner.md")
     return "\n".join(lines)
 
 
@@ -167,7 +167,7 @@ def plan_command(cfg, cl: Cluster, tp: Optional[int] = None, pp: Optional[int] =
     if global_batch is None:
         global_batch = cl.gpus * cfg.batch_size * cfg.grad_accum
     ranked = plan(cfg.model, cl, global_batch, cfg.seq_len, tp, pp, strategy, virtual_stages)
-    n_params = param_counts(cfg.model)["total"]
+    n_params = family(cfg.model).counts(cfg.model).total
     if explain is not None:
         e, rank = explained(cfg.model, cl, ranked, explain, global_batch, cfg.seq_len)
         if as_json:

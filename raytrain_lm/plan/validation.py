@@ -21,10 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from raytrain_lm.config.layout import GIB, Cluster
 from raytrain_lm.config.presets import preset_config
-from raytrain_lm.config.settings import ModelConfig
+from raytrain_lm.models.family import ModelConfig
 from raytrain_lm.plan.estimate import Estimate, _bucket, best_variant, estimate_layout, structures, variants
+from raytrain_lm.plan.hardware import GIB, Cluster
 
 RUNS = Path(__file__).with_name("published_runs.json")
 
@@ -115,7 +115,8 @@ class Row:
 def split_estimates(m: ModelConfig, cl: Cluster, run: dict) -> tuple[dict[tuple, Estimate], list[Estimate]]:
     """((tp, pp) -> the fastest fitting variant of that split with the published strategy,
     every layout the planner considers at its best variant, ranked as `plan` ranks them)."""
-    from raytrain_lm.plan.estimate import divisors, rank_key, strategies, tp_sizes
+    from raytrain_lm.config.layout import Layout
+    from raytrain_lm.plan.estimate import divisors, rank_key, tp_sizes
 
     strategy = run["layout"]["strategy"]
     out: dict[tuple, Estimate] = {}
@@ -123,7 +124,7 @@ def split_estimates(m: ModelConfig, cl: Cluster, run: dict) -> tuple[dict[tuple,
     for t in tp_sizes(m, cl):
         for p in (d for d in divisors(cl.gpus // t) if d <= m.n_layer):
             dp = cl.gpus // (t * p)
-            kinds = strategies(dp, t, p)
+            kinds = Layout.strategies(dp, t, p)
             for kind in kinds + ([strategy] if strategy not in kinds and dp > 1 else []):
                 for s in structures(m, cl, run["seq_len"], t, p, kind):
                     found = [estimate_layout(m, lay, cl)

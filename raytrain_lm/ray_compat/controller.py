@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass
 
 import ray
 from ray.exceptions import RayActorError
@@ -39,6 +38,7 @@ from ray.train.v2._internal.execution.preemption import PreemptionWatcher
 from ray.train.v2._internal.execution.worker_group import WorkerGroup
 
 from raytrain_lm.ray_compat.callbacks import HeldRows
+from raytrain_lm.ray_compat.polls import Polls
 
 logger = logging.getLogger(__name__)
 
@@ -125,20 +125,6 @@ class PreemptionThread(PreemptionCallback):
         watcher, self._watcher = self._watcher, None
         if watcher is not None:
             watcher._stop_event.set()  # its thread ends at its next wake-up
-
-
-@dataclass(frozen=True)
-class Polls:
-    """How often the controller collects the workers' reports and asks which nodes are being
-    drained. Ray reads both from environment variables that it hands the controller and every
-    worker as a runtime env; an actor with a runtime env of its own cannot take one of the
-    processes Ray keeps ready, and a new one is started through Ray's runtime-env set-up (~1.6
-    CPU seconds more apiece here, 2.2 s later to the first step: bench/helpers.py). Here they are
-    the controller's arguments, and the run's actors have no runtime env unless the user sets
-    Ray Train's variables or --worker-env."""
-
-    report_s: float
-    preemption_s: float
 
 
 POLL_VARS = {HEALTH_CHECK_INTERVAL_S_ENV_VAR, PREEMPTION_POLL_INTERVAL_S_ENV_VAR}  # Polls' variables

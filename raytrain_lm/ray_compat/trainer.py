@@ -10,12 +10,13 @@ from __future__ import annotations
 
 from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 
+from raytrain_lm.config.inputs import WorkerInputs
 from raytrain_lm.config.settings import TrainConfig
 from raytrain_lm.config.sizes import worker_counts
 from raytrain_lm.ray_compat.backend import TorchConfig
-from raytrain_lm.ray_compat.controller import Polls, helper_callbacks, run_controller
+from raytrain_lm.ray_compat.controller import helper_callbacks, run_controller
+from raytrain_lm.ray_compat.polls import Polls
 from raytrain_lm.ray_compat.scaling import FixedPolicyWithoutAutoscaler, SizedElasticPolicy
-from raytrain_lm.store.row import WorkerInputs
 
 
 def train_loop(config: WorkerInputs) -> None:

@@ -13,7 +13,8 @@ from raytrain_lm.config.checks import check_sampling
 from raytrain_lm.config.settings import TrainConfig
 from raytrain_lm.data.tokenizer import tokenizer_from_spec
 from raytrain_lm.errors import UserError
-from raytrain_lm.models.decoder import Decoder, architecture
+from raytrain_lm.models import decoder_class
+from raytrain_lm.models.decoder import Decoder
 from raytrain_lm.store.checkpoint_format import load_checkpoint
 
 
@@ -33,7 +34,7 @@ def load_model(folder: Path, device: torch.device, meta: Optional[dict] = None):
     load_checkpoint."""
     state = load_checkpoint(folder, map_location="cpu", meta=meta)
     cfg = TrainConfig.from_dict(state["config"])
-    model = architecture(cfg.model).from_state_dict(cfg.model, state["model"])
+    model = decoder_class(cfg.model).from_state_dict(cfg.model, state["model"])
     # a BPE's tokenizer.json travels in the checkpoint (its sha256 checked against the spec)
     return model.to(device).eval(), tokenizer_from_spec(state["tokenizer"], folder), cfg
 

@@ -1,2 +1,3 @@
 """The driver side of a run, never torch: the checks before a worker starts (preflight), building
-the trainer and following the run (driver), worker groups, summary.json and TensorBoard files."""
+the trainer and following the run (driver), worker groups, the CPUs a worker gets (cpus) and
+TensorBoard files."""

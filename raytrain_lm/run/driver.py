@@ -11,15 +11,17 @@ from typing import Any, Callable, Optional
 from raytrain_lm import env
 from raytrain_lm.cluster.connect import check_reachable, connect_ray, starts_own_ray
 from raytrain_lm.config.checks import validate
+from raytrain_lm.config.inputs import WorkerInputs
 from raytrain_lm.config.settings import TrainConfig
 from raytrain_lm.config.sizes import is_elastic, sizes_line
-from raytrain_lm.errors import UserError, last_line
-from raytrain_lm.plan.auto import apply_layout, auto_cluster, choose_layout, cluster_shape
+from raytrain_lm.errors import RunFailed, UserError, last_line
+from raytrain_lm.plan.auto import auto_cluster, choose_layout, cluster_shape
+from raytrain_lm.plan.fit import check_memory
+from raytrain_lm.ray_compat.polls import Polls
 from raytrain_lm.run.cpus import OMP_ENV, decide, idle_line, machine_cores
 from raytrain_lm.run.groups import WorkerGroups
 from raytrain_lm.run.preflight import (
     check_init_from,
-    check_memory,
     check_resources,
     configured_memory_gb,
     default_run_name,
@@ -30,28 +32,19 @@ from raytrain_lm.run.preflight import (
 from raytrain_lm.run.tracked import Figure, close_tracking, open_tracking, row_values, trackers_of
 from raytrain_lm.store import files
 from raytrain_lm.store.claims import RunClaim, live_claims
-from raytrain_lm.store.row import MetricsRow, WorkerInputs
+from raytrain_lm.store.row import MetricsRow
 from raytrain_lm.store.runs import best_val_loss
 from raytrain_lm.store.storage import MetricsLog, RunFolder
 from raytrain_lm.store.summary import build_summary
 
-# Ray Train's controller collects reports when it polls the workers (default every 2 s) and a
-# worker holds one report at a time, so reports more frequent than the poll stall training. The
-# controller takes it as an argument (controller.Polls); a value the user set always wins.
-DEFAULT_POLL_S = 0.5
 ROWS_POLL_S = 0.25  # how often the driver takes new rows from the controller (progress lines)
-
-
-def report_poll_seconds(default: float = DEFAULT_POLL_S) -> float:
-    """How often Ray Train's controller should collect reports: the user's setting, else `default`."""
-    return float(env.health_poll() or default)
-
 
 def loop_config(cfg: TrainConfig, init_from: Optional[str] = None, fail_at: Optional[str] = None,
                 force: bool = False) -> WorkerInputs:
     """What every worker's `train_loop_per_worker` is given (see build_trainer)."""
     return WorkerInputs(train=cfg.to_dict(), run_name=cfg.name, init_from=init_from,
-                        fail_at=fail_at, force=force, log_windows=env.log_windows())
+                        fail_at=fail_at, force=force, log_windows=env.log_windows(),
+                        nan_at=env.nan_at())
 
 
 def build_trainer(cfg: TrainConfig, run: RunFolder, callbacks: Optional[list] = None,
@@ -60,21 +53,18 @@ def build_trainer(cfg: TrainConfig, run: RunFolder, callbacks: Optional[list] = 
                   worker_env: Optional[dict[str, str]] = None, pg_cleaner: bool = True,
                   autoscaler: bool = True):
     """The TorchTrainer for `cfg`, writing into `run`'s folder. Used by `train` and by each Tune
-    trial. `poll_seconds`: see report_poll_seconds. `force`: workers skip their memory check.
+    trial. `poll_seconds`: the report poll (ray_compat/polls.py). `force`: workers skip their memory check.
     `worker_env`: environment variables of the worker processes (--worker-env). `pg_cleaner`:
     see controller.helper_callbacks. `autoscaler`: see trainer.Trainer."""
     from ray.train import CheckpointConfig, RunConfig
 
-    from raytrain_lm.ray_compat.controller import Polls
     from raytrain_lm.ray_compat.scaling import failure_config, scaling_config
     from raytrain_lm.ray_compat.trainer import Trainer, train_loop
-    from raytrain_lm.worker.preemption import preemption_poll_seconds
 
     return Trainer(
         train_loop,
         cfg=cfg,
-        polls=Polls(report_s=poll_seconds or report_poll_seconds(),
-                    preemption_s=preemption_poll_seconds()),
+        polls=Polls.for_run(poll_seconds),
         pg_cleaner=pg_cleaner,
         autoscaler=autoscaler,
         train_loop_config=loop_config(cfg, init_from, fail_at, force),
@@ -141,7 +131,7 @@ def _launch(cfg: TrainConfig, run: RunFolder, t_launch: float, previous: dict,
     check_reachable(cfg.address or env.ray_address() or "local")
     from raytrain_lm.ray_compat.callbacks import ForwardMetrics, HeldRows, KeepBest
 
-    asked = cfg.cpus_per_worker  # None: the launch decides (cpus.py); a resume decides again
+    asked = cfg.cpus_per_worker  # None: the launch decides (run/cpus.py); a resume decides again
     own_ray = choose_worker_cpus(cfg, worker_env, say)
     started_ray = connect_ray(cfg.address, cfg.workers * cfg.worker_cpus, verbose, say)
     check_resources(cfg, say)
@@ -174,10 +164,13 @@ def _launch(cfg: TrainConfig, run: RunFolder, t_launch: float, previous: dict,
     checkpoint = checkpoint_uri(run, result.checkpoint.path) if result is not None and result.checkpoint else None
     if checkpoint is None:
         checkpoint = next((r["checkpoint"] for r in reversed(follower.log.rows) if r.get("checkpoint")), None)
-    final = follower.write_summary("failed" if error else "completed", checkpoint,
-                                   _describe(error) if error else None)
+    stopped = follower.stopped(checkpoint) if error is None else None
+    final = follower.write_summary("failed" if error or stopped else "completed", checkpoint,
+                                   _describe(error) if error else stopped)
     close_tracking(follower.tracking, final, follower.log.rows, final["status"], figure)
     final["run_dir"] = run.display_path()
+    if stopped:
+        raise RunFailed(stopped)
     if error is not None:
         raise _user_error_inside(error) or UserError(
             f"training failed: {_describe(error)} (summary in {run.display_path(files.SUMMARY)})")
@@ -218,7 +211,7 @@ def auto_layout(cfg: TrainConfig, say: Callable[[str], None]) -> None:
 
     per_node, memory = cluster_shape(cfg, ray.nodes(), worker_memory_gb(cfg))
     best, why = choose_layout(cfg, auto_cluster(cfg, per_node, memory))
-    apply_layout(cfg, best.layout)
+    best.layout.apply(cfg)
     validate(cfg)
     say(f"layout auto: {best.layout.flags()} (~{best.memory.total / 2**30:.1f} GiB per worker of "
         f"{memory:g}); {why}")
@@ -259,6 +252,7 @@ class Follower:
         """`previous`: a resumed run's summary.json so far ({} for a new run)."""
         self.cfg, self.run, self.t_launch = cfg, run, t_launch
         self.say, self.on_metrics = say, on_metrics
+        self.nonfinite: Optional[str] = None  # "loss became nan at step N", when it did
         self.log = MetricsLog(run)
         last = self.log.rows[-1] if self.log.rows else {}
         self.groups = WorkerGroups(previous.get("restarts", 0) + (1 if resume else 0),
@@ -314,7 +308,19 @@ class Follower:
         tb.close()
         return outcome.get("result"), outcome.get("error")
 
+    def stopped(self, checkpoint: Optional[str]) -> Optional[str]:
+        """Why the workers stopped short (their loss became non-finite) with the last good
+        checkpoint, `checkpoint` (the latest: none is saved after it), in one line; None when
+        they did not."""
+        if self.nonfinite is None:
+            return None
+        return (f"{self.nonfinite}; the last good checkpoint is "
+                f"{checkpoint or 'none (the run saved none before it)'}")
+
     def take(self, row: MetricsRow, tb) -> None:
+        if row.get("event") == "nonfinite":  # the workers stop after this row (loop.py)
+            self.nonfinite = row["error"]
+            return
         if row.get("event") == "worker_failure":
             self.groups.failure(row["error"])
             self.say(f"worker failure: {row['error']}; restarting from the latest checkpoint")

@@ -5,25 +5,22 @@ nothing: the dataset (the built-in corpus is prepared on first use), the model a
 from __future__ import annotations
 
 import datetime as _dt
+import hashlib
 import os
+from pathlib import Path
 from typing import Callable, Optional
 
 from raytrain_lm.cluster.autoscale import wait_for_resources
-from raytrain_lm.config.checks import check_tp_fits_nodes
+from raytrain_lm.config.checks import check_layout
+from raytrain_lm.config.layout import Layout
 from raytrain_lm.config.settings import DEFAULT_DATA, TrainConfig
-from raytrain_lm.config.sizes import fit_to_world, is_elastic, worker_counts, workers_text
+from raytrain_lm.config.sizes import is_elastic, worker_counts, workers_text
 from raytrain_lm.errors import UserError
-from raytrain_lm.models.llama import hf_llama
-from raytrain_lm.plan import (
-    GIB,
-    USABLE_FRACTION,
-    config_cluster,
-    config_layout,
-    estimate_layout,
-    plan,
-    recommendation,
-)
+from raytrain_lm.models import hf_importer
+from raytrain_lm.models.family import ModelConfig
 from raytrain_lm.plan.gpus import label_memory_gb
+from raytrain_lm.store.files import TOKENIZER
+from raytrain_lm.store.hf_folder import is_hf_folder, read_config
 
 
 def ensure_dataset(cfg: TrainConfig, say: Callable[[str], None]) -> dict:
@@ -50,10 +47,8 @@ def fit_model_to_data(cfg: TrainConfig, manifest: dict) -> None:
     vocab = manifest["vocab_size"]
     if cfg.model.vocab_size is None:
         cfg.model.vocab_size = padded_vocab(vocab)
-    if cfg.model.vocab_size % cfg.tp:
-        raise UserError(f"model.vocab_size ({cfg.model.vocab_size}) must be divisible by --tp "
-                        f"{cfg.tp}: the embedding is split over the vocabulary")
-    elif vocab > cfg.model.vocab_size:
+    check_layout(cfg)  # now with the vocabulary: the embedding is split over it
+    if vocab > cfg.model.vocab_size:
         raise UserError(f"dataset {cfg.data} has a vocabulary of {vocab} tokens but the model's "
                         f"vocab_size is {cfg.model.vocab_size}; raise model.vocab_size")
 
@@ -98,11 +93,12 @@ def check_resources(cfg: TrainConfig, say: Callable[[str], None] = print) -> Non
 
 def _check_tp_nodes(cfg: TrainConfig) -> None:
     """A GPU run's --tp fits on one of the cluster's nodes (each worker checks its own node
-    again: checks.check_tp_in_node)."""
+    again: Layout.check_tp_within_node)."""
     import ray
 
     if cfg.use_gpu and cfg.tp > 1:
-        check_tp_fits_nodes(cfg.tp, [n["Resources"].get("GPU", 0) for n in ray.nodes() if n["Alive"]])
+        Layout.of(cfg).check_tp_fits_nodes([n["Resources"].get("GPU", 0) for n in ray.nodes()
+                                            if n["Alive"]])
 
 
 def worker_memory_gb(cfg: TrainConfig) -> Optional[float]:
@@ -126,41 +122,6 @@ def configured_memory_gb(cfg: TrainConfig) -> Optional[float]:
     return cfg.gpu_memory_gb if cfg.use_gpu and cfg.gpu_memory_gb else None
 
 
-def check_memory(cfg: TrainConfig, memory_gb: Optional[float]) -> None:
-    """Refuse a configuration whose planned per-worker memory (plan.py, for its own layout: tp,
-    pp, strategy, sequence parallelism, schedule and microbatches) exceeds what a worker has,
-    naming the plan's best layout for the same workers and global batch. An elastic run is
-    checked at each of its sizes (fewer workers hold more of a sharded model each)."""
-    if memory_gb is None:
-        return
-    for size in worker_counts(cfg):  # a fixed run: its one size, as configured
-        _check_memory_at(fit_to_world(cfg, size), memory_gb)
-
-
-def _check_memory_at(cfg: TrainConfig, memory_gb: float) -> None:
-    layout, cluster = config_layout(cfg), config_cluster(cfg, memory_gb)
-    mine = estimate_layout(cfg.model, layout, cluster)
-    if mine.fits:
-        return
-    m = mine.memory
-    raise UserError(f"this run needs ~{m.total / GIB:.1f} GiB per worker (model state "
-                    f"{m.model_state / GIB:.1f}, FSDP working set {m.gathered / GIB:.1f}, activations "
-                    f"{m.activations / GIB:.1f}, logits {m.logits / GIB:.1f}) but a worker has "
-                    f"{memory_gb:.0f} GiB ({USABLE_FRACTION:.0%} usable); {_better_layout(cfg, cluster, layout)}; "
-                    f"see `python cli.py plan`, or pass --force")
-
-
-def _better_layout(cfg: TrainConfig, cluster, layout) -> str:
-    """The plan's fastest layout that fits, at this run's global batch, as a hint."""
-    try:
-        best = recommendation(plan(cfg.model, cluster, layout.dp * layout.sequences, cfg.seq_len))
-    except UserError:
-        best = None
-    if best is None:
-        return "nothing fits on this many workers: add workers or use a smaller model"
-    return f"try {best.layout.flags()} (~{best.memory.total / GIB:.1f} GiB per worker)"
-
-
 def resume_step(cfg: TrainConfig, run, manifest: dict) -> Optional[int]:
     """The step of the run's newest checkpoint, for the message (None: it has none yet, so it
     starts over), after checking that the dataset has the checkpoints' tokenizer. A worker falls
@@ -174,24 +135,14 @@ def resume_step(cfg: TrainConfig, run, manifest: dict) -> Optional[int]:
     return step
 
 
-def check_device_memory(cfg: TrainConfig, device, force: bool) -> None:
-    """On a GPU worker, before anything is built: check_memory against the memory the device
-    reports (the driver knows only what Ray's label implies, often nothing), unless --force."""
-    import torch
-
-    if force or device.type != "cuda":
-        return
-    check_memory(cfg, torch.cuda.get_device_properties(device).total_memory / 2 ** 30)
-
-
 def check_init_from(path: str, cfg: TrainConfig, manifest: dict) -> str:
     """Validate --init-from against the model and dataset before any worker starts; returns the
     checkpoint folder to load (a run's best checkpoint, else its latest), or a Hugging Face
-    Llama folder (hf_llama.py)."""
+    folder of a family that imports it (check_hf_init_from)."""
     from raytrain_lm.store.runs import find_checkpoint
 
-    if hf_llama.is_hf_folder(path):
-        return hf_llama.check_init_from(path, cfg.model, manifest)
+    if is_hf_folder(path):
+        return check_hf_init_from(path, cfg.model, manifest)
 
     found = find_checkpoint(path, cfg.storage, best_else_latest=True)
     # the tokenizer first: another tokenizer usually means another vocabulary size as well, and
@@ -203,6 +154,31 @@ def check_init_from(path: str, cfg: TrainConfig, manifest: dict) -> str:
                          for k in vars(theirs) if getattr(theirs, k) != getattr(cfg.model, k))
         raise UserError(f"checkpoint {found.source} is for another model shape ({diff})")
     return str(found.path.resolve())
+
+
+def check_hf_init_from(folder: str | Path, m: ModelConfig, manifest: dict) -> str:
+    """A Hugging Face folder fits this run: a family imports its model_type, its shape is the
+    model's (each field its config.json fixes, as the model computes it: kv heads as given or
+    n_head, the ffn size by its rule) and its tokenizer.json is, byte for byte, the dataset's.
+    Returns the folder, resolved."""
+    from raytrain_lm.data.manifest import tokenizer_sha256
+
+    folder = Path(folder)
+    where = f"--init-from {folder}"
+    config = read_config(folder)
+    fields = hf_importer(config.get("model_type"), where).model_fields(config, where)
+    ours = {k: {"n_kv_head": m.kv_heads, "ffn_dim": m.hidden_dim}.get(k, getattr(m, k, None))
+            for k in fields}
+    diff = [k for k in fields if fields[k] != ours[k]]
+    if diff:
+        theirs = ", ".join(f"{k}: {fields[k]} vs {ours[k]}" for k in diff)
+        sets = " ".join(f"--set model.{k}={fields[k]}" for k in diff)
+        raise UserError(f"{where} is another model shape ({theirs}); train with {sets}")
+    path = folder / TOKENIZER
+    if not path.is_file() or hashlib.sha256(path.read_bytes()).hexdigest() != tokenizer_sha256(manifest):
+        raise UserError(f"{where}: its tokenizer.json is not the dataset's tokenizer, so its token ids "
+                        f"mean other text; prepare the dataset with `prepare --tokenizer {folder}`")
+    return str(folder.resolve())
 
 
 def describe_tokenizer(spec: dict) -> str:

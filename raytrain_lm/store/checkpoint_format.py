@@ -36,7 +36,7 @@ from raytrain_lm.store.storage import sha256_file
 
 # 2: a global data position (data/sampler.py), RNG states as tensors and plain data (loadable with
 #    weights_only), the validation loss in meta.json.
-# 3: the model's fused q/k/v in head-interleaved order (model.py); model and optimizer always in
+# 3: the model's fused q/k/v in head-interleaved order (models/gpt/gpt.py); model and optimizer always in
 #    dcp/ (FQN-keyed, optimizer state flattened), so any layout loads any other.
 VERSION = 3
 
@@ -214,16 +214,17 @@ def _first_failure(error) -> str:
     return str(error).splitlines()[0] if str(error) else type(error).__name__
 
 
-def _state_dicts(parallel) -> list[tuple[dict, dict]]:
-    """(model, optimizer) state dicts of each of this rank's parts, keyed by the single-process
+def _state_dicts(step) -> list[tuple[dict, dict]]:
+    """(model, optimizer) state dicts of each of `step`'s parts (worker/step.TrainStep: the model
+    as this rank holds it, and its optimizers), keyed by the single-process
     model's names: pipeline stages keep "h.<layer>", TP and FSDP keep module paths."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     return [get_state_dict(part, opt, options=_options())
-            for part, opt in zip(parallel.parts, parallel.optimizers)]
+            for part, opt in zip(step.parts, step.optimizers)]
 
 
-def save_checkpoint(folder: Path, rank: int, parallel, state: Optional[dict[str, Any]],
+def save_checkpoint(folder: Path, rank: int, step, state: Optional[dict[str, Any]],
                     tokenizer_raw: Optional[bytes] = None, commit: bool = True) -> None:
     """Called on every rank (a collective). Rank 0 passes the training `state` and, for a BPE,
     its tokenizer.json (`Tokenizer.raw`). With `commit`, the commit records are written at once;
@@ -234,7 +235,7 @@ def save_checkpoint(folder: Path, rank: int, parallel, state: Optional[dict[str,
     folder.mkdir(parents=True, exist_ok=True)
     torch.save(rng_state(), folder / rng_file(rank))
     model_sd, optim_sd = {}, {}
-    for msd, osd in _state_dicts(parallel):  # parts hold disjoint names but the tied embedding
+    for msd, osd in _state_dicts(step):  # parts hold disjoint names but the tied embedding
         model_sd.update(msd)
         optim_sd.update(osd)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(folder / DCP_DIR))
@@ -264,18 +265,18 @@ def commit_checkpoint(folder: Path, rank: int, state: Optional[dict[str, Any]]) 
     return order
 
 
-def load_state(folder: Path, parallel, optimizer: bool = True) -> None:
+def load_state(folder: Path, step, optimizer: bool = True) -> None:
     """Load dcp/ into this rank's parts (and optimizers), whatever layout saved it."""
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
-    templates = _state_dicts(parallel)  # this layout's shards (initialises optimizer state)
+    templates = _state_dicts(step)  # this layout's shards (initialises optimizer state)
     sd: dict[str, dict] = {"model": {}, **({"optim": {}} if optimizer else {})}
     for msd, osd in templates:
         sd["model"].update(msd)
         if optimizer:
             sd["optim"].update(osd)
     _dcp_load(sd, folder)
-    for (msd, osd), part, opt in zip(templates, parallel.parts, parallel.optimizers):
+    for (msd, osd), part, opt in zip(templates, step.parts, step.optimizers):
         model_sd = {k: sd["model"][k] for k in msd}
         if optimizer:
             set_state_dict(part, opt, model_state_dict=model_sd,
@@ -284,16 +285,16 @@ def load_state(folder: Path, parallel, optimizer: bool = True) -> None:
             set_model_state_dict(part, model_sd, options=_options())
 
 
-def load_weights(folder: Path, meta: dict[str, Any], parallel) -> None:
+def load_weights(folder: Path, meta: dict[str, Any], step) -> None:
     """The weights of a checkpoint into this rank's parts, for --init-from (fresh optimizer).
     A checkpoint of an earlier format is gathered in each process first."""
     if meta.get("version", 1) >= 3:
-        load_state(folder, parallel, optimizer=False)
+        load_state(folder, step, optimizer=False)
         return
     from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
     full = load_checkpoint(folder, meta=meta)["model"]
-    for part in parallel.parts:
+    for part in step.parts:
         set_model_state_dict(part, {k: v for k, v in full.items() if k in part.state_dict()},
                              options=_options(full_state_dict=True))
 
@@ -354,8 +355,8 @@ def load_checkpoint(folder: Path, map_location: str | torch.device = "cpu",
         state["model"] = _full_state_from_dcp(folder)["model"]
     model = state["model"]
     model.setdefault("lm_head.weight", model["wte.weight"])  # tied: one copy may be all there is
-    if meta.get("version", 1) < 3:  # GPT-2's [q; k; v] order, from before model.py interleaved it
-        from raytrain_lm.models.decoder import qkv_gpt2_to_interleaved
+    if meta.get("version", 1) < 3:  # GPT-2's [q; k; v] order, from before the GPT interleaved it
+        from raytrain_lm.models.gpt.hf_gpt import qkv_gpt2_to_interleaved
 
         n_head = state["config"]["model"]["n_head"]
         for key in [k for k in model if k.endswith("attn.c_attn.weight") or k.endswith("attn.c_attn.bias")]:

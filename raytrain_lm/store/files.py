@@ -16,9 +16,6 @@ from __future__ import annotations
 import re
 from typing import Optional
 
-from raytrain_lm import env
-from raytrain_lm.env import STORAGE_ENV  # noqa: F401  (settings, options name it)
-
 # ---------------------------------------------------------------- a run's folder
 SUMMARY = "summary.json"
 CONFIG = "config.json"
@@ -41,22 +38,6 @@ MANIFEST = "manifest.json"
 TOKENIZER = "tokenizer.json"
 # In a node's cache of a dataset on shared storage: where the shards come from when first read.
 REMOTE_SOURCE = "source.json"
-
-# A run's, a sweep's or a shard's name is one plain entry of its folder: never `..`, `/` or a
-# hidden name, so neither a flag nor a crafted manifest can reach outside that folder.
-NAME_RULE = "letters, digits, '.', '_' and '-', not starting with '.', at most 128 characters"
-_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")
-
-
-def is_plain_name(name: object) -> bool:
-    return isinstance(name, str) and _NAME.fullmatch(name) is not None
-
-
-# Where runs live when --storage is not given: a cluster sets RAYTRAIN_LM_STORAGE on every node
-# (cluster.yaml: s3://...), so the driver, the workers and the read commands agree.
-def default_storage() -> str:
-    return env.storage() or "runs"
-
 
 def checkpoint_name(step: int) -> str:
     return f"{CHECKPOINT_PREFIX}{step:08d}"

@@ -1,17 +1,13 @@
-"""The two contracts between the driver and the workers, typed, torch-free and picklable:
-
-- `MetricsRow`: one metrics row as a worker reports it (`worker/metrics.Meter.row`, completed by
-  the loop and the checkpointer), the controller's callbacks pass it on, and the driver writes it
-  to metrics.jsonl, TensorBoard and summary.json, which `report` and `runs` read back. A
-  TypedDict: on the wire and on disk it stays the plain dict with these exact keys (old runs'
-  files still read), and a type checker sees a misspelt key.
-- `WorkerInputs`: what the driver hands every worker's `train_loop_per_worker`.
+"""`MetricsRow`, one metrics row as a worker reports it (`worker/metrics.Meter.row`, completed by
+the loop and the checkpointer), the controller's callbacks pass it on, and the driver writes it
+to metrics.jsonl, TensorBoard and summary.json, which `report` and `runs` read back. A TypedDict:
+on the wire and on disk it stays the plain dict with these exact keys (old runs' files still
+read), and a type checker sees a misspelt key. Torch-free; below both the driver and the workers.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Optional, TypedDict
+from typing import Optional, TypedDict
 
 
 class MetricsRow(TypedDict, total=False):
@@ -54,7 +50,8 @@ class MetricsRow(TypedDict, total=False):
     resumed_rows: list[dict]  # rows re-sent after a resume (the driver unpacks them)
     # the controller's and the driver's
     checkpoint: str  # the checkpoint this row's step saved (its path, or its name)
-    event: str  # "worker_failure": a row that reports a failed worker group
+    event: str  # "worker_failure": a failed worker group; "nonfinite": the workers stopped
+    # (error: "loss became nan at step N"), having saved nothing after the last good checkpoint
     error: str
 
 
@@ -87,14 +84,3 @@ def chart_values(row: dict) -> dict[str, float]:
     """The charted metrics of `row` that it has as numbers: chart name -> value."""
     return {name: float(row[key]) for key, name in CHART_NAMES.items()
             if isinstance(row.get(key), (int, float)) and not isinstance(row.get(key), bool)}
-
-
-@dataclass
-class WorkerInputs:
-    """What every worker is given (run/driver.py's `worker_inputs`)."""
-    train: dict[str, Any]  # TrainConfig.to_dict(): the run's config
-    run_name: str
-    init_from: Optional[str] = None  # --init-from: a checkpoint or a Hugging Face folder
-    fail_at: Optional[str] = None  # the fault drill (worker/drills.py)
-    force: bool = False  # --force: past the memory check
-    log_windows: bool = False  # the window log drill (worker/drills.py)

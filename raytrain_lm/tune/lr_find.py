@@ -18,17 +18,18 @@ import math
 from typing import Callable, Optional
 
 from raytrain_lm.config.settings import TrainConfig
-from raytrain_lm.errors import UserError
-from raytrain_lm.run.driver import report_poll_seconds, run_training
+from raytrain_lm.errors import RunFailed, UserError
+from raytrain_lm.ray_compat.polls import report_poll_seconds
+from raytrain_lm.run.driver import run_training
 from raytrain_lm.store.files import LR_FIND_PLOT, LR_FIND_RESULT
 from raytrain_lm.store.storage import RunFolder
 
 DIVERGE_FACTOR = 4.0  # stop reading the curve once the smoothed loss is 4x its minimum (as fastai)
 SKIP_START = 0.1  # the first 10% of points: Adam's first steps are noisy whatever the lr
-# A report every step would stall the workers (driver.report_poll_seconds). Each report carries the
+# A report every step would stall the workers (ray_compat/polls.py). Each report carries the
 # loss of every step since the previous one (step_losses) and the lr of a step is known (lr_at),
 # so reports can be sparse and the curve still has a point per step; a short poll keeps up.
-REPORT_POLL_S = 0.1
+LR_FIND_REPORT_POLL_S = 0.1
 REPORT_EVERY = 10
 
 
@@ -150,8 +151,12 @@ def run_lr_find(cfg: TrainConfig, lr_min: float = 1e-5, lr_max: float = 1.0, ste
         if on_metrics:
             on_metrics(row)
 
-    summary = run_training(cfg, verbose=verbose, say=say, on_metrics=collect,
-                           poll_seconds=report_poll_seconds(REPORT_POLL_S))
+    try:
+        summary = run_training(cfg, verbose=verbose, say=say, on_metrics=collect,
+                               poll_seconds=report_poll_seconds(LR_FIND_REPORT_POLL_S))
+    except RunFailed as e:  # the loss became non-finite: the curve is read up to there
+        say(f"lr-find: {e}")
+        summary = {"run_dir": RunFolder(cfg.storage, cfg.name).display_path()}
     lrs, losses = per_step_curve(rows, cfg)
     found = suggest_lr(lrs, losses)
     run = RunFolder(cfg.storage, cfg.name)

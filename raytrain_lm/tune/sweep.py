@@ -25,14 +25,15 @@ from raytrain_lm.cluster.connect import connect_ray
 from raytrain_lm.config.checks import validate
 from raytrain_lm.config.settings import TrainConfig, apply_overrides
 from raytrain_lm.errors import UserError
-from raytrain_lm.run.driver import build_trainer, choose_worker_cpus, report_poll_seconds, say_idle_cpus
+from raytrain_lm.ray_compat.polls import report_poll_seconds
+from raytrain_lm.run.driver import build_trainer, choose_worker_cpus, say_idle_cpus
 from raytrain_lm.run.preflight import check_resources, default_run_name, prepare_data
 from raytrain_lm.store.claims import RunClaim
 from raytrain_lm.store.files import SWEEP, TRIAL_CONFIG
 from raytrain_lm.store.storage import RunFolder
 from raytrain_lm.track import check_trackers
 from raytrain_lm.tune.space import SearchSpace, nest
-from raytrain_lm.tune.sweep_config import METRICS, SweepSettings
+from raytrain_lm.tune.sweep_config import SWEEP_METRICS, SweepSettings
 
 # What the trial function itself asks for. Its workers get their own placement group from Ray Train,
 # so the trial needs next to nothing; Tune refuses a request of exactly zero.
@@ -47,7 +48,8 @@ def _forward_to_tune_callback(controllers, trial_id: str):
     """TuneReportCallback (runs in the trainer's controller actor), plus two things:
 
     - non-finite losses are reported as DIVERGED: ASHA compares with NaN-ignoring percentiles, so a
-      NaN loss would never be cut;
+      NaN loss would never be cut; so is the report with which a trial whose loss became
+      non-finite stops (loop.py: it has no loss of its own);
     - before the first report, the controller's handle goes to the driver (`controllers`, a Ray
       queue), so that when ASHA stops this trial the driver can abort the run cleanly."""
     import ray
@@ -64,7 +66,9 @@ def _forward_to_tune_callback(controllers, trial_id: str):
             for m in metrics:
                 m = dict(m)
                 m.pop("resumed_rows", None)  # for `train`'s metrics.jsonl; Tune has its own log
-                for key in ("loss", *METRICS):
+                if m.get("event") == "nonfinite":
+                    m.update(dict.fromkeys(("loss", *SWEEP_METRICS), DIVERGED), diverged=True)
+                for key in ("loss", *SWEEP_METRICS):
                     if m.get(key) is not None and not math.isfinite(m[key]):
                         m[key] = DIVERGED
                         m["diverged"] = True

@@ -17,7 +17,7 @@ from raytrain_lm.tune.space import SearchSpace, parse_space
 # What ASHA compares and the sweep ranks by: the validation loss, or the same in bits per byte.
 # Within a sweep both give the same order (every trial evaluates the same windows of the same
 # dataset); bits per byte also compares with sweeps on data of other tokenizers.
-METRICS = ("val_loss", "val_bpb")
+SWEEP_METRICS = ("val_loss", "val_bpb")
 
 
 @dataclass
@@ -36,8 +36,8 @@ def check_settings(cfg: TrainConfig, space: SearchSpace, s: SweepSettings,
     """Fill defaults and refuse bad combinations, in place. Needs no cluster."""
     if s.search not in ("random", "grid"):
         raise UserError(f"--search must be random or grid, got {s.search!r}")
-    if s.metric not in METRICS:
-        raise UserError(f"--metric must be one of {', '.join(METRICS)}, got {s.metric!r}")
+    if s.metric not in SWEEP_METRICS:
+        raise UserError(f"--metric must be one of {', '.join(SWEEP_METRICS)}, got {s.metric!r}")
     space.check_searcher(s.search)
     if s.search == "grid":
         if s.trials is not None and s.trials != space.grid_size():

@@ -28,8 +28,10 @@ from ray.train import CheckpointUploadMode
 
 from raytrain_lm.config.settings import TrainConfig
 from raytrain_lm.data.tokenizer import Tokenizer
+from raytrain_lm.models import hf_importer
 from raytrain_lm.store import checkpoint_format as ckpt_io
 from raytrain_lm.store.files import checkpoint_name
+from raytrain_lm.store.hf_folder import is_hf_folder, read_config, read_tensors
 from raytrain_lm.store.row import MetricsRow
 from raytrain_lm.store.runs import FoundCheckpoint, latest_checkpoint
 from raytrain_lm.worker.drills import fault_drill
@@ -129,12 +131,46 @@ class Checkpointer:
                             destination_filesystem=self.fs)
         return ray.train.Checkpoint(dest, filesystem=self.fs)
 
+    def report_stop(self, step: int, why: str) -> None:
+        """The run's loss (or gradient norm) became non-finite: the last report, with no
+        checkpoint (a non-finite one is never saved, so none of the good ones is rotated out).
+        The driver ends the run with `why` and the last good checkpoint's name."""
+        ray.train.report({"step": step, "event": "nonfinite", "error": why},
+                         checkpoint_upload_mode=self.mode)
+
     def report_final_rows(self, train_start_unix: float) -> None:
         """After resuming from the final checkpoint (the run stopped after writing it, before Ray
         took its report) nothing is left to train, but the driver and Tune still need its rows."""
         if self.resent is not None:
             ray.train.report({**self.resent[-1], "resumed_from_step": self.resumed_from,
                               "train_start_unix": train_start_unix, "resumed_rows": self.resent[:-1]})
+
+
+def load_init_from(path: str, step_fn) -> None:
+    """--init-from: the weights of a checkpoint of ours, or of a Hugging Face folder (through its
+    family's names), into this rank's parts; the optimizer starts fresh."""
+    if is_hf_folder(path):
+        load_hf_weights(path, step_fn)
+    else:
+        ckpt_io.load_weights(Path(path), ckpt_io.read_meta(Path(path)), step_fn)
+
+
+def hf_weights(folder: str | Path) -> dict:
+    """Every tensor of a Hugging Face folder, under our names (its family's adapter)."""
+    config = read_config(folder)
+    return hf_importer(config.get("model_type"), f"--init-from {folder}").from_hf(read_tensors(folder))
+
+
+def load_hf_weights(folder: str | Path, step_fn) -> None:
+    """The folder's weights into this rank's parts (each rank reads the full tensors and keeps
+    its shards)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    full = hf_weights(folder)
+    for part in step_fn.parts:
+        keys = part.state_dict().keys()
+        set_model_state_dict(part, {k: full[k] for k in keys},
+                             options=StateDictOptions(full_state_dict=True))
 
 
 def restore_rng(rng: Optional[dict], seed: int, stream: int) -> None:

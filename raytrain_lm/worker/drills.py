@@ -4,6 +4,9 @@ environment; off, they cost one `if` where they hook in.
 - Fault drill, RAYTRAIN_LM_FAIL_AT=RANK:STEP: that rank's process exits when it finishes that step,
   as on a lost node. RANK:STEP:upload: it exits while uploading its checkpoint of that step, after
   half of its files and before its commit record (the checkpoint stays incomplete). Once per run.
+- Non-finite loss, RAYTRAIN_LM_NAN_AT=STEP: before that step every rank scales its first
+  parameter by infinity, so the step's loss is nan (how the non-finite guard is tested: the run
+  stops at its next report and its last checkpoint resumes). Every run it is set for.
 - Window log, RAYTRAIN_LM_LOG_WINDOWS=1: every rank appends the window indices of each micro-batch
   it reads, with the data position of the step they belong to, to `<run>/windows/` (local storage
   only): what shows that a run, across restarts and resizes, used every window of an epoch once.
@@ -43,6 +46,18 @@ def fault_drill(spec: Optional[str], step: int, rank: int, run_name: str, phase:
     internal_kv._internal_kv_put(key, b"1")
     print(f"[fault drill] rank {rank} exiting at step {step} ({phase})", flush=True)
     os._exit(1)  # the process dies: no exception, no cleanup, as on a lost node
+
+
+def nan_drill(at: Optional[int], step: int, step_fn) -> None:
+    """Before step `step` (1-based): if it is the drill's, scale this rank's first parameter by
+    infinity (its local shard: no collective)."""
+    if at is None or step != at:
+        return
+    import torch
+
+    p = next(step_fn.parts[0].parameters())
+    with torch.no_grad():
+        (p.to_local() if hasattr(p, "to_local") else p).mul_(float("inf"))
 
 
 class WindowLog:

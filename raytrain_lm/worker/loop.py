@@ -11,30 +11,25 @@ global batch per step.
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import ray.train
 import ray.train.torch
 import torch
 
-from raytrain_lm.config.checks import check_tp_in_node
+from raytrain_lm.config.inputs import WorkerInputs
+from raytrain_lm.config.layout import Layout
 from raytrain_lm.config.settings import TrainConfig
 from raytrain_lm.config.sizes import fit_to_world
 from raytrain_lm.data.loaders import Validation, train_stream
 from raytrain_lm.data.manifest import dataset_tokenizer
 from raytrain_lm.data.resolve import resolve_dataset
 from raytrain_lm.errors import UserError
-from raytrain_lm.models.decoder import flops_per_token
-from raytrain_lm.models.llama import hf_llama
+from raytrain_lm.models import family, flops_per_token
 from raytrain_lm.parallel.fsdp import to_float
-from raytrain_lm.parallel.mesh import rank_coords
-from raytrain_lm.plan import matmul_params, param_counts
-from raytrain_lm.run.preflight import check_device_memory
 from raytrain_lm.store import checkpoint_format as ckpt_io
-from raytrain_lm.store.row import WorkerInputs
-from raytrain_lm.worker.checkpointer import Checkpointer, restore_rng
-from raytrain_lm.worker.drills import WindowLog, fault_drill
-from raytrain_lm.worker.metrics import Meter, gpu_peak_tflops, peak_memory_gb
+from raytrain_lm.worker.checkpointer import Checkpointer, load_init_from, restore_rng
+from raytrain_lm.worker.drills import WindowLog, fault_drill, nan_drill
+from raytrain_lm.worker.metrics import Meter, check_device_memory, gpu_peak_tflops, peak_memory_gb
 from raytrain_lm.worker.optim import lr_at
 from raytrain_lm.worker.preemption import PreemptionWatch
 from raytrain_lm.worker.step import TrainStep
@@ -50,13 +45,13 @@ def train_loop_per_worker(inputs: WorkerInputs) -> None:
         raise UserError(f"a group of {world} workers cannot split this run's global batch evenly")
     check_device_memory(sized, device, inputs.force)  # the GPU's real memory
     if device.type == "cuda":
-        check_tp_in_node(cfg.tp, ctx.get_local_world_size())  # NVLink, not the network
+        Layout.of(sized).check_tp_within_node(ctx.get_local_world_size())  # NVLink, not the network
         torch.set_float32_matmul_precision("high")  # TF32 for any matmul left in fp32
     tokenizer = dataset_tokenizer(cfg.data)  # a BPE's file travels into every checkpoint
     checkpointer = Checkpointer(cfg, rank, world, tokenizer, inputs.fail_at, inputs.run_name)
     found = checkpointer.find_latest()  # this run's newest valid checkpoint, or None
     state, rng = ckpt_io.load_resume_state(found.path, found.meta, rank) if found else (None, None)
-    coords = rank_coords(rank, world, cfg.tp, cfg.pp)
+    coords = Layout.of(sized).coords(rank)
 
     # --- the model as this rank holds it (built sharded where the layout shards it), then its
     # state: a resumed run's own, else --init-from's weights, else the initial values
@@ -72,34 +67,34 @@ def train_loop_per_worker(inputs: WorkerInputs) -> None:
         step, tokens = checkpointer.restore(found, state, step_fn, batches)
     else:
         step, tokens = 0, 0
-        if inputs.init_from:  # a checkpoint, or a Hugging Face Llama folder
-            init_from = Path(inputs.init_from)
-            if hf_llama.is_hf_folder(init_from):
-                hf_llama.load_weights(init_from, step_fn)
-            else:
-                ckpt_io.load_weights(init_from, ckpt_io.read_meta(init_from), step_fn)
+        if inputs.init_from:  # a checkpoint, or a Hugging Face folder
+            load_init_from(inputs.init_from, step_fn)
     restore_rng(rng, cfg.seed, rank // cfg.tp)  # the saved RNG states, else a dropout stream per rank
 
-    n_params = param_counts(cfg.model)["total"]
-    fpt = flops_per_token(cfg.model, matmul_params(cfg.model), cfg.seq_len)
+    n_params = family(cfg.model).counts(cfg.model).total
+    fpt = flops_per_token(cfg.model, cfg.seq_len)
     cadence, preemption = Cadence(cfg), PreemptionWatch()
     step_tokens = sized.batch_size * cfg.seq_len * sized.grad_accum * step_fn.dp
     peak = gpu_peak_tflops(device, cfg.peak_tflops, step_fn.precision)
     meter = Meter(device, world, fpt, peak, n_params, baseline_mem, build_mem,
-                  loss_ranks=step_fn.dp)
+                  loss_ranks=step_fn.dp, scaler_skips=step_fn.scaler.is_enabled())
     step_fn.train()
     while step < cfg.max_steps:
         lr = lr_at(step, cfg)
+        nan_drill(inputs.nan_at, step + 1, step_fn)
         loss, grad_norm, waited = step_fn(batches, lr)
         step, tokens = step + 1, tokens + step_tokens
-        meter.add_step(loss, step_tokens, waited)
+        meter.add_step(loss, step_tokens, waited, grad_norm)
         fault_drill(inputs.fail_at, step, rank, inputs.run_name)
         preempted = preemption.check(step)  # a node of the run is going: checkpoint now
         if not (cadence.reports(step) or preempted):
             continue
         row = meter.row(step, lr, to_float(grad_norm), step_fn)
+        if meter.nonfinite:  # every rank alike: the run stops here, saving nothing
+            checkpointer.report_stop(step, meter.nonfinite)
+            return
         row.update(tokens=tokens, epoch=batches.epoch, workers=world,
-                   threads=torch.get_num_threads())  # what the launch line said (cpus.py)
+                   threads=torch.get_num_threads())  # what the launch line said (run/cpus.py)
         if preempted:
             row["preemption"] = preempted  # the driver names it as the reason of the restart
         if cadence.validates(step):

@@ -1,7 +1,9 @@
-"""Throughput, MFU and memory: what a worker measures about its own steps."""
+"""Throughput, MFU, memory and a loss gone non-finite: what a worker measures about its own
+steps."""
 
 from __future__ import annotations
 
+import math
 import resource
 import sys
 import time
@@ -9,10 +11,21 @@ from typing import Optional
 
 import torch
 
+from raytrain_lm.config.settings import TrainConfig
 from raytrain_lm.parallel.fsdp import held_bytes, param_fraction
 from raytrain_lm.parallel.mesh import all_reduce
+from raytrain_lm.plan.fit import check_memory
 from raytrain_lm.plan.gpus import peak_tflops
 from raytrain_lm.store.row import MetricsRow
+
+
+def check_device_memory(cfg: TrainConfig, device: torch.device, force: bool) -> None:
+    """On a GPU worker, before anything is built: plan.fit.check_memory against the memory the
+    device reports (the driver knows only what Ray's label implies, often nothing), unless
+    --force."""
+    if force or device.type != "cuda":
+        return
+    check_memory(cfg, torch.cuda.get_device_properties(device).total_memory / 2 ** 30)
 
 
 def gpu_peak_tflops(device: torch.device, override: Optional[float] = None,
@@ -87,24 +100,36 @@ class Meter:
 
     def __init__(self, device: torch.device, world: int, flops_per_token: float,
                  peak_tflops: Optional[float], num_parameters: int, baseline_mem: float,
-                 build_mem: float = 0.0, loss_ranks: Optional[int] = None):
+                 build_mem: float = 0.0, loss_ranks: Optional[int] = None,
+                 scaler_skips: bool = False):
         """`loss_ranks`: how many ranks report a loss (one per data-parallel group; the others
-        add 0), so the sum over all ranks divided by it is the global mean."""
+        add 0), so the sum over all ranks divided by it is the global mean. `scaler_skips`: fp16's
+        gradient scaler skips a step whose gradients overflow, so a non-finite gradient norm is
+        its business, not an error (a non-finite loss still is)."""
         self.device, self.world, self.loss_ranks = device, world, loss_ranks or world
         self.fpt, self.peak, self.num_parameters = flops_per_token, peak_tflops, num_parameters
         self.baseline_mem = baseline_mem  # peak memory before the model existed
         self.build_mem = build_mem  # what building the model added (before any step)
         self.timer = StepTimer(device)
         self.losses: list[torch.Tensor] = []  # this rank's loss of each step since the last report
+        self.norms: list[torch.Tensor] = []  # the global gradient norm of each step, the same
+        self.scaler_skips = scaler_skips
+        # "loss became nan at step N": the first step since the last report whose loss or gradient
+        # norm is not finite (the same on every rank: read off the report's all-reduce), else None
+        self.nonfinite: Optional[str] = None
         self.start, self.start_unix = time.perf_counter(), time.time()
         self.first_step_unix: Optional[float] = None  # when this worker group's first step ended
         self._row_done = 0.0
         self.slowest_step_time = 0.0  # seconds per step of the last reported interval, max over ranks
 
-    def add_step(self, loss: torch.Tensor, tokens: int, data_wait: float) -> None:
+    def add_step(self, loss: torch.Tensor, tokens: int, data_wait: float,
+                 grad_norm: Optional[torch.Tensor] = None) -> None:
+        """Keeps the step's loss and gradient norm as device tensors: nothing is read on the host
+        until the report (no per-step synchronisation)."""
         if self.first_step_unix is None:
             self.first_step_unix = time.time()
         self.losses.append(loss)
+        self.norms.append(grad_norm if grad_norm is not None else torch.zeros((), device=loss.device))
         self.timer.steps += 1
         self.timer.tokens += tokens
         self.timer.data_wait += data_wait
@@ -113,7 +138,16 @@ class Meter:
         """`step_fn`: the step (step.TrainStep): its parts and optimizers (memory held), the
         pipeline's bubble and the bytes each mesh dimension moved."""
         elapsed = self.timer.elapsed()
-        losses = all_reduce(torch.stack(self.losses).double()) / self.loss_ranks
+        # One all-reduce: the steps' losses (summed over the loss-reporting ranks) and whether any
+        # rank saw a step's gradient norm non-finite (so every rank decides the same).
+        n = len(self.losses)
+        norms = torch.stack([_plain(g) for g in self.norms]).to(torch.float64)
+        both = all_reduce(torch.cat([torch.stack(self.losses).double(),
+                                     (~torch.isfinite(norms)).double()]))
+        losses = both[:n] / self.loss_ranks
+        self.nonfinite = first_nonfinite(step - n + 1, losses.tolist(),
+                                         [] if self.scaler_skips else norms.tolist(),
+                                         [] if self.scaler_skips else (both[n:] > 0).tolist())
         wait = all_reduce(torch.tensor([self.timer.data_wait], dtype=torch.float64, device=self.device))
         mem = all_reduce(torch.tensor([peak_memory_gb(self.device),
                                        held_bytes(step_fn.parts, step_fn.optimizers) / 1e9,
@@ -162,5 +196,25 @@ class Meter:
     def next_interval(self, exclude_since_row: bool) -> None:
         """Start the next interval. The cost of reporting (a barrier) counts against it; with
         `exclude_since_row`, validation and checkpoint time since the row was built does not."""
-        self.losses = []
+        self.losses, self.norms = [], []
         self.timer.reset(excluded=time.perf_counter() - self._row_done if exclude_since_row else 0.0)
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """A 0-dim norm that may be a replicated DTensor as a plain tensor (no communication)."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def first_nonfinite(first_step: int, losses: list[float], norms: list[float],
+                    norm_flags: list[bool]) -> Optional[str]:
+    """"loss became nan at step N" (or "the gradient norm became inf ...") for the first of the
+    steps `first_step`, `first_step` + 1, ... whose global loss, or gradient norm on any rank
+    (`norm_flags`; `norms`: this rank's values, for the word), is not finite; None when all are.
+    The loss is named first where both are."""
+    for i, loss in enumerate(losses):
+        if not math.isfinite(loss):
+            return f"loss became {loss} at step {first_step + i}"
+        if i < len(norm_flags) and norm_flags[i]:
+            word = norms[i] if not math.isfinite(norms[i]) else "non-finite"
+            return f"the gradient norm became {word} at step {first_step + i}"
+    return None

@@ -6,6 +6,7 @@ import math
 
 import torch
 
+from raytrain_lm.config.layout import Layout
 from raytrain_lm.config.settings import TrainConfig
 
 
@@ -17,7 +18,7 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.devi
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
     kwargs = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=device.type == "cuda")
-    if cfg.strategy == "zero1" and _world() > 1:
+    if Layout.of(cfg).broadcasts_params and _world() > 1:
         return ZeroOneAdamW(groups, **kwargs)
     return torch.optim.AdamW(groups, **kwargs)
 

@@ -15,21 +15,10 @@ from typing import Any, Optional
 
 import ray.train
 
-from raytrain_lm import env
-
-# How often Ray's watcher asks the cluster which nodes are being drained (Ray's default: 5 s,
-# which would eat a fifth of a 25 s notice). A value the user set in the environment wins.
-DEFAULT_POLL_S = 1.0
-
-# Asking is a barrier through Ray's synchronization actor, which a short step notices.
-# Asking more often than the watcher looks is no use, so the loop asks about once a second.
+# Asking is a barrier through Ray's synchronization actor, which a short step notices. Asking more
+# often than the watcher looks (ray_compat/polls.py) is no use, so the loop asks about once a second.
 ASK_EVERY_S = 1.0
 PACING_STEPS = 10  # steps timed (asking at each) before the pace is set
-
-
-def preemption_poll_seconds() -> float:
-    """How often the watcher looks (controller.Polls): the user's setting, else DEFAULT_POLL_S."""
-    return float(env.preemption_poll() or DEFAULT_POLL_S)
 
 
 class PreemptionWatch:

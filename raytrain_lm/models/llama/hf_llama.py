@@ -1,5 +1,6 @@
 """The Llama (llama.py) and Hugging Face's LlamaForCausalLM, both ways: one table of weight names,
-the config.json either way, and reading a Hugging Face folder for `--init-from`.
+and the config.json either way (what a folder's config.json fixes for `--init-from`, and what an
+export writes). Reading and checking the folder itself: store/hf_folder.py, run/preflight.py.
 
 The weights need no conversion but their names: llama.py computes rotary embeddings in
 transformers' convention (rotate_half), its RMSNorm as LlamaRMSNorm (fp32, then the weight), and
@@ -10,17 +11,11 @@ import takes the folder's, which must be the model's (`--set model.vocab_size`).
 
 from __future__ import annotations
 
-import hashlib
-import json
 import re
-from pathlib import Path
 from typing import Any, Optional
 
-from raytrain_lm.config.settings import ModelConfig
 from raytrain_lm.errors import UserError
-from raytrain_lm.store.files import META
-
-CONFIG, WEIGHTS, INDEX = "config.json", "model.safetensors", "model.safetensors.index.json"
+from raytrain_lm.models.family import ModelConfig
 
 # (our name, Hugging Face's) with {i} for the layer
 _NAMES = [
@@ -45,7 +40,7 @@ def _rename(name: str, src: int) -> Optional[str]:
     return None
 
 
-def to_hf(state: dict, vocab_size: int) -> dict:
+def to_hf(state: dict, cfg: ModelConfig, vocab_size: int) -> dict:
     """Our Llama's state dict under LlamaForCausalLM's names, the embedding and head cut to the
     tokenizer's `vocab_size` rows."""
     out = {}
@@ -99,30 +94,9 @@ def hf_config(cfg: ModelConfig, vocab_size: int, eot: Optional[int]) -> dict[str
 
 # ---------------------------------------------------------------- import (--init-from)
 
-def is_hf_folder(path: str | Path) -> bool:
-    """A model folder with a config.json and safetensors weights that is not a checkpoint of ours
-    (`model_fields` then says whether it is a Llama)."""
-    p = Path(path)
-    return ((p / CONFIG).is_file() and not (p / META).is_file()
-            and ((p / WEIGHTS).is_file() or (p / INDEX).is_file()))
-
-
-def read_config(folder: Path) -> dict[str, Any]:
-    try:
-        config = json.loads((Path(folder) / CONFIG).read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise UserError(f"{folder}/{CONFIG} cannot be read: {e}") from None
-    if not isinstance(config, dict):
-        raise UserError(f"{folder}/{CONFIG} is not a JSON object")
-    return config
-
-
 def model_fields(config: dict[str, Any], where: str) -> dict[str, Any]:
     """The ModelConfig fields a LlamaForCausalLM config.json fixes, after refusing what llama.py
     does not compute (other architectures, rope scaling, biases, other activations)."""
-    if config.get("model_type") != "llama":
-        raise UserError(f"{where} holds a {config.get('model_type')!r} model; --init-from takes "
-                        f"Hugging Face Llama folders (model_type llama) or this project's checkpoints")
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     kind = rope.get("rope_type", rope.get("type", "default"))
     problems = [f"rope_type {kind!r} (only the default rotary embedding is built here)"] \
@@ -141,63 +115,3 @@ def model_fields(config: dict[str, Any], where: str) -> dict[str, Any]:
             "n_kv_head": config.get("num_key_value_heads") or heads,
             "ffn_dim": config["intermediate_size"], "rope_theta": float(theta),
             "norm_eps": float(config.get("rms_norm_eps", 1e-6))}
-
-
-def check_init_from(folder: str | Path, cfg: ModelConfig, manifest: dict) -> str:
-    """A Hugging Face Llama folder fits this run: the model's shape (the ffn size as computed,
-    kv heads as given or n_head) and the dataset's tokenizer (the folder's tokenizer.json, byte
-    for byte). Returns the folder, resolved."""
-    folder = Path(folder)
-    where = f"--init-from {folder}"
-    fields = model_fields(read_config(folder), where)
-    ours = {"arch": cfg.arch, "vocab_size": cfg.vocab_size, "n_embd": cfg.n_embd,
-            "n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_kv_head": cfg.kv_heads,
-            "ffn_dim": cfg.hidden_dim, "rope_theta": cfg.rope_theta, "norm_eps": cfg.norm_eps}
-    diff = [k for k in fields if fields[k] != ours[k]]
-    if diff:
-        theirs = ", ".join(f"{k}: {fields[k]} vs {ours[k]}" for k in diff)
-        sets = " ".join(f"--set model.{k}={fields[k]}" for k in diff)
-        raise UserError(f"{where} is another model shape ({theirs}); train with {sets}")
-    path = folder / "tokenizer.json"
-    if not path.is_file() or hashlib.sha256(path.read_bytes()).hexdigest() != tokenizer_sha256(manifest):
-        raise UserError(f"{where}: its tokenizer.json is not the dataset's tokenizer, so its token ids "
-                        f"mean other text; prepare the dataset with `prepare --tokenizer {folder}`")
-    return str(folder.resolve())
-
-
-def tokenizer_sha256(manifest: dict) -> str:
-    """sha256 of the tokenizer.json an export of a model of this dataset carries (export.py): a
-    BPE's own file, or the byte tokenizer's equivalent."""
-    from raytrain_lm.data.tokenizer import byte_tokenizer_json
-
-    spec = manifest["tokenizer"]
-    if spec.get("type") == "byte":
-        return hashlib.sha256(byte_tokenizer_json().encode()).hexdigest()
-    return spec["sha256"]
-
-
-def read_weights(folder: str | Path) -> dict:
-    """Every tensor of the folder's safetensors file(s), under our names."""
-    from safetensors.torch import load_file
-
-    folder = Path(folder)
-    if (folder / INDEX).is_file():
-        files = sorted(set(json.loads((folder / INDEX).read_text())["weight_map"].values()))
-    else:
-        files = [WEIGHTS]
-    weights = {}
-    for name in files:
-        weights.update(load_file(str(folder / name)))
-    return from_hf(weights)
-
-
-def load_weights(folder: str | Path, parallel) -> None:
-    """The folder's weights into this rank's parts (each rank reads the full tensors and keeps
-    its shards), for --init-from; the optimizer starts fresh."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-    full = read_weights(folder)
-    for part in parallel.parts:
-        keys = part.state_dict().keys()
-        set_model_state_dict(part, {k: full[k] for k in keys},
-                             options=StateDictOptions(full_state_dict=True))

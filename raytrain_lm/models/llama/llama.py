@@ -1,7 +1,7 @@
 """The Llama family's decoder (Llama 2 and 3, after Meta's llama/model.py and torchtitan): RMSNorm
 before attention and MLP, rotary position embeddings, grouped-query attention, a SwiGLU MLP, no
-biases, an untied output head. Like model.py it knows nothing of distribution (no
-torch.distributed), and it keeps model.py's skeleton and names where they mean the same thing
+biases, an untied output head. Like the GPT it knows nothing of distribution (no
+torch.distributed), and it keeps the GPT's skeleton and names where they mean the same thing
 (`wte`, the blocks `h`, `ln_1`/`ln_2`/`ln_f` for the norms, `lm_head`), so the parallel/ code
 that splits, shards and pipelines the GPT does the same here.
 
@@ -30,8 +30,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from raytrain_lm.config.settings import ModelConfig
 from raytrain_lm.models.decoder import Decoder
+from raytrain_lm.models.family import ModelConfig
 
 
 class RMSNorm(nn.Module):
@@ -133,7 +133,7 @@ class SwiGLU(nn.Module):
 
 
 class LlamaBlock(nn.Module):
-    """Pre-RMSNorm block: x + attn(norm(x)), then + mlp(norm(x)). Called as model.Block is."""
+    """Pre-RMSNorm block: x + attn(norm(x)), then + mlp(norm(x)). Called as the GPT's Block is."""
 
     def __init__(self, cfg: ModelConfig, rope: Rotary):
         super().__init__()
@@ -172,6 +172,3 @@ class Llama(Decoder):
         if isinstance(module, (nn.Linear, nn.Embedding)):
             return ("normal", 0.02)
         raise ValueError(f"no init rule for {fqn} ({type(module).__name__})")
-
-    def matmul_params(self) -> int:
-        return self.num_params() - self.wte.weight.numel()  # the embedding is a lookup

@@ -1,0 +1,47 @@
+"""The GPT family (GPT-2's architecture): what generic code asks of it. Its decoder is gpt.py,
+its Hugging Face names hf_gpt.py."""
+
+from __future__ import annotations
+
+from raytrain_lm.models.family import Family, ModelConfig, ParamCounts, TPPlan
+
+# Activation elements per layer per token, in units of the width: (whole on every tp rank without
+# sequence parallelism, divided by tp). Sums: 17 without recomputation, 11 selective, 9 op (the
+# block input; the outputs of c_attn, attention and c_fc: parallel/ac.py).
+AC_SPLIT = {"none": (5, 12), "selective": (3, 8), "op": (1, 8)}
+
+
+class GPTFamily(Family):
+    name = "gpt"
+    decoder = "raytrain_lm.models.gpt.gpt:GPT"
+    tp_plan = TPPlan(colwise=("attn.c_attn", "mlp.c_fc"), rowwise=("attn.c_proj", "mlp.c_proj"))
+    defaults = {"arch": "gpt"}
+    hf_adapter = "raytrain_lm.models.gpt.hf_gpt"
+    # c_attn's rows are head-interleaved (gpt.py), which gpt.GPT reads as is;
+    # hf_gpt.qkv_interleaved_to_gpt2 gives GPT-2's [q; k; v].
+    export_format = "raytrain-lm/gpt-2"
+    export_notes = {"qkv_layout": "head-interleaved"}
+
+    def counts(self, m: ModelConfig) -> ParamCounts:
+        h, V, bias = m.n_embd, m.vocab_size or 256, 1 if m.bias else 0
+        block = 12 * h * h + bias * (3 * h + h + 4 * h + h) + (2 + 2 * bias) * h
+        root = V * h + m.block_size * h + (1 + bias) * h  # tied embedding, positions, final norm
+        return ParamCounts(block, root, m.n_layer * block + root)
+
+    def lookup_params(self, m: ModelConfig) -> int:
+        return m.block_size * m.n_embd  # the positions; the tied wte counts once, as the head
+
+    def tp_counts(self, m: ModelConfig, tp: int) -> dict[str, float]:
+        # Split: c_attn (3h x h + 3h), c_fc (4h x h + 4h), attn.c_proj (h x h), mlp.c_proj
+        # (h x 4h). Whole: the row-parallel biases (h each) and the two LayerNorms.
+        h, V, T, bias = m.n_embd, m.vocab_size or 256, m.block_size, 1 if m.bias else 0
+        ln = (1 + bias) * h
+        block = (12 * h * h + bias * 7 * h) / tp + bias * 2 * h + 2 * ln
+        return {"block": block, "wte": V * h / tp, "wpe": T * h / tp, "ln_f": ln}
+
+    def block_matmuls(self, m: ModelConfig) -> list[int]:
+        h = m.n_embd
+        return [3 * h * h, h * h, 4 * h * h, 4 * h * h]
+
+    def activation_split(self, m: ModelConfig, ac: str) -> tuple[float, float]:
+        return AC_SPLIT[ac]

@@ -1,0 +1,80 @@
+"""The GPT (gpt.py) as Hugging Face's GPT2LMHeadModel: its weight names and config.json, and the
+c_attn row order both ways. Our GPT is GPT-2's architecture (pre-LayerNorm, tanh GELU, learned
+positions, tied embeddings, fused qkv), so the weights need only names, the Conv1D transpose and
+the q/k/v row order. No torch import: the tensors' own methods do the work."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from raytrain_lm.models.family import ModelConfig
+
+# nn.Linear weights (out, in) that GPT-2 keeps in its Conv1D modules as (in, out)
+_CONV1D = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+
+
+def qkv_gpt2_to_interleaved(t, n_head: int):
+    """A c_attn weight (3C, C) or bias (3C,) from GPT-2's [q; k; v] row order to the
+    head-interleaved order of gpt.py (GPT-2 weights, and checkpoints of format 2)."""
+    three_c = t.shape[0]
+    hd = three_c // (3 * n_head)
+    return t.reshape(3, n_head, hd, *t.shape[1:]).transpose(0, 1).reshape(three_c, *t.shape[1:])
+
+
+def qkv_interleaved_to_gpt2(t, n_head: int):
+    """c_attn's weight (3C, C) or bias (3C,) with its output rows in GPT-2's order: [q | k | v],
+    each split by head. Ours are head-interleaved ([h0: q,k,v][h1: q,k,v]..., so that tensor
+    parallelism's contiguous row split hands each rank whole heads); GPT-2 reads the same rows as
+    q, k, v one after another, so without this permutation transformers would load the weights
+    silently (same shapes) and compute something else."""
+    three_c = t.shape[0]
+    hd = three_c // (3 * n_head)
+    return t.reshape(n_head, 3, hd, *t.shape[1:]).transpose(0, 1).reshape(three_c, *t.shape[1:])
+
+
+def to_hf(state: dict, cfg: ModelConfig, vocab_size: int) -> dict:
+    """Our GPT's state dict under transformers' GPT2LMHeadModel names ({name: contiguous
+    tensor}); the embedding keeps its first `vocab_size` rows (the tokenizer's: the padding rows
+    are never a token). The head is tied to the embedding, so it is not stored."""
+    C = cfg.n_embd
+    zeros = state["wte.weight"].new_zeros
+    out = {"transformer.wte.weight": state["wte.weight"][:vocab_size],
+           "transformer.wpe.weight": state["wpe.weight"]}
+    for i in range(cfg.n_layer):
+        p = f"h.{i}."
+        for ln in ("ln_1", "ln_2"):
+            out[f"transformer.{p}{ln}.weight"] = state[p + ln + ".weight"]
+            # GPT-2 always has biases: a bias=False model's are zero (exactly what it computes)
+            out[f"transformer.{p}{ln}.bias"] = state.get(p + ln + ".bias", zeros(C))
+        for mod in _CONV1D:
+            w = state[p + mod + ".weight"]
+            b = state.get(p + mod + ".bias", zeros(w.shape[0]))
+            if mod == "attn.c_attn":
+                w, b = qkv_interleaved_to_gpt2(w, cfg.n_head), qkv_interleaved_to_gpt2(b, cfg.n_head)
+            out[f"transformer.{p}{mod}.weight"] = w.t()  # Conv1D: (in, out)
+            out[f"transformer.{p}{mod}.bias"] = b
+    out["transformer.ln_f.weight"] = state["ln_f.weight"]
+    out["transformer.ln_f.bias"] = state.get("ln_f.bias", zeros(C))
+    return {k: v.detach().contiguous() for k, v in out.items()}
+
+
+def hf_config(cfg: ModelConfig, vocab_size: int, eot: Optional[int]) -> dict[str, Any]:
+    """GPT2LMHeadModel's config.json for `cfg` with the tokenizer's vocabulary."""
+    return {
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "vocab_size": vocab_size,
+        "n_positions": cfg.block_size,
+        "n_embd": cfg.n_embd,
+        "n_layer": cfg.n_layer,
+        "n_head": cfg.n_head,
+        "n_inner": None,  # 4 * n_embd, as our MLP
+        "activation_function": "gelu_new",  # GPT-2's tanh GELU = F.gelu(approximate="tanh")
+        "layer_norm_epsilon": 1e-5,  # torch.nn.LayerNorm's default, which our model uses
+        "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.dropout,
+        "scale_attn_weights": True,  # 1/sqrt(head_dim), as scaled_dot_product_attention
+        "tie_word_embeddings": True,
+        # GPT2Config defaults both to 50256 (GPT-2's <|endoftext|>): wrong for any other
+        # vocabulary, and generate() would stop on it. None where the tokenizer has no EOT.
+        "bos_token_id": eot, "eos_token_id": eot,
+    }
