@@ -63,6 +63,9 @@ def test_stopped_driver_resumes_and_matches(reference, pydoc_data, storage, ray_
             break
         time.sleep(0.2)
     assert proc.poll() is None, "the run ended before it could be stopped"
+    last = json.loads(metrics.read_text().splitlines()[-1])["step"]
+    assert last < STEPS, f"the MLflow run was made only at step {last} (a machine this loaded " \
+                         f"cannot check a resume of it)"
     # Training, metrics rows written, TensorBoard too: the driver has done all it does in a run,
     # without torch (~2 CPU seconds of import before the run can start; the workers import it).
     assert not [lib for lib in libraries_of_pid(proc.pid) if lib.startswith("libtorch")]
