@@ -204,7 +204,7 @@ def run_local(cfg, *, resume: bool = False, init_from: Optional[str] = None, for
                         kept.append(got["checkpoint"])
                         while len(kept) > cfg.keep_checkpoints:  # Ray's num_to_keep
                             storage.storage_filesystem.delete_dir(kept.pop(0))
-                    follower._take(row, _NoTensorBoard())
+                    follower.take(row, _NoTensorBoard())
         finally:
             for p in ranks:
                 p.join(timeout=30 if error is None else 0.1)

@@ -13,8 +13,7 @@ import torch
 
 import raytrain_lm
 from raytrain_lm.config.inputs import WorkerInputs
-from raytrain_lm.run.tensorboard import TAGS
-from raytrain_lm.store.row import ROW_KEYS
+from raytrain_lm.store.row import CHART_NAMES, ROW_KEYS
 from raytrain_lm.worker.metrics import Meter
 
 PACKAGE = Path(raytrain_lm.__file__).parent
@@ -36,7 +35,7 @@ def keys_spelt(path: Path, names: str) -> set[str]:
 def test_every_row_key_the_code_spells_is_declared():
     spelt = set().union(*(keys_spelt(PACKAGE / m, names) for m, names in ROW_MODULES.items()))
     assert spelt and spelt - ROW_KEYS == set()
-    assert set(TAGS) <= ROW_KEYS
+    assert set(CHART_NAMES) <= ROW_KEYS
 
 
 def test_the_meters_row_has_only_declared_keys():

@@ -29,6 +29,7 @@ from raytrain_lm.run.preflight import (
     resume_step,
     worker_memory_gb,
 )
+from raytrain_lm.run.tracked import Figure, close_tracking, open_tracking, row_values, trackers_of
 from raytrain_lm.store import files
 from raytrain_lm.store.claims import RunClaim, live_claims
 from raytrain_lm.store.row import MetricsRow
@@ -90,13 +91,17 @@ def run_training(
     on_metrics: Optional[Callable[[dict], None]] = None,
     poll_seconds: Optional[float] = None,
     worker_env: Optional[dict[str, str]] = None,
+    track: Optional[list[str]] = None,
+    figure: Optional[Figure] = None,
 ) -> dict:
     """Train `cfg` on a Ray cluster; returns the summary (also written to summary.json).
 
     With `resume`, the run `cfg.name` continues from its latest valid checkpoint (the caller
-    loads the run's saved config: see `saved_config`)."""
+    loads the run's saved config: see `saved_config`), and its tracking runs too. `track`:
+    trackers to send the run to (run/tracked.py), `figure` drawing the curves they keep."""
     t_launch = time.time()
     run = run_folder(cfg, resume)
+    trackers = trackers_of(run, track, resume)
     manifest = prepare_data(cfg, say)
     if resume and (step := resume_step(cfg, run, manifest)) is not None:
         say(f"resuming {cfg.name} from its newest checkpoint, step {step}")
@@ -111,13 +116,15 @@ def run_training(
     with RunClaim(run):
         return _launch(cfg, run, t_launch, previous, known, resume=resume,
                        init_from=init_from, verbose=verbose, force=force, say=say,
-                       on_metrics=on_metrics, poll_seconds=poll_seconds, worker_env=worker_env)
+                       on_metrics=on_metrics, poll_seconds=poll_seconds, worker_env=worker_env,
+                       trackers=trackers, figure=figure)
 
 
 def _launch(cfg: TrainConfig, run: RunFolder, t_launch: float, previous: dict,
             known: Optional[float], *, resume: bool, init_from: Optional[str], verbose: bool,
             force: bool, say: Callable[[str], None], on_metrics: Optional[Callable[[dict], None]],
-            poll_seconds: Optional[float], worker_env: Optional[dict[str, str]]) -> dict:
+            poll_seconds: Optional[float], worker_env: Optional[dict[str, str]],
+            trackers: list[str], figure: Optional[Figure]) -> dict:
     """run_training from connecting to Ray on, with the run's folder claimed."""
     # Ray Train and the Ray connection are imported only now: a bad input above fails in a
     # second, not after ~2 s of imports; nor does an address where nothing answers
@@ -146,7 +153,13 @@ def _launch(cfg: TrainConfig, run: RunFolder, t_launch: float, previous: dict,
         say(sizes_line(cfg))
     follower = Follower(cfg, run, t_launch, previous, resume, say, on_metrics)
     follower.write_summary("running")  # kept current: after a crash of this driver it still tells
-    result, error = follower.follow(trainer)
+    follower.tracking = open_tracking(trackers, run, cfg.to_dict(), say, follower.log.rows)
+    try:
+        result, error = follower.follow(trainer)
+    except KeyboardInterrupt:  # Ctrl-C: the tracking runs say so, then the CLI does
+        close_tracking(follower.tracking, follower.write_summary("running"), follower.log.rows,
+                       "killed", figure)
+        raise
 
     checkpoint = checkpoint_uri(run, result.checkpoint.path) if result is not None and result.checkpoint else None
     if checkpoint is None:
@@ -154,6 +167,7 @@ def _launch(cfg: TrainConfig, run: RunFolder, t_launch: float, previous: dict,
     stopped = follower.stopped(checkpoint) if error is None else None
     final = follower.write_summary("failed" if error or stopped else "completed", checkpoint,
                                    _describe(error) if error else stopped)
+    close_tracking(follower.tracking, final, follower.log.rows, final["status"], figure)
     final["run_dir"] = run.display_path()
     if stopped:
         raise RunFailed(stopped)
@@ -226,9 +240,11 @@ def run_folder(cfg: TrainConfig, resume: bool) -> RunFolder:
 
 class Follower:
     """Follows a run from the driver: rows from the workers (held by the controller's callback,
-    taken from the controller) go to metrics.jsonl, TensorBoard and the caller's progress
-    display, restarts and resizes to `groups`, and summary.json is rewritten at every
-    checkpoint, failure and resize."""
+    taken from the controller) go to metrics.jsonl, TensorBoard, the tracking runs (`tracking`)
+    and the caller's progress display, restarts and resizes to `groups`, and summary.json is
+    rewritten at every checkpoint, failure and resize."""
+
+    tracking = None  # the run's tracking runs (run/tracked.py), None without --track
 
     def __init__(self, cfg: TrainConfig, run: RunFolder, t_launch: float, previous: dict,
                  resume: bool, say: Callable[[str], None],
@@ -284,7 +300,7 @@ class Follower:
                 break
             try:
                 for row in rows:
-                    self._take(row, tb)
+                    self.take(row, tb)
             except UserError as e:  # the run's files cannot be kept (a full disk): it stops here
                 tb.close()
                 return None, e
@@ -301,7 +317,7 @@ class Follower:
         return (f"{self.nonfinite}; the last good checkpoint is "
                 f"{checkpoint or 'none (the run saved none before it)'}")
 
-    def _take(self, row: MetricsRow, tb) -> None:
+    def take(self, row: MetricsRow, tb) -> None:
         if row.get("event") == "nonfinite":  # the workers stop after this row (loop.py)
             for earlier in row.pop("earlier_rows", None) or []:  # the good rows before it
                 self._take(earlier, tb)
@@ -323,6 +339,8 @@ class Follower:
                 r["checkpoint"] = checkpoint_uri(self.run, r["checkpoint"])
             self.log.add(r)
             tb.add(r)
+            if self.tracking is not None:
+                self.tracking.log_row(r, row_values(r, self.groups.restarts, len(self.groups.resizes)))
         if row.get("checkpoint") or resized:
             self.write_summary("running")
         if self.on_metrics:

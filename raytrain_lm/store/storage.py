@@ -253,9 +253,10 @@ class RunFolder:
         disk has no room for the second copy, a file that exists is overwritten in place
         instead (its blocks are already there), so that a run that stops for want of space can
         still say so in its summary.json."""
-        tmp, target = f"{self.path}/.{rel}.tmp-{os.getpid()}", f"{self.path}/{rel}"
+        folder, _, name = f"{self.path}/{rel}".rpartition("/")  # rel may hold folders: eval/x.json
+        tmp, target = f"{folder}/.{name}.tmp-{os.getpid()}", f"{self.path}/{rel}"
         try:
-            self.fs.create_dir(self.path, recursive=True)
+            self.fs.create_dir(folder, recursive=True)
             with self.fs.open_output_stream(tmp) as f:
                 f.write(data)
             self.fs.move(tmp, target)
