@@ -17,7 +17,7 @@ import pytest
 from conftest import cli_here
 from raytrain_lm.cli.train import curves
 from raytrain_lm.config.load import build_config
-from raytrain_lm.run.driver import Follower
+from raytrain_lm.run.follower import Follower
 from raytrain_lm.run.tracked import close_tracking, open_tracking, trackers_of
 from raytrain_lm.store.storage import RunFolder
 from raytrain_lm.track import flat_params
