@@ -1,6 +1,6 @@
 """The planner's hardware, network, framework and compute model (issue 44), checked by hand on
 small numbers and through `plan`: the GPU kinds and the defaults a named GPU gives, the NICs a
-group spanning nodes uses, FSDP's gradient accumulation per framework, uneven interleaved
+group spanning nodes uses, FSDP's gradient accumulation and ZeRO-1 per framework, uneven interleaved
 pipelines, the compute time by part, and the fitted constants `plan` names. No Ray."""
 
 import json
@@ -112,6 +112,38 @@ def test_fsdp_accumulation_with_and_without_a_reduce_scatter_per_micro_step():
     big = Layout(8, 1, 1, "fsdp", "full", False, "-", 3, 21, 2048)
     cl = kind_cluster("a100-80gb", 8)
     assert not estimate_layout(m, big, cl).fits and estimate_layout(m, big, apply(cl, "composer-fsdp")).fits
+
+
+def test_zero1_is_fsdp2s_here_and_each_frameworks_own_in_its_rows():
+    """This project's ZeRO-1 is FSDP2's: parameters and gradients sharded at rest, a bf16 gather
+    and an fp32 reduce-scatter a step, overlapped with compute. DeepSpeed's (MT-NLG's and
+    BLOOM's profile) keeps the whole parameters and gradients, all-reduces the fp32 gradients and
+    gathers the updated bf16 parameters after the optimizer step, both exposed; Megatron-LM's
+    distributed optimizer reduce-scatters its (fp16) gradients instead of the all-reduce."""
+    lay = Layout(4, 1, 1, "zero1", "none", False, "-", 2, 1, 8)
+    only = rank_stages(TINY, 1, 1)[0]
+    held = 1768  # the rank's parameters: 2 blocks of 784, wte, wpe and ln_f
+    mine, deepspeed, megatron = (apply(Cluster(gpus=4), name)
+                                 for name in ("raytrain-lm", "megatron-deepspeed", "megatron-2022"))
+    m = rank_memory(TINY, lay, mine, only, 0)
+    assert (m.params, m.grads, m.optimizer) == (held, held, 2 * held) and m.gathered > 0
+    c = rank_comm(TINY, lay, mine, only)
+    assert (c.dp_gather, c.dp_reduce) == (3 / 4 * 2 * held, 3 / 4 * 4 * held)
+    d = rank_memory(TINY, lay, deepspeed, only, 0)
+    assert (d.params, d.grads, d.optimizer, d.gathered) == (4 * held, 4 * held, 2 * held, 0)
+    c = rank_comm(TINY, lay, deepspeed, only)
+    assert (c.dp_gather, c.dp_reduce) == (3 / 4 * 2 * held, 2 * 3 / 4 * 4 * held)
+    c = rank_comm(TINY, lay, megatron, only)
+    assert (c.dp_gather, c.dp_reduce) == (3 / 4 * 2 * held, 3 / 4 * 2 * held)
+    gpt2 = preset_config("gpt2").model
+    gpt2.vocab_size = 50304
+    big = Layout(16, 1, 1, "zero1", "none", False, "-", 8, 1, 1024)
+    cl = Cluster(gpus=16, gpus_per_node=8, efficiency=0.5)
+    here, there = estimate_layout(gpt2, big, cl), estimate_layout(gpt2, big, apply(cl, "megatron-deepspeed"))
+    bw = network.bandwidth(cl, big, "dp")
+    assert here.dp_exposed_s == pytest.approx(max(0.0, here.comm.dp / bw - here.compute_s))
+    assert there.dp_exposed_s == pytest.approx(there.comm.dp / bw)
+    assert there.dp_exposed_s > here.dp_exposed_s
 
 
 def test_uneven_pipeline_with_more_stages_per_gpu():

@@ -94,9 +94,12 @@ def rank_step(lay: Layout, cl: Cluster, comm: Comm, compute: float, idle: float,
       gradient all-reduce after the last microbatch (in comm.pp beyond the sends).
     - dp without a pipeline: gathers and gradient reductions overlap the compute (FSDP2
       prefetches its gathers, DDP and FSDP2 reduce buckets or blocks during backward), up to the
-      compute time; zero1's parameter broadcast follows the optimizer step: all of it. With a
-      pipeline the gathers overlap, the reductions (after the last microbatch) do not; nor do
-      they where the framework reduces after backward (Cluster.overlap_reduce False)."""
+      compute time (zero1 is FSDP2's: its one gather a step is prefetched). With a pipeline the
+      gathers overlap, the reductions (after the last microbatch) do not; nor do they where the
+      framework reduces after backward (Cluster.overlap_reduce False).
+    - a framework's ZeRO-1 on whole replicas (Cluster.zero1): the gradients are reduced after
+      backward and the updated parameters gathered after the optimizer step, nothing to overlap
+      either with: all of both."""
     t_tp = comm.tp / network.bandwidth(cl, lay, "tp")
     if cl.tp_overlap_backward:
         t_tp *= 1 - tp_backward_share(lay)
@@ -109,10 +112,10 @@ def rank_step(lay: Layout, cl: Cluster, comm: Comm, compute: float, idle: float,
         t_pp = chain + hidden + comm.pp_tied / bw_pp
     bw_dp = network.bandwidth(cl, lay, "dp")
     gather, reduce = comm.dp_gather / bw_dp, comm.dp_reduce / bw_dp
-    if not cl.overlap_reduce:
-        exposed = reduce + (gather if lay.broadcasts_params else max(0.0, gather - compute))
-    elif lay.broadcasts_params:
-        exposed = gather + max(0.0, reduce - compute)
+    if lay.sharded and not cl.shards_params(lay):
+        exposed = gather + reduce
+    elif not cl.overlap_reduce:
+        exposed = reduce + max(0.0, gather - compute)
     elif lay.pp > 1:
         exposed = max(0.0, gather - compute) + reduce
     else:
@@ -312,8 +315,8 @@ def check_request(m: ModelConfig, cl: Cluster, global_batch: int, seq_len: int,
     if strategy is not None and strategy not in STRATEGIES:
         raise UserError(f"--strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
     if strategy is not None and STRATEGIES[strategy].plain_only and ((tp or 1) > 1 or (pp or 1) > 1):
-        raise UserError(f"--strategy {strategy} works with --tp 1 --pp 1 (it shards DDP's "
-                        f"optimizer); use zero2 or fsdp with --tp/--pp")
+        raise UserError(f"--strategy {strategy} works with --tp 1 --pp 1; use zero2 or fsdp "
+                        f"with --tp/--pp")
     if virtual_stages is not None and virtual_stages < 2:
         raise UserError(f"--virtual-stages must be at least 2 (stages per GPU of "
                         f"interleaved-1f1b), got {virtual_stages}")

@@ -35,13 +35,19 @@ class Framework:
     pp_scatter_gather: bool = False
     # Backward tp all-reduces overlap the weight-gradient matmuls (Korthikanti et al. 2022, Section 6.2)
     tp_overlap_backward: bool = False
+    # ZeRO-1 (Cluster.zero1): "fsdp2", this project's, on FSDP2 (torchtitan, Composer and Llama 3's
+    # stack have none of their own: their runs here use FSDP); "all_reduce" / "reduce_scatter":
+    # whole parameters and gradients on every rank, the gradients reduced that way after backward,
+    # the updated parameters all-gathered in the compute dtype after the optimizer step
+    zero1: str = "fsdp2"
     not_modelled: Optional[str] = None  # why the planner does not model this framework's runs
 
 
 FRAMEWORKS = {
     "raytrain-lm": Framework(
-        "this project: DDP/FSDP2 with no_sync accumulation, torch's pipelining and checkpoint, eager "
-        "kernels, SDPA flash attention"),
+        "this project: DDP/FSDP2 with no_sync accumulation, ZeRO-1 on FSDP2 (a reduce-scatter and "
+        "one all-gather a step, overlapped), torch's pipelining and checkpoint, eager kernels, SDPA "
+        "flash attention"),
     "torchtitan": Framework("torchtitan without torch.compile: FSDP2, eager RMSNorm in fp32, SDPA flash "
                             "attention, torch.utils.checkpoint"),
     "torchtitan-compile": Framework("torchtitan with torch.compile: as torchtitan, the memory-bound "
@@ -49,19 +55,27 @@ FRAMEWORKS = {
     "megatron-2021": Framework(
         "Megatron-LM of 2021 (Narayanan et al.): fp16 gradients all-reduced in fp16 after backward, "
         "fused LayerNorm/GeLU/dropout kernels, unfused attention (scaled-masked-softmax over the "
-        "scores), full recomputation of whole blocks, blocking p2p with scatter/gather", overlap_reduce=False,
+        "scores), full recomputation of whole blocks, blocking p2p with scatter/gather; ZeRO-1 as "
+        "Megatron-LM's distributed optimizer (a reduce-scatter, then an all-gather of the updated "
+        "parameters; no row here uses it)", overlap_reduce=False,
         reduce_bytes=2, recompute_early_stop=False, overlap_pp=False, kernels="fused",
-        attention="unfused", pp_scatter_gather=True),
+        attention="unfused", pp_scatter_gather=True, zero1="reduce_scatter"),
     "megatron-2022": Framework(
         "Megatron-LM of 2022 (Korthikanti et al.): as of 2021, with sequence parallelism and "
         "selective recomputation of the attention core; 'we do not use any overlapping of gradient "
-        "all-reduces'; backward tp all-reduces overlap the weight gradients' matmuls",
+        "all-reduces'; backward tp all-reduces overlap the weight gradients' matmuls; ZeRO-1 as "
+        "its distributed optimizer (no row here uses it)",
         overlap_reduce=False, reduce_bytes=2, recompute_early_stop=False, overlap_pp=False,
-        kernels="fused", attention="unfused", pp_scatter_gather=True, tp_overlap_backward=True),
+        kernels="fused", attention="unfused", pp_scatter_gather=True, tp_overlap_backward=True,
+        zero1="reduce_scatter"),
     "megatron-deepspeed": Framework(
         "Megatron-DeepSpeed (MT-NLG, BLOOM): Megatron's kernels and unfused attention, DeepSpeed's "
-        "ZeRO-1 and pipeline engine (blocking sends), full recomputation of whole blocks",
-        recompute_early_stop=False, overlap_pp=False, kernels="fused", attention="unfused"),
+        "pipeline engine (blocking sends), full recomputation of whole blocks; DeepSpeed's ZeRO-1 "
+        "(bf16: BF16_Optimizer) keeps the whole parameters and gradients on every rank, all-reduces "
+        "the fp32 gradients after the last micro-batch (PipelineEngine._bf16_reduce_grads) and "
+        "all-gathers the updated bf16 parameters after the optimizer step (update_lp_params)",
+        recompute_early_stop=False, overlap_pp=False, kernels="fused", attention="unfused",
+        zero1="all_reduce"),
     "composer-fsdp": Framework(
         "MosaicML Composer with PyTorch FSDP (llm-foundry's MPT): FSDP1 reduce-scatters every "
         "micro-step (Composer applies no_sync to DDP only: composer/trainer/trainer.py), single-"
@@ -88,4 +102,4 @@ def apply(cl: Cluster, name: str) -> Cluster:
                                recompute_early_stop=f.recompute_early_stop, overlap_pp=f.overlap_pp,
                                kernels=f.kernels, attention=f.attention, accumulate=f.accumulate,
                                loss=f.loss, pp_scatter_gather=f.pp_scatter_gather,
-                               tp_overlap_backward=f.tp_overlap_backward)
+                               tp_overlap_backward=f.tp_overlap_backward, zero1=f.zero1)

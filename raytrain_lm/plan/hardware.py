@@ -69,6 +69,13 @@ class Cluster:
     loss: str = "fp32"  # the loss: "fp32" (logits upcast; torch's cross-entropy) or "fused" (bf16, in place)
     pp_scatter_gather: bool = False  # pipeline sends split over tp (Megatron-LM's scatter/gather)
     tp_overlap_backward: bool = False  # backward tp all-reduces hidden behind weight-gradient matmuls
+    # ZeRO-1 as the framework builds it: "fsdp2" is this project's (config/layout.py: FSDP2 shards
+    # the parameters and gradients at rest, reduce-scatters the gradients and gathers the
+    # parameters once a step, both overlapped); "all_reduce" or "reduce_scatter": every rank keeps
+    # the whole parameters and gradients, reduces the gradients so after backward and all-gathers
+    # the updated parameters after the optimizer step (DeepSpeed's ZeRO stage 1, Megatron-LM's
+    # distributed optimizer: frameworks.py)
+    zero1: str = "fsdp2"
 
     @property
     def matmul_ceiling(self) -> float:
@@ -94,6 +101,16 @@ class Cluster:
         if self.precision == "auto":
             return 2 if self.gpu else 4
         return 4 if self.precision == "fp32" else 2
+
+    def shards_params(self, lay) -> bool:
+        """Whether `lay`'s parameters and gradients lie sharded over dp at rest as this framework
+        builds its strategy: FSDP2's strategies shard them (Layout.sharded), but a ZeRO-1 built on
+        whole replicas (`zero1` not "fsdp2") shards only AdamW's states."""
+        return lay.sharded and not (lay.strategy == "zero1" and self.zero1 != "fsdp2")
+
+    def param_shards(self, lay) -> int:
+        """Ranks each parameter and gradient of `lay` is spread over at rest (shards_params)."""
+        return lay.param_shards if self.shards_params(lay) else 1
 
     @property
     def node(self) -> int:

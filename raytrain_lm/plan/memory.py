@@ -95,7 +95,7 @@ def gathered_bytes(p: dict[str, float], lay: Layout, cl: Cluster, stages: list[S
       the compute dtype and, with bf16/fp16 compute, its fp32 copy for the reduce-scatter (the
       sharded result is the gradient already counted), plus the head's unsharded gradient (it is
       computed first and reduced with the root group at the end);
-    - zero2 (reshard_after_forward=False), no pipeline: every parameter stays gathered from its
+    - zero1, zero2 (reshard_after_forward=False), no pipeline: every parameter stays gathered from its
       forward to its backward, so all the rank's parameters, plus the same gradients;
     - gradient accumulation (either): also every parameter's unsharded fp32 gradient, which
       FSDP2 keeps between micro-steps while gradient sync is off (ddp.no_sync); a framework that
@@ -103,8 +103,9 @@ def gathered_bytes(p: dict[str, float], lay: Layout, cl: Cluster, stages: list[S
       Composer) keeps only the shard, already counted;
     - pipelined (either): the stage's parameters stay gathered (reshard_after_forward=False,
       fsdp.py) and torch.distributed.pipelining accumulates their unsharded fp32 gradients until
-      the last microbatch."""
-    if not lay.sharded:
+      the last microbatch.
+    DDP, and a framework's ZeRO-1 on whole replicas (Cluster.zero1), gather nothing."""
+    if not cl.shards_params(lay):
         return 0.0
     a = cl.act_bytes
     held = held_params(p, stages)
@@ -125,9 +126,10 @@ def gathered_bytes(p: dict[str, float], lay: Layout, cl: Cluster, stages: list[S
 def rank_memory(m: ModelConfig, lay: Layout, cl: Cluster, stages: list[StageShape], rank: int) -> MemoryPlan:
     p = family(m).tp_counts(m, lay.tp)
     held = held_params(p, stages)
-    shard = lay.param_shards
-    # fp32 parameters and gradients (divided by dp under FSDP2: zero2 and fsdp shard both at
-    # rest), AdamW's two fp32 moments (divided by dp for all but ddp)
+    shard = cl.param_shards(lay)
+    # fp32 parameters and gradients (divided by dp under FSDP2: zero1, zero2 and fsdp shard both at
+    # rest; not by a framework's ZeRO-1 on whole replicas), AdamW's two fp32 moments (divided by
+    # dp for all but ddp)
     return MemoryPlan(params=4 * held / shard, grads=4 * held / shard,
                       optimizer=8 * held / lay.optimizer_shards,
                       gathered=gathered_bytes(p, lay, cl, stages),
