@@ -63,8 +63,8 @@ def hf_twin(model, attn="sdpa"):
     from raytrain_lm.models.llama import hf_llama
 
     cfg = model.cfg
-    hf = LlamaForCausalLM(LlamaConfig(**hf_llama.hf_config(cfg, cfg.vocab_size, None)))
-    hf.load_state_dict(hf_llama.to_hf(model.state_dict(), cfg, cfg.vocab_size), strict=True)
+    hf = LlamaForCausalLM(LlamaConfig(**hf_llama.ADAPTER.hf_config(cfg, cfg.vocab_size, None)))
+    hf.load_state_dict(hf_llama.ADAPTER.to_hf(model.state_dict(), cfg, cfg.vocab_size), strict=True)
     hf.config._attn_implementation = attn
     return hf.eval()
 

@@ -9,6 +9,7 @@ from typing import Optional
 from raytrain_lm.errors import UserError
 from raytrain_lm.models.family import Family, ModelConfig
 from raytrain_lm.models.gpt import GPTFamily
+from raytrain_lm.models.hf import HFAdapter
 from raytrain_lm.models.llama import LlamaFamily
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (GPTFamily(), LlamaFamily())}
@@ -34,21 +35,20 @@ def build_model(m: ModelConfig, seed: Optional[int] = None):
     return decoder_class(m)(m, seed=seed)
 
 
-def hf_adapter(m: ModelConfig):
-    """The family's Hugging Face adapter module (`to_hf`, `hf_config`); a UserError where it has
-    none."""
+def hf_adapter(m: ModelConfig) -> HFAdapter:
+    """The family's Hugging Face adapter (models/hf.py); a UserError where it has none."""
     f = family(m)
     if f.hf_adapter is None:
         raise UserError(f"model.arch {f.name} has no Hugging Face format: export it with --format native")
-    return importlib.import_module(f.hf_adapter)
+    return importlib.import_module(f.hf_adapter).ADAPTER
 
 
-def hf_importer(model_type: object, where: str):
-    """The adapter of the family that imports Hugging Face folders of `model_type` (`from_hf`,
-    `model_fields`); a UserError, in one line, for a folder no family here imports."""
+def hf_importer(model_type: object, where: str) -> HFAdapter:
+    """The adapter of the family that imports Hugging Face folders of `model_type`; a
+    UserError, in one line, for a folder no family here imports."""
     for f in FAMILIES.values():
         if model_type in f.hf_model_types:
-            return importlib.import_module(f.hf_adapter)
+            return importlib.import_module(f.hf_adapter).ADAPTER
     kinds = ", ".join(t for f in FAMILIES.values() for t in f.hf_model_types)
     raise UserError(f"{where} holds a {model_type!r} model; --init-from takes Hugging Face folders "
                     f"of model_type {kinds} or this project's checkpoints")

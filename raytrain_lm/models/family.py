@@ -93,8 +93,8 @@ class Family:
     # What choosing the family sets, right after the preset (`--arch llama` on a GPT preset: its
     # shape as a Llama); a file, flags and --set still override it.
     defaults: dict[str, Any] = {}
-    # Its Hugging Face format, where it has one: the adapter module (names, config.json) and the
-    # name `export` records; None: exported in this project's own format only.
+    # Its Hugging Face format, where it has one: the module whose ADAPTER (models/hf.HFAdapter)
+    # maps names, tensors and config.json; None: exported in this project's own format only.
     hf_adapter: Optional[str] = None
     hf_model_types: tuple[str, ...] = ()  # the model_type of the Hugging Face folders it imports
     export_format: str = ""
