@@ -134,6 +134,10 @@ def _fn_utils(local, storage, rows):
     return utils
 
 
+class Killed(RuntimeError):
+    """run_local's ranks were killed as asked (kill_after)."""
+
+
 class _NoTensorBoard:
     def add(self, row) -> None:
         pass
@@ -141,9 +145,12 @@ class _NoTensorBoard:
 
 def run_local(cfg, *, resume: bool = False, init_from: Optional[str] = None, force: bool = False,
               on_metrics: Optional[Callable[[dict], None]] = None,
-              say: Callable[[str], None] = lambda m: None, timeout: float = 300) -> dict:
+              say: Callable[[str], None] = lambda m: None, timeout: float = 300,
+              kill_after: Optional[int] = None) -> dict:
     """`driver.run_training(cfg, ...)` with the workers on this harness: cfg.workers gloo ranks.
-    Returns the summary (also in summary.json); a rank's failure raises with its traceback."""
+    Returns the summary (also in summary.json); a rank's failure raises with its traceback.
+    `kill_after`: SIGKILL every rank once the row of that step (or a later one) is in, as a lost
+    job, and raise `Killed` (the run's folder as the kill left it: resume it with resume=True)."""
     import ray.train
     from ray.train.v2._internal.execution.storage import StorageContext
 
@@ -206,6 +213,10 @@ def run_local(cfg, *, resume: bool = False, init_from: Optional[str] = None, for
                         while len(kept) > cfg.keep_checkpoints:  # Ray's num_to_keep
                             storage.storage_filesystem.delete_dir(kept.pop(0))
                     follower.take(row, _NoTensorBoard())
+                    if kill_after is not None and row["step"] >= kill_after:
+                        for p in ranks:
+                            p.kill()
+                        error = f"killed after step {row['step']}"
         finally:
             for p in ranks:
                 p.join(timeout=30 if error is None else 0.1)
@@ -219,7 +230,7 @@ def run_local(cfg, *, resume: bool = False, init_from: Optional[str] = None, for
         if stopped:
             raise RunFailed(stopped)
         if error is not None:
-            raise RuntimeError(error)
+            raise (Killed if kill_after is not None and error.startswith("killed") else RuntimeError)(error)
         final["run_dir"] = run.display_path()
         return final
 

@@ -190,8 +190,9 @@ def test_init_from_hf_next_step_loss_is_the_hf_models(hf_llama):
 
 
 def test_init_from_hf_checks_shape_and_tokenizer(hf_llama, tmp_path):
-    """Before any worker starts: the shape (with the settings that would match), the vocabulary,
-    the tokenizer (byte for byte the dataset's) and what llama.py cannot compute."""
+    """Before any worker starts: the model of a config made otherwise than from the folder (the
+    folder's values against the run's), the tokenizer (byte for byte the dataset's) and what
+    llama.py cannot compute."""
     from raytrain_lm.data.manifest import load_manifest
     from raytrain_lm.run.preflight import check_hf_init_from
 
@@ -199,7 +200,7 @@ def test_init_from_hf_checks_shape_and_tokenizer(hf_llama, tmp_path):
     manifest = load_manifest(run.data)
     cfg = with_model(run.cfg, vocab_size=1000)
     assert check_hf_init_from(folder, cfg.model, manifest) == str(folder.resolve())
-    with pytest.raises(UserError, match=r"vocab_size: 1000 vs 1024\).*--set model.vocab_size=1000"):
+    with pytest.raises(UserError, match=r"another model \(vocab_size: 1000 vs 1024: the folder's vs"):
         check_hf_init_from(folder, run.cfg.model, manifest)  # the padded vocabulary
     wide = with_model(run.cfg, vocab_size=1000, n_kv_head=4)
     with pytest.raises(UserError, match="n_kv_head: 2 vs 4"):
@@ -213,19 +214,22 @@ def test_init_from_hf_checks_shape_and_tokenizer(hf_llama, tmp_path):
         check_hf_init_from(other, cfg.model, manifest)
     config = json.loads((folder / "config.json").read_text())
     (other / "config.json").write_text(json.dumps({**config, "rope_parameters": {
-        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0}}))
-    with pytest.raises(UserError, match="rope_type 'llama3'"):
+        "rope_type": "yarn", "rope_theta": 500000.0, "factor": 8.0}}))
+    with pytest.raises(UserError, match="rope_type 'yarn' \\(the rotary embeddings computed here"):
         check_hf_init_from(other, cfg.model, manifest)
-    (other / "config.json").write_text(json.dumps({**config, "model_type": "mistral"}))
-    with pytest.raises(UserError, match="holds a 'mistral' model"):
+    (other / "config.json").write_text(json.dumps({**config, "model_type": "gemma"}))
+    with pytest.raises(UserError, match="holds a 'gemma' model"):
         check_hf_init_from(other, cfg.model, manifest)
 
 
-def test_train_refuses_an_hf_folder_of_another_shape_in_one_line(hf_llama, tmp_path):
+def test_train_refuses_a_preset_that_contradicts_the_folder_in_one_line(hf_llama, tmp_path):
+    """--init-from takes the model from the folder's config.json: a --preset whose model is
+    another is refused in one line naming both values, before anything is written."""
     folder, _, run = hf_llama
     r = cli_here("train", "--data", str(run.data), "--storage", str(tmp_path / "runs"), "--preset",
-                "llama-tiny", "--init-from", str(folder))
-    assert_clean_error(r, "is another model shape")
+                 "llama-tiny", "--init-from", str(folder))
+    assert_clean_error(r, f"--preset llama-tiny (model.block_size=256) contradicts --init-from "
+                          f"{folder}, whose config.json makes model.block_size=128")
     assert not (tmp_path / "runs").exists()
 
 

@@ -11,8 +11,12 @@ from raytrain_lm.models.family import Family, ModelConfig
 from raytrain_lm.models.gpt import GPTFamily
 from raytrain_lm.models.hf import HFAdapter
 from raytrain_lm.models.llama import LlamaFamily
+from raytrain_lm.models.mistral import MistralFamily
+from raytrain_lm.models.qwen2 import Qwen2Family
+from raytrain_lm.models.qwen3 import Qwen3Family
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (GPTFamily(), LlamaFamily())}
+FAMILIES: dict[str, Family] = {f.name: f for f in (GPTFamily(), LlamaFamily(), Qwen2Family(),
+                                                   Qwen3Family(), MistralFamily())}
 
 
 def family(m: ModelConfig | str) -> Family:
@@ -54,6 +58,11 @@ def hf_importer(model_type: object, where: str) -> HFAdapter:
                     f"of model_type {kinds} or this project's checkpoints")
 
 
+def describe(m: ModelConfig) -> str:
+    """"a qwen2 of 7,615,616,512 parameters": the family and the count (Family.counts)."""
+    return f"a {m.arch} of {family(m).counts(m).total:,} parameters"
+
+
 def flops_per_token(m: ModelConfig, seq_len: int) -> float:
     """Training FLOPs per token, PaLM appendix B: 6N + 12·L·H·Q·T.
 
@@ -61,6 +70,7 @@ def flops_per_token(m: ModelConfig, seq_len: int) -> float:
     the position embeddings, the tied token embedding counting once, as the output projection;
     the Llama's all but the token embedding, a lookup). L layers, H (query) heads, Q head size,
     T sequence length: the 12·L·H·Q·T term is attention's QK^T and AV products (forward +
-    backward)."""
-    L, H, Q, T = m.n_layer, m.n_head, m.n_embd // m.n_head, seq_len
+    backward), counted over the whole context as PaLM does (a sliding window shorter than T
+    computes fewer: not subtracted)."""
+    L, H, Q, T = m.n_layer, m.n_head, m.head_dim, seq_len
     return 6.0 * family(m).matmul_params(m) + 12.0 * L * H * Q * T

@@ -58,6 +58,22 @@ class ReplicateParallel(ParallelStyle):
                                  _outputs_to_local)
 
 
+class HeadParallel(ParallelStyle):
+    """A norm applied to each head of a column-parallel output (Qwen3's q/k norms, on
+    (B, T, heads, head size)): its weight a Replicate DTensor, its input this rank's heads as
+    Shard(2) of all heads, so the weight's gradient is summed over the ranks' heads; the output
+    handed back as this rank's plain tensor."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(module, device_mesh, _replicate_params, _inputs_as_head_shards,
+                                 _outputs_to_local)
+
+
+def _inputs_as_head_shards(module, inputs, mesh):
+    return tuple(DTensor.from_local(t, mesh, [Shard(2)], run_check=False)
+                 if not isinstance(t, DTensor) and hasattr(t, "shape") else t for t in inputs)
+
+
 def _replicate_params(name, module, mesh):
     for pname, p in list(module.named_parameters(recurse=False)):
         # from_local, not distribute_tensor: works on meta and needs no broadcast (every rank
@@ -114,7 +130,7 @@ def apply_tp(module: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool 
         assert module.lm_head.weight.placements == module.wte.weight.placements
         module.lm_head.weight = module.wte.weight
 
-    projections = family(module.cfg).tp_plan
+    projections = family(module.cfg).tp_plan(module.cfg)
     for block in _blocks(module):
         plan = {
             "ln_1": SequenceParallel() if sp else ReplicateParallel(),
@@ -122,6 +138,7 @@ def apply_tp(module: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool 
             **{name: ColwiseParallel() for name in projections.colwise},
             **{name: RowwiseParallel(output_layouts=seq) if sp else RowwiseParallel()
                for name in projections.rowwise},
+            **{name: HeadParallel() for name in projections.head_norms},
         }
         if sp:  # all-gather the sequence before attention and the MLP
             plan["attn"] = PrepareModuleInput(input_layouts=(seq, None),

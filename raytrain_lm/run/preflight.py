@@ -16,11 +16,10 @@ from raytrain_lm.config.layout import Layout
 from raytrain_lm.config.settings import DEFAULT_DATA, TrainConfig
 from raytrain_lm.config.sizes import is_elastic, worker_counts, workers_text
 from raytrain_lm.errors import UserError
-from raytrain_lm.models import hf_importer
 from raytrain_lm.models.family import ModelConfig
 from raytrain_lm.plan.gpus import label_memory_gb
 from raytrain_lm.store.files import TOKENIZER
-from raytrain_lm.store.hf_folder import is_hf_folder, read_config
+from raytrain_lm.store.hf_folder import folder_model, is_hf_folder
 
 
 def ensure_dataset(cfg: TrainConfig, say: Callable[[str], None]) -> dict:
@@ -157,23 +156,23 @@ def check_init_from(path: str, cfg: TrainConfig, manifest: dict) -> str:
 
 
 def check_hf_init_from(folder: str | Path, m: ModelConfig, manifest: dict) -> str:
-    """A Hugging Face folder fits this run: a family imports its model_type, its shape is the
-    model's (each field its config.json fixes, as the model computes it: kv heads as given or
-    n_head, the ffn size by its rule) and its tokenizer.json is, byte for byte, the dataset's.
-    Returns the folder, resolved."""
+    """A Hugging Face folder fits this run: a family imports its model_type, its model is this
+    run's (each field its config.json fixes, as the model computes it: kv heads as given or
+    n_head, the head size as given or width / heads, the ffn size by its rule; `train` builds
+    the model from the folder, so only a config made otherwise differs) and its tokenizer.json
+    is, byte for byte, the dataset's. Returns the folder, resolved."""
     from raytrain_lm.data.manifest import tokenizer_sha256
 
     folder = Path(folder)
-    where = f"--init-from {folder}"
-    config = read_config(folder)
-    fields = hf_importer(config.get("model_type"), where).model_fields(config, where)
-    ours = {k: {"n_kv_head": m.kv_heads, "ffn_dim": m.hidden_dim}.get(k, getattr(m, k, None))
-            for k in fields}
+    where, fields = folder_model(folder) or (f"--init-from {folder}", {})
+    effective = {"n_kv_head": m.kv_heads, "ffn_dim": m.hidden_dim,
+                 "head_size": None if m.head_dim * m.n_head == m.n_embd else m.head_dim}
+    ours = {k: effective.get(k, getattr(m, k, None)) for k in fields}
     diff = [k for k in fields if fields[k] != ours[k]]
     if diff:
         theirs = ", ".join(f"{k}: {fields[k]} vs {ours[k]}" for k in diff)
-        sets = " ".join(f"--set model.{k}={fields[k]}" for k in diff)
-        raise UserError(f"{where} is another model shape ({theirs}); train with {sets}")
+        raise UserError(f"{where} is another model ({theirs}: the folder's vs this run's); its "
+                        f"config.json is the model: leave out --preset and --set model.*")
     path = folder / TOKENIZER
     if not path.is_file() or hashlib.sha256(path.read_bytes()).hexdigest() != tokenizer_sha256(manifest):
         raise UserError(f"{where}: its tokenizer.json is not the dataset's tokenizer, so its token ids "

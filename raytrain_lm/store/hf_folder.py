@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from raytrain_lm.errors import UserError
+from raytrain_lm.models import hf_importer
 from raytrain_lm.store.files import META
 
 HF_CONFIG, HF_WEIGHTS, HF_INDEX = "config.json", "model.safetensors", "model.safetensors.index.json"
@@ -30,6 +31,17 @@ def read_config(folder: str | Path) -> dict[str, Any]:
     if not isinstance(config, dict):
         raise UserError(f"{folder}/{HF_CONFIG} is not a JSON object")
     return config
+
+
+def folder_model(path: str | Path) -> Optional[tuple[str, dict[str, Any]]]:
+    """For --init-from: (how to name the folder, the ModelConfig fields its config.json fixes),
+    or None where `path` is not a Hugging Face folder. A family must import its model_type
+    (else one line: the model types that are)."""
+    if not is_hf_folder(path):
+        return None
+    where = f"--init-from {path}"
+    config = read_config(path)
+    return where, hf_importer(config.get("model_type"), where).model_fields(config, where)
 
 
 def read_tensors(folder: str | Path) -> dict:
