@@ -188,6 +188,32 @@ PUBLISHED = {
 }
 
 
+@pytest.mark.parametrize("mode", ["full", "selective", "op"])
+def test_activation_checkpointing_keeps_every_gradient_of_the_families_settings(mode):
+    """Recomputed in backward, the q/k norms, the biases, the window's mask and the tied head
+    give the gradients of no recomputation, exactly."""
+    from raytrain_lm.parallel.ac import apply_activation_checkpointing
+
+    m = ModelConfig(arch="qwen3", bias=False, vocab_size=320, block_size=64, n_layer=2, n_head=4,
+                    n_kv_head=2, n_embd=64, head_size=32, multiple_of=32, qkv_bias=True, qk_norm=True,
+                    tie_embeddings=True, sliding_window=16, rope_type="llama3", rope_factor=8.0,
+                    rope_original_context=16)
+    idx = torch.randint(0, 320, (2, SEQ), generator=torch.Generator().manual_seed(6))
+    grads = []
+    for ac in ("none", mode):
+        model = build_model(m, seed=4)
+        with torch.no_grad():
+            g = torch.Generator().manual_seed(1)
+            for name, p in model.named_parameters():
+                if name.endswith(".bias"):
+                    p.normal_(0.0, 0.1, generator=g)
+        apply_activation_checkpointing(model, ac)
+        model(idx, idx)[1].backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    for name in grads[0]:
+        assert torch.equal(grads[0][name], grads[1][name]), name
+
+
 @pytest.mark.parametrize("preset", PUBLISHED)
 def test_presets_are_the_published_checkpoints(preset):
     """Each preset is its checkpoint's config.json (the model --init-from reads from it), and

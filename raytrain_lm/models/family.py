@@ -103,7 +103,8 @@ class TPPlan:
     `colwise` linears by output features (whole heads, a slice of the MLP's hidden units; their
     biases with their rows), `rowwise` by input features (their outputs all-reduced, or
     reduce-scattered over the sequence), `head_norms`: norms applied to each head of a colwise
-    output (weights whole on every rank, gradients summed over the ranks' heads)."""
+    output, where a model has them (weights whole on every rank, gradients summed over the
+    ranks' heads)."""
     colwise: tuple[str, ...]
     rowwise: tuple[str, ...]
     head_norms: tuple[str, ...] = ()
@@ -116,6 +117,7 @@ class Family:
 
     name: str  # model.arch
     decoder: str  # "module:Class" of its torch module (imported only where a model is built)
+    tp_plan: TPPlan
     # What choosing the family sets, right after the preset (`--arch llama` on a GPT preset: its
     # shape as a Llama); a file, flags and --set still override it.
     defaults: dict[str, Any] = {}
@@ -128,10 +130,6 @@ class Family:
 
     def check(self, m: ModelConfig) -> None:
         """The family's own rules for its settings: one UserError line each."""
-
-    def tp_plan(self, m: ModelConfig) -> TPPlan:
-        """How tensor parallelism splits a block of this model."""
-        raise NotImplementedError
 
     def tied(self, m: ModelConfig) -> bool:
         """Whether the output head is the token embedding (one parameter: a pipeline's first and

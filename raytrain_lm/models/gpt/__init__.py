@@ -19,15 +19,13 @@ AC_SPLIT = {"none": (5, 12), "selective": (3, 8), "op": (1, 8)}
 class GPTFamily(Family):
     name = "gpt"
     decoder = "raytrain_lm.models.gpt.gpt:GPT"
+    tp_plan = TPPlan(colwise=("attn.c_attn", "mlp.c_fc"), rowwise=("attn.c_proj", "mlp.c_proj"))
     defaults = {"arch": "gpt"}
     hf_adapter = "raytrain_lm.models.gpt.hf_gpt"
     # c_attn's rows are head-interleaved (gpt.py), which gpt.GPT reads as is;
     # hf_gpt.qkv_interleaved_to_gpt2 gives GPT-2's [q; k; v].
     export_format = "raytrain-lm/gpt-2"
     export_notes = {"qkv_layout": "head-interleaved"}
-
-    def tp_plan(self, m: ModelConfig) -> TPPlan:
-        return TPPlan(colwise=("attn.c_attn", "mlp.c_fc"), rowwise=("attn.c_proj", "mlp.c_proj"))
 
     def tied(self, m: ModelConfig) -> bool:
         return True

@@ -20,14 +20,12 @@ class LlamaFamily(Family):
     hf_adapter = "raytrain_lm.models.llama.hf_llama"
     hf_model_types = ("llama",)
     export_format = "raytrain-lm/llama"  # llama.py's names, as they are
-
-    def tp_plan(self, m: ModelConfig) -> TPPlan:
-        """Rank r: query heads r*H/tp.., key/value heads r*KV/tp.. (check_layout: KV divisible by
-        tp), with their q/k/v biases and the q/k norms' whole weights."""
-        return TPPlan(colwise=("attn.q_proj", "attn.k_proj", "attn.v_proj", "mlp.gate_proj",
-                               "mlp.up_proj"),
-                      rowwise=("attn.o_proj", "mlp.down_proj"),
-                      head_norms=("attn.q_norm", "attn.k_norm") if m.qk_norm else ())
+    # rank r: query heads r*H/tp.., key/value heads r*KV/tp.. (check_layout: KV divisible by tp),
+    # with their q/k/v biases; the q/k norms (qk_norm) whole
+    tp_plan = TPPlan(colwise=("attn.q_proj", "attn.k_proj", "attn.v_proj", "mlp.gate_proj",
+                              "mlp.up_proj"),
+                     rowwise=("attn.o_proj", "mlp.down_proj"),
+                     head_norms=("attn.q_norm", "attn.k_norm"))
 
     def tied(self, m: ModelConfig) -> bool:
         return m.tie_embeddings
