@@ -300,7 +300,7 @@ def test_train_names_the_family_and_count_and_plan_plans_the_folder(hub, pydoc_d
     assert_clean_error(r, "no Ray cluster answers")  # cli_here stops the run at the cluster
     r = cli_here("plan", "--init-from", str(folder), "--gpus", "2", "--seq-len", "48")
     assert r.returncode == 0, r.stderr
-    assert f"tiny: {n:,} parameters" in r.stdout
+    assert f"the qwen2 of {folder}: {n:,} parameters" in r.stdout
 
 
 @pytest.mark.parametrize("change,expected", [

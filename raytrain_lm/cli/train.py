@@ -268,4 +268,5 @@ def plan(
                        folder=folder)
     typer.echo(plan_command(cfg, cluster, tp=tp, pp=pp, strategy=strategy, top=top,
                             show_all=show_all, as_json=as_json, global_batch=global_batch,
-                            virtual_stages=virtual_stages, explain=explain))
+                            virtual_stages=virtual_stages, explain=explain,
+                            name=f"the {cfg.model.arch} of {init_from}" if folder else None))
