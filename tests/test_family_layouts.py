@@ -105,7 +105,8 @@ def test_a_killed_pipelined_run_resumes_to_the_same_losses(runs, pydoc_data, sto
     """pp2-1f1b (the tied embedding's two copies) killed after step 4, every rank at once:
     resumed from step 3's checkpoint, steps 4 to 6 are the uninterrupted run's, bit for bit."""
     workers, flags = LAYOUTS["pp2-1f1b"]
-    cfg = layout_config(pydoc_data, storage, "pp2-killed", workers, flags, checkpoint_every=3)
+    cfg = layout_config(pydoc_data, storage, "pp2-killed", workers, flags, checkpoint_every=3,
+                        log_seconds=1e-3)  # a report every step: the kill is after step 4's
     with pytest.raises(Killed):
         run_local(cfg, say=lambda m: None, kill_after=4)
     summary = run_local(build_config(base=cfg.to_dict()), resume=True, say=lambda m: None)
