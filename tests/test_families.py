@@ -303,6 +303,16 @@ def test_train_names_the_family_and_count_and_plan_plans_the_folder(hub, pydoc_d
     assert f"the qwen2 of {folder}: {n:,} parameters" in r.stdout
 
 
+def test_export_help_names_the_classes_it_writes():
+    """`export --help` says --format hf writes the model's own class, not a GPT-2 folder."""
+    r = cli_here("export", "--help")
+    text = " ".join(r.stdout.split())
+    assert r.returncode == 0 and "GPT-2 folder" not in text
+    for cls in ("GPT2LMHeadModel", "LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                "MistralForCausalLM"):
+        assert cls in text.replace("│", "").replace(" ", ""), cls
+
+
 @pytest.mark.parametrize("change,expected", [
     ({"model_type": "gemma"}, "holds a 'gemma' model; --init-from takes Hugging Face folders of "
                               "model_type llama, qwen2, qwen3, mistral"),
