@@ -131,9 +131,12 @@ class LlamaAdapter(HFAdapter):
             "hidden_act": "silu",
             "max_position_embeddings": m.block_size,
             "rms_norm_eps": m.norm_eps,
-            # both spellings: rope_parameters (transformers 5), rope_theta (older readers)
+            # both spellings: rope_parameters (transformers 5); rope_theta and rope_scaling
+            # (transformers 4 and the readers built on it, vLLM's among them)
             "rope_theta": m.rope_theta,
             "rope_parameters": rope,
+            "rope_scaling": {k: v for k, v in rope.items() if k != "rope_theta"}
+            if m.rope_type != "default" else None,
             "attention_dropout": 0.0,
             "tie_word_embeddings": m.tie_embeddings,
             "bos_token_id": eot, "eos_token_id": eot,
