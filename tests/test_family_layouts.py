@@ -119,7 +119,7 @@ def test_a_killed_pipelined_run_resumes_to_the_same_losses(runs, pydoc_data, sto
 # nearly the gradient's sign): every gradient is compared here, on two gloo ranks.
 
 
-def _tp_grads(rank, port, out, sp):
+def _tp_grads(rank, port, out):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import loss_parallel
@@ -129,35 +129,40 @@ def _tp_grads(rank, port, out, sp):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)
-    m = build_config(sets=[*MODEL, "model.vocab_size=320"], flags={"seq_len": 48}).model
-    x = torch.randint(0, 320, (2, 48), generator=torch.Generator().manual_seed(1))
-    model = build_model(m, seed=3)
-    apply_tp(model, init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))["tp"], sequence_parallel=sp)
-    with loss_parallel():
-        model(x, x)[1].backward()
-    grads = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad)
-             for n, p in model.named_parameters()}
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))["tp"]
+    m, x = _tp_case()
+    grads = {}
+    for sp in (False, True):
+        model = build_model(m, seed=3)
+        apply_tp(model, mesh, sequence_parallel=sp)
+        with loss_parallel():
+            model(x, x)[1].backward()
+        grads[sp] = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad)
+                     for n, p in model.named_parameters()}
     if rank == 0:
         torch.save(grads, out)
     dist.destroy_process_group()
 
 
+def _tp_case():
+    m = build_config(sets=[*MODEL, "model.vocab_size=320"], flags={"seq_len": 48}).model
+    return m, torch.randint(0, 320, (2, 48), generator=torch.Generator().manual_seed(1))
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("sp", [False, True])
-def test_tensor_parallelism_gives_every_gradient_of_one_process(sp, tmp_path):
-    """tp 2, with and without sequence parallelism: every parameter's gradient (the q/k/v biases
+def test_tensor_parallelism_gives_every_gradient_of_one_process(tmp_path):
+    """tp 2, without and with sequence parallelism: every parameter's gradient (the q/k/v biases
     split with their rows, the q/k norms' summed over the ranks' heads, the tied embedding's
     from both its uses) is one process's, to float rounding."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.start_processes(_tp_grads, args=(port, tmp_path / "grads.pt", sp), nprocs=2, start_method="fork")
-    m = build_config(sets=[*MODEL, "model.vocab_size=320"], flags={"seq_len": 48}).model
-    x = torch.randint(0, 320, (2, 48), generator=torch.Generator().manual_seed(1))
+    mp.start_processes(_tp_grads, args=(port, tmp_path / "grads.pt"), nprocs=2, start_method="fork")
+    m, x = _tp_case()
     model = build_model(m, seed=3)
     model(x, x)[1].backward()
-    grads = torch.load(tmp_path / "grads.pt")
-    assert grads.keys() == dict(model.named_parameters()).keys()
-    assert {"h.0.attn.q_norm.weight", "h.0.attn.q_proj.bias"} <= grads.keys()
-    for name, p in model.named_parameters():
-        assert torch.allclose(grads[name], p.grad, rtol=1e-4, atol=1e-7), name
+    for sp, grads in torch.load(tmp_path / "grads.pt").items():
+        assert grads.keys() == dict(model.named_parameters()).keys()
+        assert {"h.0.attn.q_norm.weight", "h.0.attn.q_proj.bias"} <= grads.keys()
+        for name, p in model.named_parameters():
+            assert torch.allclose(grads[name], p.grad, rtol=1e-4, atol=1e-7), (sp, name)
