@@ -114,6 +114,32 @@ def test_a_killed_pipelined_run_resumes_to_the_same_losses(runs, pydoc_data, sto
     assert step_losses(storage / "pp2-killed") == runs("pp2-1f1b")[0]
 
 
+@pytest.mark.slow
+def test_a_tied_qwen2_folder_starts_a_pipelined_run_from_its_weights(pydoc_data, storage, tmp_path):
+    """`train --init-from` a Hub-shaped Qwen2.5 folder (tied, q/k/v biases, bf16 shards): the
+    model is the folder's config.json, and at --pp 2 (the embedding on the first stage, its copy
+    under the head on the last) the first step's loss is transformers' on that step's batch."""
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM
+
+    from conftest import batches_as_read
+    from raytrain_lm.store.hf_folder import folder_model
+    from test_families import HUB, save_hub_folder
+
+    save_hub_folder(tmp_path / "qwen", HUB["qwen2"], seed=1)
+    flags = dict(workers=2, pp=2, pp_schedule="1f1b", microbatches=4, max_steps=1, batch_size=8,
+                 seq_len=48, checkpoint_every=-1, eval_every=1, eval_windows=4, log_every=1,
+                 data=str(pydoc_data), storage=str(storage), name="qwen-pp2", seed=5)
+    cfg = build_config(flags=flags, folder=folder_model(tmp_path / "qwen"))
+    assert (cfg.model.arch, cfg.model.tie_embeddings, cfg.model.qkv_bias) == ("qwen2", True, True)
+    run_local(cfg, init_from=str(tmp_path / "qwen"), say=lambda m: None)
+    x, y = batches_as_read(cfg).next()
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "qwen", dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = F.cross_entropy(theirs(x).logits.flatten(0, 1), y.reshape(-1)).item()
+    assert step_losses(storage / "qwen-pp2")[1] == pytest.approx(expected, rel=1e-5, abs=1e-5)
+
+
 # ---------------------------------------------------------------- gradients under tensor parallelism
 # The losses above hardly move when one small parameter's gradient is wrong (AdamW's steps are
 # nearly the gradient's sign): every gradient is compared here, on two gloo ranks.
