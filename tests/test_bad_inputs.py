@@ -293,7 +293,7 @@ def _web_port(tmp: Path):
         server.close()
 
 
-def _hf_folder(tmp: Path, name: str, **config) -> None:
+def _hf_config_only(tmp: Path, name: str, **config) -> None:
     """A Hugging Face folder's config.json (a small Qwen2's, with `config`) beside a weights
     file: what is refused is read from config.json before any weight."""
     (tmp / name).mkdir()
@@ -345,9 +345,10 @@ SETUPS = {
     "checkpoint-truncated-shard": _writer(lambda tmp, data: _truncated(tmp)),
     "checkpoint-extra-file": _writer(lambda tmp, data: _extra_file(tmp)),
     "sweep-of-another-user": _writer(lambda tmp, data: _sweep_of_another_user(tmp)),
-    "hf-gemma": _writer(lambda tmp, data: _hf_folder(tmp, "gemma", model_type="gemma")),
-    "hf-yarn": _writer(lambda tmp, data: _hf_folder(tmp, "yarn", rope_scaling={"rope_type": "yarn", "factor": 4.0})),
-    "hf-qwen": _writer(lambda tmp, data: _hf_folder(tmp, "qwen")),
+    "hf-gemma": _writer(lambda tmp, data: _hf_config_only(tmp, "gemma", model_type="gemma")),
+    "hf-yarn": _writer(lambda tmp, data: _hf_config_only(
+        tmp, "yarn", rope_scaling={"rope_type": "yarn", "factor": 4.0})),
+    "hf-qwen": _writer(lambda tmp, data: _hf_config_only(tmp, "qwen")),
     "claimed": lambda tmp, data: _claimed(tmp),
     "web-port": lambda tmp, data: _web_port(tmp),
 }
