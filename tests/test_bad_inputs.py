@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import crafted  # noqa: E402
 from conftest import ROOT, cli_here, run_cli  # noqa: E402
 from test_cli_errors import BAD_NAMES, BAD_PATHS, assert_clean_error  # noqa: E402
 
@@ -39,6 +40,7 @@ class Bad:
     setup: str = ""  # what the folder holds first (SETUPS)
     env: dict = field(default_factory=dict)
     process: bool = False  # in a process of its own (else see SUBPROCESS)
+    timeout: float = 120  # seconds (a process of its own): what hung before fails, not waits
 
 
 CASES = [
@@ -113,7 +115,7 @@ CASES = [
     Bad("prepare --input ints.parquet --no-ray", "ints.parquet: column 'text' holds int64, not text",
         setup="ints-parquet"),
     Bad("generate ck -n 3", "ck/meta.json is corrupted", setup="checkpoint-world-0"),
-    Bad("export ck --out x", "ck/dcp is corrupted: EOFError (a file cut short?)",
+    Bad("export ck --out x", "ck/dcp/.metadata is corrupted: a byte range outside __0_0.distcp",
         setup="checkpoint-truncated-shard"),
     Bad("generate ck -n 3", "ck/dcp/extra.bin is corrupted (no commit record vouches for it)",
         setup="checkpoint-extra-file"),
@@ -131,6 +133,58 @@ CASES = [
                                                           "but it is not a Ray cluster", setup="web-port"),
     Bad("prepare --address 127.0.0.1:{port}", "something listens at 127.0.0.1:{port} but it is "
                                               "not a Ray cluster", setup="web-port"),
+    # third round (issue 38): what hung, read outside a folder or ended "unexpected" ---------
+    Bad("train --data {data} --config bomb.yaml", "config file bomb.yaml, line 2: aliases (*a) are "
+        "not allowed in a config file", setup="alias-bomb", process=True, timeout=30),
+    Bad("generate ck -n 3", "rank0.json names '../../../../../../../../proc/self/pagemap', which is "
+        "not a file inside", setup="checkpoint-record-pagemap", process=True, timeout=30),
+    Bad("generate ck -n 3", "rank0.json names '../secret.txt', which is not a file inside",
+        setup="checkpoint-record-outside"),
+    Bad("export ck --out x", "rank0.json names sub/a.txt, which leads out of", setup="checkpoint-record-symlink"),
+    Bad("export ck --out x", "dcp/.metadata is corrupted: it names '../../shard.distcp', not a file of",
+        setup="checkpoint-dcp-outside"),
+    Bad("plan --gpus 1000000000", "--gpus must be at most 1,048,576, got 1,000,000,000", process=True,
+        timeout=30),
+    Bad("plan --set model.n_layer=1e30", "model.n_layer must be at most 1,048,576"),
+    Bad("train --data {data} --set model.n_embd=1e30", "model.n_embd must be at most 16,777,216"),
+    Bad("generate ck -n 3", "ck/meta.json is corrupted: step 'x'", setup="checkpoint-meta-step"),
+    Bad("export ck --out x", "ck/meta.json is corrupted: version '3'", setup="checkpoint-meta-version"),
+    Bad("generate ck -n 3", "ck/meta.json is corrupted: version 99: written by a newer raytrain-lm",
+        setup="checkpoint-meta-newer"),
+    Bad("export ck --out x", "ck/meta.json is corrupted: format 'zip'", setup="checkpoint-meta-format"),
+    Bad("generate ck -n 3", "ck/meta.json is corrupted: val_loss [1]", setup="checkpoint-meta-val-loss"),
+    Bad("export ck --out x", "ck/meta.json is corrupted: config: not a mapping: []",
+        setup="checkpoint-meta-config"),
+    Bad("train --data {data} --init-from ck", "ck/meta.json is corrupted: config: model.n_layer must "
+        "be int, got 'x'", setup="checkpoint-meta-model"),
+    Bad("generate ck -n 3", "ck/meta.json is corrupted: tokenizer ['bpe']",
+        setup="checkpoint-meta-tokenizer"),
+    Bad("train --data {data} --config llama.yaml --init-from hf", "hf: config.json's "
+        "num_attention_heads must be a whole number >= 1, got 0", setup="hf-heads-0"),
+    Bad("train --data {data} --config llama.yaml --init-from hf", "hf: config.json has no "
+        "num_attention_heads", setup="hf-heads-missing"),
+    Bad("train --data {data} --config llama.yaml --init-from hf", "hf: config.json's "
+        "num_attention_heads must be a whole number >= 1, got '4'", setup="hf-heads-text"),
+    Bad("train --data {data} --config llama.yaml --init-from hf", "hf: config.json's rope_scaling "
+        "must be a JSON object, got 'linear'", setup="hf-rope-scaling-text"),
+    Bad("train --data {data} --config llama.yaml --init-from hf", "hf: config.json's rope_theta must "
+        "be a positive number, got '1e4'", setup="hf-rope-theta-text"),
+    Bad("train --data {data} --config llama.yaml --init-from hf", "hf/config.json cannot be read: not "
+        "UTF-8 text", setup="hf-config-not-utf8"),
+    Bad("train --data {data} --config llama.yaml --init-from hf", "hf/config.json cannot be read: "
+        "nested too deeply", setup="hf-config-deep"),
+    Bad("train --data {data} --config llama.yaml --init-from hf", "model.safetensors.index.json names "
+        "'../weights.safetensors', which is not a file inside", setup="hf-index-outside"),
+    Bad("train --data {data} --config llama.yaml --init-from hf", "names model.safetensors, which "
+        "leads out of", setup="hf-symlinked-weights"),
+    Bad("train --data {data} --config llama.yaml --init-from hf", "model.norm.weight in "
+        "model.safetensors has shape [16], its config.json says [32]", setup="hf-weight-shape"),
+    Bad("train --data {data} --config llama.yaml --init-from hf", "it holds "
+        "model.layers.0.self_attn.q_proj.bias, not a weight of that model", setup="hf-weight-extra"),
+    Bad("train --data {data} --config llama.yaml --init-from hf", "its weights do not fit its "
+        "config.json: it lacks lm_head.weight", setup="hf-weight-missing"),
+    Bad("train --data {data} --config llama.yaml --init-from hf", "model.safetensors is not a "
+        "safetensors file (its header is not JSON)", setup="hf-header-damaged"),
 ]
 
 
@@ -313,6 +367,7 @@ SETUPS = {
     "sweep-of-another-user": _writer(lambda tmp, data: _sweep_of_another_user(tmp)),
     "claimed": lambda tmp, data: _claimed(tmp),
     "web-port": lambda tmp, data: _web_port(tmp),
+    **{name: _writer(lambda tmp, data, fn=fn: fn(tmp)) for name, fn in crafted.SETUPS.items()},
 }
 
 # What the folder holds before (and so after) each case, for the table.
@@ -324,6 +379,7 @@ HOLDS = {
     **{k: "ds/ (its manifest changed)" for k in SETUPS if k.startswith("dataset-") and k != "dataset-and-notes"},
     **{k: "runs/r/ (a file of it damaged)" for k in SETUPS if k.startswith("run-")},
     **{k: "ck/ (a checkpoint, damaged)" for k in SETUPS if k.startswith("checkpoint-")},
+    **crafted.HOLDS,
 }
 
 
@@ -360,7 +416,7 @@ def test_a_bad_input_is_one_line_exit_2_and_changes_nothing(case, tmp_path, pydo
         before = _tree(tmp_path)
         result = (run_cli if _in_a_process(case) else cli_here)(
             *shlex.split(case.command.format(**fields)), cwd=tmp_path,
-            env={"RAY_ADDRESS": "127.0.0.1:1", **case.env}, timeout=120)
+            env={"RAY_ADDRESS": "127.0.0.1:1", **case.env}, timeout=case.timeout)
         assert_clean_error(result, case.message.format(**fields))
         assert _tree(tmp_path) == before
 

@@ -16,6 +16,12 @@ from raytrain_lm.console import paint
 from raytrain_lm.errors import UserError
 from raytrain_lm.results.tables import build_report, compare_table, results_table, runs_table
 
+
+def warn(line: str) -> None:
+    """A line on stderr that a command goes on after (an invalid newer checkpoint skipped)."""
+    typer.echo(paint(f"warning: {line}", "yellow", sys.stderr), err=True)
+
+
 MODEL_ARG = typer.Argument(..., metavar="RUN|CHECKPOINT", help="Run name (in --storage), run "
                            "folder, or checkpoint folder.")
 BEST = typer.Option(False, "--best", help="The run's best checkpoint (best_checkpoint/: the lowest "
@@ -95,7 +101,7 @@ def generate(
         from raytrain_lm.results.generate import pick_device
 
         pick_device(device)  # a bad --device fails before a checkpoint is fetched
-    found = find_checkpoint(model, storage, best=best)
+    found = find_checkpoint(model, storage, best=best, say=warn)
     from raytrain_lm.results.generate import generate_text
 
     def info(m: str) -> None:
@@ -157,7 +163,7 @@ def export(
         raise UserError(f"--format must be one of {', '.join(FORMATS)}, got {format!r}")
     check_out(out, force)  # before a checkpoint is looked for or copied
     out = Path(out)
-    found = find_checkpoint(model, storage, best=best)
+    found = find_checkpoint(model, storage, best=best, say=warn)
     try:
         if format == "hf":
             config = export_checkpoint_hf(found.path, out, force=force, meta=found.meta)
