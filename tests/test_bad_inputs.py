@@ -101,6 +101,12 @@ CASES = [
     Bad("export r --out s3://bucket/x", "export writes a local folder, not s3://bucket/x"),
     Bad("report r --out s3://bucket/r.png", "--out is a local file, not s3://bucket/r.png",
         setup="run"),
+    Bad("report r --out notes.md", "notes.md exists and is not a figure written by report, so it is "
+        "not replaced (--force neither)", setup="notes-and-run"),
+    Bad("report r --out notes.png --force", "notes.png exists and is not a figure written by report",
+        setup="notes-and-run"),
+    Bad("report r --out link.png --force", "--out link.png is a symlink; give the file itself",
+        setup="notes-and-run"),
     # damaged run files, files from elsewhere ------------------------------------------- item 11
     Bad("train --resume --name r", "cannot resume 'r': {tmp}/runs/r/config.json is damaged",
         setup="run-damaged-config"),
@@ -355,6 +361,9 @@ SETUPS = {
     "ints-parquet": _writer(lambda tmp, data: __import__("pyarrow.parquet").parquet.write_table(
         __import__("pyarrow").table({"text": [1, 2, 3]}), tmp / "ints.parquet")),
     "run": _writer(lambda tmp, data: _run(tmp)),
+    "notes-and-run": _writer(lambda tmp, data: (_run(tmp), (tmp / "notes.md").write_text("mine"),
+                                                (tmp / "notes.png").write_bytes(b"\x89PNG\r\n\x1a\nmine"),
+                                                (tmp / "link.png").symlink_to("notes.md"))),
     "run-damaged-config": _writer(lambda tmp, data: _run(tmp, config='{"lr": 0.001, "max_st')),
     "run-config-list": _writer(lambda tmp, data: _run(tmp, config="[1, 2]")),
     "run-damaged-metrics": _writer(lambda tmp, data: _run(
@@ -374,7 +383,9 @@ SETUPS = {
 HOLDS = {
     "afile": "afile (a file)", "corpus": "corp/ (a corpus)", "notes": "notes/ (someone's folder)",
     "dataset-and-notes": "ds/ (a dataset with someone's notes.txt in it)", "nan-config": "nan.yaml",
-    "big-id": "big-id.json", "run": "runs/r/", "claimed": "runs/r/ (another driver's claim)",
+    "big-id": "big-id.json", "run": "runs/r/",
+    "notes-and-run": "runs/r/, notes.md, notes.png (someone's PNG), link.png (a symlink to notes.md)",
+    "claimed": "runs/r/ (another driver's claim)",
     "sweep-of-another-user": "runs/s/", "deep-jsonl": "deep.jsonl", "ints-parquet": "ints.parquet",
     **{k: "ds/ (its manifest changed)" for k in SETUPS if k.startswith("dataset-") and k != "dataset-and-notes"},
     **{k: "runs/r/ (a file of it damaged)" for k in SETUPS if k.startswith("run-")},

@@ -60,12 +60,14 @@ def report(
                                                 "(repeat, or list them after one --compare)."),
     out: Optional[str] = typer.Option(None, help="Write the PNG here, a local file [default: "
                                       "report.png in the run's folder; compare.png with --compare]."),
+    force: bool = typer.Option(False, help="Replace --out if it is a figure report wrote before "
+                               "(nothing else is replaced)."),
     storage: str = STORAGE,
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Only the PNG's path."),
     as_json: bool = JSON,
 ) -> None:
     """A run's results table and a PNG of its curves (train/val loss, tokens/s, learning rate)."""
-    rep = build_report([run, *(compare or [])], storage, out=out)
+    rep = build_report([run, *(compare or [])], storage, out=out, force=force)
     if as_json:
         typer.echo(json.dumps(rep, indent=2, default=str))
         return
