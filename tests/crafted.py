@@ -164,8 +164,17 @@ def hf_header_damaged(tmp: Path) -> None:
     path.write_bytes(data[:8] + b"[" * 40 + data[48:])
 
 
+def config_symlinks(tmp: Path) -> None:
+    """run.yaml, and conf/ (a folder), symlinks in the project to files outside it."""
+    (tmp / "elsewhere").mkdir()
+    (tmp / "elsewhere" / "run.yaml").write_text("aws_secret_access_key: not-for-the-cluster\n")
+    (tmp / "run.yaml").symlink_to(tmp / "elsewhere" / "run.yaml")
+    (tmp / "conf").symlink_to(tmp / "elsewhere")
+
+
 SETUPS = {
     "alias-bomb": lambda tmp: (tmp / "bomb.yaml").write_text(ALIAS_BOMB),
+    "config-symlink": config_symlinks,
     "checkpoint-record-pagemap": record_to_pagemap,
     "checkpoint-record-outside": record_outside,
     "checkpoint-record-symlink": record_through_symlink,
@@ -197,6 +206,7 @@ SETUPS = {
 
 HOLDS = {
     "alias-bomb": "bomb.yaml",
+    "config-symlink": "run.yaml and conf/, symlinks to elsewhere/ (a secret in YAML)",
     **{k: "ck/ (a checkpoint, crafted)" for k in SETUPS if k.startswith("checkpoint-")},
     **{k: "hf/ (a Hugging Face folder, crafted)" for k in SETUPS if k.startswith("hf")},
 }

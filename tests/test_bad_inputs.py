@@ -149,6 +149,10 @@ CASES = [
     Bad("export ck --out x", "rank0.json names sub/a.txt, which leads out of", setup="checkpoint-record-symlink"),
     Bad("export ck --out x", "dcp/.metadata is corrupted: it names '../../shard.distcp', not a file of",
         setup="checkpoint-dcp-outside"),
+    Bad("submit -- --config run.yaml", "--config run.yaml: run.yaml is a symlink; a job takes only "
+        "files of this folder itself", setup="config-symlink"),
+    Bad("submit -- --config conf/run.yaml", "--config conf/run.yaml: conf is a symlink",
+        setup="config-symlink"),
     Bad("plan --gpus 1000000000", "--gpus must be at most 1,048,576, got 1,000,000,000", process=True,
         timeout=30),
     Bad("plan --set model.n_layer=1e30", "model.n_layer must be at most 1,048,576"),
