@@ -172,9 +172,32 @@ def config_symlinks(tmp: Path) -> None:
     (tmp / "conf").symlink_to(tmp / "elsewhere")
 
 
+def empty_vocabulary(tmp: Path) -> None:
+    from raytrain_lm.data.tokenizer import train_bpe
+
+    (tmp / "corp").mkdir()
+    (tmp / "corp" / "a.txt").write_text("some words of text. " * 200)
+    tok = json.loads(train_bpe(["some words of text. " * 50], 300).raw)
+    tok["model"].update(vocab={}, merges=[])
+    tok["added_tokens"] = []
+    (tmp / "empty.json").write_text(json.dumps(tok))
+
+
+def two_text_columns(tmp: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table([pa.array(["some text"] * 3), pa.array(["more"] * 3)], names=["text", "text"]),
+                   tmp / "two.parquet")
+
+
 SETUPS = {
     "alias-bomb": lambda tmp: (tmp / "bomb.yaml").write_text(ALIAS_BOMB),
     "config-symlink": config_symlinks,
+    "empty-vocab": empty_vocabulary,
+    "two-text-columns": two_text_columns,
+    "arch-list": lambda tmp: (tmp / "arch.yaml").write_text("model:\n  arch: [llama]\n"),
+    "preset-list": lambda tmp: (tmp / "preset.yaml").write_text("preset: [tiny]\n"),
     "checkpoint-record-pagemap": record_to_pagemap,
     "checkpoint-record-outside": record_outside,
     "checkpoint-record-symlink": record_through_symlink,
@@ -207,6 +230,8 @@ SETUPS = {
 HOLDS = {
     "alias-bomb": "bomb.yaml",
     "config-symlink": "run.yaml and conf/, symlinks to elsewhere/ (a secret in YAML)",
+    "empty-vocab": "empty.json, corp/", "two-text-columns": "two.parquet", "arch-list": "arch.yaml",
+    "preset-list": "preset.yaml",
     **{k: "ck/ (a checkpoint, crafted)" for k in SETUPS if k.startswith("checkpoint-")},
     **{k: "hf/ (a Hugging Face folder, crafted)" for k in SETUPS if k.startswith("hf")},
 }

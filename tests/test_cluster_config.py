@@ -427,6 +427,11 @@ def test_a_running_local_cluster_is_found_and_a_dead_ones_record_ignored(own_sta
         assert registry.running_local_cluster() is None  # bound, not listening: nothing answers
         listener.listen()
         assert registry.running_local_cluster() == info(live)
+        # names that are no port: digits of another script ('²'.isdigit() is True, int() refuses
+        # it), past 65535; every train without --address looked through them
+        for name in ("\u00b20", "\u0660", "99999", "0"):
+            (registry.records_dir() / f"{name}.json").write_text(json.dumps(info(live)))
+        assert registry.running_local_cluster() == info(live)
     assert registry.running_local_cluster() is None
 
 

@@ -48,7 +48,11 @@ def jobs_address(address: Optional[str]) -> str:
     if "://" not in address:
         address = f"http://{address}"
     parsed = urlparse(address)
-    if parsed.scheme not in ("http", "https") or not parsed.hostname:
+    try:
+        parsed.port  # noqa: B018  (raises on a port that is not one: past 65535, not a number)
+    except ValueError:
+        parsed = None
+    if parsed is None or parsed.scheme not in ("http", "https") or not parsed.hostname:
         raise UserError(f"--address must be the dashboard's http://HOST:PORT (e.g. "
                         f"{DEFAULT_JOBS_ADDRESS}), got {address}")
     return address

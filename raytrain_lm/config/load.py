@@ -12,7 +12,7 @@ from typing import Any, Optional
 from raytrain_lm.config.checks import check_resumable, validate
 from raytrain_lm.config.presets import preset_config
 from raytrain_lm.config.settings import TrainConfig, apply_overrides
-from raytrain_lm.errors import UserError
+from raytrain_lm.errors import UserError, brief
 from raytrain_lm.models import FAMILIES
 
 
@@ -110,6 +110,8 @@ def build_config(
     else:
         name = (preset or flags.get("preset") or set_data.get("preset") or file_data.get("preset")
                 or "tiny")
+        if not isinstance(name, str):
+            raise UserError(f"preset must be the name of one, got {brief(name)}")
         cfg = preset_config(name)
         arch = _chosen_arch(file_data, flags, set_data)
         if arch is not None and arch != cfg.model.arch and arch in FAMILIES:
@@ -129,6 +131,6 @@ def _chosen_arch(*layers: dict[str, Any]) -> Optional[str]:
     arch = None
     for layer in layers:
         model = layer.get("model")
-        if isinstance(model, dict) and model.get("arch") is not None:
+        if isinstance(model, dict) and isinstance(model.get("arch"), str):  # others: refused as set
             arch = model["arch"]
     return arch
