@@ -191,6 +191,14 @@ def two_text_columns(tmp: Path) -> None:
                    tmp / "two.parquet")
 
 
+def manifest_to_pagemap(tmp: Path, data: Path) -> None:
+    import shutil
+
+    shutil.copytree(data, tmp / "ds")
+    (tmp / "ds" / "manifest.json").unlink()
+    (tmp / "ds" / "manifest.json").symlink_to("/proc/self/pagemap")
+
+
 SETUPS = {
     "alias-bomb": lambda tmp: (tmp / "bomb.yaml").write_text(ALIAS_BOMB),
     "config-symlink": config_symlinks,
@@ -203,6 +211,7 @@ SETUPS = {
     "checkpoint-record-symlink": record_through_symlink,
     "checkpoint-dcp-outside": dcp_metadata_outside,
     "checkpoint-meta-step": meta_with(step="x"),
+    "checkpoint-meta-step-other": meta_with(step=4),  # valid, but not state.pt's 3
     "checkpoint-meta-version": meta_with(version="3"),
     "checkpoint-meta-newer": meta_with(version=99),
     "checkpoint-meta-format": meta_with(format="zip"),

@@ -116,6 +116,8 @@ CASES = [
     Bad("report r", "{tmp}/runs/r/metrics.jsonl line 1 is damaged: nested too deeply", setup="run-deep-metrics"),
     Bad("train --data ds", "ds is not a valid dataset: manifest.json is nested too deeply",
         setup="dataset-deep"),
+    Bad("train --data ds", "ds/manifest.json cannot be read: a symlink", setup="dataset-pagemap",
+        process=True, timeout=30),
     Bad("prepare --input deep.jsonl --no-ray", "deep.jsonl:1: expected a JSON object with a 'text' string field",
         setup="deep-jsonl"),
     Bad("prepare --input ints.parquet --no-ray", "ints.parquet: column 'text' holds int64, not text",
@@ -169,6 +171,8 @@ CASES = [
     Bad("plan --set model.n_layer=1e30", "model.n_layer must be at most 1,048,576"),
     Bad("train --data {data} --set model.n_embd=1e30", "model.n_embd must be at most 16,777,216"),
     Bad("generate ck -n 3", "ck/meta.json is corrupted: step 'x'", setup="checkpoint-meta-step"),
+    Bad("export ck --out x", "ck/state.pt is corrupted: its step is not meta.json's",
+        setup="checkpoint-meta-step-other"),
     Bad("export ck --out x", "ck/meta.json is corrupted: version '3'", setup="checkpoint-meta-version"),
     Bad("generate ck -n 3", "ck/meta.json is corrupted: version 99: written by a newer raytrain-lm",
         setup="checkpoint-meta-newer"),
@@ -196,8 +200,8 @@ CASES = [
         "nested too deeply", setup="hf-config-deep"),
     Bad("train --data {data} --config llama.yaml --init-from hf", "model.safetensors.index.json names "
         "'../weights.safetensors', which is not a file inside", setup="hf-index-outside"),
-    Bad("train --data {data} --config llama.yaml --init-from hf", "names model.safetensors, which "
-        "leads out of", setup="hf-symlinked-weights"),
+    Bad("train --data {data} --config llama.yaml --init-from hf", "hf names model.safetensors, a "
+        "symlink: only the folder's own files are read", setup="hf-symlinked-weights"),
     Bad("train --data {data} --config llama.yaml --init-from hf", "model.norm.weight in "
         "model.safetensors has shape [16], its config.json says [32]", setup="hf-weight-shape"),
     Bad("train --data {data} --config llama.yaml --init-from hf", "it holds "
@@ -369,6 +373,7 @@ SETUPS = {
     "dataset-vocab-x": _writer(lambda tmp, data: _dataset(tmp, data, vocab_size="x")),
     "dataset-vocab-huge": _writer(lambda tmp, data: _dataset(tmp, data, vocab_size=10 ** 12)),
     "dataset-vocab-other": _writer(lambda tmp, data: _dataset(tmp, data, vocab_size=300)),
+    "dataset-pagemap": _writer(crafted.manifest_to_pagemap),
     "dataset-deep": _writer(lambda tmp, data: (_dataset(tmp, data), (tmp / "ds" / "manifest.json").write_text(
         "[" * 100_000 + "]" * 100_000))),
     "deep-jsonl": _writer(lambda tmp, data: (tmp / "deep.jsonl").write_text(
@@ -417,7 +422,9 @@ def _tree(root: Path) -> dict[str, str]:
     out = {}
     for p in sorted(root.rglob("*")):
         rel = p.relative_to(root).as_posix()
-        if p.is_dir():
+        if p.is_symlink():  # where it points (its target may be /proc/self/pagemap)
+            out[rel] = f"-> {os.readlink(p)}"
+        elif p.is_dir():
             out[rel] = "dir"
         elif p.name.startswith(".claim-"):
             out[rel] = "claim"

@@ -20,12 +20,14 @@ _PART = re.compile(r"[A-Za-z0-9._-]{1,255}")
 
 def inside(folder: Path, rel: object, where: str) -> Path:
     """`rel` (a name a file of `folder` holds) as a path inside `folder`, checked: a relative path
-    of plain names that, symlinks resolved, is still inside `folder`. UserError naming `where`
-    (the file that names it) otherwise."""
+    of plain names, not itself a symlink, that stays inside `folder` through the folders on its
+    way. UserError naming `where` (the file that names it) otherwise."""
     parts = rel.split("/") if isinstance(rel, str) else []
     if not parts or not all(_PART.fullmatch(p) and p not in (".", "..") for p in parts):
         raise UserError(f"{where} names {brief(rel)}, which is not a file inside {folder}")
     path = folder.joinpath(*parts)
+    if path.is_symlink():
+        raise UserError(f"{where} names {rel}, a symlink: only the folder's own files are read")
     try:
         path.resolve().relative_to(folder.resolve())
     except ValueError:  # a symlinked folder on the way leads out
