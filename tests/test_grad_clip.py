@@ -111,7 +111,10 @@ def _full_grads() -> dict[str, torch.Tensor]:
 
 def _params_of(layout: str, rank: int, full: dict):
     """(this rank's parameters with their gradients, the pp group, the excluded duplicates)."""
-    from raytrain_lm.parallel.mesh import build_mesh
+    from torch.distributed.device_mesh import init_device_mesh
+
+    def build_mesh(device, tp=1, pp=1):  # the (pp, dp, tp) mesh over the two ranks
+        return init_device_mesh(device.type, (pp, 2 // (tp * pp), tp), mesh_dim_names=("pp", "dp", "tp"))
 
     def dt(name, mesh, placements, grad_local, data_local=None):
         data = DTensor.from_local(torch.zeros_like(grad_local if data_local is None else data_local),

@@ -230,7 +230,8 @@ def test_a_tied_hf_llama_gives_transformers_logits(tmp_path):
     from safetensors import safe_open
 
     from raytrain_lm.data.tokenizer import byte_tokenizer_json
-    from raytrain_lm.models.llama import hf_llama as hf_io
+    from raytrain_lm.run.preflight import check_hf_init_from
+    from raytrain_lm.worker.checkpointer import load_hf_weights
 
     m = ModelConfig(**{**vars(SMALL), "vocab_size": 256})
     folder = tmp_path / "tied"
@@ -238,16 +239,16 @@ def test_a_tied_hf_llama_gives_transformers_logits(tmp_path):
     with safe_open(folder / "model.safetensors", "pt") as f:
         assert "lm_head.weight" not in f.keys()
     manifest = {"tokenizer": {"type": "byte", "vocab_size": 256}}
-    assert hf_io.check_init_from(folder, m, manifest) == str(folder.resolve())
+    assert check_hf_init_from(folder, m, manifest) == str(folder.resolve())
     model = build_model(m, seed=0).eval()
-    hf_io.load_weights(folder, SimpleNamespace(parts=[model]))
+    load_hf_weights(folder, SimpleNamespace(parts=[model]))
     x = torch.randint(256, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert (model(x, targets=x)[0] - hf(x).logits).abs().max().item() < 1e-5
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": False}))
     with pytest.raises(UserError, match="it lacks lm_head.weight"):
-        hf_io.check_init_from(folder, m, manifest)
+        check_hf_init_from(folder, m, manifest)
 
 
 def test_train_refuses_an_hf_folder_of_another_shape_in_one_line(hf_llama, tmp_path):
