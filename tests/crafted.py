@@ -19,11 +19,26 @@ ALIAS_BOMB = "".join(
     + [f"  [{', '.join(['*h'] * 9)}]]\n"])
 
 
+_MADE: dict[str, Path] = {}  # what each kind of base folder was made into once, to copy
+
+
+def _copy_of(kind: str, make, dest: Path) -> Path:
+    """A copy at `dest` of the folder `make(path)` writes, made once per test process (a
+    checkpoint or a model folder takes a model built and saved; a copy takes a few ms)."""
+    import shutil
+    import tempfile
+
+    if kind not in _MADE:
+        _MADE[kind] = Path(tempfile.mkdtemp(prefix=f"crafted-{kind}-")) / kind
+        make(_MADE[kind])
+    shutil.copytree(_MADE[kind], dest, symlinks=True)
+    return dest
+
+
 def checkpoint(tmp: Path) -> Path:
     from test_checkpoint import write_checkpoint
 
-    write_checkpoint(tmp / "ck")
-    return tmp / "ck"
+    return _copy_of("ck", write_checkpoint, tmp / "ck")
 
 
 def _record(folder: Path, **entries: str) -> None:
@@ -100,7 +115,13 @@ LLAMA_YAML = ("model:\n  arch: llama\n  bias: false\n  n_layer: 2\n  n_embd: 32\
 
 
 def hf_folder(tmp: Path) -> Path:
-    """Our Llama's weights under transformers' names (hf_llama.to_hf), as an export writes them."""
+    """Our Llama's weights under transformers' names (hf_llama.to_hf), as an export writes them,
+    with llama.yaml, the run's model settings, beside it."""
+    (tmp / "llama.yaml").write_text(LLAMA_YAML)
+    return _copy_of("hf", _write_hf_folder, tmp / "hf")
+
+
+def _write_hf_folder(folder: Path) -> None:
     from safetensors.torch import save_file
 
     from raytrain_lm.config.load import build_config
@@ -108,15 +129,13 @@ def hf_folder(tmp: Path) -> Path:
     from raytrain_lm.models import build_model
     from raytrain_lm.models.llama import hf_llama
 
-    (tmp / "llama.yaml").write_text(LLAMA_YAML)
-    cfg = build_config(config_file=str(tmp / "llama.yaml")).model
-    folder = tmp / "hf"
+    (folder.parent / "llama.yaml").write_text(LLAMA_YAML)
+    cfg = build_config(config_file=str(folder.parent / "llama.yaml")).model
     folder.mkdir()
     save_file(hf_llama.to_hf(build_model(cfg, seed=0).state_dict(), cfg, 256),
               str(folder / "model.safetensors"), metadata={"format": "pt"})
     (folder / "config.json").write_text(json.dumps(hf_llama.hf_config(cfg, 256, None)))
     (folder / "tokenizer.json").write_text(byte_tokenizer_json())
-    return folder
 
 
 def hf_config_with(**changes):

@@ -145,7 +145,6 @@ def build_report(refs: list[str], storage: str, out: Optional[str] = None,
     file, or with `force` a figure of report's). Returns {"runs": [summary, ...], "plot": where
     the PNG went}."""
     from raytrain_lm.results import figure_file
-    from raytrain_lm.results.plots import plot_runs
     from raytrain_lm.store.runs import open_run, summary_of
     from raytrain_lm.store.storage import is_remote, path_error
 
@@ -159,6 +158,8 @@ def build_report(refs: list[str], storage: str, out: Optional[str] = None,
     empty = [name for name, rows in curves if not rows]
     if empty:
         raise UserError(f"run {empty[0]!r} has no metrics yet (it never logged a step)")
+    from raytrain_lm.results.plots import plot_runs  # matplotlib: ~1 s, not for a refusal
+
     png = plot_runs(curves)
     if out:
         try:
