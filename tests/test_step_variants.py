@@ -51,13 +51,18 @@ def test_gradient_accumulation_gives_the_losses_of_the_whole_batch(whole_run, py
     """--grad-accum 2 --batch-size 4 reads, per rank and step, the windows of --batch-size 8
     (data/sampler.py), so the losses, the gradient norms and the updates are the same up to float
     rounding (the losses alone barely move when the step forgets to divide by the micro-batches:
-    AdamW's update ignores a constant factor on the gradient; the norm doubles)."""
+    AdamW's update ignores a constant factor on the gradient; the norm doubles). This run makes a
+    row every step (--log-every 1) and sends at steps 1 and 10 only (--log-seconds 1000): rows 2-9
+    wait on the workers and travel with step 10's report, and metrics.jsonl and the caller get
+    every one of them."""
     whole, whole_rows = whole_run
     halves, rows = train(pydoc_data, storage, "accum-2", max_steps=10, batch_size=4, grad_accum=2,
-                         log_every=1)
+                         log_every=1, log_seconds=1000.0)
     assert whole.keys() == halves.keys() == set(range(1, 11))
     for s in whole:
         assert halves[s] == pytest.approx(whole[s], rel=1e-6)
+    assert [r["step"] for r in rows] == list(range(1, 11))
+    assert all(len(r["step_losses"]) == 1 and "earlier_rows" not in r for r in rows)
     assert grad_norms(rows).keys() == grad_norms(whole_rows).keys() == set(range(1, 11))
     for s, norm in grad_norms(whole_rows).items():
         assert grad_norms(rows)[s] == pytest.approx(norm, rel=1e-5)

@@ -23,8 +23,9 @@ from raytrain_lm.config.checks import MAX_VOCAB, is_plain_name
 from raytrain_lm.data.tokenizer import byte_tokenizer_json, check_spec, tokenizer_from_spec
 from raytrain_lm.errors import UserError
 from raytrain_lm.store import untrusted
+from raytrain_lm.store.digest import sha256_file
 from raytrain_lm.store.files import MANIFEST, REMOTE_SOURCE
-from raytrain_lm.store.storage import is_remote, open_uri, sha256_file
+from raytrain_lm.store.storage import is_remote, open_uri
 
 TOKENS_FORMAT = "raytrain-lm-tokens/1"
 MAX_MANIFEST_BYTES = 64 << 20  # ~150 bytes a shard: 400,000 shards
