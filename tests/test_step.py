@@ -71,8 +71,8 @@ def test_accumulation_gives_the_whole_batchs_gradient_norm_and_update():
     whole, halves = step_of(8, 1), step_of(4, 2)
     data_whole, data_halves = Batches(64, 8, 16), Halves(Batches(64, 8, 16))
     for _ in range(3):
-        loss_w, norm_w, _ = whole(data_whole, 1e-3)
-        loss_h, norm_h, _ = halves(data_halves, 1e-3)
+        loss_w, norm_w = whole(data_whole, 1e-3)
+        loss_h, norm_h = halves(data_halves, 1e-3)
         assert loss_h.item() == pytest.approx(loss_w.item(), rel=1e-6)
         assert norm_h.item() == pytest.approx(norm_w.item(), rel=1e-5)
         for (name, p), q in zip(whole.parts[0].named_parameters(), halves.parts[0].parameters()):
