@@ -103,7 +103,7 @@ def run_training(
     if resume and (step := resume_step(cfg, run, manifest)) is not None:
         say(f"resuming {cfg.name} from its newest checkpoint, step {step}")
     if init_from:
-        init_from = check_init_from(init_from, cfg, manifest)
+        init_from = check_init_from(init_from, cfg, manifest, say)
         say(f"--init-from {init_from}: {describe(cfg.model)}")
     previous = previous_summary(run) if resume else {}
     known = configured_memory_gb(cfg)

@@ -11,12 +11,15 @@ its projections are separate q/k/v/o and gate/up/down matrices as transformers' 
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any, Optional
 
-from raytrain_lm.errors import UserError
+from raytrain_lm.errors import UserError, brief
 from raytrain_lm.models.family import ModelConfig
 from raytrain_lm.models.hf import HFAdapter
+
+HF_CONFIG = "config.json"  # named in messages (store/hf_folder.py reads it)
 
 # (our name, Hugging Face's) with {i} for the layer: every Llama-skeleton family's names (Qwen2's
 # q/k/v biases and Qwen3's q/k norms exist only where the model has them)
@@ -32,6 +35,8 @@ NAMES = [
     *((f"h.{{i}}.mlp.{p}_proj.weight", f"model.layers.{{i}}.mlp.{p}_proj.weight")
       for p in ("gate", "up", "down")),
 ]
+# Names a folder may hold that are no weight (our_name skips them; the check before launch too).
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # older exports saved the rotary buffer
 _PATTERNS = [tuple(re.compile("^" + re.escape(n).replace(r"\{i\}", r"(\d+)") + "$") for n in pair)
              for pair in NAMES]
 
@@ -62,6 +67,7 @@ class LlamaAdapter(HFAdapter):
     model_type = "llama"
     architecture = "LlamaForCausalLM"
     family = "llama"  # our model.arch
+    IGNORED_SUFFIXES = IGNORED_SUFFIXES
     # config.json's keys as the class defaults them where a folder leaves them out
     defaults: dict[str, Any] = {"num_key_value_heads": None, "head_dim": None,
                                 "max_position_embeddings": 2048, "rms_norm_eps": 1e-6,
@@ -78,7 +84,7 @@ class LlamaAdapter(HFAdapter):
     def our_name(self, hf: str, m: ModelConfig) -> Optional[str]:
         ours = rename(hf, 1)
         if ours is None:
-            if hf.endswith("rotary_emb.inv_freq"):  # older exports saved the rotary buffer
+            if hf.endswith(IGNORED_SUFFIXES):
                 return None
             raise UserError(f"{hf} is not a weight of a {self.architecture} this project builds")
         if ours == "lm_head.weight" and m.tie_embeddings:
@@ -104,6 +110,17 @@ class LlamaAdapter(HFAdapter):
                          "h.{i}.attn.k_norm.weight": (m.head_dim,)})
         return {hf.replace("{i}", str(i)): ours[name] for name, hf in NAMES if name in ours
                 for i in (range(m.n_layer) if "{i}" in name else [0])}
+
+    def expected_tensors(self, config: dict[str, Any], m: ModelConfig,
+                         where: str) -> tuple[dict[str, tuple[int, ...]], set[str]]:
+        """(every tensor a folder of the model `m` holds, with its shape; the names it may hold
+        besides: a tied model's head, which some folders store anyway) for the check of the
+        folder's headers before launch (store/hf_folder.check_tensors)."""
+        shapes = self.hf_shapes(m)
+        if m.tie_embeddings:
+            shapes["lm_head.weight"] = (m.vocab_size, m.n_embd)
+            return shapes, {"lm_head.weight"}
+        return shapes, set()
 
     # ---------------------------------------------------------------- export
 
@@ -152,56 +169,93 @@ class LlamaAdapter(HFAdapter):
     # ---------------------------------------------------------------- import (--init-from)
 
     def model_fields(self, config: dict[str, Any], where: str) -> dict[str, Any]:
-        """Every ModelConfig field the folder's config.json fixes (the model is the folder),
-        after refusing, in one line, what llama.py does not compute."""
+        """Every ModelConfig field the folder's config.json fixes (the model is the folder), each
+        value read checked for its type (`config_value`), after refusing, in one line, what
+        llama.py does not compute. A key the folder leaves out takes the class's default (`defaults`)."""
         c = {**self.defaults, **{k: v for k, v in config.items() if v is not None or k == "sliding_window"}}
         problems: list[str] = []
-        heads = c["num_attention_heads"]
-        head_dim = c.get("head_dim") or c["hidden_size"] // heads
+        width = config_value(c, "hidden_size", "count", where)
+        heads = config_value(c, "num_attention_heads", "count", where)
+        head_dim = config_value(c, "head_dim", "count", where, width // heads)
+        if c.get("head_dim") is None and width % heads:
+            problems.append(f"hidden_size {width} is not a multiple of num_attention_heads {heads}")
+        kv = config_value(c, "num_key_value_heads", "count", where, heads)
+        if heads % kv:
+            problems.append(f"num_key_value_heads {kv} does not divide num_attention_heads {heads}")
         fields: dict[str, Any] = {
-            "arch": self.family, "vocab_size": c["vocab_size"], "block_size": c["max_position_embeddings"],
-            "n_embd": c["hidden_size"], "n_layer": c["num_hidden_layers"], "n_head": heads,
-            "n_kv_head": c.get("num_key_value_heads") or heads,
-            "head_size": None if head_dim * heads == c["hidden_size"] else head_dim,
-            "ffn_dim": c["intermediate_size"], "norm_eps": float(c["rms_norm_eps"]),
-            "tie_embeddings": bool(c["tie_word_embeddings"]), "bias": False, "dropout": 0.0,
-            "qkv_bias": False, "qk_norm": False, "sliding_window": None,
-            **self._rope_fields(c, problems),
+            "arch": self.family, "vocab_size": config_value(c, "vocab_size", "count", where),
+            "block_size": config_value(c, "max_position_embeddings", "count", where),
+            "n_embd": width, "n_layer": config_value(c, "num_hidden_layers", "count", where), "n_head": heads,
+            "n_kv_head": kv, "head_size": None if head_dim * heads == width else head_dim,
+            "ffn_dim": config_value(c, "intermediate_size", "count", where),
+            "norm_eps": float(config_value(c, "rms_norm_eps", "number", where)),
+            "tie_embeddings": config_value(c, "tie_word_embeddings", "bool", where), "bias": False,
+            "dropout": 0.0, "qkv_bias": False, "qk_norm": False, "sliding_window": None,
+            **self._rope_fields(c, problems, where),
         }
-        if c.get("hidden_act", "silu") != "silu":
-            problems.append(f"hidden_act {c['hidden_act']!r}")
-        if c.get("attention_dropout"):
-            problems.append(f"attention_dropout {c['attention_dropout']} (no dropout here)")
-        fields.update(self._own_fields(c, problems))
+        act = config_value(c, "hidden_act", "str", where, "silu")
+        if act != "silu":
+            problems.append(f"hidden_act {brief(act)}")
+        if c.get("attention_dropout") not in (None, 0, 0.0):
+            problems.append(f"attention_dropout {brief(c['attention_dropout'])} (no dropout here)")
+        fields.update(self._own_fields(c, problems, where))
         if problems:
             raise UserError(f"{where} is a {self.architecture} this project cannot compute: "
                             f"{', '.join(problems)}")
         return fields
 
-    def _rope_fields(self, c: dict[str, Any], problems: list[str]) -> dict[str, Any]:
+    def _rope_fields(self, c: dict[str, Any], problems: list[str], where: str) -> dict[str, Any]:
         """rope_parameters (transformers 5) or rope_scaling (older folders), as transformers
         reads them: the dict's rope_theta, else the top-level one, else 10000."""
-        rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
-        kind = rope.get("rope_type", rope.get("type", "default"))
-        out = {"rope_theta": float(rope.get("rope_theta", c.get("rope_theta", 10000.0))),
-               "rope_type": kind, **_ROPE_DEFAULTS}
+        rope = (config_value(c, "rope_parameters", "object", where, {})
+                or config_value(c, "rope_scaling", "object", where, {}))
+        kind = config_value(rope, "rope_type", "str", where,
+                            config_value(rope, "type", "str", where, "default"))
+        theta = config_value(rope, "rope_theta", "number", where,
+                             config_value(c, "rope_theta", "number", where, 10000.0))
+        out = {"rope_theta": float(theta), "rope_type": kind, **_ROPE_DEFAULTS}
         if kind not in ("default", *ROPE_KEYS):
-            problems.append(f"rope_type {kind!r} (the rotary embeddings computed here: default, "
-                            f"linear, llama3)")
+            problems.append(f"rope_type {brief(kind)} (the rotary embeddings computed here: "
+                            f"default, linear, llama3)")
             return out
         for key in ROPE_KEYS.get(kind, ()):
-            value = rope.get(key, c["max_position_embeddings"] if key.startswith("original") else None)
-            if value is None:
-                problems.append(f"rope_type {kind!r} without {key}")
+            if key.startswith("original"):
+                out[ROPE_FIELDS[key]] = config_value(rope, key, "count", where, c["max_position_embeddings"])
+            elif rope.get(key) is None:
+                problems.append(f"rope_type {brief(kind)} without {key}")
             else:
-                out[ROPE_FIELDS[key]] = int(value) if key.startswith("original") else float(value)
-        if rope.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0)) != 1.0:
+                out[ROPE_FIELDS[key]] = float(config_value(rope, key, "number", where))
+        partial = config_value(rope, "partial_rotary_factor", "number", where,
+                       config_value(c, "partial_rotary_factor", "number", where, 1.0))
+        if partial != 1.0:
             problems.append("partial_rotary_factor (every dimension rotates here)")
         return out
 
-    def _own_fields(self, c: dict[str, Any], problems: list[str]) -> dict[str, Any]:
-        problems += [f"{k}=true" for k in ("attention_bias", "mlp_bias") if c.get(k)]
+    def _own_fields(self, c: dict[str, Any], problems: list[str], where: str) -> dict[str, Any]:
+        problems += [f"{k}=true" for k in ("attention_bias", "mlp_bias")
+                     if config_value(c, k, "bool", where, False)]
         return {}
+
+
+def config_value(config: dict[str, Any], key: str, kind: str, where: str, default: Any = None) -> Any:
+    """config[key] checked to be of `kind`: "count" (a whole number >= 1), "number" (positive and
+    finite), "bool", "str" or "object"; `default` where it is absent or null (none: required).
+    (How large a count may be is the run's to say: the fields make its checked model.)"""
+    value = config.get(key)
+    if value is None:
+        if default is None:
+            raise UserError(f"{where}: {HF_CONFIG} has no {key}")
+        return default
+    ok = {"count": lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1,
+          "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
+          and 0 < v < math.inf,
+          "bool": lambda v: isinstance(v, bool), "str": lambda v: isinstance(v, str),
+          "object": lambda v: isinstance(v, dict)}[kind](value)
+    if not ok:
+        what = {"count": "a whole number >= 1", "number": "a positive number",
+                "bool": "true or false", "str": "a string", "object": "a JSON object"}[kind]
+        raise UserError(f"{where}: {HF_CONFIG}'s {key} must be {what}, got {brief(value)}")
+    return value
 
 
 ADAPTER = LlamaAdapter()

@@ -7,7 +7,15 @@ from __future__ import annotations
 from typing import Any
 
 from raytrain_lm.models.family import ModelConfig
-from raytrain_lm.models.llama.hf_llama import LlamaAdapter
+from raytrain_lm.models.llama.hf_llama import LlamaAdapter, config_value
+
+
+def sliding_layers(c: dict[str, Any], where: str) -> bool:
+    """Whether a Qwen config.json slides a window over some layers (use_sliding_window, or a
+    layer_types list naming sliding_attention)."""
+    types = c.get("layer_types")
+    return config_value(c, "use_sliding_window", "bool", where, False) or \
+        (isinstance(types, list) and "sliding_attention" in types)
 
 
 class Qwen2Adapter(LlamaAdapter):
@@ -17,8 +25,8 @@ class Qwen2Adapter(LlamaAdapter):
     defaults = {"num_key_value_heads": 32, "head_dim": None, "max_position_embeddings": 32768,
                 "rms_norm_eps": 1e-6, "tie_word_embeddings": False}
 
-    def _own_fields(self, c: dict[str, Any], problems: list[str]) -> dict[str, Any]:
-        if c.get("use_sliding_window") or "sliding_attention" in (c.get("layer_types") or ()):
+    def _own_fields(self, c: dict[str, Any], problems: list[str], where: str) -> dict[str, Any]:
+        if sliding_layers(c, where):
             problems.append("use_sliding_window=true (Qwen2's window is not built here)")
         return {"qkv_bias": True}
 

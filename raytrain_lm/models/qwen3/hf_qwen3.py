@@ -6,7 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 from raytrain_lm.models.family import ModelConfig
-from raytrain_lm.models.llama.hf_llama import LlamaAdapter
+from raytrain_lm.models.llama.hf_llama import LlamaAdapter, config_value
+from raytrain_lm.models.qwen2.hf_qwen2 import sliding_layers
 
 
 class Qwen3Adapter(LlamaAdapter):
@@ -16,10 +17,10 @@ class Qwen3Adapter(LlamaAdapter):
     defaults = {"num_key_value_heads": 32, "head_dim": 128, "max_position_embeddings": 32768,
                 "rms_norm_eps": 1e-6, "tie_word_embeddings": False}
 
-    def _own_fields(self, c: dict[str, Any], problems: list[str]) -> dict[str, Any]:
-        if c.get("attention_bias"):
+    def _own_fields(self, c: dict[str, Any], problems: list[str], where: str) -> dict[str, Any]:
+        if config_value(c, "attention_bias", "bool", where, False):
             problems.append("attention_bias=true (biases on q/k/v and o)")
-        if c.get("use_sliding_window") or "sliding_attention" in (c.get("layer_types") or ()):
+        if sliding_layers(c, where):
             problems.append("use_sliding_window=true (Qwen3's window is not built here)")
         return {"qk_norm": True}
 
