@@ -348,11 +348,11 @@ def test_a_qwen2_without_biases_exports_zero_biases(tmp_path):
     computes the same."""
     from transformers import AutoModelForCausalLM
 
-    from raytrain_lm.results.export import export_hf
+    from raytrain_lm.results.hf_export import export_hf
 
     m = ModelConfig(arch="qwen2", bias=False, qkv_bias=False, vocab_size=256, n_kv_head=2, block_size=64)
     ours = build_model(m, seed=1).eval()
-    export_hf(ours.state_dict(), m, ByteTokenizer(), tmp_path / "out")
+    export_hf(ours.state_dict(), m, ByteTokenizer(), tmp_path / "out", dtype="fp32")
     theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
     assert not theirs.model.layers[0].self_attn.q_proj.bias.any()
     idx = torch.randint(0, 256, (1, 32), generator=torch.Generator().manual_seed(2))
