@@ -118,29 +118,34 @@ def test_each_rank_reads_its_share_of_the_bytes(folder, loaded):
     assert all(r["fsdp"][2] == len(hf_folder.weight_files(folder[0])) for r in loaded)
 
 
-def test_read_block_reads_any_block_at_any_chunk_size(tmp_path):
-    """In the file's dtype: a block of rows is one read, a block of columns one read per row of
-    only its bytes, a block sliced past dim 1 whole rows a chunk at a time (down to one row)."""
+def _rss_file() -> int:
+    with open("/proc/self/status") as f:
+        return int(next(line for line in f if line.startswith("RssFile:")).split()[1]) * 1024
+
+
+def test_a_mapped_tensor_is_the_files_and_its_pages_leave_once_released(tmp_path):
+    """MappedFile: a tensor is a view of the file at its header's offset, in its dtype, and a
+    block of it the same block; the pages a copy touched count in this process's memory until
+    `release` drops them (what keeps a loading rank to its share plus one block)."""
     from safetensors.torch import save_file
 
     from raytrain_lm.store.hf_folder import read_header
-    from raytrain_lm.store.safetensors_io import read_block
+    from raytrain_lm.store.safetensors_io import MappedFile, block_of
 
     t = torch.randn(7, 5, 3, generator=torch.Generator().manual_seed(0)).bfloat16()
-    save_file({"a": torch.zeros(3), "t": t}, tmp_path / "x.safetensors")
-    info = read_header(tmp_path / "x.safetensors")["t"]
-    fd = os.open(tmp_path / "x.safetensors", os.O_RDONLY)
-    try:
-        for chunk in (1, 30, 1 << 20):
-            got, read = read_block(fd, info, (2, 1, 0), (4, 3, 2), chunk_bytes=chunk)
-            assert got.dtype == torch.bfloat16 and torch.equal(got, t[2:6, 1:4, 0:2])
-            assert read == 4 * 5 * 3 * 2  # whole rows
-        got, read = read_block(fd, info, (2, 1, 0), (4, 3, 3))  # columns: only their bytes
-        assert torch.equal(got, t[2:6, 1:4]) and read == got.nbytes
-        got, read = read_block(fd, info, (5, 0, 0), (2, 5, 3))
-        assert torch.equal(got, t[5:]) and read == got.nbytes
-    finally:
-        os.close(fd)
+    big = torch.ones(2560, 4096)  # 40 MiB
+    save_file({"a": torch.zeros(3), "t": t, "big": big}, tmp_path / "x.safetensors")
+    infos = read_header(tmp_path / "x.safetensors")
+    with MappedFile(tmp_path / "x.safetensors") as mapped:
+        got = mapped.tensor(infos["t"])
+        assert got.dtype == torch.bfloat16 and torch.equal(got, t)
+        assert torch.equal(block_of(got, (2, 1, 0), (4, 3, 2)), t[2:6, 1:4, 0:2])
+        before = _rss_file()
+        assert mapped.tensor(infos["big"]).sum().item() == big.numel()  # every page touched
+        touched = _rss_file() - before
+        mapped.release(infos["big"])
+        assert touched > 30 << 20 and _rss_file() - before < 4 << 20, touched
+        del got
 
 
 def test_a_tensor_of_another_shape_or_kind_is_refused_in_one_line(folder, tmp_path):

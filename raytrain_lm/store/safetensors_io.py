@@ -1,10 +1,14 @@
 """safetensors files read a slice at a time and written a tensor at a time: what loading a model
 of any size into sharded ranks, and exporting one from a sharded checkpoint, need.
 
-Reading: a block of a tensor (the rows, or rows x columns, a rank keeps) from the byte ranges
-its header gives (store/hf_folder.py checked the header), with plain positioned reads of those
-bytes only, into a tensor in the file's dtype. No mmap: a mapped file's touched pages count in the reader's
-resident memory until it is unmapped, and the bytes a rank keeps are all it should hold.
+Reading (`MappedFile`): the file is mapped and each tensor seen as a tensor over the mapping
+(no copy, at the byte offset its header gives: store/hf_folder.py checked the header), so a
+rank's block of it is a view, which the caller copies into its parameter, converting the dtype
+on the way: the only bytes read are the pages of that block, straight from the page cache. A
+touched page counts in the process's resident memory while it is mapped, so `release` drops a
+tensor's pages once it is copied: a reader holds at most one tensor's block of the file.
+(Positioned reads into a buffer were 3-5 x slower here: every buffer is fresh memory the kernel
+zeroes before the read fills it, then the conversion reads it again.)
 
 Writing: the header first (every tensor's name, dtype, shape and byte range, planned before any
 tensor exists), then each tensor's bytes as it comes, so a file of any size is written holding
@@ -16,7 +20,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
+import mmap
 from pathlib import Path
 from typing import Optional
 
@@ -28,53 +32,44 @@ TORCH_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float
                 "F64": torch.float64, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16,
                 "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
 SAFETENSORS_DTYPES = {v: k for k, v in TORCH_DTYPES.items()}
-CHUNK_BYTES = 64 << 20  # a block of columns is read this many bytes of whole rows at a time
 
 
-def _pread_into(fd: int, out: torch.Tensor, offset: int) -> None:
-    """Fill the contiguous tensor `out` with the file's bytes from `offset`."""
-    view = memoryview(out.view(-1).view(torch.uint8).numpy())
-    done = 0
-    while done < len(view):
-        n = os.preadv(fd, [view[done:]], offset + done)
-        if n <= 0:
-            raise OSError(f"file ends {len(view) - done} bytes short of its header's ranges")
-        done += n
+class MappedFile:
+    """A safetensors file mapped read-only for its tensors' bytes (copy-on-write, never written:
+    torch views need a writable buffer). Use as a context manager; no view may outlive it."""
+
+    def __init__(self, path: str | Path):
+        with open(path, "rb") as f:
+            self.map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+
+    def tensor(self, info: TensorInfo) -> torch.Tensor:
+        """The whole tensor, a view of the mapping in the file's dtype (nothing read yet)."""
+        if not info.nbytes:
+            return torch.empty(info.shape, dtype=TORCH_DTYPES[info.dtype])
+        flat = torch.frombuffer(self.map, dtype=TORCH_DTYPES[info.dtype],
+                                count=math.prod(info.shape), offset=info.offset)
+        return flat.view(info.shape)
+
+    def release(self, info: TensorInfo) -> None:
+        """Drop the tensor's pages from this process (the page cache keeps them)."""
+        page = mmap.PAGESIZE
+        first = info.offset // page * page
+        if info.nbytes:
+            self.map.madvise(mmap.MADV_DONTNEED, first, info.offset + info.nbytes - first)
+
+    def __enter__(self) -> "MappedFile":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self.map.close()
+        except BufferError:  # a view still held by an error on its way up: unmapped with it
+            pass
 
 
-def read_block(fd: int, info: TensorInfo, start: tuple[int, ...], size: tuple[int, ...],
-               chunk_bytes: int = CHUNK_BYTES) -> tuple[torch.Tensor, int]:
-    """(the block `start` .. `start + size` of the tensor `info` describes, in the file's dtype;
-    the bytes read for it) from the open file `fd`. Rows (dim 0) are contiguous in the file: a
-    block of whole rows is one read; a block of some columns of a matrix one read per row,
-    each row's columns being contiguous; any other block (a slice past dim 1) reads whole rows
-    a chunk at a time and keeps its part (the transient is at most `chunk_bytes`, or one row)."""
-    dtype = TORCH_DTYPES[info.dtype]
-    out = torch.empty(size, dtype=dtype)
-    if not info.shape:
-        _pread_into(fd, out, info.offset)
-        return out, out.nbytes
-    row_shape = info.shape[1:]
-    row_bytes = math.prod(row_shape) * DTYPE_BYTES[info.dtype]
-    first = info.offset + start[0] * row_bytes
-    if tuple(start[1:]) == (0,) * len(row_shape) and tuple(size[1:]) == row_shape:
-        _pread_into(fd, out, first)
-        return out, out.nbytes
-    inner = row_shape[1:]
-    if tuple(start[2:]) == (0,) * len(inner) and tuple(size[2:]) == inner:
-        column_bytes = math.prod(inner) * DTYPE_BYTES[info.dtype]
-        for r in range(size[0]):
-            _pread_into(fd, out[r], first + r * row_bytes + start[1] * column_bytes)
-        return out, out.nbytes
-    rows = max(1, chunk_bytes // max(row_bytes, 1))
-    for r in range(0, size[0], rows):
-        n = min(rows, size[0] - r)
-        chunk = torch.empty((n, *row_shape), dtype=dtype)
-        _pread_into(fd, chunk, first + r * row_bytes)
-        for dim in range(1, len(row_shape) + 1):
-            chunk = chunk.narrow(dim, start[dim], size[dim])
-        out[r:r + n].copy_(chunk)
-    return out, size[0] * row_bytes
+def block_of(t: torch.Tensor, start: tuple[int, ...], size: tuple[int, ...]) -> torch.Tensor:
+    """The block `start` .. `start + size` of `t` (a view)."""
+    return t[tuple(slice(a, a + n) for a, n in zip(start, size))]
 
 
 class SafetensorsWriter:

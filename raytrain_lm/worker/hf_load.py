@@ -3,12 +3,12 @@
 What a rank keeps is what its parts hold: a whole tensor where it is replicated (DDP, a
 pipeline stage's own layers), the rows or columns of its shard where FSDP or tensor parallelism
 splits it (a DTensor's local block, at the global offset DTensor itself computes:
-parallel/init.local_region). The folder is read shard file by shard file, each of this rank's
-blocks with positioned reads of its bytes only (store/safetensors_io.read_block: a block of rows
-in one read, a block of columns one read per row), in the file's dtype, then copied into the
-parameter's local storage. So a rank holds its share of the model plus one block in flight,
-never the whole model, and the ranks of a node together read the folder once (a replicated
-layout: once per replica, which holds it whole anyway).
+parallel/init.local_region). The folder is read shard file by shard file, mapped: each of this
+rank's blocks is a view of the file in its dtype (store/safetensors_io.MappedFile), copied into
+the parameter's local storage (converted on the way), and its pages released from the process
+once copied. So a rank holds its share of the model plus one block in flight, never the whole
+model, and reads only its blocks' pages: the ranks of a node together read the folder once (a
+replicated layout: once per replica, which holds it whole anyway).
 
 Names go through the family's adapter (models/hf.py: `hf_name`, one tensor at a time); a tensor
 the adapter calls not `sliceable` (a layout change, `from_hf_tensor`) is read whole, converted,
@@ -19,13 +19,13 @@ copy.
 torch.distributed.checkpoint's HuggingFaceStorageReader (what torchtitan loads Hub folders with)
 does the same slicing with `safe_open(...).get_slice` under dcp.load's global plan. Reading here
 keeps to the files the index names and the headers the driver checked (store/hf_folder.py), lets
-one tensor of the folder fill two of ours (a pipeline's tied pair), and maps no file: mapped
-pages count in a worker's resident memory until unmapped.
+one tensor of the folder fill two of ours (a pipeline's tied pair), converts while it copies
+(get_slice returns a copy in the file's dtype first), and releases each tensor's pages (a mapped
+file's touched pages count in a worker's resident memory until unmapped).
 """
 
 from __future__ import annotations
 
-import os
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -39,7 +39,7 @@ from raytrain_lm.models import hf_importer
 from raytrain_lm.models.family import ModelConfig
 from raytrain_lm.parallel.init import local_region
 from raytrain_lm.store import hf_folder
-from raytrain_lm.store.safetensors_io import TORCH_DTYPES, read_block
+from raytrain_lm.store.safetensors_io import TORCH_DTYPES, MappedFile, block_of
 
 
 @dataclass
@@ -92,29 +92,34 @@ def load_hf_weights(folder: str | Path, parts, m: ModelConfig,
     stats = LoadStats()
     files = hf_folder.weight_files(folder)
     for i, (file, items) in enumerate(sorted(by_file.items())):
-        fd = os.open(files[file], os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-        try:
+        with MappedFile(files[file]) as mapped:
             for name, info, t, sliceable in items:
-                local, offset = local_region(t)
-                if sliceable:  # this rank's block of ours is the same block of theirs
-                    block, read = read_block(fd, info, offset, tuple(local.shape))
-                else:  # read whole, convert, keep this rank's block
-                    whole, read = read_block(fd, info, (0,) * len(info.shape), info.shape)
-                    whole = adapter.from_hf_tensor(name, whole, m)
-                    if tuple(whole.shape) != tuple(t.shape):
-                        raise UserError(f"{where}: {info.file}'s {list(info.shape)} tensor "
-                                        f"does not fill the model's {name} {list(t.shape)}")
-                    block = whole[tuple(slice(o, o + n) for o, n in zip(offset, local.shape))]
-                # to the device in the file's dtype, converted there: a blocking copy_ from the
-                # host into another dtype on a GPU converts on the host first (a second, wider
-                # copy of the block in host memory)
-                local.copy_(block.to(local.device))
-                stats.bytes_read += read
+                stats.bytes_read += _fill(mapped, info, name, t, sliceable, adapter, m, where)
+                mapped.release(info)  # its pages leave this process once copied
                 stats.tensors += 1
-        finally:
-            os.close(fd)
         stats.files += 1
         if say:
             say(f"[init-from] {file}: {len(items)} tensors ({i + 1}/{len(by_file)} files)")
     stats.seconds = time.perf_counter() - started
     return stats
+
+
+def _fill(mapped: MappedFile, info, name: str, t: torch.Tensor, sliceable: bool, adapter,
+          m: ModelConfig, where: str) -> int:
+    """Copy this rank's block of the folder's tensor `info` into our tensor `t`; returns the
+    bytes of the file it read. (A function of its own: no view of the mapping outlives it.)"""
+    local, offset = local_region(t)
+    whole = mapped.tensor(info)
+    if sliceable:  # this rank's block of ours is the same block of theirs
+        block = block_of(whole, offset, tuple(local.shape))
+        read = block.numel() * block.element_size()
+    else:  # read whole, convert, keep this rank's block
+        converted = adapter.from_hf_tensor(name, whole.clone(), m)
+        if tuple(converted.shape) != tuple(t.shape):
+            raise UserError(f"{where}: {info.file}'s {list(info.shape)} tensor does not fill the "
+                            f"model's {name} {list(t.shape)}")
+        block, read = block_of(converted, offset, tuple(local.shape)), info.nbytes
+    # to the device in the file's dtype, converted there: a blocking copy_ from the host into
+    # another dtype on a GPU converts on the host first (a second, wider copy of the block)
+    local.copy_(block.to(local.device))
+    return read
