@@ -42,7 +42,7 @@ TRAIN_SETTINGS = ("use_gpu", "preset", "data", "max_steps", "batch_size", "seq_l
                   "grad_accum", "log_every", "log_seconds", "eval_every", "checkpoint_every",
                   "keep_checkpoints",
                   "checkpoint_upload", "max_failures", "max_preemptions", "resize_interval",
-                  "seed", "compile", "strategy", "tp", "pp", "microbatches", "pp_schedule",
+                  "seed", "compile", "strategy", "tp", "pp", "ep", "microbatches", "pp_schedule",
                   "virtual_stages", "layout", "gpus_per_node", "gpu_memory_gb",
                   "sequence_parallel", "activation_checkpointing", "precision", "name", "storage",
                   "address", "scale_timeout")

@@ -33,6 +33,12 @@ PRESETS: dict[str, dict[str, Any]] = {
     "llama-small": dict(model=dict(arch="llama", bias=False, block_size=512, n_layer=6, n_head=6,
                                    n_kv_head=2, n_embd=384, multiple_of=64),
                         batch_size=16, seq_len=256, lr=1e-3, warmup_steps=100),
+    # A mixture of experts for this machine: llama-tiny's attention, 4 experts of 256 hidden units
+    # per block, 2 per token: 1.84M parameters with bytes, 1.05M active (a Llama of ffn_dim 512,
+    # the two experts' units, has as many less the routers' 2,048: bench/moe.py's dense twin).
+    "moe-tiny": dict(model=dict(arch="moe", bias=False, block_size=256, n_layer=4, n_head=4,
+                                n_kv_head=2, n_embd=128, ffn_dim=256, n_experts=4, top_k=2),
+                     batch_size=16, seq_len=128, lr=3e-3, warmup_steps=30),
 }
 
 

@@ -10,8 +10,9 @@ from raytrain_lm.errors import UserError
 from raytrain_lm.models.family import Family, ModelConfig
 from raytrain_lm.models.gpt import GPTFamily
 from raytrain_lm.models.llama import LlamaFamily
+from raytrain_lm.models.moe import MoEFamily
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (GPTFamily(), LlamaFamily())}
+FAMILIES: dict[str, Family] = {f.name: f for f in (GPTFamily(), LlamaFamily(), MoEFamily())}
 
 
 def family(m: ModelConfig | str) -> Family:

@@ -37,7 +37,8 @@ class ModelConfig:
     # The Llama family (arch="llama", models/llama/): RMSNorm, rotary positions, SwiGLU,
     # grouped-query attention, no biases, an untied head. Ignored by the GPT.
     arch: str = setting("gpt", help="Architecture: gpt (GPT-2: LayerNorm, learned positions, GELU, "
-                        "tied embeddings) or llama (RMSNorm, RoPE, SwiGLU, GQA, untied head).")
+                        "tied embeddings), llama (RMSNorm, RoPE, SwiGLU, GQA, untied head) or moe "
+                        "(the llama with a mixture of experts in every block).")
     n_kv_head: Optional[int] = setting(None, help="llama: key/value heads (grouped-query attention; "
                                        "divides n_head) [default: n_head].")
     ffn_dim: Optional[int] = setting(None, help="llama: SwiGLU hidden size [default: Llama's rule, "
@@ -48,6 +49,17 @@ class ModelConfig:
                                "of this.")
     rope_theta: float = setting(10000.0, help="llama: rotary base (Llama 2: 10000, Llama 3: 500000).")
     norm_eps: float = setting(1e-5, help="llama: RMSNorm epsilon.")
+    # The mixture of experts (arch="moe", models/moe/): the Llama with every block's MLP a set of
+    # routed SwiGLU experts (each of ffn_dim hidden units). Ignored by the others.
+    n_experts: int = setting(0, help="moe: routed experts per block (2 or more).")
+    top_k: int = setting(2, help="moe: experts each token is sent to (Mixtral: 2 of 8).")
+    shared_ffn_dim: int = setting(0, help="moe: hidden size of a shared expert every token also "
+                                  "passes through (0: none).")
+    norm_top_k: bool = setting(True, help="moe: rescale each token's top-k routing weights to sum "
+                               "to 1 (Mixtral; Qwen3-MoE's norm_topk_prob).")
+    aux_loss_coef: float = setting(0.01, help="moe: weight of the load-balancing loss (Switch / "
+                                   "Mixtral form, 1.0 when balanced) added to the training loss.")
+    z_loss_coef: float = setting(0.0, help="moe: weight of the router z-loss (ST-MoE: 0.001; 0: off).")
 
     @property
     def kv_heads(self) -> int:
@@ -77,9 +89,12 @@ class ParamCounts:
 class TPPlan:
     """A block's linears by how tensor parallelism splits them (parallel/tp.py applies it):
     `colwise` by output features (whole heads, a slice of the MLP's hidden units), `rowwise` by
-    input features (their outputs all-reduced, or reduce-scattered over the sequence)."""
+    input features (their outputs all-reduced, or reduce-scattered over the sequence); `whole`
+    modules stay whole on every tp rank, their input gathered over the sequence and their output
+    sliced back to it under sequence parallelism (a mixture of experts)."""
     colwise: tuple[str, ...]
     rowwise: tuple[str, ...]
+    whole: tuple[str, ...] = ()
 
 
 class Family:
@@ -99,6 +114,7 @@ class Family:
     hf_model_types: tuple[str, ...] = ()  # the model_type of the Hugging Face folders it imports
     export_format: str = ""
     export_notes: dict[str, Any] = {}  # what a native export's config.json says of its layout
+    experts: Optional[str] = None  # a block's routed experts module, which expert parallelism splits
 
     def check(self, m: ModelConfig) -> None:
         """The family's own rules for its settings: one UserError line each."""
@@ -126,6 +142,14 @@ class Family:
     def lookup_params(self, m: ModelConfig) -> int:
         """Parameters read by lookup, not multiplied (position or token embeddings)."""
         raise NotImplementedError
+
+    def active_params(self, m: ModelConfig) -> int:
+        """Parameters a token passes through (a mixture of experts: k of its experts)."""
+        return self.counts(m).total
+
+    def expert_params(self, m: ModelConfig) -> int:
+        """A block's routed experts' parameters, which expert parallelism splits (none here)."""
+        return 0
 
     def matmul_params(self, m: ModelConfig) -> int:
         """The N of 6N FLOPs per token: the parameters used in matrix multiplies."""

@@ -10,6 +10,7 @@ import torch
 import torch.nn as nn
 
 from raytrain_lm.config.layout import Layout
+from raytrain_lm.parallel import ep
 
 # A Block returns (x, (k, v)) and k, v are views; FSDP2 warns about in-place ops on returned
 # views. Nothing writes into them (they are only the KV cache), so the warning is noise.
@@ -17,7 +18,8 @@ warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a vi
 
 
 def apply_dp(part: nn.Module, dp_mesh, layout: Layout, dtype: Optional[torch.dtype],
-             compile: bool = False, pipelined: bool = False, force: bool = False) -> nn.Module:
+             compile: bool = False, pipelined: bool = False, force: bool = False,
+             edp_mesh=None) -> nn.Module:
     """Shard (fsdp) or replicate (ddp) a model part over the "dp" mesh dim, in place, before its
     parameters are materialised. Both compose with tensor parallelism (the parameters are
     already DTensors on the tp dim) and with pipeline stages:
@@ -29,12 +31,18 @@ def apply_dp(part: nn.Module, dp_mesh, layout: Layout, dtype: Optional[torch.dty
       ddp:  the FSDP2-based `replicate` (unlike nn.parallel.DistributedDataParallel it takes
             DTensor parameters, and a pipeline stage knows to all-reduce its gradients after the
             last microbatch only). Plain DDP without tp or pp goes through Ray (parallel/ddp.py).
-    Both average the gradients over dp, so dp-sharded batches give the whole batch's gradient."""
+    Both average the gradients over dp, so dp-sharded batches give the whole batch's gradient.
+    With expert parallelism (`edp_mesh`: the dp ranks that hold the same experts), each block's
+    experts are sharded or replicated over edp first, as a group of their own (parallel/ep.py).
+    """
     if dp_mesh.size() == 1 and not force:  # (force: fully_shard on one rank, for checks)
         return part
+    experts = ep.experts_of(part, blocks(part)) if edp_mesh is not None else []
     if not layout.by_fsdp:
         from torch.distributed._composable.replicate_with_fsdp import replicate
 
+        for module in experts:
+            replicate(module, mesh=edp_mesh)
         replicate(part, mesh=dp_mesh)
         return part
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -48,6 +56,8 @@ def apply_dp(part: nn.Module, dp_mesh, layout: Layout, dtype: Optional[torch.dty
     if compile:
         for block in blocks(part):
             block.compile()  # per block, as torchtitan does: FSDP's hooks stay outside graphs
+    for module in experts:
+        fully_shard(module, **{**kwargs, "mesh": edp_mesh})
     for block in blocks(part):
         fully_shard(block, **kwargs)
     fully_shard(part, **kwargs)

@@ -1,0 +1,102 @@
+"""The mixture-of-experts family (Mixtral, Qwen3-MoE): the Llama with every block's MLP a set of
+routed SwiGLU experts (and optionally a shared one). What generic code asks of it; its decoder is
+moe.py.
+
+Counts: a block holds the Llama's attention and norms, a router (E x h), E experts of 3 h x f and
+a shared expert of 3 h x f_s; a token uses the router, k of the experts and the shared one, so the
+FLOPs per token count the active parameters (`matmul_params`), the memory all of them.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from raytrain_lm.errors import UserError
+from raytrain_lm.models.family import ModelConfig, ParamCounts, TPPlan
+from raytrain_lm.models.llama import LlamaFamily
+
+
+class MoEFamily(LlamaFamily):
+    name = "moe"
+    decoder = "raytrain_lm.models.moe.moe:MoE"
+    # tp splits the attention; the MoE layer is whole on every tp rank (its tokens replicated
+    # there), its experts split by expert parallelism instead (parallel/ep.py).
+    tp_plan = TPPlan(colwise=("attn.q_proj", "attn.k_proj", "attn.v_proj"), rowwise=("attn.o_proj",),
+                     whole=("mlp",))
+    experts = "mlp.experts"
+    defaults = {"arch": "moe", "bias": False, "n_experts": 8, "top_k": 2}
+    hf_adapter = None
+    hf_model_types = ()
+    export_format = "raytrain-lm/moe"
+
+    def check(self, m: ModelConfig) -> None:
+        super().check(m)
+        if m.n_experts < 2:
+            raise UserError(f"model.arch moe needs model.n_experts of 2 or more, got {m.n_experts} "
+                            f"(one expert is the llama: --arch llama)")
+        if not 1 <= m.top_k <= m.n_experts:
+            raise UserError(f"model.top_k ({m.top_k}) must be between 1 and model.n_experts "
+                            f"({m.n_experts}): each token goes to top_k different experts")
+        if m.shared_ffn_dim < 0:
+            raise UserError(f"model.shared_ffn_dim must be >= 0 (0: no shared expert), got "
+                            f"{m.shared_ffn_dim}")
+        for key in ("aux_loss_coef", "z_loss_coef"):
+            if getattr(m, key) < 0:
+                raise UserError(f"model.{key} must be >= 0, got {getattr(m, key)}")
+
+    def check_layout(self, m: ModelConfig, tp: int, ep: int = 1) -> Optional[str]:
+        problem = super().check_layout(m, tp)
+        if problem is None and m.n_experts % ep:
+            return (f"--ep {ep} must divide model.n_experts ({m.n_experts}): each expert-parallel "
+                    f"rank holds the same number of whole experts")
+        return problem
+
+    def expert_params(self, m: ModelConfig) -> int:
+        """A block's routed experts (what expert parallelism splits)."""
+        return m.n_experts * 3 * m.n_embd * self.hidden_dim(m)
+
+    def _dense(self, m: ModelConfig) -> int:
+        """A block's matrices outside the routed experts: attention, router, shared expert."""
+        h = m.n_embd
+        attention = 2 * h * h + 2 * h * m.kv_heads * m.head_dim
+        return attention + m.n_experts * h + 3 * h * m.shared_ffn_dim
+
+    def counts(self, m: ModelConfig) -> ParamCounts:
+        h, V = m.n_embd, m.vocab_size or 256
+        block = self._dense(m) + self.expert_params(m) + 2 * h
+        root = 2 * V * h + h
+        return ParamCounts(block, root, m.n_layer * block + root)
+
+    def active_params(self, m: ModelConfig) -> int:
+        return self.counts(m).total - m.n_layer * (m.n_experts - m.top_k) * 3 * m.n_embd * self.hidden_dim(m)
+
+    def matmul_params(self, m: ModelConfig) -> int:
+        """The active matrices: a token multiplies by k experts, not all of them."""
+        return self.active_params(m) - self.lookup_params(m)
+
+    def tp_counts(self, m: ModelConfig, tp: int) -> dict[str, float]:
+        h, V = m.n_embd, m.vocab_size or 256
+        attention = 2 * h * h + 2 * h * m.kv_heads * m.head_dim
+        block = attention / tp + (self._dense(m) - attention) + self.expert_params(m) + 2 * h
+        return {"block": block, "wte": V * h / tp, "wpe": 0, "ln_f": h, "head": V * h / tp}
+
+    def block_matmuls(self, m: ModelConfig) -> list[int]:
+        """By the FLOPs a token spends: the router, then k experts' three matrices (and the
+        shared expert's)."""
+        h, kv, f, k = m.n_embd, m.kv_heads * m.head_dim, self.hidden_dim(m), m.top_k
+        shared = [h * m.shared_ffn_dim] * 3 if m.shared_ffn_dim else []
+        return [h * h, h * kv, h * kv, h * h, m.n_experts * h, k * h * f, k * h * f, k * h * f, *shared]
+
+    def activation_split(self, m: ModelConfig, ac: str) -> tuple[float, float]:
+        """The attention's share as the Llama's (q, k, v and the attention output divide over
+        tp); the MoE layer's stays whole on every tp rank: its input, the router's logits and
+        probabilities (2E/h), and for each of the k copies of a token the dispatched input, the
+        gate, up, silu and product (4f/h) and the output (none: recomputed from the input, as
+        selective; op keeps the gate's output), with the shared expert's as a SwiGLU's."""
+        kv, f, k, E = 2 * m.kv_heads / m.n_head, self.hidden_dim(m) / m.n_embd, m.top_k, m.n_experts
+        fs = m.shared_ffn_dim / m.n_embd
+        moe = {"none": 1 + 2 * E / m.n_embd + k * (2 + 4 * f) + 4 * fs,
+               "selective": 1 + k * (1 + 2 * f) + 2 * fs,
+               "op": 1 + k * (1 + f) + fs}[ac]
+        attention = {"none": (3, 2 + kv), "selective": (2, 2 + kv), "op": (1, 2 + kv / 2)}[ac]
+        return attention[0] + moe, attention[1]
