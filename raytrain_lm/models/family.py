@@ -130,7 +130,8 @@ class Family:
             return (f"model.n_kv_head ({m.kv_heads}) must be divisible by --tp {tp}: each "
                     f"tensor-parallel rank holds whole key/value heads")
         if ep > 1:
-            return f"model.arch {self.name} has no experts to split over {ep} expert-parallel ranks"
+            return (f"--ep {ep} splits a mixture of experts (model.arch moe); model.arch "
+                    f"{self.name} has no experts: drop --ep")
         return None
 
     def hidden_dim(self, m: ModelConfig) -> int:
