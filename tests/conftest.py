@@ -402,14 +402,38 @@ class TrainedHere:
                         state=state, tokenizer_raw=self.tok.raw)
 
 
-@pytest.fixture(scope="session")
-def trained_here(tmp_path_factory) -> dict:
+class TrainedModels(dict):
     """{"byte": a byte model (vocabulary 256, biases), "bpe": a BPE model (1000 tokens padded to
-    1024, bias=False as the gpt2 preset), "llama": a Llama (2 kv heads) on the same BPE}."""
-    root = tmp_path_factory.mktemp("trained-here")
-    bpe = TrainedHere(root / "bpe", "bpe", 1000, bias=False)
-    return {"byte": TrainedHere(root / "byte", "byte", None, bias=True), "bpe": bpe,
-            "llama": TrainedHere(root / "llama", "bpe", 1000, bias=False, arch="llama", data=bpe.data)}
+    1024, bias=False as the gpt2 preset), "llama": a Llama (2 kv heads) on the same BPE}, each
+    trained the first time a test of this process asks for it (a module that needs one model
+    does not pay for three); items() trains them all."""
+
+    KINDS = ("byte", "bpe", "llama")
+
+    def __init__(self, root: Path):
+        super().__init__()
+        self.root = root
+
+    def __missing__(self, kind: str) -> TrainedHere:
+        if kind == "byte":
+            made = TrainedHere(self.root / "byte", "byte", None, bias=True)
+        elif kind == "bpe":
+            made = TrainedHere(self.root / "bpe", "bpe", 1000, bias=False)
+        elif kind == "llama":
+            made = TrainedHere(self.root / "llama", "bpe", 1000, bias=False, arch="llama",
+                               data=self["bpe"].data)
+        else:
+            raise KeyError(kind)
+        self[kind] = made
+        return made
+
+    def items(self):
+        return [(kind, self[kind]) for kind in self.KINDS]
+
+
+@pytest.fixture(scope="session")
+def trained_here(tmp_path_factory) -> TrainedModels:
+    return TrainedModels(tmp_path_factory.mktemp("trained-here"))
 
 
 def batches_as_read(cfg, dp_rank: int = 0, dp_size: int = 1):

@@ -11,7 +11,7 @@ for the run's folder, a `report` that uploads the checkpoint (through the loop's
 `checkpoint_upload_fn`) and sends rank 0's row to the driver side, and collectives over gloo.
 
 The driver side is the driver's own: the run's folder claimed and checked as `train` does, rows
-taken by `driver.Follower` (metrics.jsonl, summary.json, the caller's `on_metrics`), the best
+taken by `follower.Follower` (metrics.jsonl, summary.json, the caller's `on_metrics`), the best
 checkpoint kept by `callbacks.KeepBest`, old checkpoints removed as Ray's `num_to_keep` does.
 
 The ranks are forked from a fork server (a fresh Python process with the loop's modules imported
@@ -150,7 +150,8 @@ def run_local(cfg, *, resume: bool = False, init_from: Optional[str] = None, for
     from raytrain_lm.cluster.connect import free_port
     from raytrain_lm.errors import RunFailed
     from raytrain_lm.ray_compat.callbacks import KeepBest
-    from raytrain_lm.run.driver import Follower, loop_config, previous_summary, run_folder
+    from raytrain_lm.run.driver import loop_config, previous_summary, run_folder
+    from raytrain_lm.run.follower import Follower
     from raytrain_lm.run.preflight import check_init_from, prepare_data
     from raytrain_lm.store import files
     from raytrain_lm.store.claims import RunClaim
@@ -204,7 +205,7 @@ def run_local(cfg, *, resume: bool = False, init_from: Optional[str] = None, for
                         kept.append(got["checkpoint"])
                         while len(kept) > cfg.keep_checkpoints:  # Ray's num_to_keep
                             storage.storage_filesystem.delete_dir(kept.pop(0))
-                    follower._take(row, _NoTensorBoard())
+                    follower.take(row, _NoTensorBoard())
         finally:
             for p in ranks:
                 p.join(timeout=30 if error is None else 0.1)

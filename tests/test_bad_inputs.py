@@ -131,6 +131,17 @@ CASES = [
                                                           "but it is not a Ray cluster", setup="web-port"),
     Bad("prepare --address 127.0.0.1:{port}", "something listens at 127.0.0.1:{port} but it is "
                                               "not a Ray cluster", setup="web-port"),
+    # tracking and evaluation (issue 45) ------------------------------------------------------------
+    Bad("train --data {data} --track neptune", "--track must be one of mlflow, wandb, got 'neptune'"),
+    Bad("train --data {data} --track mlflow", "MLFLOW_TRACKING_URI=mlruns is a local folder, which "
+                                              "MLflow writes only with MLFLOW_ALLOW_FILE_STORE=true",
+        env={"MLFLOW_TRACKING_URI": "mlruns", "MLFLOW_ALLOW_FILE_STORE": ""}),
+    Bad("tune --resume --name s --track mlflow", "--resume continues the sweep as it was started; drop track"),
+    Bad("evaluate r --tasks hellaswag", "no run 'r' in runs"),
+    Bad("evaluate r --tasks ,", "--tasks needs at least one task name"),
+    Bad("evaluate r --tasks hellaswag --limit 0", "--limit must be positive, got 0.0"),
+    Bad("evaluate r --tasks hellaswag --include-path nowhere",
+        "--include-path nowhere: not a folder of task YAML files"),
 ]
 
 
@@ -166,7 +177,7 @@ def _checkpoint(tmp: Path) -> Path:
 
 def _rerecord(folder: Path) -> None:
     """Recompute rank 0's commit record, as whoever changed the files could."""
-    from raytrain_lm.store.storage import sha256_file
+    from raytrain_lm.store.digest import sha256_file
 
     record = json.loads((folder / "rank0.json").read_text())
     (folder / "rank0.json").write_text(json.dumps({rel: sha256_file(folder / rel) for rel in record}))

@@ -15,7 +15,7 @@ from raytrain_lm.config.load import build_config
 from raytrain_lm.errors import UserError
 from raytrain_lm.models.gpt.gpt import GPT
 from raytrain_lm.store.checkpoint_format import load_checkpoint, load_state, save_checkpoint
-from raytrain_lm.store.storage import sha256_file
+from raytrain_lm.store.digest import sha256_file
 from raytrain_lm.worker.checkpointer import restore_rng
 from raytrain_lm.worker.optim import build_optimizer
 from test_cli_errors import assert_clean_error

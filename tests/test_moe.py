@@ -171,7 +171,6 @@ def test_the_experts_initialise_by_rows_as_any_shard_does():
     (["--workers", "2", "--tp", "2", "--ep", "2"], "--ep 2 must divide the data-parallel size 1"),
     (["--set", "model.top_k=5"], "model.top_k (5) must be between 1 and model.n_experts (4)"),
     (["--set", "model.n_experts=1"], "model.arch moe needs model.n_experts of 2 or more"),
-    (["--workers", "2", "--ep", "2", "--strategy", "zero1"], "--strategy zero1 works with --tp 1 --pp 1 --ep 1"),
     (["--preset", "llama-tiny", "--workers", "2", "--ep", "2"],
      "--ep 2 splits a mixture of experts (model.arch moe); model.arch llama has no experts"),
 ])

@@ -21,7 +21,7 @@ GLOBAL_BATCH = 16
 MODEL = ["model.n_layer=2", "model.n_embd=64", "model.ffn_dim=64", "model.block_size=64"]
 LAYOUTS = {  # name: (workers, flags)
     "one": (1, {}),
-    "ep2": (2, dict(ep=2, strategy="fsdp")),  # every expert-parallel rank's experts, whole dp
+    "ep2": (2, dict(ep=2, strategy="zero1")),  # all of dp is one ep group (DeepSeek-V3's ZeRO-1)
     "fsdp2xep2": (4, dict(ep=2, strategy="fsdp")),  # experts sharded over the other 2 dp ranks
     "tp2xep2-sp": (4, dict(tp=2, ep=2, strategy="zero2", sequence_parallel=True)),
     "pp2xep2": (4, dict(pp=2, ep=2, strategy="ddp", pp_schedule="1f1b", microbatches=4)),

@@ -214,7 +214,7 @@ def test_a_run_stopped_by_a_full_disk_says_failed_in_its_summary(full_disk):
     on a full disk it stayed "running" while the run exited. It is overwritten in place instead
     (its blocks are there already), and no half-written temporary file is left."""
     from raytrain_lm.config.load import build_config
-    from raytrain_lm.run.driver import Follower
+    from raytrain_lm.run.follower import Follower
 
     cfg = build_config(flags={"name": "r", "storage": str(full_disk)})
     run = RunFolder(str(full_disk), "r")

@@ -39,11 +39,17 @@ def whole(pydoc_data, storage):
 
 def test_gradient_accumulation_gives_the_losses_of_the_whole_batch(whole, pydoc_data, storage):
     """--grad-accum 2 --batch-size 4 reads, per rank and step, the windows of --batch-size 8
-    (data/sampler.py), so the losses and updates are the same up to float rounding."""
-    halves, _ = train(pydoc_data, storage, "accum-2", max_steps=10, batch_size=4, grad_accum=2)
+    (data/sampler.py), so the losses and updates are the same up to float rounding. This run
+    makes a row every step (--log-every 1) and sends at steps 1 and 10 only (--log-seconds 1000):
+    rows 2-9 wait on the workers and travel with step 10's report, and metrics.jsonl and the
+    caller get every one of them."""
+    halves, rows = train(pydoc_data, storage, "accum-2", max_steps=10, batch_size=4, grad_accum=2,
+                         log_every=1, log_seconds=1000.0)
     assert whole.keys() == halves.keys() == set(range(1, 11))
     for s in whole:
         assert halves[s] == pytest.approx(whole[s], rel=1e-6)
+    assert [r["step"] for r in rows] == list(range(1, 11))
+    assert all(len(r["step_losses"]) == 1 and "earlier_rows" not in r for r in rows)
 
 
 def test_a_validation_split_smaller_than_one_batch_is_evaluated(pydoc_data, storage):

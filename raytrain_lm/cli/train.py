@@ -14,6 +14,7 @@ from raytrain_lm.cli.options import (
     JSON,
     QUIET,
     SET,
+    TRACK,
     VERBOSE,
     ConfigPath,
     SetList,
@@ -70,7 +71,9 @@ def workers_value(text: str):
                              "python cli.py train --workers 16 --use-gpu --preset llama3-8b --layout auto",
                              "python cli.py train --config best.yaml --set model.dropout=0.1",
                              "python cli.py train --config best.yaml --workers 8 --scale-lr sqrt",
-                             "python cli.py train --name my-run --resume"))
+                             "python cli.py train --name my-run --resume",
+                             "MLFLOW_TRACKING_URI=http://mlflow:5000 python cli.py train --track mlflow",
+                             "WANDB_PROJECT=lm python cli.py train --track wandb --track mlflow"))
 @settings(*TRAIN_SETTINGS)
 def train(
     settings: dict,
@@ -90,6 +93,7 @@ def train(
                                  "chosen at (ref_batch_tokens): none, linear or sqrt (recommended for AdamW)."),
     worker_env: SetList = typer.Option(None, "--worker-env", help="An environment variable of the "
                                        "worker processes, KEY=VALUE (e.g. NCCL_DEBUG=INFO); repeat for several."),
+    track: SetList = TRACK,
     verbose: bool = VERBOSE,
     quiet: bool = QUIET,
     as_json: bool = JSON,
@@ -115,13 +119,21 @@ def train(
     with only_json_on_stdout(as_json) as stdout:
         summary = run_training(cfg, resume=resume, init_from=str(init_from) if init_from else None,
                                verbose=verbose, force=force, say=say, on_metrics=show,
-                               worker_env=parse_env(worker_env or []))
+                               worker_env=parse_env(worker_env or []), track=track,
+                               figure=curves)
         if as_json:
             typer.echo(json.dumps({k: v for k, v in summary.items() if k != "config"}, indent=2),
                        file=stdout)
             return
     typer.echo(results_table(summary))
     typer.echo(f"results: {summary['run_dir']}/summary.json, metrics.jsonl")
+
+
+def curves(runs) -> bytes:
+    """The report's figure of `runs` (for the tracking runs: matplotlib imported only then)."""
+    from raytrain_lm.results.plots import plot_runs
+
+    return plot_runs(runs)
 
 
 def parse_env(items: list[str]) -> dict[str, str]:

@@ -32,9 +32,12 @@ DEFAULT_DASHBOARD_PORT = 8265  # the dashboard serves the jobs API
 DEFAULT_JOBS_ADDRESS = f"http://127.0.0.1:{DEFAULT_DASHBOARD_PORT}"
 # The job's cli.py where the package is installed without the project around it.
 CLI_SHIM = "from raytrain_lm.cli import main\n\nif __name__ == \"__main__\":\n    main()\n"
-# Forwarded to a job so that its driver and workers reach the same S3-compatible endpoint (no
-# secrets: credentials come from the cluster's own environment or instance role).
-FORWARDED_ENV = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_REGION", "AWS_DEFAULT_REGION")
+# Forwarded to a job so that its driver and workers reach the same S3-compatible endpoint, and its
+# driver the same tracking server, project and experiment (`train --track`). No secrets:
+# credentials come from the cluster's own environment, Secrets or instance role.
+FORWARDED_ENV = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_REGION", "AWS_DEFAULT_REGION",
+                 "MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_EXPERIMENT_ID",
+                 "WANDB_PROJECT", "WANDB_ENTITY", "WANDB_BASE_URL")
 
 Say = Callable[[str], None]
 

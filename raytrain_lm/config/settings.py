@@ -86,10 +86,11 @@ class TrainConfig:
                              "policy, other layouts by autocast.")
     compile: bool = setting(False, help="torch.compile the model.")
     strategy: str = setting("ddp", help="The data-parallel dimension: ddp (a full replica per "
-                            "data-parallel rank), zero1 (DDP with AdamW's states sharded over the "
-                            "ranks; --tp 1 --pp 1), zero2 (FSDP2 keeping the parameters gathered "
-                            "from forward to backward: gradients and optimizer states sharded) or "
-                            "fsdp (FSDP2: parameters, gradients and optimizer states sharded).")
+                            "data-parallel rank), zero1 (ZeRO-1: gradients reduce-scattered, "
+                            "parameters gathered once per step; --tp 1 --pp 1), zero2 (gathered "
+                            "once per micro-step, kept from forward to backward) or fsdp (gathered "
+                            "for each use); all three hold parameters, gradients and AdamW's "
+                            "states sharded over the ranks between steps (FSDP2).")
     tp: int = setting(1, help="Tensor-parallel degree: each layer's matrices split over this many "
                       "workers (keep it within a node).")
     pp: int = setting(1, help="Pipeline-parallel degree: the layers split into this many stages.")
@@ -119,12 +120,13 @@ class TrainConfig:
                                             "block from its input).")
     seed: int = setting(1337, help="Random seed.")
     # cadence
-    log_every: int = setting(0, help="Steps between metric reports, exactly; 0: paced by "
-                             "--log-seconds. A report is a barrier and waits for Ray's poll of "
-                             "the workers (every 0.5 s): reporting more often stalls training.")
-    log_seconds: float = setting(1.0, help="With --log-every 0: seconds between metric reports; "
-                                 "each report sets the step of the next from the measured step "
-                                 "time (the same on every rank).")
+    log_every: int = setting(0, help="Steps between metrics rows, exactly (1: every step); 0: a "
+                             "row per report. Rows are sent together about every --log-seconds, "
+                             "so metrics.jsonl has every one without a report per row (a barrier "
+                             "that waits for Ray's poll of the workers, every 0.5 s).")
+    log_seconds: float = setting(1.0, help="Seconds between metric reports; each report sets the "
+                                 "step of the next from the measured step time (the same on every "
+                                 "rank).")
     eval_every: int = setting(100, help="Steps between validations.")
     eval_windows: int = setting(256, help="Validation windows (the first ones of the split, the "
                                 "same whatever the worker count); 0: all of them.")

@@ -22,8 +22,9 @@ import pyarrow.fs as pafs
 from raytrain_lm.config.checks import MAX_VOCAB, is_plain_name
 from raytrain_lm.data.tokenizer import byte_tokenizer_json, check_spec, tokenizer_from_spec
 from raytrain_lm.errors import UserError
+from raytrain_lm.store.digest import sha256_file
 from raytrain_lm.store.files import MANIFEST, REMOTE_SOURCE
-from raytrain_lm.store.storage import is_remote, open_uri, sha256_file
+from raytrain_lm.store.storage import is_remote, open_uri
 
 TOKENS_FORMAT = "raytrain-lm-tokens/1"
 SPLITS = ("train", "val")

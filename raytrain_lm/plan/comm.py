@@ -39,18 +39,17 @@ class Comm:
 
 def dp_comm(p: dict[str, float], lay: Layout, cl: Cluster, stages: list[StageShape]) -> tuple[float, float]:
     """(gathers, gradient reduction) of the data-parallel dimension: ddp all-reduces the fp32
-    gradients; zero1 too, then each rank broadcasts the fp32 parameters it updated (an
-    all-gather's volume); zero2 gathers the parameters once per micro-step (kept through
-    backward); fsdp gathers the blocks in forward and again in backward; both reduce-scatter the
-    fp32 gradients once per step. Pipelined, FSDP2 gathers once per step."""
+    gradients; zero1 gathers the parameters once per step (kept through its micro-steps), zero2
+    once per micro-step (kept through backward); fsdp gathers the blocks in forward and again in
+    backward; all three reduce-scatter the fp32 gradients once per step (FSDP2, fsdp.apply_dp).
+    Pipelined, FSDP2 gathers once per step."""
     held = held_params(p, stages)
     if lay.dp == 1:
         return 0.0, 0.0
     g = cl.reduce_bytes
-    if not lay.sharded:  # DDP's all-reduce; a sharded optimizer broadcasts what it updated
-        params = ring_bytes("all_gather", lay.dp, 4 * held) if lay.broadcasts_params else 0.0
-        return params, ring_bytes("all_reduce", lay.dp, g * held)
-    if lay.pp > 1:
+    if not lay.sharded:  # DDP's all-reduce
+        return 0.0, ring_bytes("all_reduce", lay.dp, g * held)
+    if lay.pp > 1 or lay.gathers_once:
         gathered = held  # once, kept for every microbatch
     elif lay.keeps_gathered:
         gathered = lay.microbatches * held

@@ -92,7 +92,7 @@ def rank_step(lay: Layout, cl: Cluster, comm: Comm, compute: float, idle: float,
       gradient all-reduce after the last microbatch (in comm.pp beyond the sends).
     - dp without a pipeline: gathers and gradient reductions overlap the compute (FSDP2
       prefetches its gathers, DDP and FSDP2 reduce buckets or blocks during backward), up to the
-      compute time; zero1's parameter broadcast follows the optimizer step: all of it. With a
+      compute time. With a
       pipeline the gathers overlap, the reductions (after the last microbatch) do not; nor do
       they where the framework reduces after backward (Cluster.overlap_reduce False)."""
     t_tp = comm.tp / cl.bandwidth(lay.blocks["tp"])
@@ -106,9 +106,7 @@ def rank_step(lay: Layout, cl: Cluster, comm: Comm, compute: float, idle: float,
     gather = comm.dp_gather / cl.bandwidth(lay.blocks["dp"])
     reduce = comm.dp_reduce / cl.bandwidth(lay.blocks["dp"])
     if not cl.overlap_reduce:
-        exposed = reduce + (gather if lay.broadcasts_params else max(0.0, gather - compute))
-    elif lay.broadcasts_params:
-        exposed = gather + max(0.0, reduce - compute)
+        exposed = reduce + max(0.0, gather - compute)
     elif lay.pp > 1:
         exposed = max(0.0, gather - compute) + reduce
     else:

@@ -91,7 +91,7 @@ def gathered_bytes(p: dict[str, float], lay: Layout, cl: Cluster, stages: list[S
       the compute dtype and, with bf16/fp16 compute, its fp32 copy for the reduce-scatter (the
       sharded result is the gradient already counted), plus the head's unsharded gradient (it is
       computed first and reduced with the root group at the end);
-    - zero2 (reshard_after_forward=False), no pipeline: every parameter stays gathered from its
+    - zero1, zero2 (reshard_after_forward=False), no pipeline: every parameter stays gathered from its
       forward to its backward, so all the rank's parameters, plus the same gradients;
     - gradient accumulation (either): also every parameter's unsharded fp32 gradient, which
       FSDP2 keeps between micro-steps while gradient sync is off (ddp.no_sync);
@@ -120,7 +120,7 @@ def rank_memory(m: ModelConfig, lay: Layout, cl: Cluster, stages: list[StageShap
     p = family(m).tp_counts(m, lay.tp)
     held = held_params(p, stages)
     shard = lay.param_shards
-    # fp32 parameters and gradients (divided by dp under FSDP2: zero2 and fsdp shard both at
+    # fp32 parameters and gradients (divided by dp under FSDP2: zero1, zero2 and fsdp shard both at
     # rest), AdamW's two fp32 moments (divided by dp for all but ddp)
     return MemoryPlan(params=4 * held / shard, grads=4 * held / shard,
                       optimizer=8 * held / lay.optimizer_shards,

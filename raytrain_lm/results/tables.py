@@ -84,8 +84,24 @@ TABLE_KEYS = [
 
 def results_table(summary: dict[str, Any]) -> str:
     rows = [(label, _fmt_value(key, summary.get(key))) for key, label in TABLE_KEYS]
+    rows += eval_rows(summary.get("eval") or {})
     width = max(len(label) for label, _ in rows)
     return "\n".join(f"  {label:<{width}}  {value}" for label, value in rows)
+
+
+def eval_rows(evals: dict[str, dict]) -> list[tuple[str, str]]:
+    """`evaluate`'s scores (summary.json's `eval`): one row per task and metric, with its
+    standard error where lm-eval gave one, and the step evaluated."""
+    rows = []
+    for task, metrics in sorted(evals.items()):
+        for name, value in metrics.items():
+            if name == "step" or name.endswith("_stderr") or not isinstance(value, (int, float)):
+                continue
+            err = metrics.get(f"{name}_stderr")
+            text = f"{value:.4f}" + (f" ± {err:.4f}" if isinstance(err, (int, float)) else "")
+            step = metrics.get("step")
+            rows.append((f"{task} {name}", text + (f" (step {step})" if step is not None else "")))
+    return rows
 
 
 def compare_table(summaries: list[dict[str, Any]]) -> str:

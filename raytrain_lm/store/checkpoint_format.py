@@ -31,8 +31,8 @@ import numpy as np
 import torch
 
 from raytrain_lm.errors import UserError
+from raytrain_lm.store.digest import sha256_file
 from raytrain_lm.store.files import DCP_DIR, META, STATE, TOKENIZER, rank_record, rng_file
-from raytrain_lm.store.storage import sha256_file
 
 # 2: a global data position (data/sampler.py), RNG states as tensors and plain data (loadable with
 #    weights_only), the validation loss in meta.json.
