@@ -66,6 +66,24 @@ def batch_stream(cfg, rank: int = 0, world: int = 1):
                        lambda b: DataLoader(windows, batch_sampler=b, collate_fn=collate_windows))
 
 
+def val_loss(model, cfg) -> float:
+    """Mean loss per token over the first cfg.eval_windows windows of the validation split."""
+    import torch
+
+    from raytrain_lm.data.windows import TokenWindows, collate_windows
+
+    windows = TokenWindows(cfg.data, "val", cfg.seq_len)
+    n = min(len(windows), cfg.eval_windows)
+    total = 0.0
+    model.eval()
+    with torch.no_grad():
+        for start in range(0, n, cfg.batch_size):
+            x, y = collate_windows([windows[i] for i in range(start, min(n, start + cfg.batch_size))])
+            total += model(x, y)[1].item() * len(x)
+    model.train()
+    return total / n
+
+
 class OpTimes:
     """Seconds of every op run inside it, by where it ran: "dispatch" (a MoE layer outside its
     experts and shared expert), "experts", "shared", "other"."""
@@ -113,8 +131,6 @@ def where(parents) -> str:
 def dense_part(args, data: str) -> dict:
     import torch
 
-    from raytrain_lm.data.loaders import Validation
-    from raytrain_lm.data.tokenizer import ByteTokenizer
     from raytrain_lm.models import family
     from raytrain_lm.worker.step import TrainStep
 
@@ -134,7 +150,7 @@ def dense_part(args, data: str) -> dict:
             run["losses"].append(float(torch.stack(losses).mean()))
     out = {}
     for name, run in runs.items():
-        val, _ = run["step"].evaluate(Validation(run["cfg"], 0, 1, ByteTokenizer().text_byte_lengths()))
+        val = val_loss(run["step"].parts[0], run["cfg"])
         m = run["cfg"].model
         tps = sorted(run["blocks"][1:])  # the first block warms up
         out[name] = {"parameters": family(m).counts(m).total, "active": family(m).active_params(m),

@@ -34,7 +34,7 @@ from raytrain_lm.config.settings import TrainConfig
 from raytrain_lm.models import build_model, decoder_class
 from raytrain_lm.parallel import ddp, ep, fsdp
 from raytrain_lm.parallel.ac import apply_activation_checkpointing
-from raytrain_lm.parallel.mesh import build_mesh, is_distributed
+from raytrain_lm.parallel.mesh import build_mesh, dim_mesh, is_distributed
 
 
 def parallelize(cfg: TrainConfig, device: torch.device, dtype: Optional[torch.dtype] = None,
@@ -105,7 +105,7 @@ class Built:
             experts = self.layout.ep > 1
             if experts:
                 ep.apply_ep(part, self.mesh["ep"], fsdp.blocks(part))
-            fsdp.apply_dp(part, self.mesh["dp"], self.layout, self.dtype, compile=cfg.compile,
+            fsdp.apply_dp(part, dim_mesh(self.mesh, "dp"), self.layout, self.dtype, compile=cfg.compile,
                           pipelined=self.pp_on, force=self.force_fsdp,
                           edp_mesh=self.mesh["edp"] if experts else None)
             materialize_(part, cfg.model, cfg.seed, self.device)

@@ -48,11 +48,18 @@ def build_mesh(device: torch.device, layout: Layout):
     if dist.get_world_size() != layout.gpus:
         raise ValueError(f"{dist.get_world_size()} workers are not the layout's {layout.gpus}")
     mesh = init_device_mesh(device.type, tuple(shape.values()), mesh_dim_names=tuple(shape))
-    if "edp" in shape:
-        mesh["edp", "ep"]._flatten("dp")
     for dim in layout.mesh_dims:
-        match_world_timeout(mesh[dim].get_group())
+        match_world_timeout(dim_mesh(mesh, dim).get_group())
     return mesh
+
+
+def dim_mesh(mesh, dim: str):
+    """The mesh of one named dim: the root's, or "dp" flattened from edp x ep under expert
+    parallelism (torch deprecates slicing a flattened dim from the root; flattening again
+    returns the same mesh and groups)."""
+    if dim == "dp" and "edp" in mesh.mesh_dim_names:
+        return mesh["edp", "ep"]._flatten("dp")
+    return mesh[dim]
 
 
 def world_timeout():

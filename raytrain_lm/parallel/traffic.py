@@ -26,6 +26,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from raytrain_lm.parallel.mesh import dim_mesh
+
 _FUNCOL = ("_c10d_functional", "_c10d_functional_autograd")
 
 
@@ -59,8 +61,8 @@ class CommCounter(TorchDispatchMode):
         self.a2a_names = {}  # ... for all-to-alls
         self.dims = (dims or tuple(mesh.mesh_dim_names)) if mesh is not None else ()
         for dim in self.dims:
-            if mesh[dim].size() > 1:
-                ranks = tuple(dist.get_process_group_ranks(mesh[dim].get_group()))
+            if dim_mesh(mesh, dim).size() > 1:
+                ranks = tuple(dist.get_process_group_ranks(dim_mesh(mesh, dim).get_group()))
                 (self.a2a_names if dim == "ep" else self.names)[ranks] = dim
         # (dim, op) -> {"calls", "payload", "wire", "recv", "max" (largest payload of one call)}
         self.stats = defaultdict(lambda: defaultdict(int))
