@@ -142,6 +142,18 @@ CASES = [
     Bad("evaluate r --tasks hellaswag --limit 0", "--limit must be positive, got 0.0"),
     Bad("evaluate r --tasks hellaswag --include-path nowhere",
         "--include-path nowhere: not a folder of task YAML files"),
+    # a mixture of experts and expert parallelism (issue 43) ------------------------------------
+    Bad("train --data {data} --preset moe-tiny --ep 3", "--ep 3 must divide model.n_experts (4): each "
+                                                        "expert-parallel rank holds the same number of whole experts"),
+    Bad("train --data {data} --preset moe-tiny --workers 6 --ep 4",
+        "--ep 4 must divide the data-parallel size 6: expert parallelism splits the data-parallel ranks"),
+    Bad("train --data {data} --preset moe-tiny --tp 2 --ep 2", "--ep 2 must divide the data-parallel size 1"),
+    Bad("train --data {data} --preset moe-tiny --set model.top_k=5",
+        "model.top_k (5) must be between 1 and model.n_experts (4)"),
+    Bad("train --data {data} --preset moe-tiny --set model.n_experts=1",
+        "model.arch moe needs model.n_experts of 2 or more, got 1 (one expert is the llama: --arch llama)"),
+    Bad("train --data {data} --preset llama-tiny --ep 2",
+        "--ep 2 splits a mixture of experts (model.arch moe); model.arch llama has no experts: drop --ep"),
 ]
 
 

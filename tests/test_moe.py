@@ -1,19 +1,17 @@
 """The mixture of experts (models/moe/) in one process: the layer against a token-by-token
 reference, the grouped matmul against the loop, the balance loss (its value, its layout
 independence, trained on but not reported), the family's counts, the expert-parallel
-permutation, the 3-D initialisation and the bad inputs. No Ray (the layouts:
-test_moe_parallel.py)."""
+permutation and the 3-D initialisation. No Ray (the layouts: test_moe_parallel.py; the bad
+inputs: test_bad_inputs.py)."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import cli_here
 from raytrain_lm.config.presets import preset_config
 from raytrain_lm.models import build_model, family
 from raytrain_lm.models.family import ModelConfig
 from raytrain_lm.models.moe.moe import MoELayer, expert_ffn, grouped_mm_suits
-from test_cli_errors import assert_clean_error
 
 # 2 layers, 4 experts of 48 units, 2 per token, a shared expert of 32.
 SMALL = ModelConfig(arch="moe", bias=False, vocab_size=96, block_size=32, n_layer=2, n_head=4,
@@ -163,19 +161,3 @@ def test_the_experts_initialise_by_rows_as_any_shard_does():
     init_region_(full, "h.0.mlp.experts.up_proj", ("normal", 0.02), full.shape, (0, 0, 0), seed=7)
     init_region_(part, "h.0.mlp.experts.up_proj", ("normal", 0.02), full.shape, (2, 0, 0), seed=7)
     assert torch.equal(full[2:], part)
-
-
-@pytest.mark.parametrize("args,expected", [
-    (["--workers", "2", "--ep", "3"], "--ep 3 must divide model.n_experts (4)"),
-    (["--workers", "6", "--ep", "4"], "--ep 4 must divide the data-parallel size 6"),
-    (["--workers", "2", "--tp", "2", "--ep", "2"], "--ep 2 must divide the data-parallel size 1"),
-    (["--set", "model.top_k=5"], "model.top_k (5) must be between 1 and model.n_experts (4)"),
-    (["--set", "model.n_experts=1"], "model.arch moe needs model.n_experts of 2 or more"),
-    (["--preset", "llama-tiny", "--workers", "2", "--ep", "2"],
-     "--ep 2 splits a mixture of experts (model.arch moe); model.arch llama has no experts"),
-])
-def test_bad_moe_inputs_are_refused_in_one_line(tmp_path, args, expected):
-    args = args if "--preset" in args else ["--preset", "moe-tiny", *args]
-    result = cli_here("train", "--storage", str(tmp_path / "runs"), *args)
-    assert_clean_error(result, expected)
-    assert not (tmp_path / "runs").exists()
