@@ -18,7 +18,8 @@ Dispatch share (both parts): the ops of a few steps timed one by one (a TorchDis
 are synchronous) and attributed to the module running them, forward and backward
 (torch.distributed._tools.mod_tracker.ModTracker): the share of the op time spent in the MoE
 layers outside the experts' and the shared expert's matmuls (the router, top-k, the sort,
-gathers and scatters, the all-to-alls). Op time leaves out Python between ops.
+gathers and scatters, the all-to-alls), per step, the median over --profile-steps steps. Op time
+leaves out Python between ops.
 
     PYTHONPATH=. python bench/moe.py [--parts dense,ep] --out bench/results/moe.json
 """
@@ -94,6 +95,7 @@ class OpTimes:
         from torch.utils._python_dispatch import TorchDispatchMode
 
         times = self.seconds = defaultdict(float)
+        self.steps: list[dict] = []
         tracker = self.tracker = ModTracker()
 
         class Mode(TorchDispatchMode):
@@ -114,9 +116,17 @@ class OpTimes:
         self.mode.__exit__(*exc)
         self.tracker.__exit__(*exc)
 
-    def share(self) -> dict:
+    def step(self) -> None:
+        """The op time since the last call is one step's."""
         total = sum(self.seconds.values())
-        return {k: v / total for k, v in sorted(self.seconds.items())}
+        self.steps.append({k: v / total for k, v in self.seconds.items()})
+        self.seconds.clear()
+
+    def share(self) -> dict:
+        """The median over the steps of each place's share of the step's op time (a median: on a
+        loaded machine an op the OS preempts takes the preemption's time)."""
+        return {k: statistics.median(s.get(k, 0.0) for s in self.steps)
+                for k in sorted({k for s in self.steps for k in s})}
 
 
 def where(parents) -> str:
@@ -160,6 +170,7 @@ def dense_part(args, data: str) -> dict:
     with OpTimes() as times:
         for _ in range(args.profile_steps):
             runs["moe-tiny"]["step"](runs["moe-tiny"]["batches"], args.lr)
+            times.step()
     out["moe-tiny"]["op_share"] = times.share()
     return out
 
@@ -193,6 +204,7 @@ def ep_rank(rank: int, args, data: str, port: int, results) -> None:
         with OpTimes() as times:
             for _ in range(args.profile_steps):
                 arm["step"](arm["batches"], args.lr)
+                times.step()
         secs = sorted(arm["blocks"][1:])
         out[name] = {"step_s_median": statistics.median(secs), "step_s_min": secs[0],
                      "step_s_max": secs[-1], "comm_bytes": arm["step"].comm_bytes,
@@ -219,7 +231,7 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=200, help="dense: steps per model (equal tokens).")
     p.add_argument("--ep-steps", type=int, default=60, help="ep: steps per arm.")
     p.add_argument("--block", type=int, default=10, help="Steps per timed block (alternating).")
-    p.add_argument("--profile-steps", type=int, default=3, help="Steps whose ops are timed.")
+    p.add_argument("--profile-steps", type=int, default=9, help="Steps whose ops are timed.")
     p.add_argument("--batch-size", type=int, default=16, help="Sequences per step (all ranks).")
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--lr", type=float, default=3e-3)
