@@ -67,6 +67,8 @@ CASES = [
                                                      "beta1 must be in [0, 1)"),
     Bad("plan --gpu-memory-gb nan", "--gpu-memory-gb must be positive and finite, got nan"),
     Bad("plan --gpu-tflops inf", "--gpu-tflops must be positive and finite, got inf"),
+    Bad("plan --gpu h300", "--gpu must be one of h100-sxm, h100-sxm-96gb-500w"),
+    Bad("plan --hbm-tbps 0", "--hbm-tbps must be positive and finite, got 0"),
     Bad("prepare --tokenizer bpe --tokenizer-sample-mb inf",
         "--tokenizer-sample-mb must be positive and finite, got inf"),
     # sizes from input that drive allocation -------------------------------------------- item 9

@@ -14,7 +14,7 @@ from raytrain_lm.config.inputs import WorkerInputs
 from raytrain_lm.config.settings import TrainConfig
 from raytrain_lm.config.sizes import is_elastic, sizes_line
 from raytrain_lm.errors import RunFailed, UserError, last_line
-from raytrain_lm.plan.auto import auto_cluster, choose_layout, cluster_shape
+from raytrain_lm.plan.auto import auto_cluster, choose_layout, cluster_kind, cluster_shape
 from raytrain_lm.plan.fit import check_memory
 from raytrain_lm.ray_compat.polls import Polls
 from raytrain_lm.run.cpus import OMP_ENV, decide, idle_line, machine_cores
@@ -205,12 +205,14 @@ def auto_layout(cfg: TrainConfig, say: Callable[[str], None]) -> None:
     and train with it (cfg changed in place; the run's saved config records the choice)."""
     import ray
 
-    per_node, memory = cluster_shape(cfg, ray.nodes(), worker_memory_gb(cfg))
-    best, why = choose_layout(cfg, auto_cluster(cfg, per_node, memory))
+    nodes = ray.nodes()
+    per_node, memory = cluster_shape(cfg, nodes, worker_memory_gb(cfg))
+    kind = cluster_kind(nodes, memory) if cfg.use_gpu else None
+    best, why = choose_layout(cfg, auto_cluster(cfg, per_node, memory, kind))
     best.layout.apply(cfg)
     validate(cfg)
-    say(f"layout auto: {best.layout.flags()} (~{best.memory.total / 2**30:.1f} GiB per worker of "
-        f"{memory:g}); {why}")
+    say(f"layout auto: {best.layout.flags()} (~{best.reserved / 2**30:.1f} GiB per worker of "
+        f"{memory:g}{', ' + kind if kind else ''}); {why}")
 
 
 def run_folder(cfg: TrainConfig, resume: bool) -> RunFolder:
