@@ -156,6 +156,8 @@ CASES = [
         "model.arch moe needs model.n_experts of 2 or more, got 1 (one expert is the llama: --arch llama)"),
     Bad("train --data {data} --preset llama-tiny --ep 2",
         "--ep 2 splits a mixture of experts (model.arch moe); model.arch llama has no experts: drop --ep"),
+    Bad("plan --preset mixtral-8x7b --gpus 16 --ep 3", "--ep 3 must divide model.n_experts (8)"),
+    Bad("plan --preset llama3-8b --gpus 16 --ep 2", "--ep 2 splits a mixture of experts (model.arch moe)"),
 ]
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import cli_here
 from raytrain_lm.config.presets import preset_config
 from raytrain_lm.models import build_model, family
 from raytrain_lm.models.family import ModelConfig
@@ -161,3 +162,71 @@ def test_the_experts_initialise_by_rows_as_any_shard_does():
     init_region_(full, "h.0.mlp.experts.up_proj", ("normal", 0.02), full.shape, (0, 0, 0), seed=7)
     init_region_(part, "h.0.mlp.experts.up_proj", ("normal", 0.02), full.shape, (2, 0, 0), seed=7)
     assert torch.equal(full[2:], part)
+
+
+# ---------------------------------------------------------------- the planner
+
+@pytest.mark.parametrize("preset,total,active", [("mixtral-8x7b", 46.7e9, 12.9e9),
+                                                 ("mixtral-8x22b", 141e9, 39e9)])
+def test_released_moe_presets_have_the_published_counts(preset, total, active):
+    """Mistral's published totals and active parameters (46.7B / 12.9B, 141B / 39B), within
+    0.5%, as the meta-built model and the planner count them."""
+    m = preset_config(preset).model
+    with torch.device("meta"):
+        model = build_model(m)
+    assert model.num_params() == family(m).counts(m).total == pytest.approx(total, rel=0.005)
+    assert family(m).active_params(m) == pytest.approx(active, rel=0.005)
+
+
+def small_moe_plan(ep: int, strategy: str, ac: str = "none"):
+    from raytrain_lm.config.layout import Layout
+    from raytrain_lm.plan.estimate import estimate_layout
+    from raytrain_lm.plan.hardware import Cluster
+
+    m = ModelConfig(**{**vars(SMALL), "shared_ffn_dim": 0})
+    lay = Layout(dp=8, tp=1, pp=1, strategy=strategy, ac=ac, sp=False, schedule="-", micro_batch=2,
+                 microbatches=1, seq_len=32, ep=ep)
+    return m, lay, estimate_layout(m, lay, Cluster(gpus=8, gpus_per_node=8, precision="bf16"))
+
+
+def test_the_plan_holds_the_experts_over_ep_and_counts_the_all_to_alls():
+    """DDP keeps every parameter whole but the experts, split over ep (4 bytes x 3/4 of them
+    fewer at ep 4); FSDP spreads all of them over dp whatever ep (the experts over ep x edp),
+    and gathers only a rank's E/ep experts of a block. The all-to-alls: dispatch and combine,
+    forward and backward, per MoE layer and micro-batch, b s k h values of 2 bytes, (ep-1)/ep
+    of them leaving the GPU; 6 per layer where full checkpointing reruns the forward."""
+    m, _, one = small_moe_plan(1, "ddp")
+    _, lay, four = small_moe_plan(4, "ddp")
+    experts = m.n_layer * family(m).expert_params(m)
+    assert one.memory.params - four.memory.params == pytest.approx(4 * experts * 3 / 4)
+    assert one.comm.ep == 0
+    one_call = 2 * 32 * m.top_k * m.n_embd * 2 * 3 / 4
+    assert four.comm.ep == pytest.approx(m.n_layer * 4 * one_call)
+    assert small_moe_plan(4, "ddp", "full")[2].comm.ep == pytest.approx(m.n_layer * 6 * one_call)
+    _, _, sharded1 = small_moe_plan(1, "fsdp")
+    _, _, sharded4 = small_moe_plan(4, "fsdp")
+    assert sharded1.memory.params == pytest.approx(sharded4.memory.params)
+    # per gathered block element: two blocks in bf16 (4 bytes), one's bf16 gradient and its fp32
+    # copy for the reduce-scatter (2 + 4); E/ep of the experts of each
+    assert sharded1.memory.gathered - sharded4.memory.gathered == pytest.approx(
+        10 * family(m).expert_params(m) * 3 / 4)
+
+
+def test_plan_prints_total_and_active_parameters_and_ranks_ep_layouts():
+    """`plan --preset mixtral-8x7b` says 46.7B parameters, 12.9B active, and ranks its layouts
+    with an ep column and their all-to-all GB; on 16 H100s the fastest (what --layout auto
+    trains) splits the experts over a node's 8 GPUs."""
+    from raytrain_lm.config.load import build_config
+    from raytrain_lm.plan.auto import choose_layout
+    from raytrain_lm.plan.kinds import kind_cluster
+
+    out = cli_here("plan", "--preset", "mixtral-8x7b", "--gpus", "16", "--tp", "1", "--pp", "1")
+    assert out.returncode == 0, out.stderr
+    assert "46,702,792,704 parameters (46.70B), 12,879,925,248 active per token (12.88B" in out.stdout
+    header = next(line for line in out.stdout.splitlines() if line.lstrip().startswith("#"))
+    assert " ep " in header and "ep GB" in header and "--ep " in out.stdout
+    cfg = build_config(preset="mixtral-8x7b", flags=dict(workers=16, use_gpu=True, batch_size=1))
+    best, why = choose_layout(cfg, kind_cluster("h100-sxm", 16, memory_gb=80, gpu=True, precision="bf16"))
+    assert best.layout.ep == 8 and "EP 8 inside a node" in why
+    best.layout.apply(cfg)
+    assert cfg.ep == 8 and "--ep 8" in best.layout.flags()

@@ -215,6 +215,9 @@ def plan(
                                                   "power-capped part]."),
     tp: Optional[int] = typer.Option(None, help="Only layouts with this tensor-parallel degree."),
     pp: Optional[int] = typer.Option(None, help="Only layouts with this many pipeline stages."),
+    ep: Optional[int] = typer.Option(None, help="A mixture of experts: only layouts with this "
+                                     "expert-parallel degree [default: every one that divides the "
+                                     "data-parallel size and the experts]."),
     strategy: Optional[str] = typer.Option(None, help="Only layouts whose data-parallel dimension is "
                                            "this: ddp, zero1, zero2 or fsdp."),
     virtual_stages: Optional[int] = typer.Option(None, help="Only pipelines of interleaved-1f1b "
@@ -249,4 +252,4 @@ def plan(
     cfg = build_config(preset=preset, sets=set_, flags={**settings, "workers": gpus, "model": model})
     typer.echo(plan_command(cfg, cluster, tp=tp, pp=pp, strategy=strategy, top=top,
                             show_all=show_all, as_json=as_json, global_batch=global_batch,
-                            virtual_stages=virtual_stages, explain=explain))
+                            virtual_stages=virtual_stages, explain=explain, ep=ep))

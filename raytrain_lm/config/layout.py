@@ -337,4 +337,4 @@ class Layout:
     @property
     def blocks(self) -> dict[str, int]:
         """Each dimension's groups as aligned blocks of consecutive ranks (parallel/mesh.py)."""
-        return {"tp": self.tp, "dp": self.dp * self.tp, "pp": self.gpus}
+        return {"tp": self.tp, "dp": self.dp * self.tp, "ep": self.ep * self.tp, "pp": self.gpus}

@@ -69,6 +69,25 @@ PRESETS.update({
 })
 
 
+def _moe(vocab, context, layers, heads, kv_heads, width, ffn, experts, top_k, theta, **train):
+    return dict(model=dict(arch="moe", bias=False, vocab_size=vocab, block_size=context,
+                           n_layer=layers, n_head=heads, n_kv_head=kv_heads, n_embd=width,
+                           ffn_dim=ffn, n_experts=experts, top_k=top_k, rope_theta=theta),
+                batch_size=1, seq_len=min(context, 4096), warmup_steps=2000, strategy="fsdp",
+                activation_checkpointing="full", **train)
+
+
+# Released mixtures of experts, for `plan`: the values of their config.json (hidden_size,
+# intermediate_size per expert, heads, key/value heads, layers, num_local_experts,
+# num_experts_per_tok, vocabulary, rope_theta, max_position_embeddings), planned at 4096 tokens.
+# Counts (tests/test_moe.py): Mixtral 8x7B 46,702,792,704 with 12,879,925,248 active (Mistral's
+# 46.7B / 12.9B), Mixtral 8x22B 140,630,071,296 with 39,161,468,928 (141B / 39B).
+PRESETS.update({
+    "mixtral-8x7b": _moe(32000, 32768, 32, 32, 8, 4096, 14336, 8, 2, 1e6, lr=3e-4),
+    "mixtral-8x22b": _moe(32768, 65536, 56, 48, 8, 6144, 16384, 8, 2, 1e6, lr=3e-4),
+})
+
+
 def preset_config(name: str) -> TrainConfig:
     if name not in PRESETS:
         raise UserError(f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)}")

@@ -148,6 +148,10 @@ class Family:
         """Parameters a token passes through (a mixture of experts: k of its experts)."""
         return self.counts(m).total
 
+    def active_block(self, m: ModelConfig) -> int:
+        """A block's parameters a token passes through (the planner's FLOPs per block)."""
+        return self.counts(m).block
+
     def expert_params(self, m: ModelConfig) -> int:
         """A block's routed experts' parameters, which expert parallelism splits (none here)."""
         return 0

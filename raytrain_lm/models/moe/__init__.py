@@ -67,8 +67,27 @@ class MoEFamily(LlamaFamily):
         root = 2 * V * h + h
         return ParamCounts(block, root, m.n_layer * block + root)
 
+    def active_block(self, m: ModelConfig) -> int:
+        return self.counts(m).block - (m.n_experts - m.top_k) * 3 * m.n_embd * self.hidden_dim(m)
+
     def active_params(self, m: ModelConfig) -> int:
-        return self.counts(m).total - m.n_layer * (m.n_experts - m.top_k) * 3 * m.n_embd * self.hidden_dim(m)
+        counts = self.counts(m)
+        return counts.total - m.n_layer * (counts.block - self.active_block(m))
+
+    def fused_mlp_unsaved(self, m: ModelConfig) -> float:
+        """None: the planner's fused-MLP saving is the Llama's dense SwiGLU's (its MoE layer
+        runs its own kernels, models/moe/moe.py)."""
+        return 0.0
+
+    def kernel_bytes(self, m: ModelConfig, kernels: str) -> tuple[tuple[float, float], tuple[float, float]]:
+        """The Llama's attention, norms and residual adds; the MoE layer, whole on every tp rank:
+        k SwiGLUs of f (the Llama's per SwiGLU) and the shared one, the dispatch's gather and the
+        combine's scatter of k copies (2 k h each way) and the router's softmax (E)."""
+        (wf, wb), (sf, sb) = super().kernel_bytes(m, "eager" if kernels == "eager" else "fused")
+        f, fs, k, h = self.hidden_dim(m), m.shared_ffn_dim, m.top_k, m.n_embd
+        glu = (5, 8) if kernels == "eager" else (3, 5)
+        moe = [glu[i] * (k * f + fs) + 2 * k * h + 2 * m.n_experts for i in range(2)]
+        return (wf + moe[0], wb + moe[1]), (sf - glu[0] * f, sb - glu[1] * f)
 
     def matmul_params(self, m: ModelConfig) -> int:
         """The active matrices: a token multiplies by k experts, not all of them."""
