@@ -322,12 +322,6 @@ class Layout:
         """Every dim a part of the model is placed on: the mesh's, and "dp" where it is flattened."""
         return tuple(self.mesh_shape) + (("dp",) if self.ep > 1 else ())
 
-    @property
-    def expert_shards(self) -> int:
-        """Ranks each routed expert's parameters are spread over at rest: ep, times the rest of
-        dp (edp) where FSDP2 shards."""
-        return self.ep * (self.dp // self.ep if self.sharded else 1)
-
     def coords(self, rank: int) -> Coords:
         """Where `rank` sits in the mesh, row-major over mesh_shape (tp innermost), without
         building it (data sharding, seeds, logs)."""
