@@ -469,10 +469,12 @@ def validation_as_read(cfg, byte_lengths):
 LLAMA_SETTINGS = ["model.arch=llama", "model.bias=false", "model.n_kv_head=2", "model.multiple_of=32"]
 
 
-def save_hf_llama(folder: Path, m, tokenizer_json: bytes, seed: int = 0):
+def save_hf_llama(folder: Path, m, tokenizer_json: bytes, seed: int = 0, tied: bool = False):
     """A LlamaForCausalLM of `m`'s shape (a ModelConfig) with transformers' own random init,
     saved as a Hugging Face folder (safetensors, config.json) with `tokenizer_json`: a released
-    checkpoint in miniature, made here (nothing downloaded). Returns the model (eval mode)."""
+    checkpoint in miniature, made here (nothing downloaded). `tied`: the head is the embedding
+    (tie_word_embeddings, as Llama 3.2 1B/3B; the folder holds no lm_head.weight). Returns the
+    model (eval mode)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -481,7 +483,7 @@ def save_hf_llama(folder: Path, m, tokenizer_json: bytes, seed: int = 0):
                          num_attention_heads=m.n_head, num_key_value_heads=m.kv_heads,
                          max_position_embeddings=m.block_size, rms_norm_eps=m.norm_eps,
                          rope_parameters={"rope_type": "default", "rope_theta": m.rope_theta},
-                         tie_word_embeddings=False)
+                         tie_word_embeddings=tied)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).eval()
     model.save_pretrained(folder, safe_serialization=True)

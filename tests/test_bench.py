@@ -265,3 +265,15 @@ def test_gpu_check_smoke_runs_every_layout_on_cpu_with_torch_alone(tmp_path):
         assert r.get("dcp") == ("ok" if r["force"] else None), name  # sharded: a round trip
     assert [(r["mode"], r["status"]) for r in result["gpt2"]["results"]] == [("eager", "ok")] * 2
     assert len(result["memory_plan"]) == 4 and "written:" in proc.stdout
+
+
+def test_every_planted_bug_still_applies_and_names_tests_that_exist():
+    """bench/mutants.py's planted bugs keep pace with the code: each one's line is in its file
+    exactly once and each test named to catch it exists (a mutant that no longer applies, or
+    names a renamed test, would guard nothing)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import mutants
+
+    assert len(mutants.MUTANTS) >= 14
+    assert [p for m in mutants.MUTANTS for p in mutants.check_applies(m)] == []
+    assert len({m.name for m in mutants.MUTANTS}) == len(mutants.MUTANTS)

@@ -58,3 +58,20 @@ def test_validation():
 
 def test_parse_set_nests():
     assert parse_set_args(["model.n_layer=6", "lr=1"]) == {"model": {"n_layer": "6"}, "lr": "1"}
+
+
+def test_a_refused_value_is_shown_by_its_start():
+    """The message names a refused value by its start (errors.brief): a list that stands for
+    10^6 strings (what a YAML alias bomb parses to, cheaply) is refused in a short line at once,
+    not printed whole."""
+    import time
+
+    from raytrain_lm.config.settings import TrainConfig, apply_overrides
+
+    value = ["lol"] * 10
+    for _ in range(5):
+        value = [value] * 10
+    t0 = time.monotonic()
+    with pytest.raises(UserError, match=r"^f: lr must be float, got \[\[\[") as e:
+        apply_overrides(TrainConfig(), {"lr": value}, source="f")
+    assert len(str(e.value)) < 200 and time.monotonic() - t0 < 1

@@ -16,6 +16,12 @@ from raytrain_lm.console import paint
 from raytrain_lm.errors import UserError
 from raytrain_lm.results.tables import build_report, compare_table, results_table, runs_table
 
+
+def warn(line: str) -> None:
+    """A line on stderr that a command goes on after (an invalid newer checkpoint skipped)."""
+    typer.echo(paint(f"warning: {line}", "yellow", sys.stderr), err=True)
+
+
 MODEL_ARG = typer.Argument(..., metavar="RUN|CHECKPOINT", help="Run name (in --storage), run "
                            "folder, or checkpoint folder.")
 BEST = typer.Option(False, "--best", help="The run's best checkpoint (best_checkpoint/: the lowest "
@@ -54,12 +60,14 @@ def report(
                                                 "(repeat, or list them after one --compare)."),
     out: Optional[str] = typer.Option(None, help="Write the PNG here, a local file [default: "
                                       "report.png in the run's folder; compare.png with --compare]."),
+    force: bool = typer.Option(False, help="Replace --out if it is a figure report wrote before "
+                               "(nothing else is replaced)."),
     storage: str = STORAGE,
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Only the PNG's path."),
     as_json: bool = JSON,
 ) -> None:
     """A run's results table and a PNG of its curves (train/val loss, tokens/s, learning rate)."""
-    rep = build_report([run, *(compare or [])], storage, out=out)
+    rep = build_report([run, *(compare or [])], storage, out=out, force=force)
     if as_json:
         typer.echo(json.dumps(rep, indent=2, default=str))
         return
@@ -95,7 +103,7 @@ def generate(
         from raytrain_lm.results.generate import pick_device
 
         pick_device(device)  # a bad --device fails before a checkpoint is fetched
-    found = find_checkpoint(model, storage, best=best)
+    found = find_checkpoint(model, storage, best=best, say=warn)
     from raytrain_lm.results.generate import generate_text
 
     def info(m: str) -> None:
@@ -157,7 +165,7 @@ def export(
         raise UserError(f"--format must be one of {', '.join(FORMATS)}, got {format!r}")
     check_out(out, force)  # before a checkpoint is looked for or copied
     out = Path(out)
-    found = find_checkpoint(model, storage, best=best)
+    found = find_checkpoint(model, storage, best=best, say=warn)
     try:
         if format == "hf":
             config = export_checkpoint_hf(found.path, out, force=force, meta=found.meta)

@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 from raytrain_lm import env
 from raytrain_lm.env import STORAGE_ENV
-from raytrain_lm.errors import UserError
+from raytrain_lm.errors import UserError, brief
 from raytrain_lm.models.family import ModelConfig, setting
 
 DEFAULT_DATA = "data/pydoc"  # the built-in corpus, prepared on first use
@@ -177,23 +177,34 @@ def _field_types(obj) -> dict[str, Any]:
 
 
 def _coerce(value: Any, tp: Any, key: str, source: str) -> Any:
-    """Convert `value` to type `tp` (a plain type or Optional[...]); raise UserError if it can't be."""
+    """Convert `value` to type `tp` (a plain type or Optional[...]); raise UserError if it can't be.
+    The message shows the value only when it is refused, and only its start (errors.brief)."""
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
             return None
         return _coerce(value, args[0], key, source)
-    bad = UserError(f"{source}: {key} must be {tp.__name__}, got {value!r}")
+    converted = _converted(value, tp)
+    if converted is None:
+        raise UserError(f"{source}: {key} must be {tp.__name__}, got {brief(value)}")
+    if isinstance(converted, float) and not math.isfinite(converted):
+        # `nan <= 0` is False: no later range check would catch it
+        raise UserError(f"{source}: {key} must be a finite number, got {brief(value)}")
+    return converted
+
+
+def _converted(value: Any, tp: Any) -> Any:
+    """`value` as `tp` (bool, int, float or str), or None where it is not one."""
     if tp is bool:
         if isinstance(value, bool):
             return value
         if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
             return value.lower() in ("true", "1", "yes", "on")
-        raise bad
+        return None
     if tp is int:
         if isinstance(value, bool):
-            raise bad
+            return None
         if isinstance(value, int):
             return value
         if isinstance(value, float) and value.is_integer():
@@ -205,27 +216,20 @@ def _coerce(value: Any, tp: Any, key: str, source: str) -> Any:
                 try:
                     f = float(value)
                 except ValueError:
-                    raise bad from None
+                    return None
                 if f.is_integer():
                     return int(f)
-        raise bad
+        return None
     if tp is float:
         if isinstance(value, bool):
-            raise bad
+            return None
         try:  # a number, or its text
-            number = float(value) if isinstance(value, (int, float, str)) else None
+            return float(value) if isinstance(value, (int, float, str)) else None
         except (ValueError, OverflowError):
-            number = None
-        if number is None:
-            raise bad
-        if not math.isfinite(number):  # `nan <= 0` is False: no later range check would catch it
-            raise UserError(f"{source}: {key} must be a finite number, got {value!r}")
-        return number
+            return None
     if tp is str:
-        if isinstance(value, str):
-            return value
-        raise bad
-    raise bad
+        return value if isinstance(value, str) else None
+    return None
 
 
 def apply_overrides(cfg: Any, overrides: dict[str, Any], source: str, prefix: str = "") -> None:

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
-from raytrain_lm.config.checks import PRECISIONS
+from raytrain_lm.config.checks import MAX_COUNT, PRECISIONS
 from raytrain_lm.config.layout import AC_MODES, PP_SCHEDULES, STRATEGIES, Layout
 from raytrain_lm.errors import UserError
 from raytrain_lm.models import family, flops_per_token
@@ -170,7 +170,9 @@ def estimate_layout(m: ModelConfig, lay: Layout, cl: Cluster, time_unfit: bool =
 # ---------------------------------------------------------------- which layouts
 
 def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """The divisors of n, ascending, found up to its square root."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 def tp_sizes(m: ModelConfig, cl: Cluster) -> list[int]:
@@ -301,6 +303,8 @@ def check_cluster(cl: Cluster) -> None:
     for name, value in (("--gpus", cl.gpus), ("--gpus-per-node", cl.gpus_per_node)):
         if value < 1:
             raise UserError(f"{name} must be at least 1, got {value}")
+        if value > MAX_COUNT:  # the layouts' search is over the divisors of the GPUs
+            raise UserError(f"{name} must be at most {MAX_COUNT:,}, got {value:,}")
     if cl.gpus > cl.gpus_per_node and cl.gpus % cl.gpus_per_node:
         raise UserError(f"--gpus {cl.gpus} is not a whole number of nodes of --gpus-per-node "
                         f"{cl.gpus_per_node}")

@@ -102,7 +102,7 @@ def run_training(
     if resume and (step := resume_step(cfg, run, manifest)) is not None:
         say(f"resuming {cfg.name} from its newest checkpoint, step {step}")
     if init_from:
-        init_from = check_init_from(init_from, cfg, manifest)
+        init_from = check_init_from(init_from, cfg, manifest, say)
     previous = previous_summary(run) if resume else {}
     known = configured_memory_gb(cfg)
     if not force and cfg.layout != "auto":  # before Ray starts when --gpu-memory-gb tells it

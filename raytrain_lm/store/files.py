@@ -48,7 +48,7 @@ def checkpoint_step(name: str) -> Optional[int]:
     if not name.startswith(CHECKPOINT_PREFIX):
         return None
     digits = name[len(CHECKPOINT_PREFIX):]
-    return int(digits) if digits.isdigit() else None
+    return int(digits) if digits.isascii() and digits.isdigit() else None  # not '²': int() refuses it
 
 
 def rank_record(rank: int) -> str:

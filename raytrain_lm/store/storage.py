@@ -60,6 +60,9 @@ def is_remote(path) -> bool:
 
 def open_uri(uri: str, what: str = "") -> tuple[pafs.FileSystem, str]:
     """(filesystem, path inside it) of a URI such as s3://bucket/prefix."""
+    if is_remote(uri) and not uri.split("://", 1)[1].strip("/"):  # from_uri takes it: all buckets
+        raise UserError(f"{what + ' ' if what else ''}{uri} names no bucket: give "
+                        f"{uri.split('://', 1)[0]}://BUCKET/PREFIX")
     try:
         fs, path = pafs.FileSystem.from_uri(uri)
     except (pafs.ArrowInvalid, OSError, ValueError) as e:
