@@ -59,7 +59,11 @@ def _context():
     return _CTX
 
 
-def _rank_main(rank: int, world: int, port: int, config: dict, storage, rows) -> None:
+KILLED = 75  # the exit code of a rank that kill_after stopped
+
+
+def _rank_main(rank: int, world: int, port: int, config: dict, storage, rows,
+               kill_after: Optional[int] = None) -> None:
     """One rank: torchrun's variables, Ray Train's local controller, the loop."""
     import torch
     from ray.train.v2._internal.execution.local_mode.torch import LocalTorchController
@@ -74,7 +78,7 @@ def _rank_main(rank: int, world: int, port: int, config: dict, storage, rows) ->
     class Controller(LocalTorchController):
         def _set_train_fn_utils(self) -> None:
             super()._set_train_fn_utils()  # the gloo group, from the variables above
-            set_train_fn_utils(_fn_utils(get_train_fn_utils(), storage, rows))
+            set_train_fn_utils(_fn_utils(get_train_fn_utils(), storage, rows, kill_after))
 
     code = 0
     try:
@@ -88,8 +92,9 @@ def _rank_main(rank: int, world: int, port: int, config: dict, storage, rows) ->
     os._exit(code)  # no atexit handlers of the modules the fork server imported
 
 
-def _fn_utils(local, storage, rows):
-    """Ray's LocalTrainFnUtils with a storage, a report that uploads and collectives."""
+def _fn_utils(local, storage, rows, kill_after: Optional[int] = None):
+    """Ray's LocalTrainFnUtils with a storage, a report that uploads and collectives; with
+    `kill_after`, every rank exits (KILLED) right after the report of that step."""
     import torch.distributed as dist
     from ray.train.v2._internal.execution.train_fn_utils import LocalTrainFnUtils
     from ray.train.v2.api.context import LocalTrainContext
@@ -115,6 +120,10 @@ def _fn_utils(local, storage, rows):
                 rows.put({"event": "report", "metrics": metrics,
                           "checkpoint": checkpoint.path if checkpoint is not None else None})
             self._last_metrics, self._last_checkpoint = metrics, checkpoint
+            if kill_after is not None and metrics.get("step", 0) >= kill_after:
+                rows.close()
+                rows.join_thread()  # rank 0's row is in the pipe
+                os._exit(KILLED)  # no cleanup, as a lost job
 
         def barrier(self) -> None:
             dist.barrier()
@@ -134,6 +143,10 @@ def _fn_utils(local, storage, rows):
     return utils
 
 
+class Killed(RuntimeError):
+    """run_local's ranks were killed as asked (kill_after)."""
+
+
 class _NoTensorBoard:
     def add(self, row) -> None:
         pass
@@ -141,9 +154,12 @@ class _NoTensorBoard:
 
 def run_local(cfg, *, resume: bool = False, init_from: Optional[str] = None, force: bool = False,
               on_metrics: Optional[Callable[[dict], None]] = None,
-              say: Callable[[str], None] = lambda m: None, timeout: float = 300) -> dict:
+              say: Callable[[str], None] = lambda m: None, timeout: float = 300,
+              kill_after: Optional[int] = None) -> dict:
     """`driver.run_training(cfg, ...)` with the workers on this harness: cfg.workers gloo ranks.
-    Returns the summary (also in summary.json); a rank's failure raises with its traceback."""
+    Returns the summary (also in summary.json); a rank's failure raises with its traceback.
+    `kill_after`: every rank exits right after reporting that step (a lost job, its checkpoints
+    as far as they got) and `Killed` is raised: resume the run's folder with resume=True."""
     import ray.train
     from ray.train.v2._internal.execution.storage import StorageContext
 
@@ -175,7 +191,8 @@ def run_local(cfg, *, resume: bool = False, init_from: Optional[str] = None, for
         rows = ctx.Queue()
         port = free_port()
         config = loop_config(cfg, init_from, None, force)
-        ranks = [ctx.Process(target=_rank_main, args=(r, cfg.workers, port, config, storage, rows))
+        ranks = [ctx.Process(target=_rank_main, args=(r, cfg.workers, port, config, storage, rows,
+                                                      kill_after))
                  for r in range(cfg.workers)]
         for p in ranks:
             p.start()
@@ -186,7 +203,10 @@ def run_local(cfg, *, resume: bool = False, init_from: Optional[str] = None, for
                     got = rows.get(timeout=1.0)
                 except queue_mod.Empty:
                     dead = [p for p in ranks if p.exitcode is not None]
-                    if dead and rows.empty() and ranks.index(dead[0]) not in done:
+                    killed = [p for p in dead if p.exitcode == KILLED]
+                    if killed and rows.empty():  # as asked: once every rank is gone
+                        error = "killed as asked" if len(dead) == len(ranks) else None
+                    elif dead and rows.empty() and ranks.index(dead[0]) not in done:
                         error = f"rank {ranks.index(dead[0])} died (exit code {dead[0].exitcode})"
                     elif time.time() > deadline:
                         error = f"the ranks took over {timeout} s"
@@ -219,7 +239,7 @@ def run_local(cfg, *, resume: bool = False, init_from: Optional[str] = None, for
         if stopped:
             raise RunFailed(stopped)
         if error is not None:
-            raise RuntimeError(error)
+            raise (Killed if error == "killed as asked" else RuntimeError)(error)
         final["run_dir"] = run.display_path()
         return final
 

@@ -128,6 +128,16 @@ CASES = [
         setup="checkpoint-truncated-shard"),
     Bad("generate ck -n 3", "ck/dcp/extra.bin is corrupted (no commit record vouches for it)",
         setup="checkpoint-extra-file"),
+    # a Hugging Face folder this project does not compute, or one a flag contradicts -------- issue 40
+    Bad("train --data {data} --init-from gemma", "--init-from gemma holds a 'gemma' model; --init-from "
+        "takes Hugging Face folders of model_type llama, qwen2, qwen3, mistral", setup="hf-gemma"),
+    Bad("plan --init-from gemma", "--init-from gemma holds a 'gemma' model", setup="hf-gemma"),
+    Bad("train --data {data} --init-from yarn", "--init-from yarn is a Qwen2ForCausalLM this project "
+        "cannot compute: rope_type 'yarn' (the rotary embeddings computed here: default, linear, "
+        "llama3)", setup="hf-yarn"),
+    Bad("train --data {data} --init-from qwen --set model.n_layer=4", "--set model.n_layer=4 "
+        "contradicts --init-from qwen, whose config.json makes model.n_layer=2: drop it (the "
+        "folder is the model)", setup="hf-qwen"),
     # a second driver in one run folder ---------------------------------------------------- item 5
     Bad("train --data {data} --name r", "run 'r' in runs is in use by another driver (pid",
         setup="claimed", process=True),  # the claim is this process's: the driver another
@@ -372,6 +382,17 @@ def _web_port(tmp: Path):
         server.close()
 
 
+def _hf_config_only(tmp: Path, name: str, **config) -> None:
+    """A Hugging Face folder's config.json (a small Qwen2's, with `config`) beside a weights
+    file: what is refused is read from config.json before any weight."""
+    (tmp / name).mkdir()
+    (tmp / name / "config.json").write_text(json.dumps({
+        "model_type": "qwen2", "vocab_size": 320, "hidden_size": 64, "intermediate_size": 96,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "max_position_embeddings": 128, **config}))
+    (tmp / name / "model.safetensors").write_bytes(b"")
+
+
 def _writer(fn):
     @contextlib.contextmanager
     def setup(tmp: Path, data: Path):
@@ -418,6 +439,10 @@ SETUPS = {
     "checkpoint-truncated-shard": _writer(lambda tmp, data: _truncated(tmp)),
     "checkpoint-extra-file": _writer(lambda tmp, data: _extra_file(tmp)),
     "sweep-of-another-user": _writer(lambda tmp, data: _sweep_of_another_user(tmp)),
+    "hf-gemma": _writer(lambda tmp, data: _hf_config_only(tmp, "gemma", model_type="gemma")),
+    "hf-yarn": _writer(lambda tmp, data: _hf_config_only(
+        tmp, "yarn", rope_scaling={"rope_type": "yarn", "factor": 4.0})),
+    "hf-qwen": _writer(lambda tmp, data: _hf_config_only(tmp, "qwen")),
     "claimed": lambda tmp, data: _claimed(tmp),
     "web-port": lambda tmp, data: _web_port(tmp),
     **{name: _writer(lambda tmp, data, fn=fn: fn(tmp)) for name, fn in crafted.SETUPS.items()},
@@ -432,6 +457,8 @@ HOLDS = {
     "notes-and-run": "runs/r/, notes.md, notes.png (someone's PNG), link.png (a symlink to notes.md)",
     "claimed": "runs/r/ (another driver's claim)",
     "sweep-of-another-user": "runs/s/", "deep-jsonl": "deep.jsonl", "ints-parquet": "ints.parquet",
+    "hf-gemma": "gemma/ (a Gemma's Hugging Face folder)",
+    "hf-yarn": "yarn/ (a Qwen2 folder with yarn rope scaling)", "hf-qwen": "qwen/ (a Qwen2 folder)",
     **{k: "ds/ (its manifest changed)" for k in SETUPS if k.startswith("dataset-") and k != "dataset-and-notes"},
     **{k: "runs/r/ (a file of it damaged)" for k in SETUPS if k.startswith("run-")},
     **{k: "ck/ (a checkpoint, damaged)" for k in SETUPS if k.startswith("checkpoint-")},

@@ -63,8 +63,8 @@ def hf_twin(model, attn="sdpa"):
     from raytrain_lm.models.llama import hf_llama
 
     cfg = model.cfg
-    hf = LlamaForCausalLM(LlamaConfig(**hf_llama.hf_config(cfg, cfg.vocab_size, None)))
-    hf.load_state_dict(hf_llama.to_hf(model.state_dict(), cfg, cfg.vocab_size), strict=True)
+    hf = LlamaForCausalLM(LlamaConfig(**hf_llama.ADAPTER.hf_config(cfg, cfg.vocab_size, None)))
+    hf.load_state_dict(hf_llama.ADAPTER.to_hf(model.state_dict(), cfg, cfg.vocab_size), strict=True)
     hf.config._attn_implementation = attn
     return hf.eval()
 
@@ -190,8 +190,9 @@ def test_init_from_hf_next_step_loss_is_the_hf_models(hf_llama):
 
 
 def test_init_from_hf_checks_shape_and_tokenizer(hf_llama, tmp_path):
-    """Before any worker starts: the shape (with the settings that would match), the vocabulary,
-    the tokenizer (byte for byte the dataset's) and what llama.py cannot compute."""
+    """Before any worker starts: the model of a config made otherwise than from the folder (the
+    folder's values against the run's), the tokenizer (byte for byte the dataset's) and what
+    llama.py cannot compute."""
     from raytrain_lm.data.manifest import load_manifest
     from raytrain_lm.run.preflight import check_hf_init_from
 
@@ -199,7 +200,7 @@ def test_init_from_hf_checks_shape_and_tokenizer(hf_llama, tmp_path):
     manifest = load_manifest(run.data)
     cfg = with_model(run.cfg, vocab_size=1000)
     assert check_hf_init_from(folder, cfg.model, manifest) == str(folder.resolve())
-    with pytest.raises(UserError, match=r"vocab_size: 1000 vs 1024\).*--set model.vocab_size=1000"):
+    with pytest.raises(UserError, match=r"another model \(vocab_size: 1000 vs 1024: the folder's vs"):
         check_hf_init_from(folder, run.cfg.model, manifest)  # the padded vocabulary
     wide = with_model(run.cfg, vocab_size=1000, n_kv_head=4)
     with pytest.raises(UserError, match="n_kv_head: 2 vs 4"):
@@ -213,18 +214,19 @@ def test_init_from_hf_checks_shape_and_tokenizer(hf_llama, tmp_path):
         check_hf_init_from(other, cfg.model, manifest)
     config = json.loads((folder / "config.json").read_text())
     (other / "config.json").write_text(json.dumps({**config, "rope_parameters": {
-        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0}}))
-    with pytest.raises(UserError, match="rope_type 'llama3'"):
+        "rope_type": "yarn", "rope_theta": 500000.0, "factor": 8.0}}))
+    with pytest.raises(UserError, match="rope_type 'yarn' \\(the rotary embeddings computed here"):
         check_hf_init_from(other, cfg.model, manifest)
-    (other / "config.json").write_text(json.dumps({**config, "model_type": "mistral"}))
-    with pytest.raises(UserError, match="holds a 'mistral' model"):
+    (other / "config.json").write_text(json.dumps({**config, "model_type": "gemma"}))
+    with pytest.raises(UserError, match="holds a 'gemma' model"):
         check_hf_init_from(other, cfg.model, manifest)
 
 
 def test_a_tied_hf_llama_gives_transformers_logits(tmp_path):
     """A tied folder (tie_word_embeddings, no lm_head.weight in it, as transformers saves Llama
     3.2 1B/3B and small Qwens) passes the checks before launch and loads with its embedding as
-    the head: the logits are transformers' own. An untied folder lacking the head is refused."""
+    the head (one parameter): the logits are transformers' own. An untied folder lacking the
+    head is refused."""
     from types import SimpleNamespace
 
     from safetensors import safe_open
@@ -233,7 +235,7 @@ def test_a_tied_hf_llama_gives_transformers_logits(tmp_path):
     from raytrain_lm.run.preflight import check_hf_init_from
     from raytrain_lm.worker.checkpointer import load_hf_weights
 
-    m = ModelConfig(**{**vars(SMALL), "vocab_size": 256})
+    m = ModelConfig(**{**vars(SMALL), "vocab_size": 256, "tie_embeddings": True})
     folder = tmp_path / "tied"
     hf = save_hf_llama(folder, m, byte_tokenizer_json().encode(), seed=5, tied=True)
     with safe_open(folder / "model.safetensors", "pt") as f:
@@ -243,19 +245,23 @@ def test_a_tied_hf_llama_gives_transformers_logits(tmp_path):
     model = build_model(m, seed=0).eval()
     load_hf_weights(folder, SimpleNamespace(parts=[model]))
     x = torch.randint(256, (2, 24), generator=torch.Generator().manual_seed(0))
+    assert model.lm_head.weight is model.wte.weight  # one parameter, as the folder's
     with torch.no_grad():
         assert (model(x, targets=x)[0] - hf(x).logits).abs().max().item() < 1e-5
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": False}))
     with pytest.raises(UserError, match="it lacks lm_head.weight"):
-        check_hf_init_from(folder, m, manifest)
+        check_hf_init_from(folder, ModelConfig(**{**vars(m), "tie_embeddings": False}), manifest)
 
 
-def test_train_refuses_an_hf_folder_of_another_shape_in_one_line(hf_llama, tmp_path):
+def test_train_refuses_a_preset_that_contradicts_the_folder_in_one_line(hf_llama, tmp_path):
+    """--init-from takes the model from the folder's config.json: a --preset whose model is
+    another is refused in one line naming both values, before anything is written."""
     folder, _, run = hf_llama
     r = cli_here("train", "--data", str(run.data), "--storage", str(tmp_path / "runs"), "--preset",
-                "llama-tiny", "--init-from", str(folder))
-    assert_clean_error(r, "is another model shape")
+                 "llama-tiny", "--init-from", str(folder))
+    assert_clean_error(r, f"--preset llama-tiny (model.block_size=256) contradicts --init-from "
+                          f"{folder}, whose config.json makes model.block_size=128")
     assert not (tmp_path / "runs").exists()
 
 

@@ -144,7 +144,10 @@ def export(
     out: str = typer.Option(..., help="Local folder to write the model into."),
     format: str = typer.Option("native", "--format", help="native: model.safetensors + "
                                "config.json for plain PyTorch and models/; hf: a Hugging Face "
-                               "GPT-2 folder (AutoModelForCausalLM / AutoTokenizer load it)."),
+                               "folder of the model's own class (GPT2LMHeadModel, "
+                               "LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
+                               "MistralForCausalLM), which AutoModelForCausalLM and "
+                               "AutoTokenizer load."),
     best: bool = BEST,
     force: bool = typer.Option(False, help="Replace --out if it exists."),
     storage: str = STORAGE,

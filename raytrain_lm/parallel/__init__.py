@@ -31,7 +31,7 @@ import torch.nn as nn
 
 from raytrain_lm.config.layout import Coords, Layout
 from raytrain_lm.config.settings import TrainConfig
-from raytrain_lm.models import build_model, decoder_class
+from raytrain_lm.models import build_model, family
 from raytrain_lm.parallel import ddp, ep, fsdp
 from raytrain_lm.parallel.ac import apply_activation_checkpointing
 from raytrain_lm.parallel.mesh import build_mesh, dim_mesh, is_distributed
@@ -123,7 +123,7 @@ class Built:
         self.has_last = any(m.is_last for m in self.parts)
         self.pp_group = self.mesh["pp"].get_group()
         # a tied embedding lives on the first and the last stage; an untied head is its own
-        self.tied_group = pp.tied_group(self.mesh) if decoder_class(cfg.model).tied else None
+        self.tied_group = pp.tied_group(self.mesh) if family(cfg.model).tied(cfg.model) else None
         self.norm_exclude = pp.duplicate_tied_params(self.parts)
 
     # ---------------------------------------------------------------- running it

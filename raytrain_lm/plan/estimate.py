@@ -354,7 +354,7 @@ def check_tp(m: ModelConfig, cl: Cluster, tp: int, seq_len: int) -> None:
         raise UserError(f"--tp {tp} does not fit in a node of {cl.node} GPUs: tensor parallelism "
                         f"all-reduces activations in every layer and needs the node's links")
     if not whole_heads(m, tp) or m.block_size % tp:
-        kv = f", model.n_kv_head ({m.kv_heads})" if m.arch == "llama" else ""
+        kv = f", model.n_kv_head ({m.kv_heads})" if m.n_kv_head is not None else ""
         raise UserError(f"--tp {tp} must divide model.n_head ({m.n_head}){kv} and model.block_size "
                         f"({m.block_size}): each tensor-parallel rank holds whole heads")
 

@@ -189,10 +189,11 @@ def plan_command(cfg, cl: Cluster, tp: Optional[int] = None, pp: Optional[int] =
                  strategy: Optional[str] = None, top: int = 10, show_all: bool = False,
                  as_json: bool = False, global_batch: Optional[int] = None,
                  virtual_stages: Optional[int] = None, explain: Optional[str] = None,
-                 ep: Optional[int] = None) -> str:
+                 ep: Optional[int] = None, name: Optional[str] = None) -> str:
     """`plan`: every layout of `cl` for cfg's model, sequence length and global batch
     (--global-batch, else GPUs x --batch-size x --grad-accum: what plain data parallelism would
-    train with), as text or JSON; with `explain`, one layout's step time and memory, by part."""
+    train with), as text or JSON; with `explain`, one layout's step time and memory, by part.
+    `name`: what the model is called [default: its preset]."""
     import json
 
     if top < 1:
@@ -209,7 +210,7 @@ def plan_command(cfg, cl: Cluster, tp: Optional[int] = None, pp: Optional[int] =
         return explain_text(e, rank, ranked, cl)
     if as_json:
         return json.dumps(report_json(n_params, global_batch, cfg.seq_len, cl, ranked, active), indent=2)
-    return describe(cfg.preset, n_params, global_batch, cfg.seq_len, cl, ranked, top, show_all, active)
+    return describe(name or cfg.preset, n_params, global_batch, cfg.seq_len, cl, ranked, top, show_all, active)
 
 
 # ---------------------------------------------------------------- plan --explain

@@ -19,9 +19,10 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from raytrain_lm.errors import UserError, brief
+from raytrain_lm.models import hf_importer
 from raytrain_lm.store import untrusted
 from raytrain_lm.store.files import META
 
@@ -99,6 +100,17 @@ def _weight_file(folder: Path, name: str, where: str) -> Path:
     path = untrusted.inside(folder, name, where)  # inside, no symlink
     untrusted.size_of(path)  # a regular file
     return path
+
+
+def folder_model(path: str | Path) -> Optional[tuple[str, dict[str, Any]]]:
+    """For --init-from: (how to name the folder, the ModelConfig fields its config.json fixes),
+    or None where `path` is not a Hugging Face folder. A family must import its model_type
+    (else one line: the model types that are)."""
+    if not is_hf_folder(path):
+        return None
+    where = f"--init-from {path}"
+    config = read_config(path)
+    return where, hf_importer(config.get("model_type"), where).model_fields(config, where)
 
 
 def read_tensors(folder: str | Path) -> dict:

@@ -29,6 +29,7 @@ from ray.train import CheckpointUploadMode
 from raytrain_lm.config.settings import TrainConfig
 from raytrain_lm.data.tokenizer import Tokenizer
 from raytrain_lm.models import hf_importer
+from raytrain_lm.models.family import ModelConfig
 from raytrain_lm.store import checkpoint_format as ckpt_io
 from raytrain_lm.store.files import checkpoint_name
 from raytrain_lm.store.hf_folder import is_hf_folder, read_config, read_tensors
@@ -169,7 +170,9 @@ def load_init_from(path: str, step_fn) -> None:
 def hf_weights(folder: str | Path) -> dict:
     """Every tensor of a Hugging Face folder, under our names (its family's adapter)."""
     config = read_config(folder)
-    return hf_importer(config.get("model_type"), f"--init-from {folder}").from_hf(read_tensors(folder))
+    adapter = hf_importer(config.get("model_type"), f"--init-from {folder}")
+    m = ModelConfig(**adapter.model_fields(config, f"--init-from {folder}"))
+    return adapter.from_hf(read_tensors(folder), m)
 
 
 def load_hf_weights(folder: str | Path, step_fn) -> None:

@@ -1,10 +1,11 @@
-"""The mixture-of-experts family (Mixtral, Qwen3-MoE): the Llama with every block's MLP a set of
-routed SwiGLU experts (and optionally a shared one). What generic code asks of it; its decoder is
-moe.py.
+"""The mixture-of-experts family (Mixtral, Qwen3-MoE): the Llama skeleton with every block's MLP a
+set of routed SwiGLU experts (and optionally a shared one). What generic code asks of it; its
+decoder is moe.py.
 
-Counts: a block holds the Llama's attention and norms, a router (E x h), E experts of 3 h x f and
-a shared expert of 3 h x f_s; a token uses the router, k of the experts and the shared one, so the
-FLOPs per token count the active parameters (`matmul_params`), the memory all of them.
+Counts: a block holds the skeleton's attention and norms (Qwen3-MoE's q/k norms and head size
+included), a router (E x h), E experts of 3 h x f and a shared expert of 3 h x f_s; a token uses
+the router, k of the experts and the shared one, so the FLOPs per token count the active
+parameters (`matmul_params`), the memory all of them.
 """
 
 from __future__ import annotations
@@ -18,11 +19,12 @@ from raytrain_lm.models.llama import LlamaFamily
 
 class MoEFamily(LlamaFamily):
     name = "moe"
+    title = "mixture of experts"
     decoder = "raytrain_lm.models.moe.moe:MoE"
     # tp splits the attention; the MoE layer is whole on every tp rank (its tokens replicated
     # there), its experts split by expert parallelism instead (parallel/ep.py).
     tp_plan = TPPlan(colwise=("attn.q_proj", "attn.k_proj", "attn.v_proj"), rowwise=("attn.o_proj",),
-                     whole=("mlp",))
+                     head_norms=("attn.q_norm", "attn.k_norm"), whole=("mlp",))
     experts = "mlp.experts"
     defaults = {"arch": "moe", "bias": False, "n_experts": 8, "top_k": 2}
     hf_adapter = None
@@ -55,17 +57,16 @@ class MoEFamily(LlamaFamily):
         """A block's routed experts (what expert parallelism splits)."""
         return m.n_experts * 3 * m.n_embd * self.hidden_dim(m)
 
-    def _dense(self, m: ModelConfig) -> int:
-        """A block's matrices outside the routed experts: attention, router, shared expert."""
+    def _moe_extra(self, m: ModelConfig) -> int:
+        """What a block holds beyond the Llama skeleton's (whose one SwiGLU of ffn_dim units
+        becomes E experts of ffn_dim units): E - 1 more experts, the router, the shared expert."""
         h = m.n_embd
-        attention = 2 * h * h + 2 * h * m.kv_heads * m.head_dim
-        return attention + m.n_experts * h + 3 * h * m.shared_ffn_dim
+        return (m.n_experts - 1) * 3 * h * self.hidden_dim(m) + m.n_experts * h + 3 * h * m.shared_ffn_dim
 
     def counts(self, m: ModelConfig) -> ParamCounts:
-        h, V = m.n_embd, m.vocab_size or 256
-        block = self._dense(m) + self.expert_params(m) + 2 * h
-        root = 2 * V * h + h
-        return ParamCounts(block, root, m.n_layer * block + root)
+        llama = super().counts(m)
+        block = llama.block + self._moe_extra(m)
+        return ParamCounts(block, llama.root, m.n_layer * block + llama.root)
 
     def active_block(self, m: ModelConfig) -> int:
         return self.counts(m).block - (m.n_experts - m.top_k) * 3 * m.n_embd * self.hidden_dim(m)
@@ -73,6 +74,40 @@ class MoEFamily(LlamaFamily):
     def active_params(self, m: ModelConfig) -> int:
         counts = self.counts(m)
         return counts.total - m.n_layer * (counts.block - self.active_block(m))
+
+    def matmul_params(self, m: ModelConfig) -> int:
+        """The active matrices: a token multiplies by k experts, not all of them."""
+        return self.active_params(m) - self.lookup_params(m)
+
+    def tp_counts(self, m: ModelConfig, tp: int) -> dict[str, float]:
+        """The Llama skeleton's with its SwiGLU whole on every tp rank, and the rest of the MoE
+        layer too (it is not tensor-parallel)."""
+        out = super().tp_counts(m, tp)
+        swiglu = 3 * m.n_embd * self.hidden_dim(m)
+        out["block"] += swiglu - swiglu / tp + self._moe_extra(m)
+        return out
+
+    def block_matmuls(self, m: ModelConfig) -> list[int]:
+        """By the FLOPs a token spends: the attention's, the router, then k experts' three
+        matrices (and the shared expert's)."""
+        h, f, k = m.n_embd, self.hidden_dim(m), m.top_k
+        shared = [h * m.shared_ffn_dim] * 3 if m.shared_ffn_dim else []
+        return [*super().block_matmuls(m)[:4], m.n_experts * h, k * h * f, k * h * f, k * h * f, *shared]
+
+    def activation_split(self, m: ModelConfig, ac: str) -> tuple[float, float]:
+        """The attention's share as the Llama's (q, k, v and the attention output divide over
+        tp); the MoE layer's stays whole on every tp rank: its input, the router's logits and
+        probabilities (2E/h), and for each of the k copies of a token the dispatched input, the
+        gate, up, silu and product (4f/h) and the output (none: recomputed from the input, as
+        selective; op keeps the gate's output), with the shared expert's as a SwiGLU's."""
+        q, kv = m.n_head * m.head_dim / m.n_embd, 2 * m.kv_heads * m.head_dim / m.n_embd
+        f, k, E = self.hidden_dim(m) / m.n_embd, m.top_k, m.n_experts
+        fs = m.shared_ffn_dim / m.n_embd
+        moe = {"none": 1 + 2 * E / m.n_embd + k * (2 + 4 * f) + 4 * fs,
+               "selective": 1 + k * (1 + 2 * f) + 2 * fs,
+               "op": 1 + k * (1 + f) + fs}[ac]
+        attention = {"none": (3, 2 * q + kv), "selective": (2, 2 * q + kv), "op": (1, 2 * q + kv / 2)}[ac]
+        return attention[0] + moe, attention[1]
 
     def fused_mlp_unsaved(self, m: ModelConfig) -> float:
         """None: the planner's fused-MLP saving is the Llama's dense SwiGLU's (its MoE layer
@@ -83,39 +118,8 @@ class MoEFamily(LlamaFamily):
         """The Llama's attention, norms and residual adds; the MoE layer, whole on every tp rank:
         k SwiGLUs of f (the Llama's per SwiGLU) and the shared one, the dispatch's gather and the
         combine's scatter of k copies (2 k h each way) and the router's softmax (E)."""
-        (wf, wb), (sf, sb) = super().kernel_bytes(m, "eager" if kernels == "eager" else "fused")
+        (wf, wb), (sf, sb) = super().kernel_bytes(m, kernels)
         f, fs, k, h = self.hidden_dim(m), m.shared_ffn_dim, m.top_k, m.n_embd
         glu = (5, 8) if kernels == "eager" else (3, 5)
         moe = [glu[i] * (k * f + fs) + 2 * k * h + 2 * m.n_experts for i in range(2)]
         return (wf + moe[0], wb + moe[1]), (sf - glu[0] * f, sb - glu[1] * f)
-
-    def matmul_params(self, m: ModelConfig) -> int:
-        """The active matrices: a token multiplies by k experts, not all of them."""
-        return self.active_params(m) - self.lookup_params(m)
-
-    def tp_counts(self, m: ModelConfig, tp: int) -> dict[str, float]:
-        h, V = m.n_embd, m.vocab_size or 256
-        attention = 2 * h * h + 2 * h * m.kv_heads * m.head_dim
-        block = attention / tp + (self._dense(m) - attention) + self.expert_params(m) + 2 * h
-        return {"block": block, "wte": V * h / tp, "wpe": 0, "ln_f": h, "head": V * h / tp}
-
-    def block_matmuls(self, m: ModelConfig) -> list[int]:
-        """By the FLOPs a token spends: the router, then k experts' three matrices (and the
-        shared expert's)."""
-        h, kv, f, k = m.n_embd, m.kv_heads * m.head_dim, self.hidden_dim(m), m.top_k
-        shared = [h * m.shared_ffn_dim] * 3 if m.shared_ffn_dim else []
-        return [h * h, h * kv, h * kv, h * h, m.n_experts * h, k * h * f, k * h * f, k * h * f, *shared]
-
-    def activation_split(self, m: ModelConfig, ac: str) -> tuple[float, float]:
-        """The attention's share as the Llama's (q, k, v and the attention output divide over
-        tp); the MoE layer's stays whole on every tp rank: its input, the router's logits and
-        probabilities (2E/h), and for each of the k copies of a token the dispatched input, the
-        gate, up, silu and product (4f/h) and the output (none: recomputed from the input, as
-        selective; op keeps the gate's output), with the shared expert's as a SwiGLU's."""
-        kv, f, k, E = 2 * m.kv_heads / m.n_head, self.hidden_dim(m) / m.n_embd, m.top_k, m.n_experts
-        fs = m.shared_ffn_dim / m.n_embd
-        moe = {"none": 1 + 2 * E / m.n_embd + k * (2 + 4 * f) + 4 * fs,
-               "selective": 1 + k * (1 + 2 * f) + 2 * fs,
-               "op": 1 + k * (1 + f) + fs}[ac]
-        attention = {"none": (3, 2 + kv), "selective": (2, 2 + kv), "op": (1, 2 + kv / 2)}[ac]
-        return attention[0] + moe, attention[1]
