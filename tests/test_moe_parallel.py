@@ -114,3 +114,32 @@ def test_an_ep2_checkpoint_resumes_at_another_layout(runs, storage, to, flags):
     resumed = step_losses(storage / name)
     for step in (6, 7):
         assert resumed[step] == pytest.approx(uninterrupted[step], rel=1e-5), step
+
+
+@pytest.mark.slow
+def test_a_mixtral_folder_starts_an_ep2_run_from_its_weights(pydoc_data, storage, tmp_path):
+    """`train --init-from` a Hub-shaped Mixtral folder (per-expert tensors in bf16 shards) at
+    --ep 2 x fsdp over 2 ranks: the model is the folder's config.json, each rank's experts are
+    its half of the folder's, and the first step's loss is transformers' on that step's global
+    batch (both ranks' sequences)."""
+    import torch
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM
+
+    from conftest import batches_as_read
+    from raytrain_lm.store.hf_folder import folder_model
+    from test_families import save_hub_folder
+    from test_moe_hf import HUB
+
+    save_hub_folder(tmp_path / "mixtral", HUB["mixtral"], seed=3)
+    flags = dict(workers=2, ep=2, strategy="fsdp", max_steps=1, batch_size=8, seq_len=48,
+                 checkpoint_every=-1, eval_every=1, eval_windows=4, log_every=1,
+                 data=str(pydoc_data), storage=str(storage), name="mixtral-ep2", seed=5)
+    cfg = build_config(flags=flags, folder=folder_model(tmp_path / "mixtral"))
+    assert (cfg.model.arch, cfg.model.n_experts, cfg.model.qk_norm) == ("moe", 4, False)
+    run_local(cfg, init_from=str(tmp_path / "mixtral"))
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "mixtral", dtype=torch.float32).eval()
+    with torch.no_grad():
+        losses = [F.cross_entropy(theirs(x).logits.flatten(0, 1), y.reshape(-1)).item()
+                  for x, y in (batches_as_read(cfg, rank, 2).next() for rank in range(2))]
+    assert step_losses(storage / "mixtral-ep2")[1] == pytest.approx(sum(losses) / 2, rel=1e-5, abs=1e-5)

@@ -27,8 +27,8 @@ class MoEFamily(LlamaFamily):
                      head_norms=("attn.q_norm", "attn.k_norm"), whole=("mlp",))
     experts = "mlp.experts"
     defaults = {"arch": "moe", "bias": False, "n_experts": 8, "top_k": 2}
-    hf_adapter = None
-    hf_model_types = ()
+    hf_adapter = "raytrain_lm.models.moe.hf_moe"  # MixtralForCausalLM, Qwen3MoeForCausalLM
+    hf_model_types = ("mixtral", "qwen3_moe")
     export_format = "raytrain-lm/moe"
 
     def check(self, m: ModelConfig) -> None:
