@@ -138,6 +138,19 @@ CASES = [
     Bad("train --data {data} --init-from qwen --set model.n_layer=4", "--set model.n_layer=4 "
         "contradicts --init-from qwen, whose config.json makes model.n_layer=2: drop it (the "
         "folder is the model)", setup="hf-qwen"),
+    # a Hugging Face folder that does not hold the model (issue 40) ---------------------------
+    Bad("train --data {data} --init-from hf",
+        "hf/model.safetensors.index.json names model-00002-of-00006.safetensors, which is not in "
+        "hf (a download cut short?)", setup="hf-missing-shard"),
+    Bad("train --data {data} --init-from hf", "model.layers.0.mlp.up_proj.weight in "
+        "model-00001-of-00006.safetensors has shape [128, 352], its config.json says [352, 128]",
+        setup="hf-wrong-shape"),
+    Bad("train --data {data} --init-from hf", "--init-from hf: its tokenizer.json is "
+        "not the dataset's tokenizer", setup="hf-other-tokenizer"),
+    Bad("export r --format hf --dtype fp16 --out x", "--dtype must be one of bf16, fp32, got 'fp16'"),
+    Bad("export r --format hf --max-shard-size 5XB --out x", "--max-shard-size must be a positive "
+                                                              "size such as 5GB"),
+    Bad("export r --dtype fp32 --out x", "--dtype and --max-shard-size are for --format hf"),
     # a second driver in one run folder ---------------------------------------------------- item 5
     Bad("train --data {data} --name r", "run 'r' in runs is in use by another driver (pid",
         setup="claimed", process=True),  # the claim is this process's: the driver another
@@ -306,6 +319,32 @@ def _extra_file(tmp: Path) -> None:
     (_checkpoint(tmp) / "dcp" / "extra.bin").write_bytes(b"x")
 
 
+def _hf_folder(tmp: Path, data: Path, damage: str) -> None:
+    """A Llama folder (llama-tiny's shape on `data`'s bytes), in 6 shards with an index, made by
+    transformers, then damaged."""
+    from safetensors.torch import load_file, save_file
+
+    from conftest import save_hf_llama
+    from raytrain_lm.config.load import build_config
+    from raytrain_lm.data.manifest import load_manifest
+    from raytrain_lm.data.tokenizer import byte_tokenizer_json, train_bpe
+    from raytrain_lm.run.preflight import fit_model_to_data
+
+    cfg = build_config(flags={"preset": "llama-tiny", "data": str(data)})
+    fit_model_to_data(cfg, load_manifest(data))
+    folder = tmp / "hf"
+    save_hf_llama(folder, cfg.model, byte_tokenizer_json().encode(), max_shard_size="700KB")
+    if damage == "missing-shard":
+        (folder / "model-00002-of-00006.safetensors").unlink()
+    elif damage == "wrong-shape":
+        name = "model.layers.0.mlp.up_proj.weight"
+        shard = folder / "model-00001-of-00006.safetensors"  # where transformers put it
+        tensors = load_file(shard)
+        save_file({**tensors, name: tensors[name].t().contiguous()}, shard, metadata={"format": "pt"})
+    else:
+        (folder / "tokenizer.json").write_bytes(train_bpe(["some words of text. " * 50], 300).raw)
+
+
 def _big_id(tmp: Path) -> None:
     from raytrain_lm.data.tokenizer import train_bpe
 
@@ -438,6 +477,8 @@ SETUPS = {
     "checkpoint-world-0": _writer(lambda tmp, data: _world_0(tmp)),
     "checkpoint-truncated-shard": _writer(lambda tmp, data: _truncated(tmp)),
     "checkpoint-extra-file": _writer(lambda tmp, data: _extra_file(tmp)),
+    **{f"hf-{damage}": _writer(lambda tmp, data, damage=damage: _hf_folder(tmp, data, damage))
+       for damage in ("missing-shard", "wrong-shape", "other-tokenizer")},
     "sweep-of-another-user": _writer(lambda tmp, data: _sweep_of_another_user(tmp)),
     "hf-gemma": _writer(lambda tmp, data: _hf_config_only(tmp, "gemma", model_type="gemma")),
     "hf-yarn": _writer(lambda tmp, data: _hf_config_only(
@@ -463,6 +504,7 @@ HOLDS = {
     **{k: "runs/r/ (a file of it damaged)" for k in SETUPS if k.startswith("run-")},
     **{k: "ck/ (a checkpoint, damaged)" for k in SETUPS if k.startswith("checkpoint-")},
     **crafted.HOLDS,
+    **{k: "hf/ (a Hugging Face folder, damaged)" for k in SETUPS if k.startswith("hf-")},
 }
 
 

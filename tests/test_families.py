@@ -89,13 +89,11 @@ def hub(tmp_path_factory):
 def ours_from(folder):
     """Our model of a folder, as --init-from builds and fills it: config.json -> ModelConfig, an
     fp32 model, the weights through the family's adapter into it."""
-    from types import SimpleNamespace
-
-    from raytrain_lm.worker.checkpointer import load_hf_weights
+    from raytrain_lm.worker.hf_load import load_hf_weights
 
     m = ModelConfig(**folder_model(folder)[1])
     model = build_model(m, seed=0)
-    load_hf_weights(folder, SimpleNamespace(parts=[model]))
+    load_hf_weights(folder, [model], m)
     assert all(p.dtype == torch.float32 for p in model.parameters())
     return model.eval()
 
@@ -240,12 +238,11 @@ def test_an_export_loads_back_as_the_same_class(hub, case, tmp_path):
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
-    from raytrain_lm.results.export import export_hf
-    from raytrain_lm.worker.checkpointer import hf_weights
+    from raytrain_lm.results.hf_export import export_hf
 
     ours = ours_from(hub[case])
     m = ours.cfg
-    export_hf(ours.state_dict(), m, ByteTokenizer(), tmp_path / "out")  # the byte tokenizer: 256 rows
+    export_hf(ours.state_dict(), m, ByteTokenizer(), tmp_path / "out", dtype="fp32")  # 256 rows: bytes
     theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
     assert type(theirs).__name__ == HUB[case]["architectures"][0]
     with safe_open(tmp_path / "out" / "model.safetensors", "pt") as f:
@@ -256,7 +253,7 @@ def test_an_export_loads_back_as_the_same_class(hub, case, tmp_path):
     assert diff < 1e-5, diff
     back = ModelConfig(**folder_model(tmp_path / "out")[1])
     assert back == ModelConfig(**{**vars(m), "vocab_size": 256})
-    weights = hf_weights(tmp_path / "out")
+    weights = ours_from(tmp_path / "out").state_dict()
     for name, t in ours.state_dict().items():
         assert torch.equal(weights[name], t[:256] if name in ("wte.weight", "lm_head.weight") else t)
 
@@ -351,11 +348,11 @@ def test_a_qwen2_without_biases_exports_zero_biases(tmp_path):
     computes the same."""
     from transformers import AutoModelForCausalLM
 
-    from raytrain_lm.results.export import export_hf
+    from raytrain_lm.results.hf_export import export_hf
 
     m = ModelConfig(arch="qwen2", bias=False, qkv_bias=False, vocab_size=256, n_kv_head=2, block_size=64)
     ours = build_model(m, seed=1).eval()
-    export_hf(ours.state_dict(), m, ByteTokenizer(), tmp_path / "out")
+    export_hf(ours.state_dict(), m, ByteTokenizer(), tmp_path / "out", dtype="fp32")
     theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
     assert not theirs.model.layers[0].self_attn.q_proj.bias.any()
     idx = torch.randint(0, 256, (1, 32), generator=torch.Generator().manual_seed(2))

@@ -69,6 +69,19 @@ def hf_twin(model, attn="sdpa"):
     return hf.eval()
 
 
+def test_expected_tensors_are_the_shapes_transformers_builds():
+    """What the driver checks a folder's headers against (HFAdapter.expected_tensors, arithmetic
+    with no torch) is every tensor of the LlamaForCausalLM of that config, name for name."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from raytrain_lm.models.llama.hf_llama import ADAPTER
+
+    config = ADAPTER.hf_config(SMALL, SMALL.vocab_size, None)
+    hf = LlamaForCausalLM(LlamaConfig(**config))
+    shapes, optional = ADAPTER.expected_tensors(config, SMALL, "here")
+    assert shapes == {k: tuple(v.shape) for k, v in hf.state_dict().items()} and optional == set()
+
+
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_logits_equal_transformers_on_the_same_weights(attn):
     """RMSNorm, rotary embeddings (transformers' rotate_half convention: no q/k permutation),
@@ -172,16 +185,14 @@ def with_model(cfg, **model):
 
 def test_init_from_hf_next_step_loss_is_the_hf_models(hf_llama):
     """The weights --init-from loads into the model as a rank holds it (the worker's
-    checkpointer.load_hf_weights): its loss on a training batch is transformers' on the same
+    hf_load.load_hf_weights): its loss on a training batch is transformers' on the same
     batch."""
-    from types import SimpleNamespace
-
-    from raytrain_lm.worker.checkpointer import load_hf_weights
+    from raytrain_lm.worker.hf_load import load_hf_weights
 
     folder, hf, run = hf_llama
     cfg = with_model(run.cfg, vocab_size=1000)
     model = build_model(cfg.model, seed=0)
-    load_hf_weights(folder, SimpleNamespace(parts=[model]))
+    load_hf_weights(folder, [model], cfg.model)
     x, y = batches_as_read(cfg).next()
     with torch.no_grad():
         ours = model(x, y)[1].item()
@@ -227,13 +238,11 @@ def test_a_tied_hf_llama_gives_transformers_logits(tmp_path):
     3.2 1B/3B and small Qwens) passes the checks before launch and loads with its embedding as
     the head (one parameter): the logits are transformers' own. An untied folder lacking the
     head is refused."""
-    from types import SimpleNamespace
-
     from safetensors import safe_open
 
     from raytrain_lm.data.tokenizer import byte_tokenizer_json
     from raytrain_lm.run.preflight import check_hf_init_from
-    from raytrain_lm.worker.checkpointer import load_hf_weights
+    from raytrain_lm.worker.hf_load import load_hf_weights
 
     m = ModelConfig(**{**vars(SMALL), "vocab_size": 256, "tie_embeddings": True})
     folder = tmp_path / "tied"
@@ -243,7 +252,7 @@ def test_a_tied_hf_llama_gives_transformers_logits(tmp_path):
     manifest = {"tokenizer": {"type": "byte", "vocab_size": 256}}
     assert check_hf_init_from(folder, m, manifest) == str(folder.resolve())
     model = build_model(m, seed=0).eval()
-    load_hf_weights(folder, SimpleNamespace(parts=[model]))
+    load_hf_weights(folder, [model], m)
     x = torch.randint(256, (2, 24), generator=torch.Generator().manual_seed(0))
     assert model.lm_head.weight is model.wte.weight  # one parameter, as the folder's
     with torch.no_grad():
@@ -268,15 +277,16 @@ def test_train_refuses_a_preset_that_contradicts_the_folder_in_one_line(hf_llama
 def test_an_export_imports_back(trained_here, tmp_path):
     """ours -> Hugging Face -> ours: the weights come back (the padding rows of the vocabulary
     aside, which the export drops)."""
-    from raytrain_lm.results.export import export_hf
-    from raytrain_lm.worker.checkpointer import hf_weights
+    from raytrain_lm.results.hf_export import export_hf
+    from raytrain_lm.worker.hf_load import load_hf_weights
 
     run = trained_here["llama"]
-    export_hf(run.model.state_dict(), run.cfg.model, run.tok, tmp_path / "hf")
-    back = hf_weights(tmp_path / "hf")
+    export_hf(run.model.state_dict(), run.cfg.model, run.tok, tmp_path / "hf", dtype="fp32")
     V = run.tok.vocab_size
+    back = build_model(with_model(run.cfg, vocab_size=V).model, seed=1)
+    load_hf_weights(tmp_path / "hf", [back], back.cfg)
     for name, t in run.model.state_dict().items():
-        assert torch.equal(back[name], t[:V] if name in ("wte.weight", "lm_head.weight") else t), name
+        assert torch.equal(back.state_dict()[name], t[:V] if name in ("wte.weight", "lm_head.weight") else t), name
 
 
 # ---------------------------------------------------------------- the planner

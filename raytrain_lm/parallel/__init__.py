@@ -38,9 +38,9 @@ from raytrain_lm.parallel.mesh import build_mesh, dim_mesh, is_distributed
 
 
 def parallelize(cfg: TrainConfig, device: torch.device, dtype: Optional[torch.dtype] = None,
-                force: frozenset = frozenset(), ddp_wrap=None) -> "Built":
+                force: frozenset = frozenset(), ddp_wrap=None, init: bool = True) -> "Built":
     """The model of `cfg` as this rank holds it (see Built)."""
-    return Built(cfg, device, dtype, force, ddp_wrap)
+    return Built(cfg, device, dtype, force, ddp_wrap, init)
 
 
 class Built:
@@ -51,13 +51,15 @@ class Built:
 
     def __init__(self, cfg: TrainConfig, device: torch.device,
                  dtype: Optional[torch.dtype] = None, force: frozenset = frozenset(),
-                 ddp_wrap=None):
+                 ddp_wrap=None, init: bool = True):
         """`dtype`: mixed precision's (None: fp32); FSDP takes it as its MixedPrecisionPolicy
         where it shards over dp (`mixed_by_fsdp`: then nothing else may cast, see step.py).
         `force` ("tp", "pp", "fsdp"): apply those even on a mesh dim of one rank, so one
         process runs every layout's code (bench/gpu_check.py); `ddp_wrap`: DDP's wrapper in
-        place of Ray Train's prepare_model (parallel/ddp.py)."""
-        self.cfg, self.device, self.dtype = cfg, device, dtype
+        place of Ray Train's prepare_model (parallel/ddp.py). `init` False: a model built
+        sharded is left with its memory as allocated, for a caller that fills every parameter
+        next (a checkpoint, --init-from), which then costs no initial values."""
+        self.cfg, self.device, self.dtype, self.init = cfg, device, dtype, init
         world = dist.get_world_size() if is_distributed() else 1
         rank = dist.get_rank() if is_distributed() else 0
         self.layout = lay = Layout.of(cfg, world, pipelined="pp" in force)
@@ -108,7 +110,7 @@ class Built:
             fsdp.apply_dp(part, dim_mesh(self.mesh, "dp"), self.layout, self.dtype, compile=cfg.compile,
                           pipelined=self.pp_on, force=self.force_fsdp,
                           edp_mesh=self.mesh["edp"] if experts else None)
-            materialize_(part, cfg.model, cfg.seed, self.device)
+            materialize_(part, cfg.model, cfg.seed, self.device, init=self.init)
         return [part for _, part in self.stages]
 
     def _build_pipeline(self) -> None:

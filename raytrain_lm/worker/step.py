@@ -58,7 +58,8 @@ def autocast_dtype(cfg: TrainConfig, device: torch.device) -> Optional[torch.dty
 
 class TrainStep:
     def __init__(self, cfg: TrainConfig, device: torch.device, **layout):
-        """`layout`: parallelize's `force` and `ddp_wrap` (bench/gpu_check.py)."""
+        """`layout`: parallelize's `force` and `ddp_wrap` (bench/gpu_check.py), and `init`
+        (False where a checkpoint or --init-from fills the model next)."""
         self.cfg, self.device = cfg, device
         dtype = autocast_dtype(cfg, device)
         self.precision = {v: k for k, v in DTYPES.items()}[dtype]  # fp32, bf16 or fp16
