@@ -245,6 +245,20 @@ CASES = [
         "config.json: it lacks lm_head.weight", setup="hf-weight-missing"),
     Bad("train --data {data} --config llama.yaml --init-from hf", "model.safetensors is not a "
         "safetensors file (its header is not JSON)", setup="hf-header-damaged"),
+    # a mixture of experts and expert parallelism (issue 43) ------------------------------------
+    Bad("train --data {data} --preset moe-tiny --ep 3", "--ep 3 must divide model.n_experts (4): each "
+                                                        "expert-parallel rank holds the same number of whole experts"),
+    Bad("train --data {data} --preset moe-tiny --workers 6 --ep 4",
+        "--ep 4 must divide the data-parallel size 6: expert parallelism splits the data-parallel ranks"),
+    Bad("train --data {data} --preset moe-tiny --tp 2 --ep 2", "--ep 2 must divide the data-parallel size 1"),
+    Bad("train --data {data} --preset moe-tiny --set model.top_k=5",
+        "model.top_k (5) must be between 1 and model.n_experts (4)"),
+    Bad("train --data {data} --preset moe-tiny --set model.n_experts=1",
+        "model.arch moe needs model.n_experts of 2 or more, got 1 (one expert is the llama: --arch llama)"),
+    Bad("train --data {data} --preset llama-tiny --ep 2",
+        "--ep 2 splits a mixture of experts (model.arch moe); model.arch llama has no experts: drop --ep"),
+    Bad("plan --preset mixtral-8x7b --gpus 16 --ep 3", "--ep 3 must divide model.n_experts (8)"),
+    Bad("plan --preset llama3-8b --gpus 16 --ep 2", "--ep 2 splits a mixture of experts (model.arch moe)"),
 ]
 
 

@@ -45,7 +45,7 @@ TRAIN_SETTINGS = ("use_gpu", "preset", "data", "max_steps", "batch_size", "seq_l
                   "grad_accum", "log_every", "log_seconds", "eval_every", "checkpoint_every",
                   "keep_checkpoints",
                   "checkpoint_upload", "max_failures", "max_preemptions", "resize_interval",
-                  "seed", "compile", "strategy", "tp", "pp", "microbatches", "pp_schedule",
+                  "seed", "compile", "strategy", "tp", "pp", "ep", "microbatches", "pp_schedule",
                   "virtual_stages", "layout", "gpus_per_node", "gpu_memory_gb",
                   "sequence_parallel", "activation_checkpointing", "precision", "name", "storage",
                   "address", "scale_timeout")
@@ -226,6 +226,9 @@ def plan(
                                                   "power-capped part]."),
     tp: Optional[int] = typer.Option(None, help="Only layouts with this tensor-parallel degree."),
     pp: Optional[int] = typer.Option(None, help="Only layouts with this many pipeline stages."),
+    ep: Optional[int] = typer.Option(None, help="A mixture of experts: only layouts with this "
+                                     "expert-parallel degree [default: every one that divides the "
+                                     "data-parallel size and the experts]."),
     strategy: Optional[str] = typer.Option(None, help="Only layouts whose data-parallel dimension is "
                                            "this: ddp, zero1, zero2 or fsdp."),
     virtual_stages: Optional[int] = typer.Option(None, help="Only pipelines of interleaved-1f1b "
@@ -268,5 +271,5 @@ def plan(
                        folder=folder)
     typer.echo(plan_command(cfg, cluster, tp=tp, pp=pp, strategy=strategy, top=top,
                             show_all=show_all, as_json=as_json, global_batch=global_batch,
-                            virtual_stages=virtual_stages, explain=explain,
+                            virtual_stages=virtual_stages, explain=explain, ep=ep,
                             name=f"the {cfg.model.arch} of {init_from}" if folder else None))

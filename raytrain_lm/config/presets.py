@@ -33,6 +33,12 @@ PRESETS: dict[str, dict[str, Any]] = {
     "llama-small": dict(model=dict(arch="llama", bias=False, block_size=512, n_layer=6, n_head=6,
                                    n_kv_head=2, n_embd=384, multiple_of=64),
                         batch_size=16, seq_len=256, lr=1e-3, warmup_steps=100),
+    # A mixture of experts for this machine: llama-tiny's attention, 4 experts of 256 hidden units
+    # per block, 2 per token: 1.84M parameters with bytes, 1.05M active (a Llama of ffn_dim 512,
+    # the two experts' units, has as many less the routers' 2,048: bench/moe.py's dense twin).
+    "moe-tiny": dict(model=dict(arch="moe", bias=False, block_size=256, n_layer=4, n_head=4,
+                                n_kv_head=2, n_embd=128, ffn_dim=256, n_experts=4, top_k=2),
+                     batch_size=16, seq_len=128, lr=3e-3, warmup_steps=30),
 }
 
 
@@ -95,6 +101,19 @@ PRESETS.update({
                      qk_norm=True),
     "mistral-7b": _hub("mistral", 32000, 32768, 32, 32, 8, 4096, 14336, 10000.0, 1e-5, 8192,
                        sliding_window=4096),
+    # Released mixtures of experts (models/moe/): Mixtral 8x7B and 8x22B (mistralai/Mixtral-8x7B-v0.1,
+    # Mixtral-8x22B-v0.1), Qwen3-30B-A3B and Qwen3-235B-A22B (Qwen/...): ffn_dim is each expert's
+    # intermediate size (Qwen3's moe_intermediate_size). Counts (tests/test_moe.py): Mixtral 8x7B
+    # 46,702,792,704 with 12,879,925,248 active (Mistral's 46.7B / 12.9B), 8x22B 140,630,071,296 with
+    # 39,161,468,928 (141B / 39B); Qwen3 30.5B / 3.3B and 235B / 22B as Qwen publishes them.
+    "mixtral-8x7b": _hub("moe", 32000, 32768, 32, 32, 8, 4096, 14336, 1000000.0, 1e-5, 4096,
+                         n_experts=8, top_k=2),
+    "mixtral-8x22b": _hub("moe", 32768, 65536, 56, 48, 8, 6144, 16384, 1000000.0, 1e-5, 4096,
+                          n_experts=8, top_k=2),
+    "qwen3-30b-a3b": _hub("moe", 151936, 40960, 48, 32, 4, 2048, 768, 1000000.0, 1e-6, 4096,
+                          head_size=128, qk_norm=True, n_experts=128, top_k=8),
+    "qwen3-235b-a22b": _hub("moe", 151936, 40960, 94, 64, 4, 4096, 1536, 1000000.0, 1e-6, 4096,
+                            head_size=128, qk_norm=True, n_experts=128, top_k=8),
 })
 
 

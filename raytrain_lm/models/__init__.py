@@ -12,11 +12,12 @@ from raytrain_lm.models.gpt import GPTFamily
 from raytrain_lm.models.hf import HFAdapter
 from raytrain_lm.models.llama import LlamaFamily
 from raytrain_lm.models.mistral import MistralFamily
+from raytrain_lm.models.moe import MoEFamily
 from raytrain_lm.models.qwen2 import Qwen2Family
 from raytrain_lm.models.qwen3 import Qwen3Family
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (GPTFamily(), LlamaFamily(), Qwen2Family(),
-                                                   Qwen3Family(), MistralFamily())}
+                                                   Qwen3Family(), MistralFamily(), MoEFamily())}
 
 
 def family(m: ModelConfig | str) -> Family:

@@ -40,7 +40,7 @@ class ModelConfig:
     arch: str = setting("gpt", help="Architecture: gpt (GPT-2: LayerNorm, learned positions, GELU, "
                         "tied embeddings), or one on the Llama skeleton (RMSNorm, RoPE, SwiGLU, "
                         "GQA): llama, qwen2 (q/k/v biases), qwen3 (per-head q/k norms), mistral "
-                        "(a sliding window).")
+                        "(a sliding window), moe (a mixture of experts in every block).")
     n_kv_head: Optional[int] = setting(None, help="llama-like: key/value heads (grouped-query "
                                        "attention; divides n_head) [default: n_head].")
     head_size: Optional[int] = setting(None, help="llama-like: the size of each attention head "
@@ -72,6 +72,17 @@ class ModelConfig:
     sliding_window: Optional[int] = setting(None, help="llama-like: each token attends to itself and "
                                             "the window-1 tokens before it (Mistral 7B v0.1: 4096) "
                                             "[default: the whole context].")
+    # The mixture of experts (arch="moe", models/moe/): the Llama skeleton with every block's MLP
+    # a set of routed SwiGLU experts (each of ffn_dim hidden units). Ignored by the others.
+    n_experts: int = setting(0, help="moe: routed experts per block (2 or more).")
+    top_k: int = setting(2, help="moe: experts each token is sent to (Mixtral: 2 of 8).")
+    shared_ffn_dim: int = setting(0, help="moe: hidden size of a shared expert every token also "
+                                  "passes through (0: none).")
+    norm_top_k: bool = setting(True, help="moe: rescale each token's top-k routing weights to sum "
+                               "to 1 (Mixtral; Qwen3-MoE's norm_topk_prob).")
+    aux_loss_coef: float = setting(0.01, help="moe: weight of the load-balancing loss (Switch / "
+                                   "Mixtral form, 1.0 when balanced) added to the training loss.")
+    z_loss_coef: float = setting(0.0, help="moe: weight of the router z-loss (ST-MoE: 0.001; 0: off).")
 
     @property
     def kv_heads(self) -> int:
@@ -104,10 +115,13 @@ class TPPlan:
     biases with their rows), `rowwise` by input features (their outputs all-reduced, or
     reduce-scattered over the sequence), `head_norms`: norms applied to each head of a colwise
     output, where a model has them (weights whole on every rank, gradients summed over the
-    ranks' heads)."""
+    ranks' heads); `whole` modules stay whole on every tp rank, their input gathered over the
+    sequence and their output sliced back to it under sequence parallelism (a mixture of
+    experts)."""
     colwise: tuple[str, ...]
     rowwise: tuple[str, ...]
     head_norms: tuple[str, ...] = ()
+    whole: tuple[str, ...] = ()
 
 
 class Family:
@@ -127,6 +141,7 @@ class Family:
     hf_model_types: tuple[str, ...] = ()  # the model_type of the Hugging Face folders it imports
     export_format: str = ""
     export_notes: dict[str, Any] = {}  # what a native export's config.json says of its layout
+    experts: Optional[str] = None  # a block's routed experts module, which expert parallelism splits
 
     def check(self, m: ModelConfig) -> None:
         """The family's own rules for its settings: one UserError line each."""
@@ -147,7 +162,8 @@ class Family:
             return (f"model.n_kv_head ({m.kv_heads}) must be divisible by --tp {tp}: each "
                     f"tensor-parallel rank holds whole key/value heads")
         if ep > 1:
-            return f"model.arch {self.name} has no experts to split over {ep} expert-parallel ranks"
+            return (f"--ep {ep} splits a mixture of experts (model.arch moe); model.arch "
+                    f"{self.name} has no experts: drop --ep")
         return None
 
     def hidden_dim(self, m: ModelConfig) -> int:
@@ -159,6 +175,18 @@ class Family:
     def lookup_params(self, m: ModelConfig) -> int:
         """Parameters read by lookup, not multiplied (position or token embeddings)."""
         raise NotImplementedError
+
+    def active_params(self, m: ModelConfig) -> int:
+        """Parameters a token passes through (a mixture of experts: k of its experts)."""
+        return self.counts(m).total
+
+    def active_block(self, m: ModelConfig) -> int:
+        """A block's parameters a token passes through (the planner's FLOPs per block)."""
+        return self.counts(m).block
+
+    def expert_params(self, m: ModelConfig) -> int:
+        """A block's routed experts' parameters, which expert parallelism splits (none here)."""
+        return 0
 
     def matmul_params(self, m: ModelConfig) -> int:
         """The N of 6N FLOPs per token: the parameters used in matrix multiplies."""

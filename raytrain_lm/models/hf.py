@@ -15,6 +15,9 @@ shard, and each rank can read only the slices it keeps:
               tokenizer's rows, an import needs the model's vocabulary to be the folder's.
   zeros       `hf_zeros(m)`: tensors the format has and the model does not (GPT-2's biases of a
               bias-free GPT), written as zeros of these shapes.
+  stacks      `hf_stack(ours, m)`: the folder's tensors that, stacked along dim 0, are our
+              tensor (a mixture of experts' per-expert matrices: models/moe/hf_moe.py); None
+              for a tensor that is one of the folder's (hf_name).
   config.json `model_fields(config, where)`: the ModelConfig fields a folder fixes (every shape
               field), after refusing in one line what the decoder does not compute;
               `hf_config(m, vocab_size, eot)`: the config.json an export writes.
@@ -57,6 +60,9 @@ class HFAdapter:
 
     def hf_zeros(self, m: ModelConfig) -> dict[str, tuple[int, ...]]:
         return {}
+
+    def hf_stack(self, name: str, m: ModelConfig) -> Optional[list[str]]:
+        return None
 
     def hf_config(self, m: ModelConfig, vocab_size: int, eot: Optional[int]) -> dict[str, Any]:
         raise NotImplementedError

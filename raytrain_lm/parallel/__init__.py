@@ -11,6 +11,7 @@ filling its own shards with the single-process build's values (docs/parallelism.
     mesh.py   the device mesh of the layout's mesh_shape
     ac.py     activation checkpointing (full, selective, op)
     ddp.py    DDP through ray.train.torch.prepare_model; no_sync for accumulation
+    ep.py     expert parallelism: experts sharded by expert, tokens by all-to-all; MoE metrics
     fsdp.py   FSDP2 or FSDP2's replicate on the dp dim; what a rank holds
     tp.py     tensor (and sequence) parallelism with DTensor; loss without gathering logits
     pp.py     pipeline stages, schedules, a tied embedding across first and last stage
@@ -31,9 +32,9 @@ import torch.nn as nn
 from raytrain_lm.config.layout import Coords, Layout
 from raytrain_lm.config.settings import TrainConfig
 from raytrain_lm.models import build_model, family
-from raytrain_lm.parallel import ddp, fsdp
+from raytrain_lm.parallel import ddp, ep, fsdp
 from raytrain_lm.parallel.ac import apply_activation_checkpointing
-from raytrain_lm.parallel.mesh import build_mesh, is_distributed
+from raytrain_lm.parallel.mesh import build_mesh, dim_mesh, is_distributed
 
 
 def parallelize(cfg: TrainConfig, device: torch.device, dtype: Optional[torch.dtype] = None,
@@ -103,8 +104,12 @@ class Built:
             if self.tp_on:
                 tp.apply_tp(part, self.mesh["tp"], sequence_parallel=cfg.sequence_parallel,
                             local_logits=self.pp_on)
-            fsdp.apply_dp(part, self.mesh["dp"], self.layout, self.dtype, compile=cfg.compile,
-                          pipelined=self.pp_on, force=self.force_fsdp)
+            experts = self.layout.ep > 1
+            if experts:
+                ep.apply_ep(part, self.mesh["ep"], fsdp.blocks(part))
+            fsdp.apply_dp(part, dim_mesh(self.mesh, "dp"), self.layout, self.dtype, compile=cfg.compile,
+                          pipelined=self.pp_on, force=self.force_fsdp,
+                          edp_mesh=self.mesh["edp"] if experts else None)
             materialize_(part, cfg.model, cfg.seed, self.device, init=self.init)
         return [part for _, part in self.stages]
 

@@ -27,6 +27,9 @@ Layouts (tp ranks r = 0..tp-1):
   wpe                     (the GPT's positions) RowwiseParallel too: Shard(0) over positions; its
                           (T, C) output is all-reduced, or reduce-scattered over T with SP. The
                           Llama's rotary tables are plain buffers every rank holds whole.
+  whole modules           (TPPlan.whole: a mixture of experts) plain parameters, the same on
+                          every tp rank, computed on the whole sequence; with SP their input is
+                          all-gathered and their output sliced back to this rank's part.
   norms                   SequenceParallel with SP (Replicate params, sequence-sharded
                           activations); without SP `ReplicateParallel` below makes their params
                           Replicate DTensors as well, so that every parameter is a DTensor
@@ -47,6 +50,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_modul
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -151,6 +155,10 @@ def apply_tp(module: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool 
             plan["attn"] = PrepareModuleInput(input_layouts=(seq, None),
                                               desired_input_layouts=(Replicate(), None))
             plan["mlp"] = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),))
+            for name in projections.whole:  # the whole sequence in, this rank's part out
+                plan[name] = PrepareModuleInputOutput(
+                    input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_input=True,
+                    output_layouts=(Replicate(),), desired_output_layouts=(seq,), use_local_output=True)
         parallelize_module(block, tp_mesh, plan)
     return module
 

@@ -94,21 +94,29 @@ def _template_first_token(node: Any) -> Optional[str]:
 Entry = tuple[str, torch.dtype, tuple[int, ...]]  # a tensor of a shard: name, dtype, shape
 
 
-def plan(m: ModelConfig, vocab_size: int, dtype: torch.dtype) -> list[tuple[Optional[str], Entry]]:
+Source = tuple[str, Optional[int]]  # our tensor, and which of its experts (hf_stack) or None
+
+
+def plan(m: ModelConfig, vocab_size: int, dtype: torch.dtype) -> list[tuple[Optional[Source], Entry]]:
     """Every tensor of the folder in the order written, from the model built on the meta device:
-    (our tensor it comes from, or None for the format's zeros; its entry). Each folder tensor
-    once: a tied head is the embedding's (hf_name), the vocabulary rows cut to the tokenizer's."""
+    (our tensor it comes from, with the expert where the folder holds one matrix per expert, or
+    None for the format's zeros; its entry). Each folder tensor once: a tied head is the
+    embedding's (hf_name), the vocabulary rows cut to the tokenizer's."""
     adapter = hf_adapter(m)
     with torch.device("meta"):
         model = build_model(m)
     out, planned = [], set()
     for name, p in model.named_parameters():  # a tied parameter once, under its first name
+        stack = adapter.hf_stack(name, m)  # a mixture of experts: one matrix per expert
+        if stack is not None:
+            out += [((name, j), (hf, dtype, tuple(p.shape[1:]))) for j, hf in enumerate(stack)]
+            continue
         hf = adapter.hf_name(name, m)
         if hf is None or hf in planned:
             continue
         planned.add(hf)
         t = adapter.to_hf_tensor(name, p[:vocab_size] if name in VOCAB_ROWS else p, m)
-        out.append((name, (hf, dtype, tuple(t.shape))))
+        out.append(((name, None), (hf, dtype, tuple(t.shape))))
     out += [(None, (hf, dtype, tuple(shape))) for hf, shape in adapter.hf_zeros(m).items()]
     return out
 
@@ -143,17 +151,18 @@ def write_hf(out: Path, read: Reader, m: ModelConfig, tok: Tokenizer, dtype: str
                         f"{tok.vocab_size} tokens")
     adapter = hf_adapter(m)
     vocab = tok.vocab_size
+    bos, eos = special_tokens(tok)
+    # first: hf_config refuses a model its class cannot hold, before any tensor is named
+    config = {**adapter.hf_config(m, vocab, eos), "bos_token_id": bos, "eos_token_id": eos,
+              "dtype": str(torch_dtype).removeprefix("torch.")}
     tensors = plan(m, vocab, torch_dtype)
     shards = split([entry for _, entry in tensors], max_shard)
     files = [HF_WEIGHTS] if len(shards) == 1 else [SHARD_NAME.format(i + 1, len(shards))
                                                       for i in range(len(shards))]
-    bos, eos = special_tokens(tok)
-    config = {**adapter.hf_config(m, vocab, eos), "bos_token_id": bos, "eos_token_id": eos,
-              "dtype": str(torch_dtype).removeprefix("torch.")}
     with staged_folder(out) as tmp:
         writers = iter(zip(files, shards))
-        writer = None
-        for name, (hf, _, shape) in tensors:
+        writer, held = None, (None, None)  # the last tensor read: a stack's experts follow one another
+        for source, (hf, _, shape) in tensors:
             if writer is None or writer.done:
                 if writer is not None:
                     writer.close()
@@ -164,9 +173,15 @@ def write_hf(out: Path, read: Reader, m: ModelConfig, tok: Tokenizer, dtype: str
                 if say:
                     say(f"[export] {file}: {len(entries)} tensors, "
                         f"{sum(map(_nbytes, entries)) / 1e9:.2f} GB")
-            if name is None:
+            if source is None:
                 t = torch.zeros(shape, dtype=torch_dtype)
+            elif source[1] is not None:  # expert j of a stack, read once for all its experts
+                if held[0] != source[0]:
+                    held = (None, None)
+                    held = (source[0], read(source[0]))
+                t = held[1][source[1]]
             else:
+                name = source[0]
                 t = read(name)  # whole, in the checkpoint's dtype: the one tensor held
                 t = adapter.to_hf_tensor(name, t[:vocab] if name in VOCAB_ROWS else t, m)
             writer.write(hf, t.to(torch_dtype))

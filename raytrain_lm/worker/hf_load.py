@@ -52,6 +52,25 @@ class LoadStats:
     seconds: float = 0.0
 
 
+def _experts_held(t: torch.Tensor, stack: list[str]) -> list[tuple[int, str]]:
+    """(expert, the folder's tensor) of the experts this rank holds of `t` (rows of dim 0: a
+    shard by expert, under expert parallelism or FSDP; whole matrices each)."""
+    local, offset = local_region(t)
+    if any(offset[1:]) or tuple(local.shape[1:]) != tuple(t.shape[1:]):
+        raise RuntimeError(f"experts split other than by expert: {tuple(local.shape)} at {offset}")
+    return [(e, stack[e]) for e in range(offset[0], offset[0] + local.shape[0])]
+
+
+def _checked(infos: dict, source: str, name: str, where: str):
+    """The header of the folder's tensor `source` (filling our `name`): present, floating point."""
+    if source not in infos:
+        raise UserError(f"{where}: its weights lack {source} (the model's {name})")
+    info = infos[source]
+    if not TORCH_DTYPES.get(info.dtype, torch.int8).is_floating_point:
+        raise UserError(f"{where}: {source} in {info.file} holds {info.dtype}, not floating point")
+    return info
+
+
 def _targets(parts) -> dict[str, torch.Tensor]:
     """This rank's tensors to fill by our names, each tensor once (a head tied to the
     embedding within a part is the embedding)."""
@@ -78,23 +97,28 @@ def load_hf_weights(folder: str | Path, parts, m: ModelConfig,
     infos = hf_folder.tensors(folder)  # the headers only
     by_file: dict[str, list] = defaultdict(list)
     for name, t in _targets(parts).items():
+        stack = adapter.hf_stack(name, m)  # a mixture of experts' per-expert matrices
+        if stack is not None:
+            for expert, source in _experts_held(t, stack):
+                info = _checked(infos, source, name, where)
+                if tuple(info.shape) != tuple(t.shape[1:]):
+                    raise UserError(f"{where}: {source} in {info.file} has shape {list(info.shape)}, "
+                                    f"an expert of the model's {name} is {list(t.shape[1:])}")
+                by_file[info.file].append((name, info, t, True, expert))
+            continue
         source = adapter.hf_name(name, m)  # a tied head: the embedding's
-        if source not in infos:
-            raise UserError(f"{where}: its weights lack {source} (the model's {name})")
-        info = infos[source]
-        if not TORCH_DTYPES.get(info.dtype, torch.int8).is_floating_point:
-            raise UserError(f"{where}: {source} in {info.file} holds {info.dtype}, not floating point")
+        info = _checked(infos, source, name, where)
         sliceable = adapter.sliceable(name, m)
         if sliceable and tuple(info.shape) != tuple(t.shape):
             raise UserError(f"{where}: {source} in {info.file} has shape {list(info.shape)}, "
                             f"the model's {name} is {list(t.shape)}")
-        by_file[info.file].append((name, info, t, sliceable))
+        by_file[info.file].append((name, info, t, sliceable, None))
     stats = LoadStats()
     files = hf_folder.weight_files(folder)
     for i, (file, items) in enumerate(sorted(by_file.items())):
         with MappedFile(files[file]) as mapped:
-            for name, info, t, sliceable in items:
-                stats.bytes_read += _fill(mapped, info, name, t, sliceable, adapter, m, where)
+            for name, info, t, sliceable, expert in items:
+                stats.bytes_read += _fill(mapped, info, name, t, sliceable, expert, adapter, m, where)
                 mapped.release(info)  # its pages leave this process once copied
                 stats.tensors += 1
         stats.files += 1
@@ -104,11 +128,14 @@ def load_hf_weights(folder: str | Path, parts, m: ModelConfig,
     return stats
 
 
-def _fill(mapped: MappedFile, info, name: str, t: torch.Tensor, sliceable: bool, adapter,
-          m: ModelConfig, where: str) -> int:
-    """Copy this rank's block of the folder's tensor `info` into our tensor `t`; returns the
-    bytes of the file it read. (A function of its own: no view of the mapping outlives it.)"""
+def _fill(mapped: MappedFile, info, name: str, t: torch.Tensor, sliceable: bool,
+          expert: Optional[int], adapter, m: ModelConfig, where: str) -> int:
+    """Copy this rank's block of the folder's tensor `info` into our tensor `t` (into expert
+    `expert`'s matrix of it, for a stack of experts); returns the bytes of the file it read. (A
+    function of its own: no view of the mapping outlives it.)"""
     local, offset = local_region(t)
+    if expert is not None:  # one of this rank's experts: a whole matrix of theirs
+        local, offset = local[expert - offset[0]], offset[1:]
     whole = mapped.tensor(info)
     if sliceable:  # this rank's block of ours is the same block of theirs
         block = block_of(whole, offset, tuple(local.shape))

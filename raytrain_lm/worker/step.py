@@ -23,7 +23,9 @@ import torch.nn as nn
 
 from raytrain_lm.config.settings import TrainConfig
 from raytrain_lm.data.tokenizer import bits_per_byte
+from raytrain_lm.models import family
 from raytrain_lm.parallel import ddp, grad, parallelize, pp
+from raytrain_lm.parallel.ep import moe_metrics
 from raytrain_lm.parallel.mesh import all_reduce
 from raytrain_lm.parallel.traffic import CommCounter, PipelineTimer, clock_for
 from raytrain_lm.worker.optim import build_optimizer
@@ -98,6 +100,13 @@ class TrainStep:
         without a pipeline)."""
         return self.timer.take() if self.timer is not None else None
 
+    def moe_metrics(self) -> Optional[dict]:
+        """A mixture of experts' balance since the last call, over every rank (a collective):
+        parallel/ep.moe_metrics; None for a dense model."""
+        if family(self.cfg.model).experts is None:
+            return None
+        return moe_metrics(self.parts, self.cfg.model.n_layer, counts_here=self.model.coords.tp == 0)
+
     def take_data_wait(self) -> float:
         """Seconds this rank waited for batches since the last call. On CPU, host time in
         `batches.next()`. On CUDA the host runs ahead of the GPU, so its time there overstates
@@ -139,7 +148,7 @@ class TrainStep:
         one sets things up) of a sharded layout; every step moves the same."""
         if self.steps != 2 or self.model.mesh is None:
             return nullcontext()
-        return CommCounter(self.model.mesh)
+        return CommCounter(self.model.mesh, self.model.layout.mesh_dims)
 
     def _forward_backward(self, batches) -> torch.Tensor:
         """Gradients of one step's mean loss over the whole global batch; returns the loss of

@@ -171,27 +171,31 @@ def window_mask(start: int, T: int, keys: int, window: int, device) -> torch.Ten
 
 
 class SwiGLU(nn.Module):
-    """down(silu(gate(x)) * up(x))."""
+    """down(silu(gate(x)) * up(x)), of `hidden` units (default: the config's)."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, hidden: Optional[int] = None):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.n_embd, cfg.hidden_dim, bias=False)
-        self.up_proj = nn.Linear(cfg.n_embd, cfg.hidden_dim, bias=False)
-        self.down_proj = nn.Linear(cfg.hidden_dim, cfg.n_embd, bias=False)
+        hidden = hidden or cfg.hidden_dim
+        self.gate_proj = nn.Linear(cfg.n_embd, hidden, bias=False)
+        self.up_proj = nn.Linear(cfg.n_embd, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, cfg.n_embd, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class LlamaBlock(nn.Module):
-    """Pre-RMSNorm block: x + attn(norm(x)), then + mlp(norm(x)). Called as the GPT's Block is."""
+    """Pre-RMSNorm block: x + attn(norm(x)), then + mlp(norm(x)). Called as the GPT's Block is.
+    `MLP`: its feed-forward module's class (a mixture of experts: models/moe/)."""
+
+    MLP = SwiGLU
 
     def __init__(self, cfg: ModelConfig, rope: Rotary):
         super().__init__()
         self.ln_1 = RMSNorm(cfg.n_embd, cfg.norm_eps)
         self.attn = Attention(cfg, rope)
         self.ln_2 = RMSNorm(cfg.n_embd, cfg.norm_eps)
-        self.mlp = SwiGLU(cfg)
+        self.mlp = self.MLP(cfg)
 
     def forward(self, x: torch.Tensor, cache: Optional[tuple] = None):
         a, kv = self.attn(self.ln_1(x), cache)
@@ -201,6 +205,8 @@ class LlamaBlock(nn.Module):
 
 
 class Llama(Decoder):
+    Block = LlamaBlock
+
     def __init__(self, cfg: ModelConfig, seed: Optional[int] = None):
         super().__init__()
         assert cfg.vocab_size is not None, "vocab_size must be set (from the dataset) before building"
@@ -208,7 +214,7 @@ class Llama(Decoder):
         self.tied = cfg.tie_embeddings
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.rope = Rotary(cfg)
-        self.h = nn.ModuleList(LlamaBlock(cfg, self.rope) for _ in range(cfg.n_layer))
+        self.h = nn.ModuleList(self.Block(cfg, self.rope) for _ in range(cfg.n_layer))
         self.ln_f = RMSNorm(cfg.n_embd, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.tie_weights()
