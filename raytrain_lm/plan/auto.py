@@ -10,16 +10,17 @@ from typing import Optional
 from raytrain_lm.config.layout import Layout
 from raytrain_lm.errors import UserError
 from raytrain_lm.plan.estimate import Estimate, plan
-from raytrain_lm.plan.hardware import GIB, Cluster
-from raytrain_lm.plan.kinds import DEFAULT_KIND, kind_cluster, kind_of_label
+from raytrain_lm.plan.gpus import kind_of_label
+from raytrain_lm.plan.hardware import GIB, Cluster, kind_cluster
+from raytrain_lm.plan.kinds import DEFAULT_KIND
 from raytrain_lm.plan.printout import reason, recommendation
 
 
 def auto_cluster(cfg, gpus_per_node: Optional[int], memory_gb: Optional[float],
                  kind: Optional[str] = None) -> Cluster:
     """The cluster --layout auto plans for: --workers GPUs (CPU workers without --use-gpu) of
-    `kind` (the GPU Ray reports, cluster_kind; its rates and links; the H100 SXM's when unknown),
-    `gpus_per_node` of them per node (at most all of them; a count that does not divide the
+    `kind` (the GPU Ray reports, cluster_kind; its rates and links; the default kind's when none
+    is known), `gpus_per_node` of them per node (at most all of them; a count that does not divide the
     workers is taken as its largest divisor that does), `memory_gb` GiB each."""
     if memory_gb is None:
         raise UserError("--layout auto needs the memory per worker: Ray's GPU label does not tell "

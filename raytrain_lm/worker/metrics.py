@@ -30,7 +30,7 @@ def check_device_memory(cfg: TrainConfig, device: torch.device, force: bool) -> 
 
 def gpu_peak_tflops(device: torch.device, override: Optional[float] = None,
                     precision: str = "bf16") -> Optional[float]:
-    """The peak used for MFU: `override`, else the dense peak of this GPU's model (gpus.GPUS) in
+    """The peak used for MFU: `override`, else the dense peak of this GPU's kind (gpu_kinds.json) in
     the run's `precision` (fp32: TF32 where the GPU has it), else None (no MFU)."""
     if override:
         return override
