@@ -155,14 +155,14 @@ BEYOND_80GB = ["model.n_layer=48", "model.n_embd=4096", "model.n_head=32", "mode
                "model.vocab_size=50304", "batch_size=64", "seq_len=1024"]
 
 
-def fake_device_memory(monkeypatch, total: float) -> None:
-    """Without a GPU: the device properties torch would report for a card of `total` bytes (the
-    one call of torch.cuda that check_device_memory makes)."""
+def fake_device_memory(monkeypatch, total: float, name: str = "NVIDIA H100 80GB HBM3") -> None:
+    """Without a GPU: the device properties torch would report for a card `name` of `total`
+    bytes (the one call of torch.cuda that check_device_memory makes; get_device_name reads it)."""
     from types import SimpleNamespace
 
     if not torch.cuda.is_available():
         monkeypatch.setattr(torch.cuda, "get_device_properties",
-                            lambda device: SimpleNamespace(total_memory=total))
+                            lambda device: SimpleNamespace(total_memory=total, name=name))
 
 
 def test_a_gpu_worker_refuses_a_plan_beyond_its_device_memory(monkeypatch):
@@ -176,6 +176,31 @@ def test_a_gpu_worker_refuses_a_plan_beyond_its_device_memory(monkeypatch):
         check_device_memory(cfg, device, force=False)
     check_device_memory(cfg, device, force=True)
     check_device_memory(build_config(flags=dict(use_gpu=True, workers=1)), device, force=False)
+
+
+MID = ["model.n_layer=24", "model.n_embd=2048", "model.n_head=16", "model.block_size=1024",
+       "model.vocab_size=50304", "batch_size=16", "seq_len=1024"]
+
+
+def test_a_gpu_workers_memory_check_plans_on_its_own_gpu_kind(monkeypatch):
+    """The layout a worker's refusal suggests is ranked on the kind its device name is (a T4: its
+    fp16 peak, PCIe links, one NIC per node), not on the H100's figures: on 8 T4s FSDP alone is
+    the hint, where the H100's links would make it tp 2. Faked device properties, so it runs (and
+    claims the same) on any host."""
+    from types import SimpleNamespace
+
+    from raytrain_lm.plan.fit import check_memory
+    from raytrain_lm.worker.metrics import check_device_memory
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: SimpleNamespace(total_memory=16e9, name="Tesla T4"))
+    cfg = build_config(flags=dict(use_gpu=True, workers=8), sets=MID)
+    with pytest.raises(UserError) as worker:
+        check_device_memory(cfg, torch.device("cuda", 0), force=False)
+    with pytest.raises(UserError) as h100:
+        check_memory(cfg, 16e9 / 2 ** 30)
+    assert "try --tp 1 --pp 1 --strategy fsdp " in str(worker.value)
+    assert "try --tp 2 " in str(h100.value)
 
 
 def test_the_progress_line_shows_the_allocators_reservation_beside_the_allocated_peak():

@@ -221,10 +221,10 @@ def test_the_docs_table_of_gpu_kinds_is_the_json():
 def test_layout_auto_plans_for_the_gpu_ray_reports():
     """train --layout auto takes the kind from Ray's accelerator label (an A100's memory tells its
     two sizes apart; every device kind of the table has its label: a T4 node was planned with the
-    H100's 989 TFLOP/s), else the default kind's figures."""
+    H100's 989 TFLOP/s), else the default kind's figures, and says so."""
     from types import SimpleNamespace
 
-    from raytrain_lm.plan.auto import auto_cluster, cluster_kind
+    from raytrain_lm.plan.auto import auto_cluster, cluster_kind, kind_text
 
     node = lambda label: {"Alive": True, "Resources": {"GPU": 8.0, f"accelerator_type:{label}": 1.0}}  # noqa: E731
     assert cluster_kind([node("A100")], 80.0) == "a100-80gb" and cluster_kind([node("A100")], 40.0) == "a100-40gb"
@@ -237,3 +237,5 @@ def test_layout_auto_plans_for_the_gpu_ray_reports():
     t4 = auto_cluster(cfg, 8, 16.0, cluster_kind([node("T4")], 16.0))
     assert (t4.kind, t4.tflops, t4.hbm_tbps, t4.intra_gbps) == ("t4", 65, 0.32, 16 * 8)  # fp16: no bf16 units
     assert auto_cluster(cfg, 8, 80.0).kind == "h100-sxm"
+    assert kind_text(None, True) == "a GPU gpu_kinds.json does not know: h100-sxm's rates assumed"
+    assert kind_text("t4", True) == "t4" and kind_text(None, False) == "CPU workers"
