@@ -13,8 +13,8 @@ from test_moe_parallel import LAYOUTS, STEPS, assert_trains_the_one_worker_model
 
 def test_a_killed_ep_run_on_ray_trains_the_one_worker_model_and_resumes_exactly(
         ray_address, pydoc_data, tmp_path, monkeypatch):
-    """The ep2 layout on two Ray Train workers, rank 1 killed after step 8 and the group
-    restarted from step 5's checkpoint: the steps it trains twice (6 and 7, and 8 where its row
+    """The ep2 layout (ZeRO-1) on two Ray Train workers, rank 1 killed after step 8, the user
+    told, and the group restarted from step 5's checkpoint: the steps it trains twice (6 and 7, and 8 where its row
     got out) give the same loss and gradient norm bit for bit, and every step equals the one-worker
     run's (on the harness) within 1e-5, with the same tokens per expert."""
     one = []
@@ -26,8 +26,10 @@ def test_a_killed_ep_run_on_ray_trains_the_one_worker_model_and_resumes_exactly(
     rows = []
     cfg = moe_config(pydoc_data, tmp_path, "ep2-killed", *LAYOUTS["ep2"], max_failures=1,
                      checkpoint_every=5, log_seconds=1e-3)
-    summary = run_training(cfg, say=lambda m: None, on_metrics=rows.append)
+    messages = []
+    summary = run_training(cfg, say=messages.append, on_metrics=rows.append)
     assert summary["restarts"] == 1 and summary["resumed_from_step"] == 5
+    assert any(m.startswith("worker failure") for m in messages), messages  # the user is told
     rows = [r for r in rows if "step" in r]
     before = {r["step"]: r for r in rows if r.get("resumed_from_step") is None}
     after = {r["step"]: r for r in rows if r.get("resumed_from_step") == 5}
