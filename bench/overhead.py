@@ -88,7 +88,10 @@ def parse_args(argv=None):
 
 def command(spec: str, args, steps: int, workdir: Path, tag: str) -> tuple[list[str], dict]:
     kind, extra = parse_arm(spec)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # what Ray gives a 1-CPU worker
+    # one thread: what Ray gives a 1-CPU worker; the checkout's package whether installed or not
+    # (a script's own folder, bench/, is its sys.path[0])
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                 f"--nproc_per_node={args.workers}"]
     if kind == "textbook":
@@ -126,10 +129,11 @@ def timed(cmd: list[str], env: dict, timeout: float) -> dict:
     if proc.returncode != 0:  # recorded; its repetition is left out, the others still count
         lines = (proc.stdout + proc.stderr).strip().splitlines()
         tail = "\n".join(lines[-15:])
-        # torchrun's closing report names the failed rank, not its error: the rank's last
-        # traceback goes first
-        last = max((i for i, line in enumerate(lines) if line.startswith("Traceback")), default=None)
-        cause = "\n".join(lines[last:last + 40]) + "\n" if last is not None else ""
+        # torchrun's closing report (the tail) names the failed rank, not its error, which the
+        # rank printed before it
+        report = next((i for i, line in enumerate(lines) if line.startswith("Traceback")
+                       and "torch/distributed/run.py" in "".join(lines[i:i + 8])), 0)
+        cause = "".join(f"{line}\n" for line in lines[max(0, report - 30):report])
         print(f"run failed (exit {proc.returncode}): {' '.join(cmd)}\n{cause}{tail}", file=sys.stderr)
         return {"error": f"exit {proc.returncode}: {tail.splitlines()[-1] if tail else ''}", **busy}
     return {"wall_seconds": wall, **busy}
