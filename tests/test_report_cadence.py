@@ -1,10 +1,14 @@
 """When the loop makes a metrics row and when it sends rows (loop.Cadence): rows by a fixed step
 count when asked, sends paced by time, the rows between two sends carried by the next; the same
-steps on every rank because the pace comes from the row's own all-gather (Meter)."""
+steps on every rank because the pace comes from the send's all-gather (Meter)."""
 
 from __future__ import annotations
 
+import datetime
+
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from raytrain_lm.config.settings import TrainConfig
 from raytrain_lm.worker.loop import Cadence
@@ -68,20 +72,21 @@ def test_validation_and_the_last_step_still_report():
     assert reported(c, 0.001, 20) == [1, 7, 14, 20]
 
 
+class Layout:  # what Meter reads of the step, as step.TrainStep has it
+    parts = [torch.nn.Linear(2, 2)]
+    optimizers, comm_bytes = [], {}
+
+    def take_bubble(self):
+        return None
+
+    def take_data_wait(self):
+        return 0.25
+
+    def moe_metrics(self):
+        return None
+
+
 def test_meter_gives_the_interval_step_time_for_the_pace():
-    class Layout:  # what Meter.row reads of the step, as step.TrainStep has it
-        parts = [torch.nn.Linear(2, 2)]
-        optimizers, comm_bytes = [], {}
-
-        def take_bubble(self):
-            return None
-
-        def take_data_wait(self):
-            return 0.25
-
-        def moe_metrics(self):
-            return None
-
     meter = Meter(torch.device("cpu"), 1, 1.0, None, 6, 0.0)
     for _ in range(4):
         meter.add_step(torch.tensor(1.0), 10)
@@ -123,3 +128,32 @@ def test_checkpoints_at_their_steps_and_the_end_or_never_at_minus_one():
     cfg.checkpoint_every = -2
     with pytest.raises(UserError, match="checkpoint_every and max_failures >= -1"):
         validate(cfg)
+
+
+def _keeping_rank(rank: int, store: str, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=20))
+    meter = Meter(torch.device("cpu"), 2, 1.0, None, 6, 0.0)
+    if rank == 1:
+        dist.barrier()  # rank 0 keeps its rows first: a collective in keep() would never match
+    for step in (1, 2, 3):
+        meter.add_step(torch.tensor(float(step * (rank + 1))), 10, torch.tensor(1.0))
+        meter.keep(step, 1e-3, torch.tensor(1.0), Layout(), tokens=10 * step)
+        meter.next_interval(exclude_since_row=False)
+    if rank == 0:
+        dist.barrier()
+    torch.save(meter.rows(), f"{out}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_rows_are_kept_on_their_rank_until_a_send_gathers_them_all(tmp_path):
+    """A row every step without a collective every step (issue 42): two gloo ranks, rank 0 keeps
+    three rows while rank 1 still waits in a barrier (a collective in keep() would hang or
+    mismatch), then one call makes all three global: each step's loss the ranks' mean, the same
+    on both ranks, the fields given to keep() kept."""
+    mp.start_processes(_keeping_rank, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2,
+                       start_method="fork")
+    rows = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    assert [r["step_losses"] for r in rows[0]] == [r["step_losses"] for r in rows[1]]
+    assert [r["step"] for r in rows[0]] == [1, 2, 3] and [r["tokens"] for r in rows[0]] == [10, 20, 30]
+    assert [r["step_losses"] for r in rows[0]] == [[1.5], [3.0], [4.5]]  # (s + 2s) / 2

@@ -26,7 +26,6 @@ from raytrain_lm.data.manifest import dataset_tokenizer
 from raytrain_lm.data.resolve import resolve_dataset
 from raytrain_lm.errors import UserError
 from raytrain_lm.models import family, flops_per_token
-from raytrain_lm.parallel.fsdp import to_float
 from raytrain_lm.store import checkpoint_format as ckpt_io
 from raytrain_lm.worker.checkpointer import Checkpointer, load_init_from, restore_rng
 from raytrain_lm.worker.drills import WindowLog, fault_drill, nan_drill
@@ -80,7 +79,6 @@ def train_loop_per_worker(inputs: WorkerInputs) -> None:
     peak = gpu_peak_tflops(device, cfg.peak_tflops, step_fn.precision)
     meter = Meter(device, world, fpt, peak, n_params, baseline_mem, build_mem,
                   loss_ranks=step_fn.dp, scaler_skips=step_fn.scaler.is_enabled())
-    rows: list = []  # the rows made since the last report, sent with the next one
     step_fn.train()
     while step < cfg.max_steps:
         lr = lr_at(step, cfg)
@@ -92,25 +90,26 @@ def train_loop_per_worker(inputs: WorkerInputs) -> None:
         preempted = preemption.check(step)  # a node of the run is going: checkpoint now
         if not (cadence.rows(step) or preempted):
             continue
-        row = meter.row(step, lr, to_float(grad_norm), step_fn)
+        # threads: what the launch line said (run/cpus.py); a preemption: the driver names it
+        # as the reason of the restart
+        meter.keep(step, lr, grad_norm, step_fn, tokens=tokens, epoch=batches.epoch, workers=world,
+                   threads=torch.get_num_threads(), **({"preemption": preempted} if preempted else {}))
+        save = cadence.checkpoints(step) or bool(preempted)
+        if not (save or cadence.sends(step)):  # the row waits on this rank for the next send
+            meter.next_interval(exclude_since_row=False)
+            continue
+        rows = meter.rows()  # every rank's values, one collective per send
         if meter.nonfinite:  # every rank alike: the run stops here, saving nothing
-            checkpointer.report_stop(step, meter.nonfinite, rows)
+            checkpointer.report_stop(step, meter.nonfinite, rows[:meter.first_bad])
             return
-        row.update(tokens=tokens, epoch=batches.epoch, workers=world,
-                   threads=torch.get_num_threads())  # what the launch line said (run/cpus.py)
-        if preempted:
-            row["preemption"] = preempted  # the driver names it as the reason of the restart
+        row = rows[-1]
         if cadence.validates(step):
             val, bpb = step_fn.evaluate(validation)
             row.update(val_loss=val, val_ppl=math.exp(min(val, 50.0)), val_bpb=bpb)
-        save = cadence.checkpoints(step) or bool(preempted)
         if save and step_fn.replicated:
             row["replica_spread"] = meter.replica_spread(step_fn.parts[0])  # 0.0: they agree
-        rows.append(row)
-        if save or cadence.sends(step):
-            checkpointer.report(rows, save=save, step_fn=step_fn, stream=batches)
-            rows = []
-            cadence.paced(step, meter.slowest_step_time)
+        checkpointer.report(rows, save=save, step_fn=step_fn, stream=batches)
+        cadence.paced(step, meter.slowest_step_time)
         meter.next_interval(exclude_since_row=save or cadence.validates(step))
     checkpointer.report_final_rows(meter.start_unix)
 
@@ -127,9 +126,10 @@ class Cadence:
     (Checkpointer.report), so metrics.jsonl keeps every one of them while a fast run pays one
     report per `log_seconds`: a report is a barrier and waits for Ray's poll of the workers when
     the previous one is still queued (one report per poll), so one report per row would throttle
-    fast steps to the poll. The decisions add no collective: they are pure functions of the step
-    and of the slowest rank's interval, which every rank receives from the row's own all-gather
-    (Meter), so all ranks call `ray.train.report` at the same steps."""
+    fast steps to the poll. A row is kept on its rank until its send, when one all-gather makes
+    every kept row global (Meter.rows): no collective per row. The decisions add none either: they
+    are pure functions of the step and of the slowest rank's interval, which every rank receives
+    from the send's all-gather, so all ranks call `ray.train.report` at the same steps."""
 
     FIRST_SEND = 1  # the first step's report (compilation, warm-up) gives the first step time
 

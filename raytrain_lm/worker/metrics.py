@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 
 from raytrain_lm.config.settings import TrainConfig
-from raytrain_lm.parallel.fsdp import held_bytes, param_fraction
+from raytrain_lm.parallel.fsdp import held_bytes, param_fraction, to_float
 from raytrain_lm.parallel.mesh import all_gather_rows, all_reduce
 from raytrain_lm.plan.fit import check_memory
 from raytrain_lm.plan.gpus import kind_of_device, peak_tflops
@@ -96,7 +96,8 @@ class StepTimer:
 
 class Meter:
     """What a rank measures between two rows (losses, tokens, time; the step's wait for data),
-    turned into one metrics row: one small all-gather makes it global on every rank."""
+    turned into metrics rows: kept as this rank measured them, then made global on every rank
+    by one small all-gather for all the rows of a report."""
 
     def __init__(self, device: torch.device, world: int, flops_per_token: float,
                  peak_tflops: Optional[float], num_parameters: int, baseline_mem: float,
@@ -121,6 +122,8 @@ class Meter:
         self.first_step_unix: Optional[float] = None  # when this worker group's first step ended
         self._row_done = 0.0
         self.slowest_step_time = 0.0  # seconds per step of the last reported interval, max over ranks
+        self.kept: list = []  # this rank's rows since the last `rows` (keep)
+        self.first_bad: Optional[int] = None  # the index in `rows`' answer of nonfinite's row
 
     def add_step(self, loss: torch.Tensor, tokens: int,
                  grad_norm: Optional[torch.Tensor] = None) -> None:
@@ -133,11 +136,14 @@ class Meter:
         self.timer.steps += 1
         self.timer.tokens += tokens
 
-    def row(self, step: int, lr: float, grad_norm: float, step_fn) -> MetricsRow:
-        """`step_fn`: the step (step.TrainStep): its parts and optimizers (memory held), the
-        time it waited for data, the pipeline's bubble and the bytes each mesh dimension moved."""
+    def keep(self, step: int, lr: float, grad_norm, step_fn, **fields) -> None:
+        """The interval's row as this rank measured it, kept until `rows` makes the kept rows
+        global together: no collective here, so a row every step does not stop every rank at
+        every step. `grad_norm`: the last step's (a tensor, read in `rows`); `fields`: added to
+        the row as they are. `step_fn`: the step (step.TrainStep): its parts and optimizers
+        (memory held), the time it waited for data, the pipeline's bubble and the bytes each
+        mesh dimension moved."""
         elapsed = self.timer.elapsed()  # (a sync on CUDA: the events below are complete)
-        n = len(self.losses)
         norms = torch.stack([_plain(g) for g in self.norms]).to(torch.float64)
         mine = torch.cat([torch.stack(self.losses).double().reshape(-1),
                           (~torch.isfinite(norms)).double().reshape(-1), torch.tensor(
@@ -146,48 +152,71 @@ class Meter:
              peak_memory_gb(self.device) - self.baseline_mem, self.build_mem,
              elapsed / self.timer.steps, reserved_memory_gb(self.device) or 0.0],
             dtype=torch.float64, device=self.device)])
-        # One collective a row (a row may be made every step): every rank's values. Summed over
-        # the ranks: the steps' losses (the loss-reporting ranks'), whether any rank saw a step's
-        # gradient norm non-finite (so every rank decides the same), the data waits; the memory
-        # and the step time: their maximum.
-        every = all_gather_rows(mine)
-        sums = every[:, :2 * n + 1].sum(0)
-        losses, bad, wait = sums[:n] / self.loss_ranks, sums[n:2 * n], sums[2 * n]
-        mem = every[:, 2 * n + 1:].max(0).values
-        self.nonfinite = first_nonfinite(step - n + 1, losses.tolist(),
-                                         [] if self.scaler_skips else norms.tolist(),
-                                         [] if self.scaler_skips else (bad > 0).tolist())
-        # The slowest rank's step time in this interval: identical on every rank after the
-        # all-gather, so the loop's time-paced cadence (loop.Cadence) agrees everywhere.
-        self.slowest_step_time = mem[4].item()
         tps = self.timer.tokens / elapsed
         row: MetricsRow = {
             "step": step,
-            "loss": losses.mean().item(),
-            "step_losses": losses.tolist(),  # per-step global losses, for exact-resume checks
             "lr": lr,
-            "grad_norm": grad_norm,
             "tokens_per_second": tps,
             "step_time": elapsed / self.timer.steps,
-            "data_wait_frac": wait.item() / self.world / elapsed,
             "mfu": mfu(tps, self.fpt, self.world, self.peak),
-            "peak_mem_gb": mem[0].item(),
-            # what the allocator holds (allocated + cached); None on CPU
-            "peak_mem_reserved_gb": mem[5].item() if self.device.type == "cuda" else None,
-            "model_state_gb": mem[1].item(),  # params + grads + optimizer states, max over ranks
-            "mem_above_baseline_gb": mem[2].item(),  # max over ranks of what the run added
-            "build_mem_gb": mem[3].item(),  # max over ranks of what building the model added
             "param_fraction": param_fraction(step_fn.parts, self.num_parameters),  # on rank 0
             "bubble": step_fn.take_bubble(),  # pipeline idle share (rank 0's), None without pp
-            "comm_bytes": step_fn.comm_bytes,  # rank 0's bytes sent per step, per mesh dim
+            "comm_bytes": dict(step_fn.comm_bytes),  # rank 0's bytes sent per step, per mesh dim
             "elapsed": time.perf_counter() - self.start,
             "train_start_unix": self.start_unix,
             "first_step_unix": self.first_step_unix,
             "num_parameters": self.num_parameters,
+            **(step_fn.moe_metrics() or {}),  # aux_loss, z_loss, expert_load (a mixture of experts)
+            **fields,
         }
-        row.update(step_fn.moe_metrics() or {})  # aux_loss, z_loss, expert_load (a mixture of experts)
+        self.kept.append((row, mine, norms, grad_norm, elapsed))
         self._row_done = time.perf_counter()
-        return row
+
+    def rows(self) -> list[MetricsRow]:
+        """The kept rows, global on every rank, in order; one all-gather for all of them. Summed
+        over the ranks: each step's loss (the loss-reporting ranks'), whether any rank saw its
+        gradient norm non-finite (so every rank decides the same), the data waits; the memory
+        and the step time: their maximum. Sets `nonfinite` (None when every step is finite) and
+        `first_bad` (the index of the first row with such a step), and `slowest_step_time` (the
+        last row's)."""
+        kept, self.kept = self.kept, []
+        self.nonfinite, self.first_bad = None, None
+        every = all_gather_rows(torch.cat([mine for _, mine, *_ in kept]))
+        out, at = [], 0
+        for i, (row, mine, norms, grad_norm, elapsed) in enumerate(kept):
+            part, at = every[:, at:at + mine.numel()], at + mine.numel()
+            n = len(norms)
+            sums = part[:, :2 * n + 1].sum(0)
+            losses, bad, wait = sums[:n] / self.loss_ranks, sums[n:2 * n], sums[2 * n]
+            mem = part[:, 2 * n + 1:].max(0).values
+            why = first_nonfinite(row["step"] - n + 1, losses.tolist(),
+                                  [] if self.scaler_skips else norms.tolist(),
+                                  [] if self.scaler_skips else (bad > 0).tolist())
+            if why and not self.nonfinite:
+                self.nonfinite, self.first_bad = why, i
+            # The slowest rank's step time: identical on every rank after the all-gather, so
+            # the loop's time-paced cadence (loop.Cadence) agrees everywhere.
+            self.slowest_step_time = mem[4].item()
+            row.update({
+                "loss": losses.mean().item(),
+                "step_losses": losses.tolist(),  # per-step global losses, for exact-resume checks
+                "grad_norm": to_float(grad_norm),
+                "data_wait_frac": wait.item() / self.world / elapsed,
+                "peak_mem_gb": mem[0].item(),
+                # what the allocator holds (allocated + cached); None on CPU
+                "peak_mem_reserved_gb": mem[5].item() if self.device.type == "cuda" else None,
+                "model_state_gb": mem[1].item(),  # params + grads + optimizer states, max over ranks
+                "mem_above_baseline_gb": mem[2].item(),  # max over ranks of what the run added
+                "build_mem_gb": mem[3].item(),  # max over ranks of what building the model added
+            })
+            out.append(row)
+        return out
+
+    def row(self, step: int, lr: float, grad_norm, step_fn, **fields) -> MetricsRow:
+        """`keep` then `rows`: the interval's global row at once (with any rows kept before it
+        made global too, and dropped)."""
+        self.keep(step, lr, grad_norm, step_fn, **fields)
+        return self.rows()[-1]
 
     def replica_spread(self, model: torch.nn.Module) -> float:
         """Max minus min over ranks of a float64 checksum of this rank's parameters: 0.0 exactly
