@@ -12,9 +12,6 @@ bit."""
 
 from __future__ import annotations
 
-import os
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -145,16 +142,15 @@ def test_a_tied_qwen2_folder_starts_a_pipelined_run_from_its_weights(pydoc_data,
 # nearly the gradient's sign): every gradient is compared here, on two gloo ranks.
 
 
-def _tp_grads(rank, port, out):
+def _tp_grads(rank, store, out):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import loss_parallel
 
     from raytrain_lm.parallel.tp import apply_tp
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))["tp"]
     m, x = _tp_case()
     grads = {}
@@ -180,10 +176,8 @@ def test_tensor_parallelism_gives_every_gradient_of_one_process(tmp_path):
     """tp 2, without and with sequence parallelism: every parameter's gradient (the q/k/v biases
     split with their rows, the q/k norms' summed over the ranks' heads, the tied embedding's
     from both its uses) is one process's, to float rounding."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(_tp_grads, args=(port, tmp_path / "grads.pt"), nprocs=2, start_method="fork")
+    mp.start_processes(_tp_grads, args=(tmp_path / "store", tmp_path / "grads.pt"), nprocs=2,
+                       start_method="fork")
     m, x = _tp_case()
     model = build_model(m, seed=3)
     model(x, x)[1].backward()

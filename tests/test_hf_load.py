@@ -18,7 +18,6 @@ from conftest import LLAMA_SETTINGS, save_hf_llama
 from raytrain_lm.config.load import build_config
 from raytrain_lm.errors import UserError
 from raytrain_lm.models import build_model
-from test_zero import free_port
 
 os.environ["TRANSFORMERS_VERBOSITY"] = "error"
 
@@ -50,13 +49,13 @@ def folder(tmp_path_factory):
     return out, {n: state[ADAPTER.hf_name(n, m)] for n in names}  # the tied head: the embedding
 
 
-def worker(rank, port, folder, out):
+def worker(rank, store, folder, out):
     from raytrain_lm.parallel import parallelize
     from raytrain_lm.worker.hf_load import load_hf_weights
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    # a file store: a free port picked before the ranks bind it may be taken by then
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     results = {}
     for layout, flags in LAYOUTS.items():
         built = parallelize(config(**flags), torch.device("cpu"), init=False)  # as train does
@@ -75,7 +74,7 @@ def loaded(folder, tmp_path_factory):
     from torch.distributed.pipelining import PipelineStage  # noqa: F401
 
     out = tmp_path_factory.mktemp("loaded")
-    mp.start_processes(worker, args=(free_port(), str(folder[0]), str(out)), nprocs=2,
+    mp.start_processes(worker, args=(str(out / "store"), str(folder[0]), str(out)), nprocs=2,
                        start_method="fork")
     return [torch.load(out / f"rank{r}.pt") for r in range(2)]
 

@@ -7,8 +7,6 @@ gradient shard overflows, and its checkpoint loads into a plain AdamW; DDP over 
 
 from __future__ import annotations
 
-import os
-import socket
 from types import SimpleNamespace
 
 import pytest
@@ -118,10 +116,10 @@ def attempt(fn, rank):
         return f"{type(e).__name__}: {e}"
 
 
-def worker(rank, port, out, folder):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def worker(rank, store, out, folder):
     torch.set_num_threads(1)  # two processes on a small machine
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    # a file store: a free port picked before the ranks bind it may be taken by then
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     plain, plain_held, plain_comm = train(rank, "ddp")
     zero, zero_held, zero_comm = train(rank, "zero1", folder)
     result = {"plain": plain, "zero": zero, "held": (plain_held, zero_held),
@@ -131,12 +129,6 @@ def worker(rank, port, out, folder):
     dist.destroy_process_group()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     """Both ranks' results. The ranks are fresh interpreters (spawn), not forks of this test
@@ -144,7 +136,7 @@ def results(tmp_path_factory):
     group's meshes made DCP's save plan see one rank's shards only)."""
     out = tmp_path_factory.mktemp("zero1")
     folder = out / "ckpt"
-    mp.start_processes(worker, args=(free_port(), str(out), folder), nprocs=2, start_method="spawn")
+    mp.start_processes(worker, args=(str(out / "store"), str(out), folder), nprocs=2, start_method="spawn")
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)], folder
 
 
