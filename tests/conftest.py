@@ -358,7 +358,7 @@ class TrainedHere:
     so greedy choices are not near-ties) but need no Ray."""
 
     def __init__(self, root: Path, tokenizer: str, vocab_size, bias: bool, steps: int = 30,
-                 arch: str = "gpt", data: Optional[Path] = None):
+                 arch: str = "gpt", data: Optional[Path] = None, gelu: str = "exact"):
         """`data`: an existing dataset to train on (else one is prepared with `tokenizer`)."""
         import torch
 
@@ -377,7 +377,8 @@ class TrainedHere:
         self.cfg = build_config(flags=dict(data=str(self.data), seq_len=64, batch_size=16),
                                 sets=["model.n_layer=2", "model.n_head=4", "model.n_embd=64",
                                       "model.block_size=128", f"model.bias={bias}",
-                                      f"model.arch={arch}", *(LLAMA_SETTINGS if arch == "llama" else [])])
+                                      f"model.gelu={gelu}", f"model.arch={arch}",
+                                      *(LLAMA_SETTINGS if arch == "llama" else [])])
         fit_model_to_data(self.cfg, self.manifest)  # vocabulary padded to a multiple of 64
         torch.manual_seed(0)
         self.model = build_model(self.cfg.model)
@@ -404,10 +405,11 @@ class TrainedHere:
 
 @pytest.fixture(scope="session")
 def trained_here(tmp_path_factory) -> dict:
-    """{"byte": a byte model (vocabulary 256, biases), "bpe": a BPE model (1000 tokens padded to
-    1024, bias=False as the gpt2 preset), "llama": a Llama (2 kv heads) on the same BPE}."""
+    """{"byte": a byte model (vocabulary 256, biases, exact GELU), "bpe": a BPE model (1000 tokens
+    padded to 1024, bias=False and tanh GELU as the gpt2 preset), "llama": a Llama (2 kv heads) on
+    the same BPE}."""
     root = tmp_path_factory.mktemp("trained-here")
-    bpe = TrainedHere(root / "bpe", "bpe", 1000, bias=False)
+    bpe = TrainedHere(root / "bpe", "bpe", 1000, bias=False, gelu="tanh")
     return {"byte": TrainedHere(root / "byte", "byte", None, bias=True), "bpe": bpe,
             "llama": TrainedHere(root / "llama", "bpe", 1000, bias=False, arch="llama", data=bpe.data)}
 

@@ -34,6 +34,9 @@ class ModelConfig:
     n_embd: int = setting(128, help="Width of the residual stream (a multiple of n_head).")
     dropout: float = setting(0.0, help="Dropout probability (attention, residual, embeddings).")
     bias: bool = setting(True, help="Biases in linear layers and LayerNorms (gpt; the Llama has none).")
+    gelu: str = setting("exact", help="gpt: the MLP's GELU: exact (erf), or tanh (GPT-2's "
+                        "approximation: the gpt2 presets, GPT-2's weights). Exported to "
+                        "transformers as activation_function gelu or gelu_new.")
     # The Llama family (arch="llama", models/llama/): RMSNorm, rotary positions, SwiGLU,
     # grouped-query attention, no biases, an untied head. Ignored by the GPT.
     arch: str = setting("gpt", help="Architecture: gpt (GPT-2: LayerNorm, learned positions, GELU, "

@@ -3,12 +3,14 @@ its Hugging Face names hf_gpt.py."""
 
 from __future__ import annotations
 
+from raytrain_lm.errors import UserError
 from raytrain_lm.models.family import Family, ModelConfig, ParamCounts, TPPlan
 
 # Activation elements per layer per token, in units of the width: (whole on every tp rank without
 # sequence parallelism, divided by tp). Sums: 17 without recomputation, 11 selective, 9 op (the
 # block input; the outputs of c_attn, attention and c_fc: parallel/ac.py).
 AC_SPLIT = {"none": (5, 12), "selective": (3, 8), "op": (1, 8)}
+GELUS = ("exact", "tanh")  # the MLP's activation: F.gelu's approximate="none" or "tanh"
 
 
 class GPTFamily(Family):
@@ -21,6 +23,10 @@ class GPTFamily(Family):
     # hf_gpt.qkv_interleaved_to_gpt2 gives GPT-2's [q; k; v].
     export_format = "raytrain-lm/gpt-2"
     export_notes = {"qkv_layout": "head-interleaved"}
+
+    def check(self, m: ModelConfig) -> None:
+        if m.gelu not in GELUS:
+            raise UserError(f"model.gelu must be one of {', '.join(GELUS)}, got {m.gelu!r}")
 
     def counts(self, m: ModelConfig) -> ParamCounts:
         h, V, bias = m.n_embd, m.vocab_size or 256, 1 if m.bias else 0
