@@ -144,6 +144,9 @@ CASES = [
         "--worker-env sets the environment of Ray's worker processes; with --workers 0"),
     Bad("train --data {data} --workers 0 --layout auto", "--layout auto plans on the cluster Ray "
                                                          "reports; with --workers 0 give the layout"),
+    Bad("train --data {data} --workers 0 --use-gpu", "--use-gpu: torch sees 0 CUDA GPUs here, and "
+                                                     "each of this node's 1 rank needs one",
+        env={"CUDA_VISIBLE_DEVICES": ""}),
 ]
 
 

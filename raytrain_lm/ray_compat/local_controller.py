@@ -45,6 +45,13 @@ class Retention:
             self.fs.delete_dir(self.paths.pop(0))
 
 
+def cuda_devices() -> int:
+    """The CUDA GPUs torch sees in this process (the GPUs local mode would train on)."""
+    import torch
+
+    return torch.cuda.device_count()
+
+
 def local_controller(run_config, threads: int):
     """Ray's LocalTorchController for `run_config` (name, storage_path, callbacks, num_to_keep),
     completed as this module says; the training function runs on `threads` torch threads."""

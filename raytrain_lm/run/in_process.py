@@ -14,6 +14,7 @@ the run (its summary says so), and --resume continues it."""
 from __future__ import annotations
 
 import logging
+import os
 import time
 import warnings
 from typing import Callable, Optional
@@ -68,6 +69,22 @@ def check_local(cfg: TrainConfig, saved_max_failures: int, worker_env: dict) -> 
                         "the layout yourself (--tp, --pp, --strategy)")
 
 
+def use_gpus(use_gpu: bool, local_ranks: int) -> None:
+    """The GPUs of a run in this process are what --use-gpu says, as on Ray (Ray Train's local
+    mode would take any GPU torch sees): without it none are visible to this process (before
+    torch looks); with it, every rank of this node needs one."""
+    from raytrain_lm.ray_compat.local_controller import cuda_devices
+
+    if not use_gpu:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # a CPU run, as a Ray worker without a GPU
+        return
+    found = cuda_devices()
+    if found < local_ranks:
+        raise UserError(f"--use-gpu: torch sees {found} CUDA GPU{'s' if found != 1 else ''} here, "
+                        f"and each of this node's {local_ranks} rank{'s' if local_ranks != 1 else ''} "
+                        f"needs one; drop --use-gpu to train on the CPU")
+
+
 def quiet_worker_notes() -> None:
     """Ray Train's notes that go to a Ray worker's log, not to the terminal: that local mode is on,
     where the model moved, that it is wrapped in DDP, a deprecation inside Ray's prepare_model."""
@@ -105,6 +122,7 @@ def run_local(cfg: TrainConfig, *, resume: bool = False, init_from: Optional[str
     rank, ranks, local_ranks = local_place()
     cfg.workers, cfg.min_workers = ranks, None
     validate(cfg)  # the layout at this size: --tp x --pp divides the ranks
+    use_gpus(cfg.use_gpu, local_ranks)
     line = launch_line(cfg, ranks, local_ranks)
     if rank != 0:  # everything else is rank 0's (inputs, name, files)
         build_trainer(cfg, RunFolder(cfg.storage, cfg.name or "named-by-rank-0"), local=True).fit()
