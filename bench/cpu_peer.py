@@ -126,9 +126,17 @@ def ref_step(model, optimizer, x, y) -> float:
 # ------------------------------------------------------------------ part step
 
 
-def project_step(preset: str):
-    """The project's TrainStep in this process (cpu_kernels.build_step on MKL's path)."""
-    return build_step(preset, "mkl")
+def project_step(preset: str, gelu: str = "exact"):
+    """The project's TrainStep in this process (cpu_kernels.build_step on MKL's path), with the
+    GPT's MLP on `gelu`."""
+    from raytrain_lm.config import presets
+
+    saved = presets.PRESETS[preset]
+    presets.PRESETS[preset] = {**saved, "model": {**saved["model"], "gelu": gelu}}
+    try:
+        return build_step(preset, "mkl")
+    finally:
+        presets.PRESETS[preset] = saved
 
 
 def mm_gflops(reps: int = 5) -> float:
@@ -252,6 +260,52 @@ def part_threads(args) -> dict:
                                      for k, v in got.items()}}
 
 
+# ------------------------------------------------------------------ part gelu
+
+
+def part_gelu(args) -> dict:
+    """The project's step with the exact GELU and with GPT-2's tanh form, same weights and
+    batches, alternated in blocks of --steps steps on --threads threads: wall and CPU ms per
+    step (CPU time is what a busy machine changes least)."""
+    from raytrain_lm.worker.optim import lr_at
+
+    torch.set_num_threads(args.threads)
+    out = {}
+    for preset in args.presets:
+        steps = {g: project_step(preset, g) for g in ("exact", "tanh")}
+        cfg = steps["exact"][0]
+        g = torch.Generator().manual_seed(0)
+        data = []
+        for _ in range(8):
+            w = torch.randint(0, 256, (cfg.batch_size, cfg.seq_len + 1), generator=g)
+            data.append((w[:, :-1], w[:, 1:]))
+        n = args.steps if preset == "tiny" else max(1, args.steps // 2)
+
+        def block(gelu: str) -> tuple[float, float]:
+            _, step = steps[gelu]
+            stream = Batches(data)
+            t0, c0 = time.perf_counter(), time.process_time()
+            for _ in range(n):
+                step(stream, lr_at(step.steps, cfg))[0].item()
+            return (time.perf_counter() - t0) / n * 1e3, (time.process_time() - c0) / n * 1e3
+
+        for gelu in steps:  # warm-up
+            block(gelu)
+        got = {gelu: [] for gelu in steps}
+        for r in range(args.rounds):
+            for gelu in (("exact", "tanh") if r % 2 == 0 else ("tanh", "exact")):
+                got[gelu].append(block(gelu))
+            print(preset, {k: [round(x, 1) for x in v[-1]] for k, v in got.items()}, flush=True)
+        rows = {k: {"wall_ms_median": statistics.median(w for w, _ in v),
+                    "cpu_ms_median": statistics.median(c for _, c in v),
+                    "wall_ms_by_round": [w for w, _ in v], "cpu_ms_by_round": [c for _, c in v]}
+                for k, v in got.items()}
+        out[preset] = {"steps_per_block": n, "rows": rows,
+                       "tanh_minus_exact_cpu_ms_by_round": [t[1] - e[1] for e, t in
+                                                            zip(got["exact"], got["tanh"])]}
+    return out
+
+
 # ------------------------------------------------------------------ part train
 
 
@@ -300,7 +354,7 @@ def part_train(args) -> dict:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--part", choices=("step", "threads", "train", "nanogpt"), default="step")
+    p.add_argument("--part", choices=("step", "threads", "train", "gelu", "nanogpt"), default="step")
     p.add_argument("--presets", nargs="+", default=["tiny", "small"])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=6, help="step: steps per block (small: half).")
@@ -325,7 +379,8 @@ def main(argv=None) -> None:
     load = os.getloadavg()[0]
     from peer_nanogpt import part_nanogpt
 
-    parts = {"step": part_step, "threads": part_threads, "train": part_train, "nanogpt": part_nanogpt}
+    parts = {"step": part_step, "threads": part_threads, "train": part_train, "gelu": part_gelu,
+             "nanogpt": part_nanogpt}
     rows = parts[args.part](args)
     result = {"what": f"cpu_peer --part {args.part}", "settings": vars(args),
               "machine": f"{cpu_name()}, {os.cpu_count()} CPUs, torch {torch.__version__}",
