@@ -72,6 +72,9 @@ EXTRA = {"--workers 0 tanh": {"workers": "0", "set": ["model.gelu=tanh"]},
          "--workers 1 (Ray) PASSIVE": {"workers": "1", "worker_env": ["OMP_WAIT_POLICY=PASSIVE"]},
          "--workers 1 (Ray) bind": {"workers": "1", "worker_env": ["OMP_PROC_BIND=true"]},
          "--workers 1 (Ray) tanh": {"workers": "1", "set": ["model.gelu=tanh"]},
+         "--workers 1 (Ray) spin 10k": {"workers": "1", "worker_env": ["GOMP_SPINCOUNT=10000"]},
+         "--workers 0 spin 10k": {"workers": "0", "env": {"GOMP_SPINCOUNT": "10000"}},
+         "--workers 1 (Ray) poll 2 s": {"workers": "1", "env": {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "2"}},
          "nanoGPT PASSIVE": {"nanogpt": "train.py", "env": {"OMP_WAIT_POLICY": "PASSIVE"}}}
 
 
