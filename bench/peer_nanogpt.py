@@ -16,10 +16,11 @@ lr_decay_iters = steps). Threads: one process gets the machine's cores on every 
 default for nanoGPT, the launch's choice for ours); under torchrun both get torchrun's
 OMP_NUM_THREADS=1.
 
-Per step: steady state, steps after --skip: nanoGPT's own per-iteration time (its `time ...ms`
+Per step: steady state, steps after the row's skip: nanoGPT's own per-iteration time (its `time ...ms`
 lines, from the end of one iteration to the end of the next), ours from the metrics rows'
 `elapsed` (the same span, reports included). Time to first step: from launching the command to
-the end of step 1 (nanoGPT: its `iter 0` line, read as printed; ours: the row's first_step_unix).
+the end of step 1 (nanoGPT: its `iter 0` line, read as printed; ours: the row's first_step_unix),
+and the CPU seconds the launched processes had used when it was seen.
 Sides alternate within each round, the first side moving each round (A B, B A, ...).
 
     flock /tmp/ray.lock env PYTHONPATH=. python bench/cpu_peer.py --part nanogpt \\
@@ -38,6 +39,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -154,14 +156,42 @@ def command(side: dict, preset: str, ranks: int, steps: int, work: Path, data: P
     return argv, ROOT, dict(side.get("env", {}))
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process `pid` and its descendants so far (Linux /proc)."""
+    tick, total, todo = os.sysconf("SC_CLK_TCK"), 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick
+            for task in Path(f"/proc/{p}/task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+        except (OSError, ValueError):  # gone meanwhile
+            continue
+    return total
+
+
 def run_side(argv: list[str], cwd: Path, extra_env: dict, storage: Path, name: str, skip: int,
              nanogpt: bool) -> dict:
+    """One run: its steady ms per step, seconds to the end of step 1, and the CPU seconds the
+    launched process tree had used by then (with a Ray it starts: Ray's processes and workers
+    too), what a busy machine changes least: the start-up's imports run on one thread."""
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "OMP_NUM_THREADS")}
     env.update(PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", **extra_env)
     t0 = time.time()
     proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
-    lines = [(time.time(), line) for line in proc.stdout]
+    lines: list[tuple[float, str]] = []
+    reader = threading.Thread(target=lambda: lines.extend((time.time(), line) for line in proc.stdout))
+    reader.start()
+    metrics, first_cpu = storage / name / "metrics.jsonl", None
+    while proc.poll() is None and first_cpu is None:
+        seen = (any(line.startswith("iter 0:") for _, line in list(lines)) if nanogpt
+                else metrics.is_file() and metrics.stat().st_size > 0)
+        if seen:
+            first_cpu = cpu_seconds(proc.pid)
+        time.sleep(0.02)
+    reader.join()
     if proc.wait() != 0:
         raise SystemExit(f"{' '.join(argv)} failed:\n{''.join(line for _, line in lines)[-3000:]}")
     if nanogpt:
@@ -172,14 +202,14 @@ def run_side(argv: list[str], cwd: Path, extra_env: dict, storage: Path, name: s
                 iters[i] = (t, float(line.split("time ")[1].split("ms")[0]))
         steady = [ms for i, (_, ms) in iters.items() if i + 1 > skip]
         return {"ms_per_step": statistics.mean(steady), "first_step_s": iters[0][0] - t0,
-                "process_s": time.time() - t0}
+                "first_step_cpu_s": first_cpu, "process_s": time.time() - t0}
     rows = [json.loads(line) for line in (storage / name / "metrics.jsonl").read_text().splitlines()]
     first = next(r for r in rows if r["step"] >= skip)
     last = rows[-1]
     return {"ms_per_step": (last["elapsed"] - first["elapsed"]) / (last["step"] - first["step"]) * 1e3,
             "first_step_s": rows[0]["first_step_unix"] - t0,
             "loop_begins_s": rows[0]["train_start_unix"] - t0, "threads": rows[0]["threads"],
-            "process_s": time.time() - t0}
+            "first_step_cpu_s": first_cpu, "process_s": time.time() - t0}
 
 
 def part_nanogpt(args) -> dict:
@@ -209,7 +239,9 @@ def part_nanogpt(args) -> dict:
             ms = [x["ms_per_step"] for x in runs]
             first = [x["first_step_s"] for x in runs]
             paired = [a["ms_per_step"] / x["ms_per_step"] for a, x in zip(got[ref], runs)]
+            cpu = [x["first_step_cpu_s"] for x in runs if x["first_step_cpu_s"] is not None]
             summary[side] = {"ms_per_step_median": statistics.median(ms), "ms_min": min(ms),
+                             "first_step_cpu_s_median": statistics.median(cpu) if cpu else None,
                              "ms_max": max(ms), "speed_vs_nanogpt_median": statistics.median(paired),
                              "speed_vs_nanogpt_by_round": paired,
                              "first_step_s_median": statistics.median(first),
