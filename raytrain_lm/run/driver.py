@@ -317,15 +317,17 @@ class Follower:
         resized = self.groups.row(row)  # a new worker group: a restart, perhaps a resize
         if resized:
             self.say(resized)
-        for r in [*(row.pop("resumed_rows", None) or []), row]:  # rows Ray may have lost
+        rows = [*(row.pop("resumed_rows", None) or []), row]  # with the rows Ray may have lost
+        for r in rows:
             if r.get("checkpoint"):
                 r["checkpoint"] = checkpoint_uri(self.run, r["checkpoint"])
             self.log.add(r)
+        if self.on_metrics:  # shown once kept in metrics.jsonl; TensorBoard's copy is a convenience
+            self.on_metrics(row)
+        for r in rows:
             tb.add(r)
         if row.get("checkpoint") or resized:
             self.write_summary("running")
-        if self.on_metrics:
-            self.on_metrics(row)
 
 
 def checkpoint_uri(run: RunFolder, path: str) -> str:
