@@ -240,7 +240,7 @@ def part_model(args) -> dict:
             try:
                 t0 = time.perf_counter()
                 for _ in range(n):
-                    loss, _, _ = step(streams[path], lr_at(step.steps, cfg))
+                    loss, _ = step(streams[path], lr_at(step.steps, cfg))
                     losses[path].append(float(loss))
                 return time.perf_counter() - t0
             finally:

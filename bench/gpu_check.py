@@ -1,259 +1,345 @@
-"""One GPU, no Ray: does every layout's per-worker code run, and how fast is the gpt2 step?
+"""One GPU, no Ray: does every layout's per-worker code run, how fast is the gpt2 step, and what
+does the memory plan say against max_memory_allocated?
 
-A prepared check for a machine with one GPU (torch, pyarrow and typer; Ray need not be there):
-1. every layout as a Ray Train worker builds and steps it (step.TrainStep, parallel.parallelize)
-   in a process group of one rank: DDP (DistributedDataParallel in place of Ray's prepare_model),
-   FSDP2, tensor parallelism (with sequence parallelism), a pipeline, all three at once, the
-   Llama; activation checkpointing, bf16, fp16 with the gradient scaler, fp32 (TF32), compile.
-   Mesh dims of one rank are applied all the same (parallelize's `force`), so the code that
-   runs is the code of a larger run (not the interleaved schedule: its two stages on one rank
-   would both hold the tied embedding, which no real layout does); a few steps each on random
-   tokens. Each layout's initial
-   weights are summed: every GPT layout must start from the same values (model.init_device);
-2. the gpt2 preset's tokens/s and MFU, eager and compiled (bench/gpu_throughput.py);
-3. the memory plan (raytrain_lm.plan) against the measured max_memory_allocated of that step.
-Prints one table and writes JSON (--out). Targets on a GPU: every layout runs; gpt2 bf16 at 50%
-MFU or more on one H100/H200.
+A prepared check for a machine with one GPU and torch alone (torch 2.11+, numpy; no Ray, pyarrow,
+typer, yaml or tokenizers, no package index): its whole output survives whatever stops it.
+1. Every layout a Ray Train worker runs, built and stepped by the worker's own code
+   (bench/gpu_check_layout.py: step.TrainStep in a process group of one rank, mesh dims of one
+   rank applied all the same) on random tokens from pinned host memory: DDP (with Ray's DDP
+   arguments) in bf16, fp16 with the scaler, fp32 (TF32), full checkpointing; ZeRO-1, ZeRO-2,
+   FSDP (bf16, fp16, selective checkpointing); tensor parallelism with and without sequence
+   parallelism; pipelines (1F1B, GPipe; interleaved 1F1B on the Llama, whose head is untied);
+   FSDP + TP + PP; the Llama under DDP and FSDP + TP; compiled DDP, FSDP and Llama; the gpt2
+   preset through TrainStep (MFU), eager and compiled. Each row: the timed steps' metrics row
+   (metrics.Meter: step time, tokens/s, MFU, data wait and the pipeline bubble through CUDA
+   events), a validation, and for sharded layouts a DCP save and load round trip; every GPT
+   layout must start from the same weights.
+2. bench/gpu_throughput.py: the gpt2 step in its own plain loop, eager and compiled.
+3. The memory plan (raytrain_lm.plan.estimate) against max_memory_allocated for the gpt2 rows.
 
-    python bench/gpu_check.py --out bench/results/gpu_check.json      # about 5 minutes on an H100
-    python bench/gpu_check.py --smoke --out /tmp/gpu_check.json       # the same on a CPU, small
+Layouts run in a child process (one for all eager layouts, one per compiled layout, so no row
+times another's compilation or residue): the eager ones, gpt2 compiled, gpu_throughput, then the
+other compiled ones; each row goes to rows.jsonl the moment it is done and
+its table line is printed at once, and gpu_check.json is rewritten after every row. A child that
+dies (a CUDA fault, a watchdog abort) costs its current row only: the rest run in a new child.
+Past --budget no new row starts; a SIGTERM (the outer `timeout`) writes what is done and stops.
+
+    timeout 480 python bench/gpu_check.py --out-dir bench/results/gpu   # one H100/H200, <= 8 min
+    python bench/gpu_check.py --smoke --out-dir /tmp/gpu-smoke            # the same code on a CPU
+Exit 0 when every layout ran and the GPT layouts started equal; 1 otherwise; 2 for bad usage.
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
-import math
+import os
+import platform
+import signal
+import subprocess
 import sys
-import tempfile
 import time
+import traceback
 from pathlib import Path
-
-import torch
-import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout: the package need not be installed
 sys.path.insert(0, str(ROOT / "bench"))
 
-from raytrain_lm.config.settings import TrainConfig  # noqa: E402
-
-# (name, TrainConfig settings, dims forced on one rank); the model's shape comes from MODEL.
+ALL_DIMS = ("fsdp", "tp", "pp")
+# (name, TrainConfig settings, mesh dims forced on one rank)
 LAYOUTS = [
     ("ddp", {}, ()),
     ("ddp fp16+scaler", {"precision": "fp16"}, ()),
     ("ddp fp32 (tf32)", {"precision": "fp32"}, ()),
     ("ddp full-ac", {"activation_checkpointing": "full"}, ()),
-    ("ddp compile", {"compile": True}, ()),
+    ("zero1", {"strategy": "zero1", "grad_accum": 2}, ("fsdp",)),  # gathered once for both
+    ("zero2", {"strategy": "zero2"}, ("fsdp",)),
     ("fsdp", {"strategy": "fsdp"}, ("fsdp",)),
+    ("fsdp fp16+scaler", {"strategy": "fsdp", "precision": "fp16"}, ("fsdp",)),
     ("fsdp selective-ac", {"strategy": "fsdp", "activation_checkpointing": "selective"}, ("fsdp",)),
-    ("fsdp compile", {"strategy": "fsdp", "compile": True}, ("fsdp",)),
+    ("tp", {}, ("tp",)),
     ("tp+sp", {"sequence_parallel": True}, ("tp",)),
     ("pp 1f1b", {}, ("pp",)),
-    ("fsdp+tp+pp", {"strategy": "fsdp"}, ("fsdp", "tp", "pp")),
+    ("pp gpipe", {"pp_schedule": "gpipe"}, ("pp",)),
+    ("fsdp+tp+pp", {"strategy": "fsdp"}, ALL_DIMS),
+    ("llama ddp", {"model.arch": "llama"}, ()),
+    ("llama pp interleaved-1f1b", {"model.arch": "llama", "pp_schedule": "interleaved-1f1b",
+                                   "virtual_stages": 2}, ("pp",)),
     ("llama fsdp+tp", {"strategy": "fsdp", "model.arch": "llama"}, ("fsdp", "tp")),
+    ("gpt2 ddp", {"model": "gpt2"}, ()),
+    # each compiled layout in a process of its own
+    ("gpt2 ddp compile", {"model": "gpt2", "compile": True}, ()),
+    ("ddp compile", {"compile": True}, ()),
+    ("fsdp compile", {"strategy": "fsdp", "compile": True}, ("fsdp",)),
+    ("llama ddp compile", {"model.arch": "llama", "compile": True}, ()),
 ]
-MODEL = {"gpu": dict(vocab_size=50304, block_size=512, n_layer=4, n_head=8, n_embd=512),
-         "smoke": dict(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=32)}
-BATCH = {"gpu": (8, 512), "smoke": (4, 32)}  # (sequences, tokens each)
+BY_NAME = {name: (settings, force) for name, settings, force in LAYOUTS}
 
 
-class RandomBatches:
-    """What the loop's loader hands a step: (inputs, targets) on the device."""
+def import_all() -> list[str]:
+    """Import every module the check and its children use (a host without one fails here, in
+    a second, not after minutes of GPU time); returns the project's modules."""
+    import importlib
 
-    def __init__(self, vocab: int, batch: int, seq: int, device: torch.device, seed: int = 0):
-        g = torch.Generator().manual_seed(seed)
-        self.x = torch.randint(0, vocab, (batch, seq), generator=g).to(device)
-        self.y = torch.roll(self.x, -1, dims=1)
-        self.epoch = 0
+    import gpu_check_layout
+    import gpu_throughput  # noqa: F401
 
-    def next(self):
-        return self.x, self.y
-
-
-def one_rank_group(device: torch.device) -> None:
-    """A process group of this one process, as Ray Train sets up on each worker."""
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                                store=dist.HashStore(), rank=0, world_size=1)
+    for m in gpu_check_layout.MODULES:
+        importlib.import_module(m)
+    return sorted(m for m in sys.modules if m.startswith("raytrain_lm"))
 
 
-def config(kind: str, settings: dict) -> TrainConfig:
-    cfg = TrainConfig()
-    for k, v in MODEL[kind].items():
-        setattr(cfg.model, k, v)
-    cfg.batch_size, cfg.seq_len = BATCH[kind]
-    cfg.lr, cfg.warmup_steps = 3e-4, 0
-    for k, v in settings.items():
-        if k.startswith("model."):
-            setattr(cfg.model, k.split(".", 1)[1], v)
-        else:
-            setattr(cfg, k, v)
-    if cfg.model.arch == "llama":
-        cfg.model.bias, cfg.model.multiple_of = False, 32
-    return cfg
+def machine() -> dict:
+    import torch
+
+    info = {"python": platform.python_version(), "torch": torch.__version__,
+            "cuda": torch.version.cuda, "numpy": __import__("numpy").__version__}
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        info.update(device=props.name, capability=f"{props.major}.{props.minor}",
+                    memory_gb=props.total_memory / 2**30, cudnn=torch.backends.cudnn.version(),
+                    nccl=".".join(map(str, torch.cuda.nccl.version())))
+    else:
+        info["device"] = "cpu"
+    return info
 
 
-def weights_sums(parallel) -> dict[str, float]:
-    """Each parameter's sum by its name in the model (wrappers' name parts left out)."""
-    from raytrain_lm.parallel.fsdp import local
+# ---------------------------------------------------------------- the child: layouts in order
 
-    sums, seen = {}, set()
-    for part in parallel.parts:
-        for name, p in part.named_parameters():
-            if id(p) in seen:
-                continue
-            seen.add(id(p))
-            name = name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
-            sums[name] = float(local(p.detach()).double().sum())
-    return sums
+def child(names: list[str], kind: str, steps: int, rows_file: Path) -> int:
+    import torch
+    import torch.distributed as dist
 
+    from gpu_check_layout import run_layout
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def run_layout(name: str, settings: dict, force: tuple, kind: str, device: torch.device,
-               steps: int) -> dict:
-    from torch.nn.parallel import DistributedDataParallel
-
-    from raytrain_lm.parallel.fsdp import to_float
-    from raytrain_lm.worker.metrics import peak_memory_gb
-    from raytrain_lm.worker.step import TrainStep
-
-    cfg = config(kind, settings)
-    row = {"layout": name, "settings": settings, "force": list(force), "status": "ok"}
-    torch._dynamo.reset()
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    torch.manual_seed(cfg.seed)
-    try:
-        wrap = (lambda m: DistributedDataParallel(m, device_ids=[device] if device.type == "cuda"
-                                                  else None)) if not force else None
-        step = TrainStep(cfg, device, force=frozenset(force), ddp_wrap=wrap)
-        row.update(precision=step.precision, fsdp_mixed=step.model.mixed_by_fsdp,
-                   init_sums=weights_sums(step.model), arch=cfg.model.arch)
-        batches = RandomBatches(cfg.model.vocab_size, cfg.batch_size, cfg.seq_len, device)
-        step.train()
-        losses, times = [], []
-        for _ in range(steps + 1):  # the first: compilation, allocation
-            t0 = time.perf_counter()
-            loss, norm, _ = step(batches, cfg.lr)
-            sync(device)
-            times.append(time.perf_counter() - t0)
-            losses.append(float(loss))
-        row.update(loss_first=losses[0], loss_last=losses[-1], grad_norm=to_float(norm),
-                   first_step_s=times[0], step_ms=1e3 * sorted(times[1:])[len(times[1:]) // 2],
-                   peak_mem_gb=peak_memory_gb(device),
-                   scale=step.scaler.get_scale() if step.scaler.is_enabled() else None)
-        if not all(math.isfinite(x) for x in losses):
-            row["status"] = "non-finite loss"
-        elif not losses[-1] <= losses[0]:  # (fp16: the scaler may skip a first step)
-            row["status"] = "loss did not fall"
-        del step
-    except Exception as e:  # one layout's failure is a row, not the end of the check
-        row.update(status=f"error: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    return row
-
-
-def throughput(kind: str, out_dir: Path, batch: int) -> dict:
-    """bench/gpu_throughput.py in this process: the gpt2 step eager and compiled."""
-    import gpu_throughput
-
-    out = out_dir / "gpu_throughput.json"
-    argv = ["--out", str(out)] + (["--smoke"] if kind == "smoke" else
-                                  ["--batch-sizes", str(batch), "--modes", "eager,compile",
-                                   "--steps", "20", "--warmup", "5"])
-    gpu_throughput.main(argv)
-    return json.loads(out.read_text())
-
-
-def memory_plan(result: dict, kind: str) -> list[dict]:
-    """The plan's memory for each measured (batch, mode) against max_memory_allocated."""
-    import gpu_throughput
-    from raytrain_lm.config.presets import preset_config
-    from raytrain_lm.models.family import ModelConfig
-    from raytrain_lm.plan.estimate import estimate
-    from raytrain_lm.plan.hardware import GB
-
-    model = ModelConfig(**gpu_throughput.SMOKE["model"]) if kind == "smoke" else \
-        preset_config("gpt2").model
-    model.vocab_size = result["model"]["vocab_size"]
-    gpu = result["machine"]["device"].startswith("cuda")
-    rows = []
-    for r in result["results"]:
-        if r["status"] != "ok":
-            continue
-        plan = estimate(model, 1, "ddp", "none", r["batch_size"], result["model"]["seq_len"],
-                        gpu=gpu)
-        rows.append({"mode": r["mode"], "batch_size": r["batch_size"], "plan_gb": plan.total / GB,
-                     "measured_gb": r["peak_mem_gb"], "ratio": plan.total / GB / r["peak_mem_gb"]})
-    return rows
-
-
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", required=True, help="JSON file for the results")
-    p.add_argument("--smoke", action="store_true", help="a small model on the CPU: the same code")
-    p.add_argument("--steps", type=int, default=None, help="timed steps per layout [3; smoke 2]")
-    p.add_argument("--layouts", default=None, help="comma-separated layout names [all]")
-    p.add_argument("--batch-size", type=int, default=16, help="gpt2's micro-batch [16]")
-    p.add_argument("--skip-throughput", action="store_true", help="layouts only")
-    a = p.parse_args(argv)
-    kind = "smoke" if a.smoke else "gpu"
-    if kind == "gpu" and not torch.cuda.is_available():
-        print("error: no CUDA GPU here; pass --smoke for the same check on a CPU", file=sys.stderr)
-        return 2
+    modules = import_all()
     device = torch.device("cuda", 0) if kind == "gpu" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
         torch.set_float32_matmul_precision("high")  # as a GPU worker does (loop.py)
-    one_rank_group(device)
-    steps = a.steps or (3 if kind == "gpu" else 2)
-    wanted = set(a.layouts.split(",")) if a.layouts else None
-    started = time.perf_counter()
-    rows = [run_layout(name, s, f, kind, device, steps) for name, s, f in LAYOUTS
-            if wanted is None or name in wanted]
-    sums = [r.pop("init_sums") for r in rows if "init_sums" in r and r["arch"] == "gpt"]
-    for r in rows:
-        r.pop("init_sums", None)
-    result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-              "torch": torch.__version__, "cuda": torch.version.cuda,
-              "ray_imported": "ray" in sys.modules, "layouts": rows,
-              "gpt_layouts_start_equal": bool(sums) and all(x == sums[0] for x in sums)}
-    if not a.skip_throughput:
-        with tempfile.TemporaryDirectory() as tmp:
-            result["gpt2"] = throughput(kind, Path(tmp), a.batch_size)
-        result["memory_plan"] = memory_plan(result["gpt2"], kind)
-    result["seconds"] = time.perf_counter() - started
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                            store=dist.HashStore(), rank=0, world_size=1)
+    for name in names:
+        append(rows_file, {"event": "start", "layout": name})
+        settings, force = BY_NAME[name]
+        t0 = time.perf_counter()
+        try:
+            row = run_layout(name, settings, force, kind, device, steps)
+        except Exception as e:  # one layout's failure is a row, not the end of the check
+            row = {"layout": name, "status": f"error: {type(e).__name__}: "
+                                             f"{str(e).splitlines()[0][:200] if str(e) else ''}",
+                   "traceback": traceback.format_exc()[-3000:]}
+        row["seconds"] = time.perf_counter() - t0
+        append(rows_file, row)
+        print(table_line(row), flush=True)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    loaded = sorted(m for m in sys.modules if m.startswith("raytrain_lm"))
+    append(rows_file, {"event": "modules", "imported": modules, "loaded": loaded,
+                       "ray_imported": "ray" in sys.modules})
     dist.destroy_process_group()
+    return 0
 
-    print(f"\n{'layout':20} {'status':8} {'prec':5} {'ms/step':>8} {'first s':>8} "
-          f"{'mem GB':>7} {'loss':>13}")
-    for r in rows:
-        if r["status"] == "ok":
-            print(f"{r['layout']:20} {'ok':8} {r['precision']:5} {r['step_ms']:8.1f} "
-                  f"{r['first_step_s']:8.1f} {r['peak_mem_gb']:7.2f} "
-                  f"{r['loss_first']:6.3f}>{r['loss_last']:6.3f}")
-        else:
-            print(f"{r['layout']:20} {r['status']}")
-    print(f"GPT layouts start from the same weights: {result['gpt_layouts_start_equal']}")
-    for r in result.get("gpt2", {}).get("results", []):
-        mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "-"
-        print(f"gpt2 {r['mode']:8} batch {r['batch_size']}: {r.get('tokens_per_second', 0):,.0f} "
-              f"tok/s, MFU {mfu}")
-    for r in result.get("memory_plan", []):
-        print(f"memory plan, {r['mode']} batch {r['batch_size']}: planned {r['plan_gb']:.2f} GB, "
-              f"max_memory_allocated {r['measured_gb']:.2f} GB ({r['ratio']:.2f}x)")
-    Path(a.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(f"{result['seconds']:.0f} s; written: {a.out}")
-    ok = all(r["status"] == "ok" for r in rows) and result["gpt_layouts_start_equal"]
-    return 0 if ok else 1
+
+def append(path: Path, record: dict) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def table_line(r: dict) -> str:
+    if r["status"] != "ok":
+        return f"{r['layout']:26} {r['status']}"
+    mfu = f"{100 * r['mfu']:5.1f}%" if r.get("mfu") is not None else "     -"
+    bubble = f"{r['bubble']:.2f}" if r.get("bubble") is not None else "-"
+    val = f"{r['val_loss']:.3f}" if r.get("val_loss") is not None else "-"
+    return (f"{r['layout']:26} ok   {r['precision']:5} {1e3 * r['step_time']:8.1f} ms "
+            f"{r['tokens_per_second']:>10,.0f} tok/s MFU {mfu}  mem {r['peak_mem_gb']:6.2f} GB  "
+            f"loss {r['loss_first']:.3f}>{r['loss_last']:.3f}  val {val}  "
+            f"bubble {bubble}  dcp {r.get('dcp', '-')}  {r['seconds']:.0f} s")
+
+
+# ---------------------------------------------------------------- the parent: children, files
+
+class Check:
+    def __init__(self, a, kind: str, out: Path):
+        self.a, self.kind, self.out = a, kind, out
+        self.rows_file = out / "rows.jsonl"
+        self.rows: dict[str, dict] = {}
+        self.modules: list[dict] = []
+        self.result = {"benchmark": "gpu_check", "kind": kind, "machine": machine(),
+                       "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+                       "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                       "ray_imported": "ray" in sys.modules, "layouts": []}
+        self.started = time.perf_counter()
+        self.proc = None
+        self.seen = 0  # lines of rows.jsonl read
+
+    def left(self) -> float:
+        return self.a.budget - (time.perf_counter() - self.started)
+
+    def write(self) -> None:
+        """gpu_check.json, whole, through a rename: a reader never sees half a file."""
+        self.result["layouts"] = list(self.rows.values())
+        self.result["seconds"] = time.perf_counter() - self.started
+        tmp = self.out / "gpu_check.json.tmp"
+        tmp.write_text(json.dumps(self.result, indent=2) + "\n")
+        tmp.replace(self.out / "gpu_check.json")
+
+    def read_rows(self) -> list[str]:
+        """The records rows.jsonl got since the last read: rows kept; returns the layouts
+        started."""
+        text = self.rows_file.read_text() if self.rows_file.exists() else ""
+        lines = text.split("\n")[:-1]  # whole lines only: the last may be in the writing
+        started = []
+        for line in lines[self.seen:]:
+            r = json.loads(line)
+            if r.get("event") == "start":
+                started.append(r["layout"])
+            elif r.get("event") == "modules":
+                self.modules.append(r)
+            else:
+                self.rows[r["layout"]] = r
+        if len(lines) > self.seen:
+            self.seen = len(lines)
+            self.write()
+        return started
+
+    def run_child(self, names: list[str]) -> list[str]:
+        """Run `names` in one child; returns the ones it did not reach (it died or ran out of
+        time: the layout it was on gets an error row)."""
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--out-dir", str(self.out),
+               "--layouts", ",".join(names), "--steps", str(self.a.steps)] + \
+            (["--smoke"] if self.kind == "smoke" else [])
+        self.proc = subprocess.Popen(cmd)
+        current = None
+        while True:
+            code = self.proc.poll()
+            started = self.read_rows()
+            current = started[-1] if started else current
+            if code is not None:
+                break
+            if self.left() <= 0:
+                self.proc.kill()
+                self.proc.wait()
+                code = "killed: out of --budget"
+            time.sleep(0.5)
+        self.proc = None
+        missing = [n for n in names if n not in self.rows]
+        if current in missing:
+            why = f"exit {code}" if isinstance(code, int) else code
+            self.rows[current] = {"layout": current, "status": f"error: its process ended ({why})"}
+            print(table_line(self.rows[current]), flush=True)
+            missing.remove(current)
+            self.write()
+        return missing
+
+    def run(self, names: list[str]) -> None:
+        eager = [n for n in names if not BY_NAME[n][0].get("compile")]
+        jobs = [eager] + [[n] for n in names if n not in eager]
+        while jobs:
+            job = jobs.pop(0)
+            if not job:
+                continue
+            if self.left() <= 0:
+                for n in job:
+                    self.rows[n] = {"layout": n, "status": "skipped: out of --budget"}
+                continue
+            rest = self.run_child(job)
+            if rest:
+                jobs.insert(0, rest)
+        self.write()
+
+    def throughput(self) -> None:
+        """bench/gpu_throughput.py in a process of its own: gpt2 eager and compiled."""
+        out = self.out / "gpu_throughput.json"
+        args = ["--smoke"] if self.kind == "smoke" else [
+            "--batch-sizes", "16", "--modes", "eager,compile", "--steps", "20", "--warmup", "5"]
+        if self.left() <= 0:
+            self.result["gpt2"] = {"status": "skipped: out of --budget"}
+            return
+        try:
+            subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_throughput.py"), "--out",
+                            str(out), *args], check=True, timeout=max(1.0, self.left()))
+            self.result["gpt2"] = json.loads(out.read_text())
+        except (subprocess.SubprocessError, OSError, ValueError) as e:
+            self.result["gpt2"] = {"status": f"error: {type(e).__name__}: {e}"}
+        self.write()
+
+    def finish(self) -> int:
+        import gpu_check_memory
+
+        gpt = [r.pop("init_sums") for r in self.rows.values()
+               if "init_sums" in r and r.get("arch") == "gpt" and r["settings"].get("model") != "gpt2"]
+        for r in self.rows.values():
+            r.pop("init_sums", None)
+        self.result["gpt_layouts_start_equal"] = bool(gpt) and all(s == gpt[0] for s in gpt)
+        self.result["modules"] = self.modules
+        self.result["memory_plan"] = gpu_check_memory.memory_plan(self.result, self.kind)
+        self.write()
+        print(f"GPT layouts start from the same weights: {self.result['gpt_layouts_start_equal']}")
+        for line in gpu_check_memory.lines(self.result):
+            print(line)
+        print(f"{self.result['seconds']:.0f} s; written: {self.out / 'gpu_check.json'}")
+        ok = self.rows and all(r["status"] == "ok" for r in self.rows.values())
+        return 0 if ok and self.result["gpt_layouts_start_equal"] else 1
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out-dir", required=True, help="folder for gpu_check.json, rows.jsonl and "
+                   "gpu_throughput.json (created if need be; its earlier files replaced)")
+    p.add_argument("--smoke", action="store_true", help="small models on the CPU: the same code")
+    p.add_argument("--steps", type=int, default=None, help="timed steps per layout [5; smoke 3]")
+    p.add_argument("--layouts", default=None, help="comma-separated layout names [all]")
+    p.add_argument("--budget", type=float, default=None,
+                   help="seconds for the layouts and gpt2 [420; smoke 1500]; none starts later")
+    p.add_argument("--skip-throughput", action="store_true", help="layouts only")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    kind = "smoke" if a.smoke else "gpu"
+    a.steps = a.steps or (5 if kind == "gpu" else 3)
+    a.budget = a.budget or (420.0 if kind == "gpu" else 1500.0)
+    names = [n.strip() for n in a.layouts.split(",")] if a.layouts else [n for n, _, _ in LAYOUTS]
+    unknown = [n for n in names if n not in BY_NAME]
+    if unknown or a.steps < 1:
+        print(f"error: unknown layout {unknown[0]!r}; the layouts: {', '.join(BY_NAME)}" if unknown
+              else "error: --steps must be at least 1", file=sys.stderr)
+        return 2
+    out = Path(a.out_dir)
+    if a.child:
+        return child(names, kind, a.steps, out / "rows.jsonl")
+    import torch
+
+    if kind == "gpu" and not torch.cuda.is_available():
+        print("error: no CUDA GPU here; pass --smoke for the same check on a CPU", file=sys.stderr)
+        return 2
+    try:
+        import_all()
+    except ImportError as e:
+        print(f"error: this host cannot run the check: {e}", file=sys.stderr)
+        return 2
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "rows.jsonl").write_text("")  # this run's rows only
+    check = Check(a, kind, out)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the outer timeout: write, stop
+    # The most wanted figures first, should the budget run out: every eager layout, gpt2
+    # compiled (its MFU), gpt2 in gpu_throughput's loop, then the other compiled layouts.
+    later = [n for n in names if BY_NAME[n][0].get("compile") and BY_NAME[n][0].get("model") != "gpt2"]
+    try:
+        check.write()
+        check.run([n for n in names if n not in later])
+        if not a.skip_throughput:
+            check.throughput()
+        check.run(later)
+    finally:
+        if check.proc is not None:
+            check.proc.kill()
+        check.read_rows()  # whatever a child finished before it was stopped
+        check.write()
+    return check.finish()
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
-"""The planner against published runs: docs/planner.md's validation table, from
-raytrain_lm/plan/published_runs.json. `--fit` searches the efficiency formula's constants
-(plan/efficiency.py: F_HALF and each GPU kind's peak fraction) that put the published layouts'
-estimated tokens/s closest to the published ones (least squares of the log ratios), the
-calibration the formula's defaults come from.
+"""The planner against published runs: docs/planner.md's validation tables, from
+raytrain_lm/plan/published_runs.json, in-sample (the rows the constants were fitted on) and held
+out, each with its summary. `--fit` refits the constants (plan/calibration.json: the kernel
+efficiency ETA on every fit row, the 500 W part's clock factor on its fit rows, the allocator's
+reserved/allocated factor on the fit rows that publish memory) by least squares of log ratios,
+on the fit rows only, and writes them with the rows' names.
 
     PYTHONPATH=. python bench/planner_validation.py [--fit]
 """
@@ -11,46 +12,96 @@ from __future__ import annotations
 
 import argparse
 import math
+import time
 
-from raytrain_lm.plan import efficiency
+from raytrain_lm.plan import calibration
+from raytrain_lm.plan.hardware import GIB
 from raytrain_lm.plan.validation import (
     load_runs,
     markdown,
+    modelled,
+    not_modelled_markdown,
     published_estimate,
     published_tokens_per_s,
     run_cluster,
     run_model,
     summary,
+    summary_text,
     tokens_per_s,
     validate,
 )
 
+CLOCK = calibration.clock_key("h100-sxm-96gb-500w")
+
+
+def _log_error(runs: list[dict]) -> tuple[float, int]:
+    err, n = 0.0, 0
+    for run in runs:
+        m = run_model(run)
+        e = published_estimate(m, run_cluster(run), run)
+        err += 1.0 if e is None else math.log(tokens_per_s(e) / published_tokens_per_s(run, m)) ** 2
+        n += 1
+    return err, n
+
+
+def _set(name: str, value: float) -> None:
+    calibration.constants()[name]["value"] = value
+
+
+def _golden(f, lo: float, hi: float, steps: int = 18) -> float:
+    """The argmin of a unimodal f on [lo, hi]."""
+    g = (math.sqrt(5) - 1) / 2
+    a, b = lo, hi
+    for _ in range(steps):
+        c, d = b - g * (b - a), a + g * (b - a)
+        if f(c) < f(d):
+            b = d
+        else:
+            a = c
+    return (a + b) / 2
+
 
 def fit() -> None:
-    """F_HALF on a grid; for each, every GPU kind's ceiling on its own rows (they are
-    independent given F_HALF)."""
-    runs = load_runs()
-    kinds = sorted({run["cluster"]["gpu"] for run in runs})
-    results = []
-    for f_half in (1e9, 3e9, 1e10, 2e10, 3e10):
-        efficiency.F_HALF = f_half
-        total, ceilings = 0.0, {}
-        for kind in kinds:
-            mine = [run for run in runs if run["cluster"]["gpu"] == kind]
-            best = None
-            for pf in [x / 100 for x in range(30, 96, 2)]:
-                err = 0.0
-                for run in mine:
-                    m = run_model(run)
-                    e = published_estimate(m, run_cluster(run, pf), run)
-                    err += 100 if e is None else math.log(tokens_per_s(e) / published_tokens_per_s(run, m)) ** 2
-                if best is None or err < best[0]:
-                    best = (err, pf)
-            total += best[0]
-            ceilings[kind] = best[1]
-        results.append((total, f_half, ceilings))
-        print(f"F_HALF {f_half:g}: squared log error {total:.4f}, ceilings {ceilings}", flush=True)
-    print("fit:", min(results, key=lambda r: r[0]))
+    runs = [r for r in load_runs() if r["split"] == "fit" and modelled(r)]
+    capped = [r for r in runs if r["gpu"] == "h100-sxm-96gb-500w"]
+    others = [r for r in runs if r["gpu"] != "h100-sxm-96gb-500w"]
+    _set("allocator", 1.0)  # throughput first, with memory not in the way
+
+    def eta_error(x: float) -> float:
+        _set("eta", x)
+        return _log_error(others)[0]
+
+    eta = _golden(eta_error, 0.3, 1.2)
+    _set("eta", eta)
+
+    def clock_error(x: float) -> float:
+        _set(CLOCK, x)
+        return _log_error(capped)[0]
+
+    clock = _golden(clock_error, 0.5, 1.2)
+    _set(CLOCK, clock)
+    mem_rows = [r for r in runs if "memory_gib" in r["published"]]
+    logs = []
+    for run in mem_rows:
+        m = run_model(run)
+        e = published_estimate(m, run_cluster(run), run)
+        logs.append(math.log(run["published"]["memory_gib"] * GIB / e.memory.total))
+    allocator = math.exp(sum(logs) / len(logs))
+    calibration.write({"eta": (eta, [r["name"] for r in others]), CLOCK: (clock, [r["name"] for r in capped]),
+                       "allocator": (allocator, [r["name"] for r in mem_rows])},
+                      "bench/planner_validation.py --fit")
+    print(f"eta {eta:.4f} on {len(others)} rows; {CLOCK} {clock:.4f} on {len(capped)} rows; "
+          f"allocator {allocator:.4f} on {len(mem_rows)} rows")
+
+
+def report(rows) -> str:
+    out = []
+    for split, title in (("fit", "In-sample (the rows the constants were fitted on)"),
+                         ("held-out", "Held out (the targets)")):
+        part = [r for r in rows if r.run["split"] == split]
+        out += [f"## {title}", markdown(rows, split), "", summary_text(summary(part)), ""]
+    out += ["## Not modelled", not_modelled_markdown(rows)]
+    return "\n".join(out)
 
 
 def main() -> None:
@@ -58,10 +109,10 @@ def main() -> None:
     ap.add_argument("--fit", action="store_true")
     if ap.parse_args().fit:
         fit()
-        return
+    t0 = time.perf_counter()
     rows = validate()
-    print(markdown(rows))
-    print(summary(rows))
+    print(report(rows))
+    print(f"\n({len(rows)} rows in {time.perf_counter() - t0:.1f} s)")
 
 
 if __name__ == "__main__":

@@ -9,15 +9,16 @@ whole process's wall time, and also the run's training part (summary.json's wall
 its time_to_first_step), which leaves out the start-up's run-to-run spread (seconds on a loaded
 machine).
 
-Sides: `before`, a checkout of the code before the change (`git worktree add DIR 7eba488`, given
-as --before DIR, run with PYTHONPATH=DIR), and `after`, this tree. Cases (`--log-every`):
-1, 10 and 1000 on both sides (1000: almost no report, the step's own cost), and `default`
-(before: every 10 steps; after: paced by --log-seconds). The sides alternate, case by case. Each
-run starts its own local Ray, so run it alone:
+Sides: `after`, this tree, and (with --before DIR) `before`, a checkout of the code before a
+change (`git archive COMMIT | tar -x -C DIR`, run with PYTHONPATH=DIR). Cases (`--log-every`):
+1, 10 and 1000 (1000: almost no report, the step's own cost), and `default` (paced by
+--log-seconds). The sides alternate, case by case. Each run starts its own local Ray, so run it
+alone:
 
-    flock /tmp/ray.lock python bench/report_cadence.py --before /work/wt-gpu-old
+    flock /tmp/ray.lock python bench/report_cadence.py --cases micro:1,micro:1000
 
-Prints a table and writes JSON to --out.
+Prints a table and, where micro:1 and micro:1000 both ran, the target of every step's row:
+`--log-every 1` <= 1.25 x the no-report step time + 2 ms (this tree). Writes JSON to --out.
 """
 
 from __future__ import annotations
@@ -46,8 +47,8 @@ CASES = [
     ("small", "default", 100, 600),
     ("micro", "1000", 100, 1100),
     ("small", "1000", 100, 600),
-    ("micro", "10", 50, 300),
-    ("micro", "1", 5, 30),
+    ("micro", "10", 100, 1100),
+    ("micro", "1", 100, 1100),
 ]
 
 
@@ -69,13 +70,14 @@ def one_run(tree: Path, data: str, storage: str, model: str, cadence: str, steps
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--before", required=True, help="a checkout of the code before the change")
+    p.add_argument("--before", default=None, help="a checkout of the code before a change [none: "
+                   "this tree only]")
     p.add_argument("--data", default=None, help="a prepared dataset [default: the built-in "
                    "corpus, prepared once into a temporary folder]")
     p.add_argument("--cases", default=None, help="comma-separated MODEL:CADENCE to run [all]")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "report_cadence.json"))
     a = p.parse_args()
-    sides = {"before": Path(a.before).resolve(), "after": ROOT}
+    sides = {"after": ROOT, **({"before": Path(a.before).resolve()} if a.before else {})}
     wanted = set(a.cases.split(",")) if a.cases else None
     cases = [c for c in CASES if wanted is None or f"{c[0]}:{c[1]}" in wanted]
     rows = []
@@ -85,7 +87,8 @@ def main() -> None:
             subprocess.run([sys.executable, "cli.py", "prepare", "--out", data], cwd=ROOT,
                            check=True, capture_output=True)
         for i, (model, cadence, lo, hi) in enumerate(cases):
-            order = ("before", "after") if i % 2 == 0 else ("after", "before")
+            order = [s for s in (("before", "after") if i % 2 == 0 else ("after", "before"))
+                     if s in sides]
             for side in order:
                 times = {n: one_run(sides[side], data, tmp, model, cadence, n,
                                     f"{side}-{model}-{cadence}-{n}") for n in (lo, hi)}
@@ -102,12 +105,29 @@ def main() -> None:
     print("model  cadence          before            after")
     for model, cadence, _, _ in cases:
         got = {r["side"]: r for r in rows if r["model"] == model and r["cadence"] == cadence}
-        cell = {k: f"{r['per_step_ms_train']:7.2f} ({r['per_step_ms_wall']:7.2f})"
-                for k, r in got.items()}
+        cell = {k: f"{got[k]['per_step_ms_train']:7.2f} ({got[k]['per_step_ms_wall']:7.2f})"
+                if k in got else "-" for k in ("before", "after")}
         print(f"{model:6} {cadence:>7}  {cell['before']:>17}  {cell['after']:>17}")
-    Path(a.out).write_text(json.dumps({"machine": os.uname().nodename, "cpus": os.cpu_count(),
-                                       "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                                       "rows": rows}, indent=2) + "\n")
+    out = {"machine": os.uname().nodename, "cpus": os.cpu_count(),
+           "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "rows": rows}
+    target = every_step_target(rows)
+    if target:
+        out["every_step_target"] = target
+        print(f"\n--log-every 1: {target['every_step_ms']:.2f} ms/step against "
+              f"{target['no_report_ms']:.2f} without reports; target <= "
+              f"{target['limit_ms']:.2f} (1.25x + 2 ms): {'met' if target['met'] else 'NOT met'}")
+    Path(a.out).write_text(json.dumps(out, indent=2) + "\n")
+
+
+def every_step_target(rows: list[dict]) -> dict | None:
+    """This tree's micro model: a row every step against almost no report (training part)."""
+    got = {r["cadence"]: r["per_step_ms_train"] for r in rows
+           if r["side"] == "after" and r["model"] == "micro"}
+    if "1" not in got or "1000" not in got:
+        return None
+    limit = 1.25 * got["1000"] + 2.0
+    return {"every_step_ms": got["1"], "no_report_ms": got["1000"], "limit_ms": limit,
+            "met": got["1"] <= limit}
 
 
 if __name__ == "__main__":

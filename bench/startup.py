@@ -133,7 +133,7 @@ def main(argv=None) -> None:
 
     from raytrain_lm.cluster import connect
     from raytrain_lm.config.load import build_config
-    from raytrain_lm.run import driver, preflight
+    from raytrain_lm.run import driver, follower, preflight
     from raytrain_lm.store.storage import RunFolder
     t["import_launch_done"] = time.time()
 
@@ -171,9 +171,9 @@ def main(argv=None) -> None:
         th = threading.Thread(target=trainer.fit, daemon=True)
         marks["fit_called"] = time.time()
         th.start()
-        rows = 0  # taken from the controller as the driver does (driver.Follower.follow)
+        rows = 0  # taken from the controller as the driver does (follower.Follower.follow)
         while th.is_alive():
-            th.join(timeout=driver.ROWS_POLL_S)
+            th.join(timeout=follower.ROWS_POLL_S)
             controller = getattr(trainer, "controller", None)
             try:
                 new = len(ray.get(controller.take_rows.remote())) if controller else 0

@@ -27,6 +27,13 @@ PREEMPTION_POLL_ENV = "RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S"
 OMP_ENV = "OMP_NUM_THREADS"
 # torchrun's (torch.distributed's env:// rendezvous), which Ray Train's local mode reads too
 TORCHRUN_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+# the trackers' own (train --track; track/)
+MLFLOW_URI_ENV = "MLFLOW_TRACKING_URI"
+MLFLOW_FILE_STORE_ENV = "MLFLOW_ALLOW_FILE_STORE"
+MLFLOW_EXPERIMENT_ID_ENV = "MLFLOW_EXPERIMENT_ID"
+MLFLOW_EXPERIMENT_NAME_ENV = "MLFLOW_EXPERIMENT_NAME"
+WANDB_PROJECT_ENV = "WANDB_PROJECT"
+WANDB_MODE_ENV = "WANDB_MODE"
 
 
 def _get(name: str) -> Optional[str]:
@@ -107,6 +114,36 @@ def torchrun_place() -> Optional[tuple[int, int, int]]:
     if any(_get(name) is None for name in TORCHRUN_ENV):
         return None
     return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_WORLD_SIZE"])
+
+
+def mlflow_uri() -> Optional[str]:
+    """$MLFLOW_TRACKING_URI: where MLflow tracks (None: MLflow's default)."""
+    return _get(MLFLOW_URI_ENV)
+
+
+def mlflow_file_store_allowed() -> bool:
+    """$MLFLOW_ALLOW_FILE_STORE: MLflow's opt-in to its local folder store."""
+    return (_get(MLFLOW_FILE_STORE_ENV) or "").lower() in ("1", "true")
+
+
+def mlflow_experiment() -> tuple[Optional[str], Optional[str]]:
+    """($MLFLOW_EXPERIMENT_ID, $MLFLOW_EXPERIMENT_NAME)."""
+    return _get(MLFLOW_EXPERIMENT_ID_ENV), _get(MLFLOW_EXPERIMENT_NAME_ENV)
+
+
+def wandb_project() -> Optional[str]:
+    """$WANDB_PROJECT."""
+    return _get(WANDB_PROJECT_ENV)
+
+
+def wandb_mode() -> Optional[str]:
+    """$WANDB_MODE: online, offline or disabled (None: W&B's default, online)."""
+    return _get(WANDB_MODE_ENV)
+
+
+def set_default(name: str, value: str) -> None:
+    """Set `name` for this process and its children unless the user set it."""
+    os.environ.setdefault(name, value)
 
 
 def plain_terminal() -> bool:

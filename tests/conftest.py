@@ -403,15 +403,38 @@ class TrainedHere:
                         state=state, tokenizer_raw=self.tok.raw)
 
 
-@pytest.fixture(scope="session")
-def trained_here(tmp_path_factory) -> dict:
+class TrainedModels(dict):
     """{"byte": a byte model (vocabulary 256, biases, exact GELU), "bpe": a BPE model (1000 tokens
     padded to 1024, bias=False and tanh GELU as the gpt2 preset), "llama": a Llama (2 kv heads) on
-    the same BPE}."""
-    root = tmp_path_factory.mktemp("trained-here")
-    bpe = TrainedHere(root / "bpe", "bpe", 1000, bias=False, gelu="tanh")
-    return {"byte": TrainedHere(root / "byte", "byte", None, bias=True), "bpe": bpe,
-            "llama": TrainedHere(root / "llama", "bpe", 1000, bias=False, arch="llama", data=bpe.data)}
+    the same BPE}, each trained the first time a test of this process asks for it (a module that
+    needs one model does not pay for three); items() trains them all."""
+
+    KINDS = ("byte", "bpe", "llama")
+
+    def __init__(self, root: Path):
+        super().__init__()
+        self.root = root
+
+    def __missing__(self, kind: str) -> TrainedHere:
+        if kind == "byte":
+            made = TrainedHere(self.root / "byte", "byte", None, bias=True)
+        elif kind == "bpe":
+            made = TrainedHere(self.root / "bpe", "bpe", 1000, bias=False, gelu="tanh")
+        elif kind == "llama":
+            made = TrainedHere(self.root / "llama", "bpe", 1000, bias=False, arch="llama",
+                               data=self["bpe"].data)
+        else:
+            raise KeyError(kind)
+        self[kind] = made
+        return made
+
+    def items(self):
+        return [(kind, self[kind]) for kind in self.KINDS]
+
+
+@pytest.fixture(scope="session")
+def trained_here(tmp_path_factory) -> TrainedModels:
+    return TrainedModels(tmp_path_factory.mktemp("trained-here"))
 
 
 def batches_as_read(cfg, dp_rank: int = 0, dp_size: int = 1):
@@ -447,10 +470,12 @@ def validation_as_read(cfg, byte_lengths):
 LLAMA_SETTINGS = ["model.arch=llama", "model.bias=false", "model.n_kv_head=2", "model.multiple_of=32"]
 
 
-def save_hf_llama(folder: Path, m, tokenizer_json: bytes, seed: int = 0):
+def save_hf_llama(folder: Path, m, tokenizer_json: bytes, seed: int = 0, tied: bool = False):
     """A LlamaForCausalLM of `m`'s shape (a ModelConfig) with transformers' own random init,
     saved as a Hugging Face folder (safetensors, config.json) with `tokenizer_json`: a released
-    checkpoint in miniature, made here (nothing downloaded). Returns the model (eval mode)."""
+    checkpoint in miniature, made here (nothing downloaded). `tied`: the head is the embedding
+    (tie_word_embeddings, as Llama 3.2 1B/3B; the folder holds no lm_head.weight). Returns the
+    model (eval mode)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -459,7 +484,7 @@ def save_hf_llama(folder: Path, m, tokenizer_json: bytes, seed: int = 0):
                          num_attention_heads=m.n_head, num_key_value_heads=m.kv_heads,
                          max_position_embeddings=m.block_size, rms_norm_eps=m.norm_eps,
                          rope_parameters={"rope_type": "default", "rope_theta": m.rope_theta},
-                         tie_word_embeddings=False)
+                         tie_word_embeddings=tied)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).eval()
     model.save_pretrained(folder, safe_serialization=True)

@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import crafted  # noqa: E402
 from conftest import ROOT, cli_here, run_cli  # noqa: E402
 from test_cli_errors import BAD_NAMES, BAD_PATHS, assert_clean_error  # noqa: E402
 
@@ -39,6 +40,7 @@ class Bad:
     setup: str = ""  # what the folder holds first (SETUPS)
     env: dict = field(default_factory=dict)
     process: bool = False  # in a process of its own (else see SUBPROCESS)
+    timeout: float = 120  # seconds (a process of its own): what hung before fails, not waits
 
 
 CASES = [
@@ -67,6 +69,8 @@ CASES = [
                                                      "beta1 must be in [0, 1)"),
     Bad("plan --gpu-memory-gb nan", "--gpu-memory-gb must be positive and finite, got nan"),
     Bad("plan --gpu-tflops inf", "--gpu-tflops must be positive and finite, got inf"),
+    Bad("plan --gpu h300", "--gpu must be one of h100-sxm, h100-sxm-96gb-500w"),
+    Bad("plan --hbm-tbps 0", "--hbm-tbps must be positive and finite, got 0"),
     Bad("prepare --tokenizer bpe --tokenizer-sample-mb inf",
         "--tokenizer-sample-mb must be positive and finite, got inf"),
     # sizes from input that drive allocation -------------------------------------------- item 9
@@ -99,6 +103,12 @@ CASES = [
     Bad("export r --out s3://bucket/x", "export writes a local folder, not s3://bucket/x"),
     Bad("report r --out s3://bucket/r.png", "--out is a local file, not s3://bucket/r.png",
         setup="run"),
+    Bad("report r --out notes.md", "notes.md exists and is not a figure written by report, so it is "
+        "not replaced (--force neither)", setup="notes-and-run"),
+    Bad("report r --out notes.png --force", "notes.png exists and is not a figure written by report",
+        setup="notes-and-run"),
+    Bad("report r --out link.png --force", "--out link.png is a symlink; give the file itself",
+        setup="notes-and-run"),
     # damaged run files, files from elsewhere ------------------------------------------- item 11
     Bad("train --resume --name r", "cannot resume 'r': {tmp}/runs/r/config.json is damaged",
         setup="run-damaged-config"),
@@ -108,12 +118,13 @@ CASES = [
     Bad("report r", "{tmp}/runs/r/metrics.jsonl line 1 is damaged: nested too deeply", setup="run-deep-metrics"),
     Bad("train --data ds", "ds is not a valid dataset: manifest.json is nested too deeply",
         setup="dataset-deep"),
+    Bad("train --data ds", "ds/manifest.json cannot be read: a symlink", setup="dataset-pagemap"),
     Bad("prepare --input deep.jsonl --no-ray", "deep.jsonl:1: expected a JSON object with a 'text' string field",
         setup="deep-jsonl"),
     Bad("prepare --input ints.parquet --no-ray", "ints.parquet: column 'text' holds int64, not text",
         setup="ints-parquet"),
     Bad("generate ck -n 3", "ck/meta.json is corrupted", setup="checkpoint-world-0"),
-    Bad("export ck --out x", "ck/dcp is corrupted: EOFError (a file cut short?)",
+    Bad("export ck --out x", "ck/dcp/.metadata is corrupted: a byte range outside __0_0.distcp",
         setup="checkpoint-truncated-shard"),
     Bad("generate ck -n 3", "ck/dcp/extra.bin is corrupted (no commit record vouches for it)",
         setup="checkpoint-extra-file"),
@@ -147,6 +158,86 @@ CASES = [
     Bad("train --data {data} --workers 0 --use-gpu", "--use-gpu: torch sees 0 CUDA GPUs here, and "
                                                      "each of this node's 1 rank needs one",
         env={"CUDA_VISIBLE_DEVICES": ""}),
+    # tracking and evaluation (issue 45) ------------------------------------------------------------
+    Bad("train --data {data} --track neptune", "--track must be one of mlflow, wandb, got 'neptune'"),
+    Bad("train --data {data} --track mlflow", "MLFLOW_TRACKING_URI=mlruns is a local folder, which "
+                                              "MLflow writes only with MLFLOW_ALLOW_FILE_STORE=true",
+        env={"MLFLOW_TRACKING_URI": "mlruns", "MLFLOW_ALLOW_FILE_STORE": ""}),
+    Bad("tune --resume --name s --track mlflow", "--resume continues the sweep as it was started; drop track"),
+    Bad("evaluate r --tasks hellaswag", "no run 'r' in runs"),
+    Bad("evaluate r --tasks ,", "--tasks needs at least one task name"),
+    Bad("evaluate r --tasks hellaswag --limit 0", "--limit must be positive, got 0.0"),
+    Bad("evaluate r --tasks hellaswag --include-path nowhere",
+        "--include-path nowhere: not a folder of task YAML files"),
+    # third round (issue 38): what hung, read outside a folder or ended "unexpected" ---------
+    Bad("train --data {data} --config bomb.yaml", "config file bomb.yaml, line 2: aliases (*a) are "
+        "not allowed in a config file", setup="alias-bomb", process=True, timeout=30),
+    Bad("generate ck -n 3", "rank0.json names '../../../../../../../../proc/self/pagemap', which is "
+        "not a file inside", setup="checkpoint-record-pagemap", process=True, timeout=30),
+    Bad("generate ck -n 3", "rank0.json names '../secret.txt', which is not a file inside",
+        setup="checkpoint-record-outside"),
+    Bad("export ck --out x", "rank0.json names sub/a.txt, which leads out of", setup="checkpoint-record-symlink"),
+    Bad("export ck --out x", "dcp/.metadata is corrupted: it names '../../shard.distcp', not a file of",
+        setup="checkpoint-dcp-outside"),
+    Bad("submit -- --config run.yaml", "--config run.yaml: run.yaml is a symlink; a job takes only "
+        "files of this folder itself", setup="config-symlink"),
+    Bad("submit -- --config conf/run.yaml", "--config conf/run.yaml: conf is a symlink",
+        setup="config-symlink"),
+    Bad("prepare --input corp --tokenizer empty.json --out ds", "empty.json has an empty vocabulary",
+        setup="empty-vocab"),
+    Bad("prepare --input two.parquet --no-ray", "two.parquet: 2 columns are named 'text'",
+        setup="two-text-columns"),
+    Bad("train --data {data} --config arch.yaml", "config file arch.yaml: model.arch must be str, "
+        "got ['llama']", setup="arch-list"),
+    Bad("train --data {data} --config preset.yaml", "preset must be the name of one, got ['tiny']",
+        setup="preset-list"),
+    Bad("train --data {data} --storage s3://", "storage s3:// names no bucket: give s3://BUCKET/PREFIX"),
+    Bad("jobs --address 127.0.0.1:70000", "--address must be the dashboard's http://HOST:PORT"),
+    Bad("generate r -n 2", "run 'r' has no checkpoints", setup="odd-checkpoint-name"),
+    Bad("plan --gpus 1000000000", "--gpus must be at most 1,048,576, got 1,000,000,000", process=True,
+        timeout=30),
+    Bad("plan --set model.n_layer=1e30", "model.n_layer must be at most 1,048,576"),
+    Bad("train --data {data} --set model.n_embd=1e30", "model.n_embd must be at most 16,777,216"),
+    Bad("generate ck -n 3", "ck/meta.json is corrupted: step 'x'", setup="checkpoint-meta-step"),
+    Bad("export ck --out x", "ck/state.pt is corrupted: its step is not meta.json's",
+        setup="checkpoint-meta-step-other"),
+    Bad("export ck --out x", "ck/meta.json is corrupted: version '3'", setup="checkpoint-meta-version"),
+    Bad("generate ck -n 3", "ck/meta.json is corrupted: version 99: written by a newer raytrain-lm",
+        setup="checkpoint-meta-newer"),
+    Bad("export ck --out x", "ck/meta.json is corrupted: format 'zip'", setup="checkpoint-meta-format"),
+    Bad("generate ck -n 3", "ck/meta.json is corrupted: val_loss [1]", setup="checkpoint-meta-val-loss"),
+    Bad("export ck --out x", "ck/meta.json is corrupted: config: not a mapping: []",
+        setup="checkpoint-meta-config"),
+    Bad("train --data {data} --init-from ck", "ck/meta.json is corrupted: config: model.n_layer must "
+        "be int, got 'x'", setup="checkpoint-meta-model"),
+    Bad("generate ck -n 3", "ck/meta.json is corrupted: tokenizer ['bpe']",
+        setup="checkpoint-meta-tokenizer"),
+    Bad("train --data {data} --config llama.yaml --init-from hf", "hf: config.json's "
+        "num_attention_heads must be a whole number >= 1, got 0", setup="hf-heads-0"),
+    Bad("train --data {data} --config llama.yaml --init-from hf", "hf: config.json has no "
+        "num_attention_heads", setup="hf-heads-missing"),
+    Bad("train --data {data} --config llama.yaml --init-from hf", "hf: config.json's "
+        "num_attention_heads must be a whole number >= 1, got '4'", setup="hf-heads-text"),
+    Bad("train --data {data} --config llama.yaml --init-from hf", "hf: config.json's rope_scaling "
+        "must be a JSON object, got 'linear'", setup="hf-rope-scaling-text"),
+    Bad("train --data {data} --config llama.yaml --init-from hf", "hf: config.json's rope_theta must "
+        "be a positive number, got '1e4'", setup="hf-rope-theta-text"),
+    Bad("train --data {data} --config llama.yaml --init-from hf", "hf/config.json cannot be read: not "
+        "UTF-8 text", setup="hf-config-not-utf8"),
+    Bad("train --data {data} --config llama.yaml --init-from hf", "hf/config.json cannot be read: "
+        "nested too deeply", setup="hf-config-deep"),
+    Bad("train --data {data} --config llama.yaml --init-from hf", "model.safetensors.index.json names "
+        "'../weights.safetensors', which is not a file inside", setup="hf-index-outside"),
+    Bad("train --data {data} --config llama.yaml --init-from hf", "hf names model.safetensors, a "
+        "symlink: only the folder's own files are read", setup="hf-symlinked-weights"),
+    Bad("train --data {data} --config llama.yaml --init-from hf", "model.norm.weight in "
+        "model.safetensors has shape [16], its config.json says [32]", setup="hf-weight-shape"),
+    Bad("train --data {data} --config llama.yaml --init-from hf", "it holds "
+        "model.layers.0.self_attn.q_proj.bias, not a weight of that model", setup="hf-weight-extra"),
+    Bad("train --data {data} --config llama.yaml --init-from hf", "its weights do not fit its "
+        "config.json: it lacks lm_head.weight", setup="hf-weight-missing"),
+    Bad("train --data {data} --config llama.yaml --init-from hf", "model.safetensors is not a "
+        "safetensors file (its header is not JSON)", setup="hf-header-damaged"),
 ]
 
 
@@ -174,15 +265,12 @@ def _dataset(tmp: Path, data: Path, **changes) -> None:
 
 
 def _checkpoint(tmp: Path) -> Path:
-    from test_checkpoint import write_checkpoint
-
-    write_checkpoint(tmp / "ck")
-    return tmp / "ck"
+    return crafted.checkpoint(tmp)  # a copy of one written once
 
 
 def _rerecord(folder: Path) -> None:
     """Recompute rank 0's commit record, as whoever changed the files could."""
-    from raytrain_lm.store.storage import sha256_file
+    from raytrain_lm.store.digest import sha256_file
 
     record = json.loads((folder / "rank0.json").read_text())
     (folder / "rank0.json").write_text(json.dumps({rel: sha256_file(folder / rel) for rel in record}))
@@ -310,6 +398,7 @@ SETUPS = {
     "dataset-vocab-x": _writer(lambda tmp, data: _dataset(tmp, data, vocab_size="x")),
     "dataset-vocab-huge": _writer(lambda tmp, data: _dataset(tmp, data, vocab_size=10 ** 12)),
     "dataset-vocab-other": _writer(lambda tmp, data: _dataset(tmp, data, vocab_size=300)),
+    "dataset-pagemap": _writer(crafted.manifest_to_pagemap),
     "dataset-deep": _writer(lambda tmp, data: (_dataset(tmp, data), (tmp / "ds" / "manifest.json").write_text(
         "[" * 100_000 + "]" * 100_000))),
     "deep-jsonl": _writer(lambda tmp, data: (tmp / "deep.jsonl").write_text(
@@ -317,6 +406,10 @@ SETUPS = {
     "ints-parquet": _writer(lambda tmp, data: __import__("pyarrow.parquet").parquet.write_table(
         __import__("pyarrow").table({"text": [1, 2, 3]}), tmp / "ints.parquet")),
     "run": _writer(lambda tmp, data: _run(tmp)),
+    "odd-checkpoint-name": _writer(lambda tmp, data: (_run(tmp), (tmp / "runs" / "r" / "checkpoint_\u00b20").mkdir())),
+    "notes-and-run": _writer(lambda tmp, data: (_run(tmp), (tmp / "notes.md").write_text("mine"),
+                                                (tmp / "notes.png").write_bytes(b"\x89PNG\r\n\x1a\nmine"),
+                                                (tmp / "link.png").symlink_to("notes.md"))),
     "run-damaged-config": _writer(lambda tmp, data: _run(tmp, config='{"lr": 0.001, "max_st')),
     "run-config-list": _writer(lambda tmp, data: _run(tmp, config="[1, 2]")),
     "run-damaged-metrics": _writer(lambda tmp, data: _run(
@@ -329,17 +422,22 @@ SETUPS = {
     "sweep-of-another-user": _writer(lambda tmp, data: _sweep_of_another_user(tmp)),
     "claimed": lambda tmp, data: _claimed(tmp),
     "web-port": lambda tmp, data: _web_port(tmp),
+    **{name: _writer(lambda tmp, data, fn=fn: fn(tmp)) for name, fn in crafted.SETUPS.items()},
 }
 
 # What the folder holds before (and so after) each case, for the table.
 HOLDS = {
     "afile": "afile (a file)", "corpus": "corp/ (a corpus)", "notes": "notes/ (someone's folder)",
     "dataset-and-notes": "ds/ (a dataset with someone's notes.txt in it)", "nan-config": "nan.yaml",
-    "big-id": "big-id.json", "run": "runs/r/", "claimed": "runs/r/ (another driver's claim)",
+    "big-id": "big-id.json", "run": "runs/r/",
+    "odd-checkpoint-name": "runs/r/ (with a folder checkpoint_\u00b20)",
+    "notes-and-run": "runs/r/, notes.md, notes.png (someone's PNG), link.png (a symlink to notes.md)",
+    "claimed": "runs/r/ (another driver's claim)",
     "sweep-of-another-user": "runs/s/", "deep-jsonl": "deep.jsonl", "ints-parquet": "ints.parquet",
     **{k: "ds/ (its manifest changed)" for k in SETUPS if k.startswith("dataset-") and k != "dataset-and-notes"},
     **{k: "runs/r/ (a file of it damaged)" for k in SETUPS if k.startswith("run-")},
     **{k: "ck/ (a checkpoint, damaged)" for k in SETUPS if k.startswith("checkpoint-")},
+    **crafted.HOLDS,
 }
 
 
@@ -349,7 +447,9 @@ def _tree(root: Path) -> dict[str, str]:
     out = {}
     for p in sorted(root.rglob("*")):
         rel = p.relative_to(root).as_posix()
-        if p.is_dir():
+        if p.is_symlink():  # where it points (its target may be /proc/self/pagemap)
+            out[rel] = f"-> {os.readlink(p)}"
+        elif p.is_dir():
             out[rel] = "dir"
         elif p.name.startswith(".claim-"):
             out[rel] = "claim"
@@ -376,7 +476,7 @@ def test_a_bad_input_is_one_line_exit_2_and_changes_nothing(case, tmp_path, pydo
         before = _tree(tmp_path)
         result = (run_cli if _in_a_process(case) else cli_here)(
             *shlex.split(case.command.format(**fields)), cwd=tmp_path,
-            env={"RAY_ADDRESS": "127.0.0.1:1", **case.env}, timeout=120)
+            env={"RAY_ADDRESS": "127.0.0.1:1", **case.env}, timeout=case.timeout)
         assert_clean_error(result, case.message.format(**fields))
         assert _tree(tmp_path) == before
 

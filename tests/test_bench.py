@@ -178,14 +178,102 @@ def test_llama_vs_gpt_bench_times_both_at_equal_parameters(tmp_path, capsys):
         llama["tokens_per_s_median"] / gpt["tokens_per_s_median"])
 
 
-@pytest.mark.ray  # the integration tier: every layout on CPU plus two compilations (minutes)
-def test_gpu_check_smoke_runs_every_layout_on_cpu_without_ray(tmp_path):
-    """bench/gpu_check.py, prepared for one GPU, runs the same code here on the CPU."""
-    proc, result = smoke_without_ray(tmp_path, "gpu_check.py", timeout=900)
+GPU_HOST_LACKS = ("ray", "pyarrow", "typer", "yaml", "tokenizers")
+
+
+def torch_alone(tmp_path) -> dict:
+    """The environment of the GPU host bench/gpu_check.py is for (torch and numpy only): each
+    package it lacks shadowed by one that cannot be imported, and no GPU."""
+    shadow = tmp_path / "torch_alone"
+    for name in GPU_HOST_LACKS:
+        (shadow / name).mkdir(parents=True)
+        (shadow / name / "__init__.py").write_text(f"raise ImportError('{name} is not installed')\n")
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(shadow), str(ROOT)]),
+            "CUDA_VISIBLE_DEVICES": ""}
+
+
+def test_gpu_check_imports_everything_with_torch_alone(tmp_path):
+    """Every module bench/gpu_check.py and its children import (import_all, which the check
+    calls first) imports with Ray, pyarrow, typer, yaml and tokenizers unimportable; the smoke
+    test below checks that its processes load no project module outside that list."""
+    code = ("import json, sys; sys.path.insert(0, 'bench'); import gpu_check; "
+            "print(json.dumps([gpu_check.import_all(), sorted(sys.modules)]))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=torch_alone(tmp_path),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    project, loaded = json.loads(proc.stdout.splitlines()[-1])
+    assert "raytrain_lm.worker.step" in project and "raytrain_lm.store.checkpoint_format" in project
+    assert not set(GPU_HOST_LACKS) & set(loaded)
+
+
+@pytest.mark.slow  # two layouts on the CPU, then the whole process group killed (~15 s)
+def test_gpu_check_keeps_every_finished_row_when_killed(tmp_path):
+    """A killed check (the outer timeout, a watchdog abort) leaves each row it finished: here
+    the check and its child are killed (SIGKILL, nothing can clean up) once two rows are in."""
+    import signal
+    import time
+
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--smoke",
+                             "--skip-throughput", "--layouts", "ddp,fsdp,tp,pp 1f1b,zero2",
+                             "--out-dir", str(out)], env=torch_alone(tmp_path),
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            start_new_session=True)
+    deadline, rows = time.time() + 240, []
+    try:
+        while time.time() < deadline and proc.poll() is None and len(rows) < 2:
+            time.sleep(0.2)
+            try:
+                rows = json.loads((out / "gpu_check.json").read_text())["layouts"]
+            except (OSError, ValueError):  # not written yet (it is replaced whole, never half)
+                pass
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        printed = proc.communicate()[0]
+    assert len(rows) >= 2, printed
+    kept = json.loads((out / "gpu_check.json").read_text())["layouts"]
+    assert [r["layout"] for r in kept[:2]] == ["ddp", "fsdp"]
+    assert all(r["status"] == "ok" and r["step_time"] > 0 for r in kept[:2])
+    assert printed.splitlines()[0].startswith("ddp ") and " ok " in printed.splitlines()[0]
+    assert len([line for line in (out / "rows.jsonl").read_text().splitlines()
+                if '"status"' in line]) >= 2
+
+
+@pytest.mark.slow  # every layout on the CPU, the compiled ones in processes of their own (minutes)
+def test_gpu_check_smoke_runs_every_layout_on_cpu_with_torch_alone(tmp_path):
+    """bench/gpu_check.py, prepared for one GPU, runs the same code here on the CPU, in the
+    environment of the GPU host (no Ray, pyarrow, typer, yaml or tokenizers)."""
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--smoke",
+                           "--out-dir", str(out)], env=torch_alone(tmp_path),
+                          capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert result["ray_imported"] is False and result["gpt_layouts_start_equal"] is True
+    result = json.loads((out / "gpu_check.json").read_text())
+    with bench_module("gpu_check") as gpu_check:
+        names = [name for name, _, _ in gpu_check.LAYOUTS]
     rows = {r["layout"]: r for r in result["layouts"]}
-    assert all(r["status"] == "ok" for r in rows.values()), rows
+    assert sorted(rows) == sorted(names) and all(r["status"] == "ok" for r in rows.values()), rows
+    assert result["gpt_layouts_start_equal"] is True and result["machine"]["torch"]
+    # every process: no Ray, and no project module outside what the fast test imports
+    assert len(result["modules"]) == 5  # the eager layouts' process and 4 compiled ones
+    for m in result["modules"]:
+        assert m["ray_imported"] is False and set(m["loaded"]) <= set(m["imported"])
     assert rows["fsdp"]["fsdp_mixed"] is False and rows["ddp fp16+scaler"]["precision"] == "fp16"
+    for name, r in rows.items():  # the loop's metrics row of the timed steps, and validation
+        assert r["step_time"] > 0 and r["tokens_per_second"] > 0 and r["data_wait_frac"] >= 0
+        assert ("pp" in r["force"]) == (r["bubble"] is not None), name
+        assert r.get("dcp") == ("ok" if r["force"] else None), name  # sharded: a round trip
     assert [(r["mode"], r["status"]) for r in result["gpt2"]["results"]] == [("eager", "ok")] * 2
-    assert len(result["memory_plan"]) == 2 and "written:" in proc.stdout
+    assert len(result["memory_plan"]) == 4 and "written:" in proc.stdout
+
+
+def test_every_planted_bug_still_applies_and_names_tests_that_exist():
+    """bench/mutants.py's planted bugs keep pace with the code: each one's line is in its file
+    exactly once and each test named to catch it exists (a mutant that no longer applies, or
+    names a renamed test, would guard nothing)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import mutants
+
+    assert len(mutants.MUTANTS) >= 14
+    assert [p for m in mutants.MUTANTS for p in mutants.check_applies(m)] == []
+    assert len({m.name for m in mutants.MUTANTS}) == len(mutants.MUTANTS)

@@ -15,7 +15,7 @@ from raytrain_lm.config.load import build_config
 from raytrain_lm.errors import UserError
 from raytrain_lm.models.gpt.gpt import GPT
 from raytrain_lm.store.checkpoint_format import load_checkpoint, load_state, save_checkpoint
-from raytrain_lm.store.storage import sha256_file
+from raytrain_lm.store.digest import sha256_file
 from raytrain_lm.worker.checkpointer import restore_rng
 from raytrain_lm.worker.optim import build_optimizer
 from test_cli_errors import assert_clean_error
@@ -218,3 +218,21 @@ def test_the_cuda_rng_state_restored_is_this_workers_device_whatever_the_gpus_se
     assert torch.equal(cuda_state_for(states[5], 3), states[5])  # this format: one state
     assert torch.equal(cuda_state_for(states, 3), states[3])  # one per GPU of an 8-GPU node
     assert cuda_state_for(states[:1], 3) is None  # saved on 1-GPU nodes, resumed on 8
+
+
+def test_a_damaged_newest_checkpoint_gives_way_to_the_one_before_with_a_line(tmp_path):
+    """An edited meta.json (its step a string) in the newest checkpoint is a torn checkpoint to
+    every reader: `generate` takes the one before and says why in one line, and the driver's
+    look at a resumed run (resume_step's newest_checkpoint_meta) finds the same one."""
+    import crafted
+    from raytrain_lm.store.runs import newest_checkpoint_meta
+    from raytrain_lm.store.storage import RunFolder
+
+    crafted.damaged_newest(tmp_path)
+    r = cli_here("generate", "r", "--storage", str(tmp_path / "runs"), "-n", "2")
+    assert r.returncode == 0, r.stderr
+    warning, found = r.stderr.strip().splitlines()[:2]
+    assert warning.startswith("warning: skipping checkpoint_00000006: ") and \
+        warning.endswith("checkpoint_00000006/meta.json is corrupted: step 'six'")
+    assert "checkpoint_00000003 (step 3" in found
+    assert newest_checkpoint_meta(RunFolder(str(tmp_path / "runs"), "r"))[0] == 3

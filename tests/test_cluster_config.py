@@ -348,10 +348,23 @@ def test_a_job_from_a_non_editable_install_uploads_no_site_packages(tmp_path):
 
 
 def test_a_config_outside_the_folder_cannot_go_with_the_job(tmp_path):
+    """Neither by its path nor through a symlink (of the file, or of a folder on its way) that
+    leads elsewhere: only the path's text was checked, and the job took what the symlink pointed
+    to. Nor a file far larger than settings are."""
+    import crafted
     from raytrain_lm.cluster.jobs import job_working_dir
 
     with pytest.raises(UserError, match=r"--config \.\./run.yaml is outside this folder"):
         with job_working_dir({"config": "../run.yaml"}, cwd=tmp_path):
+            pass
+    crafted.config_symlinks(tmp_path)
+    for config, link in (("run.yaml", "run.yaml"), ("conf/run.yaml", "conf")):
+        with pytest.raises(UserError, match=f"--config {config}: {link} is a symlink"):
+            with job_working_dir({"config": config}, cwd=tmp_path):
+                pass
+    (tmp_path / "big.yaml").write_bytes(b"#" * (2 << 20))
+    with pytest.raises(UserError, match="config file big.yaml is larger than 1 MiB"):
+        with job_working_dir({"config": "big.yaml"}, cwd=tmp_path):
             pass
 
 
@@ -413,6 +426,11 @@ def test_a_running_local_cluster_is_found_and_a_dead_ones_record_ignored(own_sta
             registry.record(port, info(port))
         assert registry.running_local_cluster() is None  # bound, not listening: nothing answers
         listener.listen()
+        assert registry.running_local_cluster() == info(live)
+        # names that are no port: digits of another script ('²'.isdigit() is True, int() refuses
+        # it), past 65535; every train without --address looked through them
+        for name in ("\u00b20", "\u0660", "99999", "0"):
+            (registry.records_dir() / f"{name}.json").write_text(json.dumps(info(live)))
         assert registry.running_local_cluster() == info(live)
     assert registry.running_local_cluster() is None
 

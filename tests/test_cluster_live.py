@@ -81,7 +81,13 @@ def run_cli_env(*args, env: dict, timeout: float = 120):
 
 @pytest.fixture(scope="module")
 def local_cluster():
-    up = run_cli("cluster", "local-up", "--port", str(LOCAL_PORT), "--num-cpus", "3", timeout=180)
+    """A `cluster local-up` head started as from a shell with this interpreter's environment
+    activated: its folder first on PATH, so a job's plain `python` (test_plain_ray_job_submit_works_too)
+    is this one, with the project's packages, even where pytest runs as /path/to/venv/bin/python
+    with another `python` first on PATH."""
+    path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
+    up = run_cli("cluster", "local-up", "--port", str(LOCAL_PORT), "--num-cpus", "3", timeout=180,
+                 env={"PATH": path})
     try:
         assert up.returncode == 0, up.stderr
         address = re.search(r"Ray is running at (\S+);", up.stdout).group(1)

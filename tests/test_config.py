@@ -77,3 +77,20 @@ def test_a_saved_config_from_before_the_gelu_setting_resumes_with_tanh():
     assert TrainConfig.from_dict(saved).model.gelu == "tanh"
     assert build_config(base=saved, flags={"max_steps": 10}).model.gelu == "tanh"
     assert TrainConfig.from_dict({"lr": 1e-3}).model.gelu == "exact"  # no saved model: defaults
+
+
+def test_a_refused_value_is_shown_by_its_start():
+    """The message names a refused value by its start (errors.brief): a list that stands for
+    10^6 strings (what a YAML alias bomb parses to, cheaply) is refused in a short line at once,
+    not printed whole."""
+    import time
+
+    from raytrain_lm.config.settings import TrainConfig, apply_overrides
+
+    value = ["lol"] * 10
+    for _ in range(5):
+        value = [value] * 10
+    t0 = time.monotonic()
+    with pytest.raises(UserError, match=r"^f: lr must be float, got \[\[\[") as e:
+        apply_overrides(TrainConfig(), {"lr": value}, source="f")
+    assert len(str(e.value)) < 200 and time.monotonic() - t0 < 1

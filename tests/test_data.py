@@ -105,6 +105,17 @@ def test_prepare_parquet_with_custom_column(tmp_path):
     check_dataset(tmp_path / "out", "\n\n".join(docs))
 
 
+def test_prepare_a_dictionary_encoded_text_column(tmp_path):
+    """What pandas writes for a categorical column (dictionary<values=string>) is text: read as
+    the plain column is, repeated documents and all."""
+    f = tmp_path / "docs.parquet"
+    docs = [TEXT[: 6000 + i % 2] for i in range(4)]
+    pq.write_table(pa.table({"text": pa.array(docs).dictionary_encode()}), f)
+    assert pa.types.is_dictionary(pq.read_schema(f).field("text").type)
+    prepare_dataset(str(f), tmp_path / "out")
+    check_dataset(tmp_path / "out", "\n\n".join(docs))
+
+
 def test_prepare_builtin_corpora(tmp_path):
     from pydoc_data.topics import topics
 

@@ -94,3 +94,101 @@ def test_the_clip_equals_torchs_on_plain_gradients():
     small[0].grad = torch.full((3,), 0.1)
     clip_grad_norm_(small, 1.0)  # under the limit: untouched
     assert torch.equal(small[0].grad, torch.full((3,), 0.1))
+
+
+# ---------------------------------------------------------------- the value, on two real ranks
+
+# The whole model's gradients, the same on every rank (seeded): w (tp: rows, fsdp: rows), col
+# (tp: columns), norm (replicated on tp, its gradient Partial as sequence parallelism leaves it),
+# emb (the tied embedding: the pipeline's last stage holds a duplicate, left out of the norm).
+SHAPES = {"w": (4, 6), "col": (6, 4), "norm": (6,), "emb": (8, 6)}  # even shards of 2
+
+
+def _full_grads() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {name: torch.randn(shape, generator=g) for name, shape in SHAPES.items()}
+
+
+def _params_of(layout: str, rank: int, full: dict):
+    """(this rank's parameters with their gradients, the pp group, the excluded duplicates)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    def build_mesh(device, tp=1, pp=1):  # the (pp, dp, tp) mesh over the two ranks
+        return init_device_mesh(device.type, (pp, 2 // (tp * pp), tp), mesh_dim_names=("pp", "dp", "tp"))
+
+    def dt(name, mesh, placements, grad_local, data_local=None):
+        data = DTensor.from_local(torch.zeros_like(grad_local if data_local is None else data_local),
+                                  mesh, placements, run_check=False)
+        p = nn.Parameter(data)
+        p.grad = DTensor.from_local(grad_local, mesh, grad_placements or placements, run_check=False)
+        return p
+
+    grad_placements = None
+    if layout == "tp":
+        tp = build_mesh(torch.device("cpu"), tp=2)["tp"]
+        params = [dt("w", tp, [Shard(0)], full["w"].chunk(2, 0)[rank]),
+                  dt("col", tp, [Shard(1)], full["col"].chunk(2, 1)[rank])]
+        from torch.distributed.tensor import Partial
+
+        grad_placements = [Partial()]  # each rank's part of the replicated norm weight's gradient
+        params.append(dt("norm", tp, [Replicate()], full["norm"] * (0.25, 0.75)[rank], full["norm"]))
+        grad_placements = None
+        params.append(dt("emb", tp, [Replicate()], full["emb"]))
+        return params, None, set()
+    if layout == "fsdp":
+        dp = build_mesh(torch.device("cpu"))["dp"]
+        return [dt(n, dp, [Shard(0)], full[n].chunk(2, 0)[rank]) for n in ("w", "col", "norm", "emb")], None, set()
+    pp_group = build_mesh(torch.device("cpu"), pp=2)["pp"].get_group()
+    stage = [("w", "emb"), ("col", "norm", "emb")][rank]
+    params = []
+    for name in stage:
+        p = nn.Parameter(torch.zeros(SHAPES[name]))
+        p.grad = full[name].clone()
+        params.append(p)
+    return params, pp_group, {id(params[-1])} if rank == 1 else set()
+
+
+def _clip_on_rank(rank: int, port: int, out) -> None:
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    try:
+        for layout in ("tp", "fsdp", "pp"):
+            params, pp_group, exclude = _params_of(layout, rank, _full_grads())
+            norm = clip_grad_norm_(params, 1.0, pp_group, exclude)
+            grads = [p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad for p in params]
+            out.put((layout, rank, norm.item(), [g.tolist() for g in grads]))  # not shared memory
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_global_norm_and_the_clip_over_tp_fsdp_and_pp_ranks():
+    """Two gloo ranks (forked, no Ray): the norm of the whole model's gradients whatever holds
+    them (tp rows and columns, an FSDP shard each, a pipeline stage each with the duplicate tied
+    embedding left out, a replicated norm weight whose gradient is Partial), each counted once;
+    and every gradient scaled by max_norm / norm. Where the norm is computed is checked above;
+    this is its value (a sum over a replicated dim, a missing pp reduction, a duplicate counted
+    would each show)."""
+    import multiprocessing as mp
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("fork")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_clip_on_rank, args=(r, port, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = [out.get(timeout=60) for _ in range(6)]
+    for p in procs:
+        p.join(timeout=60)
+    full = _full_grads()
+    norm = torch.linalg.vector_norm(torch.cat([g.flatten() for g in full.values()])).item()
+    assert norm > 1.0  # so the clip scales
+    coef = 1.0 / (norm + 1e-6)
+    for layout, rank, found, grads in got:
+        assert found == pytest.approx(norm, rel=1e-6), (layout, rank)
+        names = {"pp": [("w", "emb"), ("col", "norm", "emb")][rank]}.get(layout, ("w", "col", "norm", "emb"))
+        for name, g in zip(names, grads):
+            where = (layout, rank, name)
+            torch.testing.assert_close(torch.tensor(g), full[name] * coef, msg=lambda m, w=where: f"{w}: {m}")

@@ -32,6 +32,7 @@ LAYERS = [
     ("parallel",),  # builds the model as a rank holds it, from a Layout and the family's plan
     ("worker",),  # what runs inside a Ray Train worker
     ("ray_compat", "cluster"),  # our code on Ray's private API; reaching and running clusters
+    ("track",),  # experiment tracking from the driver (MLflow, W&B): runs, sweeps, evaluate use it
     ("run",),  # the driver side of a run
     ("results",),  # what a run gives afterwards
     ("tune",),  # sweeps and lr-find, built on runs and results
@@ -45,7 +46,7 @@ LEVEL = {name: i for i, level in enumerate(LAYERS) for name in level}
 # torch.distributed.checkpoint), read and written by workers, `generate` and `export` only. In
 # models/ every module but the decoders (decoder.py and each family's, Family.decoder): the
 # checks, the planner and the driver ask the families without torch.
-TORCH_FREE = ("cli", "config", "run", "ray_compat", "plan", "store", "cluster", "tune", "models",
+TORCH_FREE = ("cli", "config", "run", "ray_compat", "plan", "store", "cluster", "tune", "track", "models",
               "errors", "env", "console", "data.tokenizer", "results.tables", "results.plots")
 TORCH_FREE_EXCEPT = {"raytrain_lm.store.checkpoint_format", "raytrain_lm.models.decoder",
                      *(f.decoder.partition(":")[0] for f in FAMILIES.values())}
@@ -270,7 +271,8 @@ def test_no_module_over_400_lines():
 # calls. `tune --resume` unpickles it, so these keep their paths (a sweep started before a move
 # would not resume): the globals a tuner.pkl's unpickler looks up (find_class), listed.
 PICKLED_BY_PATH = {"raytrain_lm.tune.report": ("LiveTable",),
-                   "raytrain_lm.tune.sweep": ("_trial_name", "abort_train_run")}
+                   "raytrain_lm.tune.sweep": ("_trial_name", "abort_train_run"),
+                   "raytrain_lm.tune.trial_tracking": ("TrackTrials",)}
 
 
 def test_what_a_saved_sweep_names_by_module_path_is_still_there():

@@ -221,6 +221,36 @@ def test_init_from_hf_checks_shape_and_tokenizer(hf_llama, tmp_path):
         check_hf_init_from(other, cfg.model, manifest)
 
 
+def test_a_tied_hf_llama_gives_transformers_logits(tmp_path):
+    """A tied folder (tie_word_embeddings, no lm_head.weight in it, as transformers saves Llama
+    3.2 1B/3B and small Qwens) passes the checks before launch and loads with its embedding as
+    the head: the logits are transformers' own. An untied folder lacking the head is refused."""
+    from types import SimpleNamespace
+
+    from safetensors import safe_open
+
+    from raytrain_lm.data.tokenizer import byte_tokenizer_json
+    from raytrain_lm.run.preflight import check_hf_init_from
+    from raytrain_lm.worker.checkpointer import load_hf_weights
+
+    m = ModelConfig(**{**vars(SMALL), "vocab_size": 256})
+    folder = tmp_path / "tied"
+    hf = save_hf_llama(folder, m, byte_tokenizer_json().encode(), seed=5, tied=True)
+    with safe_open(folder / "model.safetensors", "pt") as f:
+        assert "lm_head.weight" not in f.keys()
+    manifest = {"tokenizer": {"type": "byte", "vocab_size": 256}}
+    assert check_hf_init_from(folder, m, manifest) == str(folder.resolve())
+    model = build_model(m, seed=0).eval()
+    load_hf_weights(folder, SimpleNamespace(parts=[model]))
+    x = torch.randint(256, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (model(x, targets=x)[0] - hf(x).logits).abs().max().item() < 1e-5
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": False}))
+    with pytest.raises(UserError, match="it lacks lm_head.weight"):
+        check_hf_init_from(folder, m, manifest)
+
+
 def test_train_refuses_an_hf_folder_of_another_shape_in_one_line(hf_llama, tmp_path):
     folder, _, run = hf_llama
     r = cli_here("train", "--data", str(run.data), "--storage", str(tmp_path / "runs"), "--preset",

@@ -24,6 +24,9 @@ class Step:  # what Meter.row reads of the step
     def take_bubble(self):
         return None
 
+    def take_data_wait(self):
+        return 0.0
+
 
 def meter(scaler_skips: bool = False) -> Meter:
     return Meter(torch.device("cpu"), 1, 1.0, None, 6, 0.0, scaler_skips=scaler_skips)
@@ -44,18 +47,18 @@ def test_the_meter_reads_nothing_per_step_and_finds_the_nan_at_the_report():
     cannot read, go through add_step; the report names the first non-finite step and the next
     interval starts clean."""
     m = meter()
-    m.add_step(torch.ones((), device="meta"), 10, 0.0, torch.ones((), device="meta"))
+    m.add_step(torch.ones((), device="meta"), 10, torch.ones((), device="meta"))
     m = meter()
     for step, (loss, norm) in enumerate([(2.0, 1.0), (float("nan"), float("nan")), (3.0, 1.0)], 11):
-        m.add_step(torch.tensor(loss), 10, 0.0, torch.tensor(norm))
+        m.add_step(torch.tensor(loss), 10, torch.tensor(norm))
     row = m.row(13, 1e-3, 1.0, Step())
     assert m.nonfinite == "loss became nan at step 12" and math.isnan(row["step_losses"][1])
     m.next_interval(exclude_since_row=False)
-    m.add_step(torch.tensor(1.0), 10, 0.0, torch.tensor(float("inf")))
+    m.add_step(torch.tensor(1.0), 10, torch.tensor(float("inf")))
     m.row(14, 1e-3, 1.0, Step())
     assert m.nonfinite == "the gradient norm became inf at step 14"
     skips = meter(scaler_skips=True)  # fp16: an overflowing gradient is the scaler's to skip
-    skips.add_step(torch.tensor(1.0), 10, 0.0, torch.tensor(float("inf")))
+    skips.add_step(torch.tensor(1.0), 10, torch.tensor(float("inf")))
     skips.row(1, 1e-3, 1.0, Step())
     assert skips.nonfinite is None
 
@@ -78,12 +81,12 @@ def test_an_fp16_step_the_scaler_skips_is_not_a_failure():
             return x, x
 
     before = [p.detach().clone() for p in step.parts[0].parameters()]
-    loss, norm, _ = step(Batches(), 1e-3)
+    loss, norm = step(Batches(), 1e-3)
     assert math.isfinite(loss.item()) and not math.isfinite(norm.item())
     assert all(torch.equal(a, b) for a, b in zip(before, step.parts[0].parameters()))
     assert step.scaler.get_scale() == pytest.approx(1.5e38)
     watch = meter(scaler_skips=step.scaler.is_enabled())
-    watch.add_step(loss, 32, 0.0, norm)
+    watch.add_step(loss, 32, norm)
     watch.row(1, 1e-3, norm.item(), step)
     assert watch.nonfinite is None
 

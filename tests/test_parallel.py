@@ -115,6 +115,12 @@ def test_every_layout_trains_the_one_worker_model(runs, arch, layout):
     for step in reference:
         assert losses[step] == pytest.approx(reference[step], rel=1e-4), step
     rows, one = runs(arch)[layout][1], runs(arch)["one"][1]
+    # the norm before clipping, of each reported step: losses alone hide a constant factor on the
+    # gradient (AdamW's update ignores it), such as a pipeline that does not divide by its
+    # microbatches, or replicated weights' gradients summed over tp ranks
+    assert [r["step"] for r in rows] == [r["step"] for r in one]
+    for row, ref in zip(rows, one):
+        assert row["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4), row["step"]
     assert rows[-1]["val_loss"] == pytest.approx(one[-1]["val_loss"], rel=1e-4)
     # bits per byte counts each data-parallel group's text once, not once per tp rank or stage
     # (bytes: exactly val_loss / ln 2)

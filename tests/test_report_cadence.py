@@ -1,5 +1,6 @@
-"""When the loop reports: by a fixed step count when asked, else paced by time (loop.Cadence),
-the same steps on every rank because the pace comes from the report's own all-reduce (Meter)."""
+"""When the loop makes a metrics row and when it sends rows (loop.Cadence): rows by a fixed step
+count when asked, sends paced by time, the rows between two sends carried by the next; the same
+steps on every rank because the pace comes from the row's own all-gather (Meter)."""
 
 from __future__ import annotations
 
@@ -17,12 +18,16 @@ def cadence(**settings) -> Cadence:
     return Cadence(cfg)
 
 
-def reported(c: Cadence, step_time: float, steps: int) -> list[int]:
+def reported(c: Cadence, step_time: float, steps: int, rows: list | None = None) -> list[int]:
+    """The steps that send (`rows`, if given: every step that makes a row)."""
     out = []
     for step in range(1, steps + 1):
-        if c.reports(step):
-            out.append(step)
-            c.paced(step, step_time)
+        if c.rows(step):
+            if rows is not None:
+                rows.append(step)
+            if c.sends(step):
+                out.append(step)
+                c.paced(step, step_time)
     return out
 
 
@@ -37,14 +42,25 @@ def test_slow_steps_report_every_step():
 
 def test_the_pace_follows_the_measured_step_time():
     c = cadence(log_seconds=2.0)
-    assert c.reports(1)
+    assert c.rows(1) and c.sends(1)
     assert c.paced(1, 0.5) == 5  # the warm-up step: 4 steps of 0.5 s
     assert c.paced(5, 0.01) == 205  # steps got fast: 200 more
 
 
 def test_an_explicit_log_every_is_exact_whatever_the_step_time():
-    c = cadence(log_every=10, log_seconds=1.0)
-    assert reported(c, 0.001, 40) == [10, 20, 30, 40]
+    """--log-every 10: a row every 10 steps, exactly, whatever the step time; slow steps send
+    each one."""
+    rows = []
+    assert reported(cadence(log_every=10, log_seconds=1.0), 3.0, 40, rows) == [10, 20, 30, 40]
+    assert rows == [10, 20, 30, 40]
+
+
+def test_every_step_a_row_sent_about_once_per_log_seconds():
+    """--log-every 1 with 2 ms steps: a row every step, and a report every 500 steps carrying the
+    rows since the previous one (a report per row waited for Ray's poll: 0.5 s a step)."""
+    rows = []
+    assert reported(cadence(log_every=1, log_seconds=1.0), 0.002, 2000, rows) == [1, 501, 1001, 1501]
+    assert rows == list(range(1, 2001))
 
 
 def test_validation_and_the_last_step_still_report():
@@ -60,11 +76,15 @@ def test_meter_gives_the_interval_step_time_for_the_pace():
         def take_bubble(self):
             return None
 
+        def take_data_wait(self):
+            return 0.25
+
     meter = Meter(torch.device("cpu"), 1, 1.0, None, 6, 0.0)
     for _ in range(4):
-        meter.add_step(torch.tensor(1.0), 10, 0.0)
+        meter.add_step(torch.tensor(1.0), 10)
     row = meter.row(4, 1e-3, 1.0, Layout())
     assert meter.slowest_step_time == row["step_time"] > 0
+    assert row["step_losses"] == [1.0] * 4 and row["data_wait_frac"] > 0
     assert row["peak_mem_reserved_gb"] is None  # CPU: no caching allocator
 
 

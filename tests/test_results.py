@@ -198,10 +198,30 @@ def test_report_compare_overlays_runs_and_json_parses(trained, tmp_path):
     assert rep["plot"] == str(out) and [r["name"] for r in rep["runs"]] == ["looked-at", "other"]
     img = _png(out)
     assert _pixels_of(img, C0).sum() > 1000 and _pixels_of(img, C1).sum() > 1000
-    table = cli_here("report", "looked-at", "--compare", "other", "--storage", str(storage), "--out", str(out))
+    table = cli_here("report", "looked-at", "--compare", "other", "--storage", str(storage), "--out",
+                     str(out), "--force")  # its own figure of a moment ago: replaced
+    assert table.returncode == 0, table.stderr
     header = table.stdout.splitlines()[0].split()
     assert header == ["run", "looked-at", "other"]
     shutil.rmtree(other)
+
+
+def test_report_out_replaces_only_a_figure_of_its_own(tmp_path):
+    """--out: a new file is written; an existing figure that report wrote is replaced with --force
+    only (the same rule as export's and prepare's); anything else is refused (test_bad_inputs)."""
+    from raytrain_lm.results.figure_file import is_report_figure
+    from test_bad_inputs import _run
+
+    _run(tmp_path)
+    out = tmp_path / "fig.png"
+    report = ("report", "r", "--storage", str(tmp_path / "runs"), "--out", str(out), "-q")
+    assert cli_here(*report).returncode == 0 and is_report_figure(out)
+    out.write_bytes(out.read_bytes()[:-12] + b"\0" * 12)  # still ours (the mark is at the start)
+    clean_error(cli_here(*report), f"{out} exists (a figure of report's); pass --force to replace it")
+    assert out.read_bytes().endswith(b"\0" * 12)
+    assert cli_here(*report, "--force").returncode == 0
+    assert is_report_figure(out) and not out.read_bytes().endswith(b"\0" * 12)
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".fig")] == []  # no staged file left
 
 
 # ------------------------------------------------------------------ generate

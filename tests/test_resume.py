@@ -3,6 +3,7 @@ gloo workers. Dropout is on, so the per-step losses only match if every RNG stat
 
 import json
 import math
+import os
 import signal
 import subprocess
 import sys
@@ -41,21 +42,30 @@ def reference(reference_run):
     return reference_run[0]
 
 
-def test_stopped_driver_resumes_and_matches(reference, pydoc_data, storage, ray_address):
+def test_stopped_driver_resumes_and_matches(reference, pydoc_data, storage, ray_address, tmp_path,
+                                            monkeypatch):
+    """... and its MLflow run (--track mlflow, a local store) continues: one run, every row's
+    loss at its step equal to metrics.jsonl's, FINISHED."""
     args = ["train", "--address", ray_address, "--storage", str(storage), "--name", "driver",
             "--workers", "2", "--max-steps", str(STEPS), "--log-every", "5", "--eval-every", "15",
-            "--checkpoint-every", "10", "--seed", "11", "--data", str(pydoc_data)]
+            "--checkpoint-every", "10", "--seed", "11", "--data", str(pydoc_data), "--track", "mlflow"]
     for s in SETTINGS:
         args += ["--set", s]
+    mlflow_env = {"MLFLOW_TRACKING_URI": (tmp_path / "mlruns").as_uri(), "MLFLOW_ALLOW_FILE_STORE": "true"}
     proc = subprocess.Popen([sys.executable, str(ROOT / "cli.py"), *args], cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, **mlflow_env})
     metrics = storage / "driver" / "metrics.jsonl"
     deadline = time.time() + 180
     while time.time() < deadline and proc.poll() is None:
-        if metrics.exists() and any(json.loads(line)["step"] >= 10 for line in metrics.read_text().splitlines()):
+        if metrics.exists() and any(json.loads(line)["step"] >= 10 for line in metrics.read_text().splitlines()) \
+                and (storage / "driver" / "tracking.json").exists():  # its MLflow run made too
             break
         time.sleep(0.2)
     assert proc.poll() is None, "the run ended before it could be stopped"
+    last = json.loads(metrics.read_text().splitlines()[-1])["step"]
+    assert last < STEPS, f"the MLflow run was made only at step {last} (a machine this loaded " \
+                         f"cannot check a resume of it)"
     # Training, metrics rows written, TensorBoard too: the driver has done all it does in a run,
     # without torch (~2 CPU seconds of import before the run can start; the workers import it).
     assert not [lib for lib in libraries_of_pid(proc.pid) if lib.startswith("libtorch")]
@@ -67,12 +77,24 @@ def test_stopped_driver_resumes_and_matches(reference, pydoc_data, storage, ray_
     assert json.loads((storage / "driver" / "summary.json").read_text())["status"] == "running"
 
     result = run_cli("train", "--address", ray_address, "--storage", str(storage),
-                     "--name", "driver", "--resume", "--json")
+                     "--name", "driver", "--resume", "--json", env=mlflow_env)
     assert result.returncode == 0, result.stderr
     summary = json.loads(result.stdout)
     assert summary["status"] == "completed" and summary["steps"] == STEPS
     assert summary["resumed_from_step"] in (10, 20) and summary["restarts"] == 1
     assert step_losses(storage / "driver") == reference
+
+    from mlflow import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    client = MlflowClient(mlflow_env["MLFLOW_TRACKING_URI"])
+    record = json.loads((storage / "driver" / "tracking.json").read_text())["mlflow"]
+    assert [r.info.run_id for r in client.search_runs([record["experiment_id"]])] == [record["run_id"]]
+    history = client.get_metric_history(record["run_id"], "loss/train")
+    rows = [json.loads(line) for line in (storage / "driver" / "metrics.jsonl").read_text().splitlines()]
+    assert sorted(m.step for m in history) == [r["step"] for r in rows]  # each step once
+    assert {m.step: m.value for m in history} == {r["step"]: r["loss"] for r in rows}
+    assert client.get_run(record["run_id"]).info.status == "FINISHED"
 
 
 def lr_steps(rows: list[dict]) -> list[tuple[int, float]]:

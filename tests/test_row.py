@@ -13,8 +13,7 @@ import torch
 
 import raytrain_lm
 from raytrain_lm.config.inputs import WorkerInputs
-from raytrain_lm.run.tensorboard import TAGS
-from raytrain_lm.store.row import ROW_KEYS
+from raytrain_lm.store.row import CHART_NAMES, ROW_KEYS
 from raytrain_lm.worker.metrics import Meter
 
 PACKAGE = Path(raytrain_lm.__file__).parent
@@ -36,7 +35,7 @@ def keys_spelt(path: Path, names: str) -> set[str]:
 def test_every_row_key_the_code_spells_is_declared():
     spelt = set().union(*(keys_spelt(PACKAGE / m, names) for m, names in ROW_MODULES.items()))
     assert spelt and spelt - ROW_KEYS == set()
-    assert set(TAGS) <= ROW_KEYS
+    assert set(CHART_NAMES) <= ROW_KEYS
 
 
 def test_the_meters_row_has_only_declared_keys():
@@ -46,8 +45,11 @@ def test_the_meters_row_has_only_declared_keys():
         def take_bubble(self):
             return None
 
+        def take_data_wait(self):
+            return 0.0
+
     meter = Meter(torch.device("cpu"), 1, 1.0, None, 6, 0.0)
-    meter.add_step(torch.tensor(1.0), 10, 0.0)
+    meter.add_step(torch.tensor(1.0), 10)
     assert set(meter.row(1, 1e-3, 1.0, Step())) <= ROW_KEYS
 
 

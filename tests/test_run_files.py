@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import cli_here, run_cli
+from conftest import cli_here
 from raytrain_lm.errors import UserError
 from raytrain_lm.store.storage import MetricsLog, RunFolder
 from test_cli_errors import assert_clean_error
@@ -74,9 +74,15 @@ def test_a_refused_claim_leaves_no_folder_behind(tmp_path):
 
 
 def test_two_trains_of_one_name_at_once_do_not_both_run(tmp_path, pydoc_data):
-    """Two real `train --name X`: the first holds its claim while it reaches for a cluster (an
-    address where something listens and never answers); the second, meanwhile, is refused."""
+    """Two real `train --name X`: the first (a subprocess) holds its claim while it reaches for a
+    cluster (an address where something listens and never answers, for the 3 s of the
+    reachability check); the second, meanwhile, is refused. The second runs in this process with
+    its modules imported beforehand: a second interpreter's start-up could outlast those 3 s on
+    a loaded machine, and then the first would have let go of its claim already."""
     import socket
+
+    import raytrain_lm.cli.train  # noqa: F401  (imported before the race, not during it)
+    import raytrain_lm.run.driver  # noqa: F401
 
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
@@ -91,7 +97,8 @@ def test_two_trains_of_one_name_at_once_do_not_both_run(tmp_path, pydoc_data):
         while not list((tmp_path / "runs").glob("x/.claim-*")):
             assert time.monotonic() < deadline and first.poll() is None, "the first took no claim"
             time.sleep(0.05)
-        second = run_cli(*args[2:], timeout=60)
+        second = cli_here(*args[2:])
+        assert first.poll() is None, "the first let go of its claim before the second ran"
         assert_clean_error(second, "run 'x' in ")
         assert "is in use by another driver" in second.stderr
     finally:
@@ -214,7 +221,7 @@ def test_a_run_stopped_by_a_full_disk_says_failed_in_its_summary(full_disk):
     on a full disk it stayed "running" while the run exited. It is overwritten in place instead
     (its blocks are there already), and no half-written temporary file is left."""
     from raytrain_lm.config.load import build_config
-    from raytrain_lm.run.driver import Follower
+    from raytrain_lm.run.follower import Follower
 
     cfg = build_config(flags={"name": "r", "storage": str(full_disk)})
     run = RunFolder(str(full_disk), "r")

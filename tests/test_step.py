@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import weakref
 
+import pytest
 import torch
 
 from raytrain_lm.config.settings import TrainConfig
@@ -37,3 +38,42 @@ def test_the_logits_are_freed_before_the_backward():
     step.train()
     step(Batches(m.vocab_size, cfg.batch_size, cfg.seq_len), 1e-3)
     assert len(logits) == 2 and alive_in_backward and not any(alive_in_backward)
+
+
+class Halves:
+    """The batches of `whole`, each served as its two halves: --grad-accum 2 of half the batch."""
+
+    def __init__(self, whole: Batches):
+        self.whole, self.held = whole, []
+
+    def next(self):
+        if not self.held:
+            x, y = self.whole.next()
+            self.held = [(x[4:], y[4:]), (x[:4], y[:4])]
+        return self.held.pop()
+
+
+def test_accumulation_gives_the_whole_batchs_gradient_norm_and_update():
+    """Two micro-batches of 4 sequences give the gradient of one batch of 8: the same norm (what
+    each metrics row reports) and the same parameters after each step (to 0.1% of an lr step:
+    AdamW divides rounding noise by tiny second moments). The losses alone did not
+    show a step that forgot to divide by the micro-batches (AdamW's update does not change with a
+    constant factor on the gradient, and clipping hides it): the norm doubles."""
+    def step_of(batch: int, accum: int) -> TrainStep:
+        cfg = TrainConfig()
+        cfg.batch_size, cfg.seq_len, cfg.grad_accum, cfg.seed = batch, 16, accum, 0
+        m = cfg.model
+        m.vocab_size, m.n_layer, m.n_embd, m.n_head, m.block_size, m.dropout = 64, 1, 32, 2, 16, 0.0
+        step = TrainStep(cfg, torch.device("cpu"), ddp_wrap=lambda model: model)
+        step.train()
+        return step
+
+    whole, halves = step_of(8, 1), step_of(4, 2)
+    data_whole, data_halves = Batches(64, 8, 16), Halves(Batches(64, 8, 16))
+    for _ in range(3):
+        loss_w, norm_w = whole(data_whole, 1e-3)
+        loss_h, norm_h = halves(data_halves, 1e-3)
+        assert loss_h.item() == pytest.approx(loss_w.item(), rel=1e-6)
+        assert norm_h.item() == pytest.approx(norm_w.item(), rel=1e-5)
+        for (name, p), q in zip(whole.parts[0].named_parameters(), halves.parts[0].parameters()):
+            torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")

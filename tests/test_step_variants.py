@@ -31,19 +31,41 @@ def storage(tmp_path_factory):
     return tmp_path_factory.mktemp("options")
 
 
+def grad_norms(rows) -> dict[int, float]:
+    return {r["step"]: r["grad_norm"] for r in rows}
+
+
 @pytest.fixture(scope="module")
-def whole(pydoc_data, storage):
-    """10 eager steps of the small model without dropout: what the other ways must match."""
-    return train(pydoc_data, storage, "accum-1", max_steps=10, batch_size=8, grad_accum=1)[0]
+def whole_run(pydoc_data, storage):
+    """10 eager steps of the small model without dropout, a metrics row each: what the other ways
+    must match (losses, rows)."""
+    return train(pydoc_data, storage, "accum-1", max_steps=10, batch_size=8, grad_accum=1, log_every=1)
 
 
-def test_gradient_accumulation_gives_the_losses_of_the_whole_batch(whole, pydoc_data, storage):
+@pytest.fixture(scope="module")
+def whole(whole_run):
+    return whole_run[0]
+
+
+def test_gradient_accumulation_gives_the_losses_of_the_whole_batch(whole_run, pydoc_data, storage):
     """--grad-accum 2 --batch-size 4 reads, per rank and step, the windows of --batch-size 8
-    (data/sampler.py), so the losses and updates are the same up to float rounding."""
-    halves, _ = train(pydoc_data, storage, "accum-2", max_steps=10, batch_size=4, grad_accum=2)
+    (data/sampler.py), so the losses, the gradient norms and the updates are the same up to float
+    rounding (the losses alone barely move when the step forgets to divide by the micro-batches:
+    AdamW's update ignores a constant factor on the gradient; the norm doubles). This run makes a
+    row every step (--log-every 1) and sends at steps 1 and 10 only (--log-seconds 1000): rows 2-9
+    wait on the workers and travel with step 10's report, and metrics.jsonl and the caller get
+    every one of them."""
+    whole, whole_rows = whole_run
+    halves, rows = train(pydoc_data, storage, "accum-2", max_steps=10, batch_size=4, grad_accum=2,
+                         log_every=1, log_seconds=1000.0)
     assert whole.keys() == halves.keys() == set(range(1, 11))
     for s in whole:
         assert halves[s] == pytest.approx(whole[s], rel=1e-6)
+    assert [r["step"] for r in rows] == list(range(1, 11))
+    assert all(len(r["step_losses"]) == 1 and "earlier_rows" not in r for r in rows)
+    assert grad_norms(rows).keys() == grad_norms(whole_rows).keys() == set(range(1, 11))
+    for s, norm in grad_norms(whole_rows).items():
+        assert grad_norms(rows)[s] == pytest.approx(norm, rel=1e-5)
 
 
 def test_a_validation_split_smaller_than_one_batch_is_evaluated(pydoc_data, storage):

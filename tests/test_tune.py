@@ -42,7 +42,12 @@ def sweep(ray_address, pydoc_data, tmp_path_factory):
     settings = SweepSettings(search="grid", concurrent=2, grace_steps=20, metric="val_bpb")
     check_settings(cfg, space, settings, eval_every_given=False)
     said, tables = [], []
-    summary = run_sweep(cfg, space, settings, say=said.append, live=tables.append, live_interval=1)
+    with pytest.MonkeyPatch.context() as env:  # each trial tracked in a local MLflow store
+        env.setenv("MLFLOW_TRACKING_URI", (storage / "mlruns").as_uri())
+        env.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+        env.setenv("MLFLOW_EXPERIMENT_NAME", "sweeps")
+        summary = run_sweep(cfg, space, settings, say=said.append, live=tables.append,
+                            live_interval=1, track=["mlflow"])
     return summary, said, tables, storage / "asha", _cpus_in_use_after_a_while()
 
 
@@ -96,6 +101,29 @@ def test_stopped_trials_release_their_workers(sweep):
     stay behind holding CPUs (Ray 2.60 leaves it without a dashboard; tune aborts the run)."""
     *_, cpus_in_use = sweep
     assert cpus_in_use == 0
+
+
+def test_each_trial_is_an_mlflow_run_grouped_under_the_sweeps_run(sweep):
+    """Two trials, two MLflow runs, children of the sweep's run, each with its lr, its rows at
+    their steps (the validation rows ASHA saw), and its status; the sweep's tracking.json names
+    them for a resume."""
+    from mlflow import MlflowClient
+
+    summary, _, _, folder, _ = sweep
+    client = MlflowClient((folder.parent / "mlruns").as_uri())
+    ids = json.loads((folder / "tracking.json").read_text())
+    parent = ids["sweep"]["mlflow"]["run_id"]
+    runs = client.search_runs([ids["sweep"]["mlflow"]["experiment_id"]])
+    children = {r.info.run_id: r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent}
+    assert len(runs) == 3 and len(children) == 2
+    assert {ids["trials"][t]["mlflow"]["run_id"] for t in ids["trials"]} == set(children)
+    trials = by_lr(summary)
+    for run in children.values():
+        lr = float(run.data.params["lr"])
+        assert run.info.run_name == trials[lr]["dir"] and run.info.status == "FINISHED"
+        val = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "loss/val_bits_per_byte")}
+        assert val == pytest.approx(dict(trials[lr]["val_curve"]))  # what ASHA compared
+    assert client.get_run(parent).data.params["search_space"].startswith("lr")
 
 
 def test_best_config_reproduces_the_best_trial(sweep):

@@ -3,7 +3,7 @@ and prints; no logic lives only here. One module per command group:
 
     data.py      prepare
     train.py     train, plan
-    results.py   runs, report, generate, export
+    results.py   runs, report, generate, export, evaluate
     tune.py      tune, lr-find
     cluster.py   cluster (local-up/-down, up/down/status/dashboard), submit, jobs
 """

@@ -27,6 +27,11 @@ QUIET = typer.Option(False, "--quiet", "-q", help="No progress lines, only the r
 JSON = typer.Option(False, "--json", help="Print the result as JSON (nothing else on stdout).")
 CONFIG_FILE = typer.Option(None, help="YAML/TOML/JSON file of settings.")
 SET = typer.Option(None, "--set", help="Override any setting: key=value, e.g. model.n_layer=6.")
+TRACK = typer.Option(None, "--track", metavar="mlflow|wandb", help="Send the run to MLflow or Weights & "
+                     "Biases from the driver: config, every metrics row, summary, curves, status "
+                     "(repeat for both). Settings: their own variables (MLFLOW_TRACKING_URI, "
+                     "MLFLOW_EXPERIMENT_NAME; WANDB_PROJECT, WANDB_ENTITY, WANDB_MODE). Needs "
+                     "pip install 'raytrain-lm[track]'.")
 # The read commands find runs where `train` puts them: --storage, else RAYTRAIN_LM_STORAGE, else runs.
 STORAGE = typer.Option(default_storage(), envvar=STORAGE_ENV, show_default="runs",
                        help="Where runs live: a folder or s3://...")

@@ -1,4 +1,4 @@
-"""`runs`, `report`, `generate`, `export`: looking at what training left behind."""
+"""`runs`, `report`, `generate`, `export`, `evaluate`: looking at what training left behind."""
 
 from __future__ import annotations
 
@@ -15,6 +15,12 @@ from raytrain_lm.config.checks import check_sampling
 from raytrain_lm.console import paint
 from raytrain_lm.errors import UserError
 from raytrain_lm.results.tables import build_report, compare_table, results_table, runs_table
+
+
+def warn(line: str) -> None:
+    """A line on stderr that a command goes on after (an invalid newer checkpoint skipped)."""
+    typer.echo(paint(f"warning: {line}", "yellow", sys.stderr), err=True)
+
 
 MODEL_ARG = typer.Argument(..., metavar="RUN|CHECKPOINT", help="Run name (in --storage), run "
                            "folder, or checkpoint folder.")
@@ -54,12 +60,14 @@ def report(
                                                 "(repeat, or list them after one --compare)."),
     out: Optional[str] = typer.Option(None, help="Write the PNG here, a local file [default: "
                                       "report.png in the run's folder; compare.png with --compare]."),
+    force: bool = typer.Option(False, help="Replace --out if it is a figure report wrote before "
+                               "(nothing else is replaced)."),
     storage: str = STORAGE,
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Only the PNG's path."),
     as_json: bool = JSON,
 ) -> None:
     """A run's results table and a PNG of its curves (train/val loss, tokens/s, learning rate)."""
-    rep = build_report([run, *(compare or [])], storage, out=out)
+    rep = build_report([run, *(compare or [])], storage, out=out, force=force)
     if as_json:
         typer.echo(json.dumps(rep, indent=2, default=str))
         return
@@ -95,7 +103,7 @@ def generate(
         from raytrain_lm.results.generate import pick_device
 
         pick_device(device)  # a bad --device fails before a checkpoint is fetched
-    found = find_checkpoint(model, storage, best=best)
+    found = find_checkpoint(model, storage, best=best, say=warn)
     from raytrain_lm.results.generate import generate_text
 
     def info(m: str) -> None:
@@ -157,7 +165,7 @@ def export(
         raise UserError(f"--format must be one of {', '.join(FORMATS)}, got {format!r}")
     check_out(out, force)  # before a checkpoint is looked for or copied
     out = Path(out)
-    found = find_checkpoint(model, storage, best=best)
+    found = find_checkpoint(model, storage, best=best, say=warn)
     try:
         if format == "hf":
             config = export_checkpoint_hf(found.path, out, force=force, meta=found.meta)
@@ -173,3 +181,51 @@ def export(
         params = f"{config['num_parameters']:,} parameters, " if "num_parameters" in config else ""
         typer.echo(f"exported step {config['step']} of {found.source} ({params}{config['dtype']}, "
                    f"{format} format) to {out}: {', '.join(Path(f).name for f in files)}")
+
+
+@app.command(epilog=examples("python cli.py evaluate my-run --tasks hellaswag,arc_easy",
+                             "python cli.py evaluate my-run --best --tasks lambada_openai --limit 500",
+                             "python cli.py evaluate runs/my-run/checkpoint_00000200 --tasks my_task "
+                             "--include-path tasks/",
+                             "python cli.py evaluate hf/my-run --tasks arc_easy --device cuda --json"))
+def evaluate(
+    model: str = typer.Argument(..., metavar="RUN|CHECKPOINT|HF_FOLDER", help="Run name (in "
+                                "--storage), run folder, checkpoint folder, or a Hugging Face "
+                                "model folder (`export --format hf`)."),
+    tasks: str = typer.Option(..., help="lm-evaluation-harness tasks, comma-separated (hellaswag,"
+                              "arc_easy, ...: their data comes from the Hugging Face Hub)."),
+    include_path: Optional[Path] = typer.Option(None, help="A folder of task YAML files of your own "
+                                                "(lm-eval's --include_path): local data, no Hub."),
+    limit: Optional[float] = typer.Option(None, help="Examples per task (a fraction if < 1) "
+                                          "[default: all]."),
+    batch_size: int = typer.Option(8, help="Sequences per forward pass."),
+    num_fewshot: Optional[int] = typer.Option(None, help="Examples in each prompt [default: the task's]."),
+    device: str = typer.Option("cpu", help="Where the model runs: cpu, cuda, cuda:1, ..."),
+    best: bool = BEST,
+    storage: str = STORAGE,
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Print only the scores."),
+    as_json: bool = typer.Option(False, "--json", help="Print the scores as JSON."),
+) -> None:
+    """Score a model with lm-evaluation-harness (its `hf` model on an export made on the fly);
+    for a run: eval/<task>.json, its summary table, and its tracking runs (train --track)."""
+    from raytrain_lm.results.evaluate import check_tasks
+    from raytrain_lm.results.evaluate import evaluate as run_evaluation
+
+    names = check_tasks(tasks, str(include_path) if include_path else None)
+    if batch_size < 1:
+        raise UserError(f"--batch-size must be at least 1, got {batch_size}")
+    if limit is not None and not limit > 0:
+        raise UserError(f"--limit must be positive, got {limit}")
+    say = (lambda m: typer.echo(m, err=True)) if as_json else ((lambda m: None) if quiet else typer.echo)
+    done = run_evaluation(model, names, storage=storage, best=best,
+                          include_path=str(include_path) if include_path else None, limit=limit,
+                          batch_size=batch_size, num_fewshot=num_fewshot, device=device, say=say)
+    if as_json:
+        typer.echo(json.dumps({"model": done.model, "step": done.step, "scores": done.scores,
+                               "files": done.written}, indent=2))
+        return
+    for task, metrics in done.scores.items():
+        typer.echo(f"  {task}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()
+                                             if not k.endswith("_stderr")))
+    if done.written and not quiet:
+        typer.echo(f"results: {', '.join(done.written)} (and the run's summary.json)")

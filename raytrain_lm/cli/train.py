@@ -15,6 +15,7 @@ from raytrain_lm.cli.options import (
     JSON,
     QUIET,
     SET,
+    TRACK,
     VERBOSE,
     ConfigPath,
     SetList,
@@ -29,7 +30,7 @@ from raytrain_lm.config.settings import default_storage
 from raytrain_lm.config.sizes import parse_workers
 from raytrain_lm.errors import UserError
 from raytrain_lm.plan.estimate import check_cluster
-from raytrain_lm.plan.hardware import H100_NVLINK_GBPS, H100_TFLOPS, IB_400_GBPS, Cluster
+from raytrain_lm.plan.kinds import DEFAULT_KIND, kind_cluster, kinds
 from raytrain_lm.plan.printout import plan_command
 from raytrain_lm.results.tables import progress_line, results_table
 from raytrain_lm.tune.lr_scaling import apply_lr_scaling
@@ -71,7 +72,9 @@ def workers_value(text: str):
                              "python cli.py train --workers 16 --use-gpu --preset llama3-8b --layout auto",
                              "python cli.py train --config best.yaml --set model.dropout=0.1",
                              "python cli.py train --config best.yaml --workers 8 --scale-lr sqrt",
-                             "python cli.py train --name my-run --resume"))
+                             "python cli.py train --name my-run --resume",
+                             "MLFLOW_TRACKING_URI=http://mlflow:5000 python cli.py train --track mlflow",
+                             "WANDB_PROJECT=lm python cli.py train --track wandb --track mlflow"))
 @settings(*TRAIN_SETTINGS)
 def train(
     settings: dict,
@@ -93,6 +96,7 @@ def train(
                                  "chosen at (ref_batch_tokens): none, linear or sqrt (recommended for AdamW)."),
     worker_env: SetList = typer.Option(None, "--worker-env", help="An environment variable of the "
                                        "worker processes, KEY=VALUE (e.g. NCCL_DEBUG=INFO); repeat for several."),
+    track: SetList = TRACK,
     verbose: bool = VERBOSE,
     quiet: bool = QUIET,
     as_json: bool = JSON,
@@ -130,7 +134,7 @@ def train(
     show = None if quiet or as_json else lambda row: typer.echo(progress_line(row, cfg.max_steps))
     with only_json_on_stdout(as_json) as stdout:
         summary = launch(cfg, resume=resume, init_from=str(init_from) if init_from else None,
-                         force=force, say=say, on_metrics=show)
+                         force=force, say=say, on_metrics=show, track=track, figure=curves)
         if summary is None:  # a torchrun rank other than 0: rank 0 prints
             return
         if as_json:
@@ -139,6 +143,13 @@ def train(
             return
     typer.echo(results_table(summary))
     typer.echo(f"results: {summary['run_dir']}/summary.json, metrics.jsonl")
+
+
+def curves(runs) -> bytes:
+    """The report's figure of `runs` (for the tracking runs: matplotlib imported only then)."""
+    from raytrain_lm.results.plots import plot_runs
+
+    return plot_runs(runs)
 
 
 def parse_env(items: list[str]) -> dict[str, str]:
@@ -187,28 +198,37 @@ def plan(
     settings: dict,
     preset: str = typer.Option("gpt2", help="Model preset (any field overridable with --set)."),
     gpus: int = typer.Option(8, "--gpus", "--workers", help="GPUs (workers) in all."),
-    gpus_per_node: int = typer.Option(8, help="GPUs per node: tensor parallelism stays inside one."),
-    gpu_memory_gb: float = typer.Option(80.0, help="Memory per GPU in GiB, as cards are sold: 80 "
-                                        "for an 80 GB H100 or A100 (80 x 2^30 bytes); 90% of it "
-                                        "is planned for."),
+    gpu: str = typer.Option(DEFAULT_KIND, "--gpu", help="The GPU kind, whose peak, memory, HBM, "
+                            "links, node and achievable rates the plan takes (raytrain_lm/plan/"
+                            "gpu_kinds.json, with sources): " + ", ".join(kinds()) + "; the flags "
+                            "below override its figures."),
+    gpus_per_node: Optional[int] = typer.Option(None, help="GPUs per node: tensor parallelism stays "
+                                                "inside one [default: the kind's node, 8]."),
+    gpu_memory_gb: Optional[float] = typer.Option(None, help="Memory per GPU in GiB, as cards are "
+                                                  "sold (80 for an 80 GB card, 80 x 2^30 bytes), "
+                                                  "less 1 GiB for CUDA and NCCL [default: the "
+                                                  "kind's]."),
     global_batch: Optional[int] = typer.Option(None, help="Sequences per step, any number a "
                                                "layout's data-parallel size divides [default: "
                                                "GPUs x --batch-size x --grad-accum]."),
-    intra_node_gbps: float = typer.Option(H100_NVLINK_GBPS, help="Bandwidth inside a node, Gb/s per "
-                                          "GPU per direction [default: H100 NVLink 4, 900 GB/s "
-                                          "both ways = 3600 Gb/s each way]."),
-    inter_node_gbps: float = typer.Option(IB_400_GBPS, help="Bandwidth between nodes, Gb/s per GPU "
-                                          "per direction [default: a 400 Gb/s InfiniBand NIC per GPU]."),
-    gpu_tflops: float = typer.Option(H100_TFLOPS, help="Peak dense bf16 TFLOP/s per GPU [default: "
-                                     "H100 SXM]."),
-    compute_efficiency: Optional[float] = typer.Option(None, help="Fraction of the peak the "
-                                                       "matmuls reach when nothing waits, the "
-                                                       "same for every layout [default: by "
-                                                       "matmul size, raytrain_lm/plan/"
-                                                       "efficiency.py]."),
-    peak_fraction: Optional[float] = typer.Option(None, help="The efficiency formula's ceiling: "
-                                                  "the fraction of the peak large matmuls reach "
-                                                  "[default: H100's, plan/efficiency.py]."),
+    intra_node_gbps: Optional[float] = typer.Option(None, help="GPU links inside a node, Gb/s per "
+                                                    "GPU per direction [default: the kind's; "
+                                                    "H100 NVLink 4: 450 GB/s = 3600 Gb/s]."),
+    inter_node_gbps: Optional[float] = typer.Option(None, help="The node's NICs between nodes, Gb/s "
+                                                    "per GPU per direction: all NICs' Gb/s over the "
+                                                    "GPUs per node [default: the kind's node; "
+                                                    "DGX H100: 8 x 400 / 8 = 400]."),
+    gpu_tflops: Optional[float] = typer.Option(None, help="Peak dense bf16 TFLOP/s per GPU "
+                                               "[default: the kind's]."),
+    hbm_tbps: Optional[float] = typer.Option(None, help="HBM bandwidth per GPU, TB/s [default: "
+                                             "the kind's]."),
+    compute_efficiency: Optional[float] = typer.Option(None, help="A constant fraction of the "
+                                                       "peak for every FLOP of every layout, "
+                                                       "instead of plan/kernels.py's rates."),
+    peak_fraction: Optional[float] = typer.Option(None, help="The fraction of the peak large "
+                                                  "matmuls reach [default: the kind's measured "
+                                                  "MAMF / peak, x the fitted clock factor of a "
+                                                  "power-capped part]."),
     tp: Optional[int] = typer.Option(None, help="Only layouts with this tensor-parallel degree."),
     pp: Optional[int] = typer.Option(None, help="Only layouts with this many pipeline stages."),
     strategy: Optional[str] = typer.Option(None, help="Only layouts whose data-parallel dimension is "
@@ -234,10 +254,11 @@ def plan(
 ) -> None:
     """Every (dp, tp, pp) layout of the GPUs: memory per GPU, communication, estimated step time;
     the fastest that fits, and why."""
-    cluster = Cluster(gpus=gpus, gpus_per_node=gpus_per_node, memory_gb=gpu_memory_gb,
-                      intra_gbps=intra_node_gbps, inter_gbps=inter_node_gbps, tflops=gpu_tflops,
-                      efficiency=compute_efficiency, peak_fraction=peak_fraction, gpu=not cpu,
-                      precision=settings.get("precision") or "auto")
+    cluster = kind_cluster(gpu, gpus, gpus_per_node=gpus_per_node, memory_gb=gpu_memory_gb,
+                           intra_gbps=intra_node_gbps, inter_gbps=inter_node_gbps, tflops=gpu_tflops,
+                           hbm_tbps=hbm_tbps, efficiency=compute_efficiency,
+                           peak_fraction=peak_fraction, gpu=not cpu,
+                           precision=settings.get("precision") or "auto")
     check_cluster(cluster)
     preset_vocab = PRESETS.get(preset, {}).get("model", {}).get("vocab_size")
     model = {"vocab_size": vocab_size or preset_vocab or 50304, **({"arch": arch} if arch else {})}

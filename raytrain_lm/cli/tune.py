@@ -70,6 +70,9 @@ def tune(
     config: ConfigPath = typer.Option(None, help="YAML/TOML/JSON file of fixed settings for every trial."),
     set_: SetList = typer.Option(None, "--set", help="Fixed setting for every trial: key=value."),
     resume: bool = typer.Option(False, help="Continue the sweep --name after its driver died."),
+    track: SetList = typer.Option(None, "--track", metavar="mlflow|wandb", help="A tracking run per "
+                                  "trial (its hyperparameters, rows, status), grouped by the sweep: "
+                                  "an MLflow parent run, a W&B group (see train --track)."),
     verbose: bool = VERBOSE,
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No live table, only the results."),
     as_json: bool = JSON,
@@ -82,7 +85,8 @@ def tune(
                                                 dropout=dropout, n_layer=n_layer,
                                                 n_embd=n_embd).items()}
     if resume:
-        others = {**specs, "space": space, "space-file": space_file, "config": config, "set": set_}
+        others = {**specs, "space": space, "space-file": space_file, "config": config, "set": set_,
+                  "track": track}
         cfg = resumed_sweep(settings, [k for k, v in others.items() if v])
         sweep_space = sweep = None
     else:
@@ -95,7 +99,7 @@ def tune(
     with only_json_on_stdout(as_json) as stdout:
         summary = run_sweep(cfg, sweep_space, sweep, resume=resume, verbose=verbose,
                             say=say_for(quiet, as_json), live=None if quiet or as_json else table.draw,
-                            live_interval=2.0 if table.tty else 30.0)
+                            live_interval=2.0 if table.tty else 30.0, track=track)
         if as_json:
             typer.echo(json.dumps({k: v for k, v in summary.items() if k != "table"}, indent=2,
                                   default=str), file=stdout)

@@ -32,9 +32,12 @@ DEFAULT_DASHBOARD_PORT = 8265  # the dashboard serves the jobs API
 DEFAULT_JOBS_ADDRESS = f"http://127.0.0.1:{DEFAULT_DASHBOARD_PORT}"
 # The job's cli.py where the package is installed without the project around it.
 CLI_SHIM = "from raytrain_lm.cli import main\n\nif __name__ == \"__main__\":\n    main()\n"
-# Forwarded to a job so that its driver and workers reach the same S3-compatible endpoint (no
-# secrets: credentials come from the cluster's own environment or instance role).
-FORWARDED_ENV = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_REGION", "AWS_DEFAULT_REGION")
+# Forwarded to a job so that its driver and workers reach the same S3-compatible endpoint, and its
+# driver the same tracking server, project and experiment (`train --track`). No secrets:
+# credentials come from the cluster's own environment, Secrets or instance role.
+FORWARDED_ENV = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_REGION", "AWS_DEFAULT_REGION",
+                 "MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_EXPERIMENT_ID",
+                 "WANDB_PROJECT", "WANDB_ENTITY", "WANDB_BASE_URL")
 
 Say = Callable[[str], None]
 
@@ -48,7 +51,11 @@ def jobs_address(address: Optional[str]) -> str:
     if "://" not in address:
         address = f"http://{address}"
     parsed = urlparse(address)
-    if parsed.scheme not in ("http", "https") or not parsed.hostname:
+    try:
+        parsed.port  # noqa: B018  (raises on a port that is not one: past 65535, not a number)
+    except ValueError:
+        parsed = None
+    if parsed is None or parsed.scheme not in ("http", "https") or not parsed.hostname:
         raise UserError(f"--address must be the dashboard's http://HOST:PORT (e.g. "
                         f"{DEFAULT_JOBS_ADDRESS}), got {address}")
     return address
@@ -133,6 +140,7 @@ def submit(train_args: list[str], given: dict, address: Optional[str] = None, fo
         raise UserError("submit needs the training arguments after `--`, e.g. "
                         "`python cli.py submit -- --workers 2 --max-steps 300`")
     address = jobs_address(address)
+    uploaded_config(given.get("config"), cwd or Path.cwd())  # before the file is read
     args = job_train_args(train_args, given, address, cwd or Path.cwd())
     client = job_client(address)
     python = shlex.quote(sys.executable) if is_local_address(address) else "python"
@@ -161,14 +169,9 @@ def job_working_dir(given: dict, cwd: Path, root: Path = PROJECT, package: Path 
     how large it is); the folder is removed after the block (Ray has zipped it by then)."""
     files = {f"{package.name}/{p.relative_to(package).as_posix()}": p
              for p in sorted(package.rglob("*.py")) if "__pycache__" not in p.parts}
-    config = given.get("config")
-    if config and not os.path.isabs(config):
-        rel = Path(os.path.normpath(config))
-        if rel.parts[:1] == ("..",):
-            raise UserError(f"--config {config} is outside this folder, so the job cannot have "
-                            f"it at that path: give a path inside it, or an absolute one on "
-                            f"shared storage")
-        files[rel.as_posix()] = cwd / rel
+    config = uploaded_config(given.get("config"), cwd)
+    if config is not None:
+        files[config.relative_to(cwd).as_posix()] = config
     with tempfile.TemporaryDirectory(prefix="raytrain-lm-job-") as tmp:
         for rel, src in files.items():
             (Path(tmp) / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -183,6 +186,34 @@ def job_working_dir(given: dict, cwd: Path, root: Path = PROJECT, package: Path 
         named = ", ".join(["cli.py", *(r for r in files if r not in modules)])
         yield Path(tmp), (f"uploading {package.name}/ ({len(modules)} modules) and {named}: "
                           f"{size / 1024:.0f} KB")
+
+
+def uploaded_config(config: Optional[str], cwd: Path) -> Optional[Path]:
+    """The --config file a job takes along (None: none, or an absolute path, which the job reads
+    where it is): a regular file inside this folder, reached through no symlink, of at most
+    MAX_CONFIG_BYTES. Only its path's text was checked before, and a symlink inside the project
+    sent whatever it pointed to (a key, a credentials file) to the cluster."""
+    from raytrain_lm.config.load import MAX_CONFIG_BYTES
+
+    if not config or os.path.isabs(config):
+        return None
+    rel = Path(os.path.normpath(config))
+    if rel.parts[:1] == ("..",):
+        raise UserError(f"--config {config} is outside this folder, so the job cannot have "
+                        f"it at that path: give a path inside it, or an absolute one on "
+                        f"shared storage")
+    path = cwd / rel
+    for step in [cwd / Path(*rel.parts[:i]) for i in range(1, len(rel.parts) + 1)]:
+        if step.is_symlink():
+            raise UserError(f"--config {config}: {step.relative_to(cwd)} is a symlink; a job takes "
+                            f"only files of this folder itself (give the file it points to)")
+    if not path.is_file():
+        raise UserError(f"config file not found: {config}" if not path.exists() else
+                        f"config file {config} is not a regular file")
+    if path.stat().st_size > MAX_CONFIG_BYTES:
+        raise UserError(f"config file {config} is larger than {MAX_CONFIG_BYTES >> 20} MiB: not a "
+                        f"file of settings")
+    return path
 
 
 def _submit_with_retry(address: str, submit_fn, wait: float = 60.0) -> str:

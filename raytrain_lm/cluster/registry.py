@@ -111,7 +111,9 @@ def running_local_cluster() -> Optional[dict]:
     """The record of a `cluster local-up` cluster that still answers on its port (the lowest
     port when several do), else None. A record left by a cluster that died is ignored."""
     try:
-        found = [p for p in records_dir().glob("*.json") if p.stem.isdigit()]
+        # ASCII digits only ('²0'.isdigit() is True, int() refuses it) and a port's range
+        found = [p for p in records_dir().glob("*.json")
+                 if p.stem.isascii() and p.stem.isdigit() and 0 < int(p.stem) < 65536]
     except OSError:
         return None
     for path in sorted(found, key=lambda p: int(p.stem)):

@@ -21,6 +21,14 @@ if TYPE_CHECKING:
 # 1e9 would allocate until memory runs out. 2^20 is four times the largest released LM's (Gemma's
 # 262,144) and fits the uint32 shards.
 MAX_VOCAB = 1 << 20
+# The most of any count a run or a plan is made of (workers, GPUs, layers, heads, sequences per
+# batch, microbatches, ...): 2^20, over a hundred times the largest runs published. A count from a
+# flag or a file sizes loops and allocations (`plan --gpus 1e9` searched divisors for minutes,
+# `model.n_layer=1e30` overflowed), so one past it is refused, not tried.
+MAX_COUNT = 1 << 20
+# The most of any width (model.n_embd, ffn_dim, block_size, --seq-len): 2^24, 1,000 times
+# today's widest models and 100 times their context.
+MAX_WIDTH = 1 << 24
 LR_SCHEDULES = ("cosine", "wsd", "exp_range")  # of the learning rate (optim.lr_at)
 UPLOAD_MODES = ("auto", "sync", "async")  # of checkpoints (checkpointer.py)
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
@@ -76,16 +84,14 @@ def check_layout(cfg: TrainConfig) -> None:
 def validate(cfg: TrainConfig) -> None:
     """Checks that need no cluster and no dataset."""
     check_name(cfg.name)
-    m = cfg.model
     positive = dict(workers=cfg.workers, max_steps=cfg.max_steps, batch_size=cfg.batch_size,
                     seq_len=cfg.seq_len, grad_accum=cfg.grad_accum,
-                    eval_every=cfg.eval_every,
-                    keep_checkpoints=cfg.keep_checkpoints, **{"model.n_layer": m.n_layer,
-                    "model.n_head": m.n_head, "model.n_embd": m.n_embd,
-                    "model.block_size": m.block_size})
+                    eval_every=cfg.eval_every, keep_checkpoints=cfg.keep_checkpoints)
     for k, v in positive.items():
         if v < 1:
             raise UserError(f"--{k.replace('_', '-')} must be at least 1, got {v}")
+    check_bounds(cfg)
+    check_model(cfg.model)
     check_finite(cfg)
     if cfg.lr <= 0:
         raise UserError(f"--lr must be positive, got {cfg.lr}")
@@ -120,14 +126,10 @@ def validate(cfg: TrainConfig) -> None:
         raise UserError(f"decay_fraction must be in (0, 1], got {cfg.decay_fraction}")
     if not 0.0 <= cfg.min_lr_ratio <= 1.0:
         raise UserError(f"min_lr_ratio must be in [0, 1], got {cfg.min_lr_ratio}")
-    if not 0.0 <= m.dropout < 1.0:
-        raise UserError(f"model.dropout must be in [0, 1), got {m.dropout}")
-    if m.n_embd % m.n_head:
-        raise UserError(f"model.n_embd ({m.n_embd}) must be divisible by model.n_head ({m.n_head})")
-    family(m).check(m)
-    if cfg.seq_len > m.block_size:
+    if cfg.seq_len > cfg.model.block_size:
         raise UserError(f"--seq-len {cfg.seq_len} is larger than the model's context "
-                        f"(model.block_size={m.block_size}); lower it or --set model.block_size=...")
+                        f"(model.block_size={cfg.model.block_size}); lower it or --set "
+                        f"model.block_size=...")
     if cfg.precision not in PRECISIONS:
         raise UserError(f"precision must be auto, fp32, bf16 or fp16, got {cfg.precision!r}")
     check_layout(cfg)
@@ -144,9 +146,38 @@ def validate(cfg: TrainConfig) -> None:
         raise UserError("the exp_range schedule starts at lr * min_lr_ratio, which must be > 0")
     if cfg.ref_batch_tokens is not None and cfg.ref_batch_tokens < 1:
         raise UserError(f"ref_batch_tokens must be at least 1, got {cfg.ref_batch_tokens}")
-    if cfg.model.vocab_size is not None and not 1 <= cfg.model.vocab_size <= MAX_VOCAB:
-        raise UserError(f"model.vocab_size must be between 1 and {MAX_VOCAB:,}, got "
-                        f"{cfg.model.vocab_size:,}")
+
+
+def check_model(m) -> None:
+    """A ModelConfig's own values (a run's, a checkpoint's): sizes at least 1 and within bounds,
+    the family and its settings."""
+    for key in ("n_layer", "n_head", "n_embd", "block_size"):
+        if getattr(m, key) < 1:
+            raise UserError(f"--model.{key.replace('_', '-')} must be at least 1, got {getattr(m, key)}")
+    for key, most in (("n_layer", MAX_COUNT), ("n_head", MAX_COUNT), ("n_kv_head", MAX_COUNT),
+                      ("n_embd", MAX_WIDTH), ("block_size", MAX_WIDTH), ("ffn_dim", MAX_WIDTH),
+                      ("multiple_of", MAX_WIDTH)):
+        value = getattr(m, key, None)
+        if value is not None and value > most:
+            raise UserError(f"model.{key} must be at most {most:,}, got {value:,}")
+    if m.vocab_size is not None and not 1 <= m.vocab_size <= MAX_VOCAB:
+        raise UserError(f"model.vocab_size must be between 1 and {MAX_VOCAB:,}, got {m.vocab_size:,}")
+    if not 0.0 <= m.dropout < 1.0:
+        raise UserError(f"model.dropout must be in [0, 1), got {m.dropout}")
+    if m.n_embd % m.n_head:
+        raise UserError(f"model.n_embd ({m.n_embd}) must be divisible by model.n_head ({m.n_head})")
+    family(m).check(m)
+
+
+def check_bounds(cfg: TrainConfig) -> None:
+    """No count or width of a run past what any cluster runs (MAX_COUNT, MAX_WIDTH)."""
+    for key in ("workers", "min_workers", "batch_size", "grad_accum", "tp", "pp", "microbatches",
+                "virtual_stages", "gpus_per_node"):
+        value = getattr(cfg, key, None)
+        if value is not None and value > MAX_COUNT:
+            raise UserError(f"--{key.replace('_', '-')} must be at most {MAX_COUNT:,}, got {value:,}")
+    if cfg.seq_len > MAX_WIDTH:
+        raise UserError(f"--seq-len must be at most {MAX_WIDTH:,}, got {cfg.seq_len:,}")
 
 
 # The sampler slides its window over the context (generate.sample), so a text may be longer

@@ -34,7 +34,8 @@ class Strategy:
     shards_optimizer: bool  # AdamW's states
     fsdp: bool  # built on FSDP2: parameters and gradients sharded at rest
     keeps_gathered: bool = False  # FSDP2 keeps each micro-step's gathered parameters to backward
-    plain_only: bool = False  # only without tp and pp (it wraps DDP's optimizer)
+    gathers_once: bool = False  # ... and through all of a step's micro-steps
+    plain_only: bool = False  # only without tp and pp
     pipelined_as: Optional[str] = None  # with pp it is the same as this one (not planned twice)
     fp16: bool = True  # runs with fp16's gradient scaler
 
@@ -44,7 +45,8 @@ class Strategy:
 # (docs/architecture.md, "Adding a strategy").
 STRATEGIES = {s.name: s for s in (
     Strategy("ddp", "DDP", shards_optimizer=False, fsdp=False),
-    Strategy("zero1", "ZeRO-1", shards_optimizer=True, fsdp=False, plain_only=True, fp16=False),
+    Strategy("zero1", "ZeRO-1", shards_optimizer=True, fsdp=True, keeps_gathered=True,
+             gathers_once=True, plain_only=True),
     Strategy("zero2", "ZeRO-2", shards_optimizer=True, fsdp=True, keeps_gathered=True,
              pipelined_as="fsdp"),
     Strategy("fsdp", "FSDP", shards_optimizer=True, fsdp=True),
@@ -189,8 +191,8 @@ class Layout:
             out.append("--compile works with --tp 1 --pp 1 (ddp or fsdp) for now")
         strategy = STRATEGIES[self.strategy]
         if strategy.plain_only and (self.tp > 1 or self.pp > 1):
-            out.append(f"--strategy {self.strategy} works with --tp 1 --pp 1 (it shards DDP's "
-                       f"optimizer); use zero2 or fsdp with --tp/--pp")
+            out.append(f"--strategy {self.strategy} works with --tp 1 --pp 1; use zero2 or fsdp "
+                       f"with --tp/--pp")
         if not strategy.fp16 and precision == "fp16":
             out.append(f"--precision fp16 (a gradient scaler) is not supported with --strategy "
                        f"{self.strategy}; use bf16")
@@ -272,12 +274,12 @@ class Layout:
 
     @property
     def by_fsdp(self) -> bool:
-        """The strategy is built on FSDP2 (zero2, fsdp): it shards wherever dp > 1."""
+        """The strategy is built on FSDP2 (zero1, zero2, fsdp): it shards wherever dp > 1."""
         return STRATEGIES[self.strategy].fsdp
 
     @property
     def sharded(self) -> bool:
-        """FSDP2 shards the parameters and gradients (zero2, fsdp) over a dp dimension of 2 or
+        """FSDP2 shards the parameters and gradients (zero1, zero2, fsdp) over a dp dimension of 2 or
         more (fsdp.apply_dp); it then owns the mixed precision too (step.py)."""
         return self.by_fsdp and self.dp > 1
 
@@ -289,15 +291,14 @@ class Layout:
 
     @property
     def keeps_gathered(self) -> bool:
-        """FSDP2 keeps each micro-step's gathered parameters until their backward (zero2)."""
+        """FSDP2 keeps each micro-step's gathered parameters until their backward (zero1, zero2)."""
         return STRATEGIES[self.strategy].keeps_gathered
 
     @property
-    def broadcasts_params(self) -> bool:
-        """A sharded optimizer on whole replicas (zero1): after its step each rank broadcasts the
-        parameters it updated (worker/optim.ZeroOneAdamW)."""
-        strategy = STRATEGIES[self.strategy]
-        return strategy.shards_optimizer and not strategy.fsdp
+    def gathers_once(self) -> bool:
+        """FSDP2 keeps the gathered parameters through all of a step's micro-steps (zero1:
+        ddp.no_sync), so a step gathers them once whatever its micro-steps."""
+        return STRATEGIES[self.strategy].gathers_once
 
     @property
     def optimizer_shards(self) -> int:

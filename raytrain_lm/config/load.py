@@ -12,7 +12,7 @@ from typing import Any, Optional
 from raytrain_lm.config.checks import check_resumable, validate
 from raytrain_lm.config.presets import preset_config
 from raytrain_lm.config.settings import TrainConfig, apply_overrides
-from raytrain_lm.errors import UserError
+from raytrain_lm.errors import UserError, brief
 from raytrain_lm.models import FAMILIES
 
 
@@ -33,6 +33,10 @@ def parse_set_args(items: list[str]) -> dict[str, Any]:
     return out
 
 
+# A config file of settings is a few KB; one of 1 MiB is no config file.
+MAX_CONFIG_BYTES = 1 << 20
+
+
 def load_config_file(path: str | Path) -> dict[str, Any]:
     """Read a YAML, TOML or JSON config file into a dict (validated when applied)."""
     p = Path(path)
@@ -41,14 +45,17 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
     if not p.is_file():
         raise UserError(f"config file not found: {p}")
     try:
-        text = p.read_text()
+        with p.open("rb") as f:
+            raw = f.read(MAX_CONFIG_BYTES + 1)
+        if len(raw) > MAX_CONFIG_BYTES:
+            raise UserError(f"config file {p} is larger than {MAX_CONFIG_BYTES >> 20} MiB: not a "
+                            f"file of settings")
+        text = raw.decode()
     except (OSError, UnicodeDecodeError) as e:
         raise UserError(f"cannot read config file {p}: {getattr(e, 'strerror', None) or e}") from None
     try:
         if p.suffix in (".yaml", ".yml"):
-            import yaml
-
-            data = yaml.safe_load(text) or {}
+            data = _load_yaml(text, p) or {}
         elif p.suffix == ".toml":
             import tomllib
 
@@ -64,6 +71,23 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise UserError(f"config file {p} must hold a mapping of settings")
     return data
+
+
+def _load_yaml(text: str, path: Path) -> Any:
+    """yaml.safe_load without aliases: settings are plain values, and an alias (`*name`) lets a
+    file of a few hundred bytes stand for 10^9 strings (an "alias bomb"), cheap to parse and
+    endless to walk. Anchors alone are harmless."""
+    import yaml
+
+    class NoAliases(yaml.SafeLoader):
+        def compose_node(self, parent, index):
+            if self.check_event(yaml.AliasEvent):
+                mark = self.peek_event().start_mark
+                raise UserError(f"config file {path}, line {mark.line + 1}: aliases (*{self.peek_event().anchor}) are "
+                                f"not allowed in a config file; write the values out")
+            return super().compose_node(parent, index)
+
+    return yaml.load(text, Loader=NoAliases)
 
 
 def build_config(
@@ -86,6 +110,8 @@ def build_config(
     else:
         name = (preset or flags.get("preset") or set_data.get("preset") or file_data.get("preset")
                 or "tiny")
+        if not isinstance(name, str):
+            raise UserError(f"preset must be the name of one, got {brief(name)}")
         cfg = preset_config(name)
         arch = _chosen_arch(file_data, flags, set_data)
         if arch is not None and arch != cfg.model.arch and arch in FAMILIES:
@@ -105,6 +131,6 @@ def _chosen_arch(*layers: dict[str, Any]) -> Optional[str]:
     arch = None
     for layer in layers:
         model = layer.get("model")
-        if isinstance(model, dict) and model.get("arch") is not None:
+        if isinstance(model, dict) and isinstance(model.get("arch"), str):  # others: refused as set
             arch = model["arch"]
     return arch

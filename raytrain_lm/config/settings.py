@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 from raytrain_lm import env
 from raytrain_lm.env import STORAGE_ENV
-from raytrain_lm.errors import UserError
+from raytrain_lm.errors import UserError, brief
 from raytrain_lm.models.family import ModelConfig, setting
 
 DEFAULT_DATA = "data/pydoc"  # the built-in corpus, prepared on first use
@@ -91,10 +91,11 @@ class TrainConfig:
                              "policy, other layouts by autocast.")
     compile: bool = setting(False, help="torch.compile the model.")
     strategy: str = setting("ddp", help="The data-parallel dimension: ddp (a full replica per "
-                            "data-parallel rank), zero1 (DDP with AdamW's states sharded over the "
-                            "ranks; --tp 1 --pp 1), zero2 (FSDP2 keeping the parameters gathered "
-                            "from forward to backward: gradients and optimizer states sharded) or "
-                            "fsdp (FSDP2: parameters, gradients and optimizer states sharded).")
+                            "data-parallel rank), zero1 (ZeRO-1: gradients reduce-scattered, "
+                            "parameters gathered once per step; --tp 1 --pp 1), zero2 (gathered "
+                            "once per micro-step, kept from forward to backward) or fsdp (gathered "
+                            "for each use); all three hold parameters, gradients and AdamW's "
+                            "states sharded over the ranks between steps (FSDP2).")
     tp: int = setting(1, help="Tensor-parallel degree: each layer's matrices split over this many "
                       "workers (keep it within a node).")
     pp: int = setting(1, help="Pipeline-parallel degree: the layers split into this many stages.")
@@ -121,12 +122,13 @@ class TrainConfig:
                                             "block from its input).")
     seed: int = setting(1337, help="Random seed.")
     # cadence
-    log_every: int = setting(0, help="Steps between metric reports, exactly; 0: paced by "
-                             "--log-seconds. A report is a barrier and waits for Ray's poll of "
-                             "the workers (every 0.5 s): reporting more often stalls training.")
-    log_seconds: float = setting(1.0, help="With --log-every 0: seconds between metric reports; "
-                                 "each report sets the step of the next from the measured step "
-                                 "time (the same on every rank).")
+    log_every: int = setting(0, help="Steps between metrics rows, exactly (1: every step); 0: a "
+                             "row per report. Rows are sent together about every --log-seconds, "
+                             "so metrics.jsonl has every one without a report per row (a barrier "
+                             "that waits for Ray's poll of the workers, every 0.5 s).")
+    log_seconds: float = setting(1.0, help="Seconds between metric reports; each report sets the "
+                                 "step of the next from the measured step time (the same on every "
+                                 "rank).")
     eval_every: int = setting(100, help="Steps between validations.")
     eval_windows: int = setting(256, help="Validation windows (the first ones of the split, the "
                                 "same whatever the worker count); 0: all of them.")
@@ -181,23 +183,34 @@ def _field_types(obj) -> dict[str, Any]:
 
 
 def _coerce(value: Any, tp: Any, key: str, source: str) -> Any:
-    """Convert `value` to type `tp` (a plain type or Optional[...]); raise UserError if it can't be."""
+    """Convert `value` to type `tp` (a plain type or Optional[...]); raise UserError if it can't be.
+    The message shows the value only when it is refused, and only its start (errors.brief)."""
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
             return None
         return _coerce(value, args[0], key, source)
-    bad = UserError(f"{source}: {key} must be {tp.__name__}, got {value!r}")
+    converted = _converted(value, tp)
+    if converted is None:
+        raise UserError(f"{source}: {key} must be {tp.__name__}, got {brief(value)}")
+    if isinstance(converted, float) and not math.isfinite(converted):
+        # `nan <= 0` is False: no later range check would catch it
+        raise UserError(f"{source}: {key} must be a finite number, got {brief(value)}")
+    return converted
+
+
+def _converted(value: Any, tp: Any) -> Any:
+    """`value` as `tp` (bool, int, float or str), or None where it is not one."""
     if tp is bool:
         if isinstance(value, bool):
             return value
         if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
             return value.lower() in ("true", "1", "yes", "on")
-        raise bad
+        return None
     if tp is int:
         if isinstance(value, bool):
-            raise bad
+            return None
         if isinstance(value, int):
             return value
         if isinstance(value, float) and value.is_integer():
@@ -209,27 +222,20 @@ def _coerce(value: Any, tp: Any, key: str, source: str) -> Any:
                 try:
                     f = float(value)
                 except ValueError:
-                    raise bad from None
+                    return None
                 if f.is_integer():
                     return int(f)
-        raise bad
+        return None
     if tp is float:
         if isinstance(value, bool):
-            raise bad
+            return None
         try:  # a number, or its text
-            number = float(value) if isinstance(value, (int, float, str)) else None
+            return float(value) if isinstance(value, (int, float, str)) else None
         except (ValueError, OverflowError):
-            number = None
-        if number is None:
-            raise bad
-        if not math.isfinite(number):  # `nan <= 0` is False: no later range check would catch it
-            raise UserError(f"{source}: {key} must be a finite number, got {value!r}")
-        return number
+            return None
     if tp is str:
-        if isinstance(value, str):
-            return value
-        raise bad
-    raise bad
+        return value if isinstance(value, str) else None
+    return None
 
 
 def apply_overrides(cfg: Any, overrides: dict[str, Any], source: str, prefix: str = "") -> None:

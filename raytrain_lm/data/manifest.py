@@ -22,10 +22,13 @@ import pyarrow.fs as pafs
 from raytrain_lm.config.checks import MAX_VOCAB, is_plain_name
 from raytrain_lm.data.tokenizer import byte_tokenizer_json, check_spec, tokenizer_from_spec
 from raytrain_lm.errors import UserError
+from raytrain_lm.store import untrusted
+from raytrain_lm.store.digest import sha256_file
 from raytrain_lm.store.files import MANIFEST, REMOTE_SOURCE
-from raytrain_lm.store.storage import is_remote, open_uri, sha256_file
+from raytrain_lm.store.storage import is_remote, open_uri
 
 TOKENS_FORMAT = "raytrain-lm-tokens/1"
+MAX_MANIFEST_BYTES = 64 << 20  # ~150 bytes a shard: 400,000 shards
 SPLITS = ("train", "val")
 
 
@@ -79,8 +82,8 @@ def load_manifest(data: str | Path, verify: bool = False) -> dict:
     if not (d / MANIFEST).is_file():
         raise UserError(f"{d} is not a prepared dataset (no {MANIFEST}); "
                         f"create one with `python cli.py prepare --out {d}`")
-    try:
-        manifest = json.loads((d / MANIFEST).read_text())
+    try:  # a regular file of a bounded size: not a symlink to /proc/self/pagemap, read forever
+        manifest = json.loads(untrusted.read_bytes(d / MANIFEST, MAX_MANIFEST_BYTES))
     except RecursionError:
         raise UserError(f"{d} is not a valid dataset: {MANIFEST} is nested too deeply") from None
     except (OSError, ValueError) as e:

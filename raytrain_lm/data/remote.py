@@ -28,8 +28,9 @@ from typing import Iterator
 from raytrain_lm import env
 from raytrain_lm.data.manifest import dataset_files, load_manifest
 from raytrain_lm.errors import UserError
+from raytrain_lm.store.digest import sha256_file
 from raytrain_lm.store.files import MANIFEST, REMOTE_SOURCE, TOKENIZER
-from raytrain_lm.store.storage import open_uri, sha256_file, staged_folder
+from raytrain_lm.store.storage import open_uri, staged_folder
 
 DEFAULT_CACHE_GB = 100.0
 

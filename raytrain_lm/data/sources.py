@@ -269,7 +269,12 @@ def _plan_parquet(path: str, text_field: str) -> list[Unit]:
     if text_field not in names:
         raise UserError(f"{path}: no column {text_field!r} (columns: {', '.join(names)}); "
                         f"use --text-column")
+    if names.count(text_field) > 1:
+        raise UserError(f"{path}: {names.count(text_field)} columns are named {text_field!r}; "
+                        f"a column of text needs a name of its own")
     kind = meta.schema.to_arrow_schema().field(text_field).type
+    if pa.types.is_dictionary(kind):  # what pandas writes for a categorical: text, encoded
+        kind = kind.value_type
     if not any(is_text(kind) for is_text in (pa.types.is_string, pa.types.is_large_string,
                                                pa.types.is_string_view)):
         raise UserError(f"{path}: column {text_field!r} holds {kind}, not text; use --text-column "

@@ -171,6 +171,8 @@ class BPETokenizer(Tokenizer):
         # writer may place that token. (A runtime flag: tokenizer.json does not store it.)
         self._tok.encode_special_tokens = True
         vocab = self._tok.get_vocab(with_added_tokens=True)
+        if not vocab:
+            raise UserError(f"{self.path} has an empty vocabulary: no token to write text with")
         if max(vocab.values()) >= MAX_VOCAB:  # before tables sized by the largest id are made
             raise UserError(f"{self.path} has a token id of {max(vocab.values()):,}; ids must be "
                             f"below {MAX_VOCAB:,} (the most tokens a vocabulary may have)")

@@ -150,6 +150,20 @@ class Family:
         without sequence parallelism, divided by tp), for ac none, selective or op."""
         raise NotImplementedError
 
+    def fused_mlp_unsaved(self, m: ModelConfig) -> float:
+        """Activation elements per token (units of the width) a fused MLP does not save: the
+        activation's output, recomputed from its input in backward (torch.compile's partitioner
+        recomputes pointwise ops rather than saving them)."""
+        raise NotImplementedError
+
+    def kernel_bytes(self, m: ModelConfig, kernels: str) -> tuple[tuple[float, float], tuple[float, float]]:
+        """((forward, backward) elements per token of a layer's memory-bound kernels that stay
+        whole on every tp rank without sequence parallelism, (forward, backward) that divide by
+        tp), counted per implementation (plan/kernels.py): "fused" or "eager". A norm over h reads
+        h and writes h forward, reads x and dy and writes dx backward; a residual add reads two
+        and writes one, and its gradient the same in backward."""
+        raise NotImplementedError
+
 
 def positive_settings(m: ModelConfig, keys: tuple[str, ...]) -> None:
     """Each of `keys` (ModelConfig fields a family reads) is unset or positive."""

@@ -3,7 +3,7 @@ torch.distributed), from the run's Layout (config/layout.py) and its family's te
 plan (models/); worker/step.py runs what it builds.
 
 `parallelize(cfg, device)` returns `Built`: the parts, the modules to call, the pipeline schedule
-and what running it needs. Replicated layouts (no tp, no pp, ddp or zero1) wrap a whole model in
+and what running it needs. Replicated layouts (no tp, no pp, ddp) wrap a whole model in
 DDP through Ray Train's `prepare_model`; the others are built on the meta device, split into
 stages, tensor-parallelized, sharded or replicated over dp, and only then materialised, each rank
 filling its own shards with the single-process build's values (docs/parallelism.md).

@@ -6,6 +6,10 @@ import contextlib
 
 import torch
 
+# gradient_as_bucket_view: gradients live inside DDP's all-reduce buckets, saving one copy;
+# broadcast_buffers off: the model's buffers (rotary tables, causal masks) never change.
+DDP_KWARGS = {"gradient_as_bucket_view": True, "broadcast_buffers": False}
+
 
 def replicate(model: torch.nn.Module, compile: bool, wrap=None) -> torch.nn.Module:
     """The DDP-wrapped module to train, compiled after wrapping if asked: compiling the DDP module
@@ -20,18 +24,18 @@ def replicate(model: torch.nn.Module, compile: bool, wrap=None) -> torch.nn.Modu
 def _prepare_model(model: torch.nn.Module) -> torch.nn.Module:
     import ray.train.torch
 
-    # gradient_as_bucket_view: gradients live inside DDP's all-reduce buckets, saving one copy.
-    return ray.train.torch.prepare_model(
-        model, parallel_strategy="ddp",
-        parallel_strategy_kwargs={"gradient_as_bucket_view": True, "broadcast_buffers": False},
-    )
+    return ray.train.torch.prepare_model(model, parallel_strategy="ddp",
+                                         parallel_strategy_kwargs=DDP_KWARGS)
 
 
-def no_sync(model: torch.nn.Module, sync: bool):
+def no_sync(model: torch.nn.Module, sync: bool, keep_gathered: bool = False):
     """Skip the gradient all-reduce (DDP) or reduce-scatter (FSDP) on the non-final micro-steps of
-    gradient accumulation."""
+    gradient accumulation. `keep_gathered` (ZeRO-1): FSDP2 keeps the parameters gathered after
+    those micro-steps' backward too, so a step gathers them once, whatever its micro-steps."""
     if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
         model.set_requires_gradient_sync(sync)
+        if keep_gathered:
+            model.set_reshard_after_backward(sync)
         return contextlib.nullcontext()
     if not sync and hasattr(model, "no_sync"):  # DDP
         return model.no_sync()

@@ -18,28 +18,37 @@ warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a vi
 
 def apply_dp(part: nn.Module, dp_mesh, layout: Layout, dtype: Optional[torch.dtype],
              compile: bool = False, pipelined: bool = False, force: bool = False) -> nn.Module:
-    """Shard (fsdp) or replicate (ddp) a model part over the "dp" mesh dim, in place, before its
-    parameters are materialised. Both compose with tensor parallelism (the parameters are
+    """Shard (zero1, zero2, fsdp) or replicate (ddp) a model part over the "dp" mesh dim, in
+    place, before its parameters are materialised, one group per block, then the part's root
+    (embeddings, final norm and the tied head: a shared parameter lives in one group), so each
+    block's gradients are reduced as soon as its backward is done, while the backward of the
+    blocks before it still runs. Both compose with tensor parallelism (the parameters are
     already DTensors on the tp dim) and with pipeline stages:
-      fsdp: FSDP2 `fully_shard`, one group per block, then the part's root (embeddings, final
-            norm and the tied head share one group: a shared parameter lives in one group);
+      fsdp:  FSDP2 `fully_shard` (ZeRO-3): parameters gathered in forward, freed, gathered again
+             in backward; gradients reduce-scattered;
       zero2: the same with reshard_after_forward=False: each group's parameters are gathered
-            once per micro-step and stay gathered until its backward (ZeRO-2's full parameters
-            during the step, sharded gradients and optimizer states; resharded after backward);
-      ddp:  the FSDP2-based `replicate` (unlike nn.parallel.DistributedDataParallel it takes
-            DTensor parameters, and a pipeline stage knows to all-reduce its gradients after the
-            last microbatch only). Plain DDP without tp or pp goes through Ray (parallel/ddp.py).
-    Both average the gradients over dp, so dp-sharded batches give the whole batch's gradient."""
+             once per micro-step and stay gathered until its backward;
+      zero1: as zero2, and kept gathered through a step's micro-steps too (ddp.no_sync):
+             ZeRO-1 as published, a reduce-scatter of the gradients and a gather of the updated
+             parameters, the bytes of one all-reduce; AdamW's states and the fp32 parameters
+             live sharded between steps;
+      ddp:   the FSDP2-based `replicate` (unlike nn.parallel.DistributedDataParallel it takes
+             DTensor parameters, and a pipeline stage knows to all-reduce its gradients after the
+             last microbatch only): one all-reduce per group. Plain DDP without tp or pp goes
+             through Ray (parallel/ddp.py).
+    All average the gradients over dp, so dp-sharded batches give the whole batch's gradient."""
     if dp_mesh.size() == 1 and not force:  # (force: fully_shard on one rank, for checks)
         return part
     if not layout.by_fsdp:
         from torch.distributed._composable.replicate_with_fsdp import replicate
 
+        for block in blocks(part):
+            replicate(block, mesh=dp_mesh)
         replicate(part, mesh=dp_mesh)
         return part
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    # Pipelined: kept gathered (each microbatch would re-gather otherwise); zero2: kept to backward.
+    # Pipelined: kept gathered (each microbatch would re-gather otherwise); zero1/2: to backward.
     kwargs = {"mesh": dp_mesh, "reshard_after_forward": not pipelined and not layout.keeps_gathered}
     if dtype is not None:
         # Gather parameters and compute in `dtype`; reduce gradients in fp32 for accuracy. The

@@ -68,6 +68,15 @@ def match_world_timeout(group) -> None:
         dist.distributed_c10d._set_pg_timeout(timeout, group)
 
 
+def all_gather_rows(t: torch.Tensor) -> torch.Tensor:
+    """Every worker's 1-D `t`, one row each: (world, len(t)); one row in a single process."""
+    if not is_distributed():
+        return t.unsqueeze(0)
+    out = torch.empty(dist.get_world_size() * t.numel(), dtype=t.dtype, device=t.device)
+    dist.all_gather_into_tensor(out, t)  # (gloo takes a flat output only)
+    return out.view(-1, t.numel())
+
+
 def all_reduce(t: torch.Tensor, op: str = "sum", group=None) -> torch.Tensor:
     """In place over every worker (or `group`); nothing to do in a single process. Returns `t`."""
     if is_distributed():

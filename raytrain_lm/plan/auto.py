@@ -11,11 +11,14 @@ from raytrain_lm.config.layout import Layout
 from raytrain_lm.errors import UserError
 from raytrain_lm.plan.estimate import Estimate, plan
 from raytrain_lm.plan.hardware import GIB, Cluster
+from raytrain_lm.plan.kinds import DEFAULT_KIND, kind_cluster, kind_of_label
 from raytrain_lm.plan.printout import reason, recommendation
 
 
-def auto_cluster(cfg, gpus_per_node: Optional[int], memory_gb: Optional[float]) -> Cluster:
-    """The cluster --layout auto plans for: --workers GPUs (CPU workers without --use-gpu),
+def auto_cluster(cfg, gpus_per_node: Optional[int], memory_gb: Optional[float],
+                 kind: Optional[str] = None) -> Cluster:
+    """The cluster --layout auto plans for: --workers GPUs (CPU workers without --use-gpu) of
+    `kind` (the GPU Ray reports, cluster_kind; its rates and links; the H100 SXM's when unknown),
     `gpus_per_node` of them per node (at most all of them; a count that does not divide the
     workers is taken as its largest divisor that does), `memory_gb` GiB each."""
     if memory_gb is None:
@@ -23,8 +26,15 @@ def auto_cluster(cfg, gpus_per_node: Optional[int], memory_gb: Optional[float]) 
                         "it; pass --gpu-memory-gb (GiB, as cards are sold)")
     per_node = min(gpus_per_node or cfg.workers, cfg.workers)
     per_node = math.gcd(per_node, cfg.workers)
-    return Cluster(gpus=cfg.workers, gpus_per_node=per_node, memory_gb=memory_gb,
-                   gpu=cfg.use_gpu, precision=cfg.precision)
+    return kind_cluster(kind or DEFAULT_KIND, cfg.workers, gpus_per_node=per_node, memory_gb=memory_gb,
+                        gpu=cfg.use_gpu, precision=cfg.precision)
+
+
+def cluster_kind(nodes: list[dict], memory_gb: Optional[float]) -> Optional[str]:
+    """The GPU kind of Ray's live nodes' accelerator label (None: none, several, or unknown)."""
+    labels = {key.split(":", 1)[1] for n in nodes if n.get("Alive", True)
+              for key in n.get("Resources", {}) if key.startswith("accelerator_type:")}
+    return kind_of_label(labels.pop(), memory_gb) if len(labels) == 1 else None
 
 
 def trainable(cfg, lay: Layout) -> bool:

@@ -39,26 +39,34 @@ class Comm:
 
 def dp_comm(p: dict[str, float], lay: Layout, cl: Cluster, stages: list[StageShape]) -> tuple[float, float]:
     """(gathers, gradient reduction) of the data-parallel dimension: ddp all-reduces the fp32
-    gradients; zero1 too, then each rank broadcasts the fp32 parameters it updated (an
-    all-gather's volume); zero2 gathers the parameters once per micro-step (kept through
-    backward); fsdp gathers the blocks in forward and again in backward; both reduce-scatter the
-    fp32 gradients once per step. Pipelined, FSDP2 gathers once per step."""
+    gradients; zero1 gathers the parameters once per step (kept through its micro-steps), zero2
+    once per micro-step (kept through backward); fsdp gathers the blocks in forward and again in
+    backward; all three reduce-scatter the fp32 gradients once per step (FSDP2, fsdp.apply_dp),
+    or each micro-step under Cluster.accumulate "reduce_scatter".
+    Pipelined, FSDP2 gathers once per step. A framework's ZeRO-1 on whole replicas
+    (Cluster.zero1) reduces the gradients its way and all-gathers the updated parameters in the
+    compute dtype, once per step."""
     held = held_params(p, stages)
     if lay.dp == 1:
         return 0.0, 0.0
     g = cl.reduce_bytes
-    if not lay.sharded:  # DDP's all-reduce; a sharded optimizer broadcasts what it updated
-        params = ring_bytes("all_gather", lay.dp, 4 * held) if lay.broadcasts_params else 0.0
-        return params, ring_bytes("all_reduce", lay.dp, g * held)
-    if lay.pp > 1:
+    if not lay.sharded:  # DDP's all-reduce
+        return 0.0, ring_bytes("all_reduce", lay.dp, g * held)
+    if not cl.shards_params(lay):
+        return (ring_bytes("all_gather", lay.dp, cl.act_bytes * held),
+                ring_bytes(cl.zero1, lay.dp, g * held))
+    if lay.pp > 1 or lay.gathers_once:
         gathered = held  # once, kept for every microbatch
     elif lay.keeps_gathered:
         gathered = lay.microbatches * held
     else:  # each micro-step: blocks in forward and again in backward, the root stays gathered
         root = root_params(p, stages)
         gathered = lay.microbatches * (2 * (held - root) + root)
+    # gradients reduce-scattered once per step, or every micro-step where the framework does not
+    # hold them unsharded between micro-steps (Cluster.accumulate)
+    reductions = lay.microbatches if lay.pp == 1 and cl.accumulate == "reduce_scatter" else 1
     return (ring_bytes("all_gather", lay.dp, cl.act_bytes * gathered),
-            ring_bytes("reduce_scatter", lay.dp, g * held))
+            reductions * ring_bytes("reduce_scatter", lay.dp, g * held))
 
 
 def tp_comm(m: ModelConfig, lay: Layout, cl: Cluster, stages: list[StageShape]) -> float:
@@ -76,11 +84,20 @@ def tp_comm(m: ModelConfig, lay: Layout, cl: Cluster, stages: list[StageShape]) 
     return calls * ring_bytes("all_reduce", lay.tp, size)
 
 
+def tp_backward_share(lay: Layout) -> float:
+    """The share of a layer's tp collectives that run in backward (2 of 4, or of 5 or 6 with
+    recomputation): what a framework overlapping them with the weight gradients hides."""
+    again = 0 if lay.ac == "none" else 1
+    return 2 / (4 + again)
+
+
 def pp_send_bytes(m: ModelConfig, lay: Layout, cl: Cluster) -> float:
     """One microbatch's activation (or its gradient) crossing one stage boundary, as each tp rank
     sends it: (b, seq, width) in the activation dtype; with sequence parallelism each tp rank
-    holds and sends its part of the sequence, otherwise every tp rank sends a full copy."""
-    return lay.micro_batch * lay.seq_len * m.n_embd * cl.act_bytes / (lay.tp if lay.sp else 1)
+    holds and sends its part of the sequence, and so does Megatron-LM's scatter/gather
+    (Cluster.pp_scatter_gather); otherwise every tp rank sends a full copy."""
+    split = lay.sp or cl.pp_scatter_gather
+    return lay.micro_batch * lay.seq_len * m.n_embd * cl.act_bytes / (lay.tp if split else 1)
 
 
 def pp_comm(m: ModelConfig, p: dict[str, float], lay: Layout, cl: Cluster,
@@ -92,7 +109,7 @@ def pp_comm(m: ModelConfig, p: dict[str, float], lay: Layout, cl: Cluster,
     out, tied_bytes = lay.microbatches * sends * pp_send_bytes(m, lay, cl), 0.0
     tied = p.get("head") is None  # GPT: the tied embedding's gradient, summed over first + last
     if tied and any(st.first or st.last for st in stages):
-        tied_bytes = ring_bytes("all_reduce", 2, 4 * p["wte"] / lay.param_shards)
+        tied_bytes = ring_bytes("all_reduce", 2, 4 * p["wte"] / cl.param_shards(lay))
     return out + tied_bytes, tied_bytes
 
 

@@ -6,16 +6,17 @@ import math
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
-from raytrain_lm.config.checks import PRECISIONS
+from raytrain_lm.config.checks import MAX_COUNT, PRECISIONS
 from raytrain_lm.config.layout import AC_MODES, PP_SCHEDULES, STRATEGIES, Layout
 from raytrain_lm.errors import UserError
 from raytrain_lm.models import family, flops_per_token
 from raytrain_lm.models.family import ModelConfig
-from raytrain_lm.plan.comm import Comm, pp_send_bytes, rank_comm
-from raytrain_lm.plan.efficiency import compute_efficiency
+from raytrain_lm.plan import network
+from raytrain_lm.plan.comm import Comm, pp_send_bytes, rank_comm, tp_backward_share
 from raytrain_lm.plan.hardware import GPUS_PER_NODE, Cluster
+from raytrain_lm.plan.kernels import rank_compute_seconds
 from raytrain_lm.plan.memory import MemoryPlan, rank_memory
-from raytrain_lm.plan.stages import StageShape, candidate_ranks, rank_stages
+from raytrain_lm.plan.stages import StageShape, candidate_ranks, held_params, rank_stages
 
 
 def recompute_flops_per_token(m: ModelConfig, ac: str, seq_len: int,
@@ -69,7 +70,8 @@ class Estimate:
     step_s: float
     mfu: float
     fits: bool
-    efficiency: float = 0.0  # of the peak, reached by the matmuls (efficiency.py)
+    reserved: float = 0.0  # bytes the caching allocator holds at the peak (memory.total x the allocator factor)
+    compute_parts: Optional[dict] = None  # the slowest rank's compute by part (kernels.py), seconds
 
     @property
     def bubble_s(self) -> float:
@@ -92,23 +94,28 @@ def rank_step(lay: Layout, cl: Cluster, comm: Comm, compute: float, idle: float,
       gradient all-reduce after the last microbatch (in comm.pp beyond the sends).
     - dp without a pipeline: gathers and gradient reductions overlap the compute (FSDP2
       prefetches its gathers, DDP and FSDP2 reduce buckets or blocks during backward), up to the
-      compute time; zero1's parameter broadcast follows the optimizer step: all of it. With a
-      pipeline the gathers overlap, the reductions (after the last microbatch) do not; nor do
-      they where the framework reduces after backward (Cluster.overlap_reduce False)."""
-    t_tp = comm.tp / cl.bandwidth(lay.blocks["tp"])
-    bw_pp = cl.bandwidth(lay.blocks["pp"])
+      compute time (zero1 is FSDP2's: its one gather a step is prefetched). With a pipeline the
+      gathers overlap, the reductions (after the last microbatch) do not; nor do they where the
+      framework reduces after backward (Cluster.overlap_reduce False).
+    - a framework's ZeRO-1 on whole replicas (Cluster.zero1): the gradients are reduced after
+      backward and the updated parameters gathered after the optimizer step, nothing to overlap
+      either with: all of both."""
+    t_tp = comm.tp / network.bandwidth(cl, lay, "tp")
+    if cl.tp_overlap_backward:
+        t_tp *= 1 - tp_backward_share(lay)
+    bw_pp = network.bandwidth(cl, lay, "pp")
     t_pp = 0.0
     if lay.pp > 1:
         chain = 2 * (lay.v * lay.pp - 1) * send_s
         sends = (comm.pp - comm.pp_tied) / bw_pp
         hidden = max(0.0, sends - chain - compute) if cl.overlap_pp else sends - chain
         t_pp = chain + hidden + comm.pp_tied / bw_pp
-    gather = comm.dp_gather / cl.bandwidth(lay.blocks["dp"])
-    reduce = comm.dp_reduce / cl.bandwidth(lay.blocks["dp"])
-    if not cl.overlap_reduce:
-        exposed = reduce + (gather if lay.broadcasts_params else max(0.0, gather - compute))
-    elif lay.broadcasts_params:
-        exposed = gather + max(0.0, reduce - compute)
+    bw_dp = network.bandwidth(cl, lay, "dp")
+    gather, reduce = comm.dp_gather / bw_dp, comm.dp_reduce / bw_dp
+    if lay.sharded and not cl.shards_params(lay):
+        exposed = gather + reduce
+    elif not cl.overlap_reduce:
+        exposed = reduce + max(0.0, gather - compute)
     elif lay.pp > 1:
         exposed = max(0.0, gather - compute) + reduce
     else:
@@ -116,36 +123,50 @@ def rank_step(lay: Layout, cl: Cluster, comm: Comm, compute: float, idle: float,
     return t_tp, t_pp, exposed, (compute + t_tp) / (1 - idle) + t_pp + exposed
 
 
-def estimate_layout(m: ModelConfig, lay: Layout, cl: Cluster) -> Estimate:
+def estimate_layout(m: ModelConfig, lay: Layout, cl: Cluster, time_unfit: bool = True) -> Estimate:
+    """The layout's memory and step time (`time_unfit` False: a layout that does not fit gets no
+    step time, infinite, which spares the search of layouts that only need the fitting ones)."""
+    from raytrain_lm.plan.calibration import constant
+
     ranks = rank_stages(m, lay.pp, lay.v)
     candidates = candidate_ranks(ranks)
     memory = max((rank_memory(m, lay, cl, ranks[r], r) for r in candidates), key=lambda x: x.total)
+    reserved = memory.total * (constant("allocator") if cl.gpu else 1.0)
+    if not time_unfit and reserved > cl.budget:
+        return Estimate(layout=lay, memory=memory, comm=Comm(), compute_s=math.inf, bubble=0.0,
+                        tp_s=0.0, pp_s=0.0, dp_exposed_s=0.0, step_s=math.inf, mfu=0.0, fits=False,
+                        reserved=reserved)
     tokens = lay.dp * lay.sequences * lay.seq_len
     model_flops = flops_per_token(m, lay.seq_len) * tokens
-    eff = compute_efficiency(m, lay.micro_batch, lay.seq_len, lay.tp, cl.peak_fraction,
-                             cl.efficiency)
     replica_tokens = lay.sequences * lay.seq_len  # one pipeline replica's, split over its tp ranks
     idle = bubble(lay.pp, lay.microbatches, lay.v) if lay.pp > 1 else 0.0
-    send_s = pp_send_bytes(m, lay, cl) / cl.bandwidth(lay.blocks["pp"]) if lay.pp > 1 else 0.0
+    send_s = pp_send_bytes(m, lay, cl) / network.bandwidth(cl, lay, "pp") if lay.pp > 1 else 0.0
+    p = family(m).tp_counts(m, lay.tp)
     slowest = None
     for r in candidates:
-        work = stage_flops_per_token(m, ranks[r], lay.ac, lay.seq_len, cl.recompute_early_stop)
-        compute = work * replica_tokens / (lay.tp * cl.tflops * 1e12 * eff)
+        if cl.efficiency is not None:  # --compute-efficiency: the step's FLOPs at a constant rate
+            work = stage_flops_per_token(m, ranks[r], lay.ac, lay.seq_len, cl.recompute_early_stop)
+            parts = {"total": work * replica_tokens / (lay.tp * cl.tflops * 1e12 * cl.efficiency)}
+        else:
+            parts = rank_compute_seconds(m, lay, cl, ranks[r],
+                                         held_params(p, ranks[r]) / lay.optimizer_shards)
         comm = rank_comm(m, lay, cl, ranks[r])
-        times = rank_step(lay, cl, comm, compute, idle, send_s)
+        times = rank_step(lay, cl, comm, parts["total"], idle, send_s)
         if slowest is None or times[-1] > slowest[2][-1]:
-            slowest = (comm, compute, times)
-    comm, compute, (t_tp, t_pp, exposed, step) = slowest
-    return Estimate(layout=lay, memory=memory, comm=comm, compute_s=compute, bubble=idle,
+            slowest = (comm, parts, times)
+    comm, parts, (t_tp, t_pp, exposed, step) = slowest
+    return Estimate(layout=lay, memory=memory, comm=comm, compute_s=parts["total"], bubble=idle,
                     tp_s=t_tp, pp_s=t_pp, dp_exposed_s=exposed, step_s=step,
                     mfu=model_flops / (step * lay.gpus * cl.tflops * 1e12),
-                    fits=memory.total <= cl.budget, efficiency=eff)
+                    fits=reserved <= cl.budget, reserved=reserved, compute_parts=parts)
 
 
 # ---------------------------------------------------------------- which layouts
 
 def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """The divisors of n, ascending, found up to its square root."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 def tp_sizes(m: ModelConfig, cl: Cluster) -> list[int]:
@@ -171,11 +192,13 @@ def micro_batches(sequences: int) -> list[int]:
 
 
 def virtual_stage_counts(m: ModelConfig, pp: int, fixed: Optional[int] = None) -> list[int]:
-    """Stages per GPU tried with the interleaved schedule: `fixed` if given, else 2 and every v
-    up to 8 that splits the layers evenly (pp x v stages of n_layer / (pp v) layers)."""
+    """Stages per GPU tried with the interleaved schedule: `fixed` if given, else every v from 2
+    to 8 whose pp x v stages the layers fill. Where they do not divide evenly the extra layers go
+    to the middle stages (config.layout.split_layers: the first and last, which also hold the
+    embedding and the head, are the short ones) and the pipeline runs at its slowest rank's pace."""
     if fixed is not None:
         return [fixed] if pp * fixed <= m.n_layer else []
-    return [v for v in range(2, 9) if pp * v <= m.n_layer and (v == 2 or m.n_layer % (pp * v) == 0)]
+    return [v for v in range(2, 9) if pp * v <= m.n_layer]
 
 
 def structures(m: ModelConfig, cl: Cluster, seq_len: int, tp: Optional[int] = None,
@@ -206,14 +229,17 @@ def structures(m: ModelConfig, cl: Cluster, seq_len: int, tp: Optional[int] = No
                             yield t, p, dp, kind, ac, sp, schedule, v
 
 
-def variants(structure: tuple, global_batch: int, seq_len: int) -> Iterator[Layout]:
+def variants(structure: tuple, global_batch: int, seq_len: int,
+             micro_batch: Optional[int] = None) -> Iterator[Layout]:
     """The micro-batch splits of one structure (check_layout's rules for pipelines): any global
-    batch that dp divides."""
+    batch that dp divides; only `micro_batch` when given (any size that divides S)."""
     t, p, dp, kind, ac, sp, schedule, v = structure
     if global_batch % dp:
         return
     sequences = global_batch // dp
-    for b in micro_batches(sequences):
+    sizes = micro_batches(sequences) if micro_batch is None else \
+        [micro_batch] if sequences % micro_batch == 0 else []
+    for b in sizes:
         n = sequences // b
         if p > 1 and (n < p or (schedule == "interleaved-1f1b" and n % p)):
             continue
@@ -231,7 +257,7 @@ def best_variant(estimates: list[Estimate]) -> Estimate:
     fitting = [e for e in estimates if e.fits]
     if fitting:
         return min(fitting, key=lambda e: (_bucket(e.step_s), -e.layout.micro_batch))
-    return min(estimates, key=lambda e: e.memory.total)
+    return min(estimates, key=lambda e: e.reserved)
 
 
 def rank_key(e: Estimate) -> tuple:
@@ -266,11 +292,14 @@ def check_cluster(cl: Cluster) -> None:
     for name, value in (("--gpus", cl.gpus), ("--gpus-per-node", cl.gpus_per_node)):
         if value < 1:
             raise UserError(f"{name} must be at least 1, got {value}")
+        if value > MAX_COUNT:  # the layouts' search is over the divisors of the GPUs
+            raise UserError(f"{name} must be at most {MAX_COUNT:,}, got {value:,}")
     if cl.gpus > cl.gpus_per_node and cl.gpus % cl.gpus_per_node:
         raise UserError(f"--gpus {cl.gpus} is not a whole number of nodes of --gpus-per-node "
                         f"{cl.gpus_per_node}")
     for name, value in (("--gpu-memory-gb", cl.memory_gb), ("--intra-node-gbps", cl.intra_gbps),
-                        ("--inter-node-gbps", cl.inter_gbps), ("--gpu-tflops", cl.tflops)):
+                        ("--inter-node-gbps", cl.inter_gbps), ("--gpu-tflops", cl.tflops),
+                        ("--hbm-tbps", cl.hbm_tbps)):
         if not 0 < value < math.inf:
             raise UserError(f"{name} must be positive and finite, got {value:g}")
     for name, value in (("--compute-efficiency", cl.efficiency), ("--peak-fraction", cl.peak_fraction)):
@@ -290,8 +319,8 @@ def check_request(m: ModelConfig, cl: Cluster, global_batch: int, seq_len: int,
     if strategy is not None and strategy not in STRATEGIES:
         raise UserError(f"--strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
     if strategy is not None and STRATEGIES[strategy].plain_only and ((tp or 1) > 1 or (pp or 1) > 1):
-        raise UserError(f"--strategy {strategy} works with --tp 1 --pp 1 (it shards DDP's "
-                        f"optimizer); use zero2 or fsdp with --tp/--pp")
+        raise UserError(f"--strategy {strategy} works with --tp 1 --pp 1; use zero2 or fsdp "
+                        f"with --tp/--pp")
     if virtual_stages is not None and virtual_stages < 2:
         raise UserError(f"--virtual-stages must be at least 2 (stages per GPU of "
                         f"interleaved-1f1b), got {virtual_stages}")

@@ -10,7 +10,7 @@ from raytrain_lm.config.settings import TrainConfig
 from raytrain_lm.config.sizes import fit_to_world, worker_counts
 from raytrain_lm.errors import UserError
 from raytrain_lm.plan.estimate import config_cluster, estimate_layout, plan
-from raytrain_lm.plan.hardware import GIB, USABLE_FRACTION
+from raytrain_lm.plan.hardware import GIB
 from raytrain_lm.plan.printout import recommendation
 
 
@@ -31,11 +31,11 @@ def _check_memory_at(cfg: TrainConfig, memory_gb: float) -> None:
     if mine.fits:
         return
     m = mine.memory
-    raise UserError(f"this run needs ~{m.total / GIB:.1f} GiB per worker (model state "
+    raise UserError(f"this run needs ~{mine.reserved / GIB:.1f} GiB per worker (model state "
                     f"{m.model_state / GIB:.1f}, FSDP working set {m.gathered / GIB:.1f}, activations "
-                    f"{m.activations / GIB:.1f}, logits {m.logits / GIB:.1f}) but a worker has "
-                    f"{memory_gb:.0f} GiB ({USABLE_FRACTION:.0%} usable); {_better_layout(cfg, cluster, layout)}; "
-                    f"see `python cli.py plan`, or pass --force")
+                    f"{m.activations / GIB:.1f}, logits {m.logits / GIB:.1f}, with the allocator's "
+                    f"overhead) but a worker has {memory_gb:.0f} GiB ({cluster.budget / GIB:.1f} "
+                    f"usable); {_better_layout(cfg, cluster, layout)}; see `python cli.py plan`, or pass --force")
 
 
 def _better_layout(cfg: TrainConfig, cluster, layout) -> str:
@@ -46,4 +46,4 @@ def _better_layout(cfg: TrainConfig, cluster, layout) -> str:
         best = None
     if best is None:
         return "nothing fits on this many workers: add workers or use a smaller model"
-    return f"try {best.layout.flags()} (~{best.memory.total / GIB:.1f} GiB per worker)"
+    return f"try {best.layout.flags()} (~{best.reserved / GIB:.1f} GiB per worker)"

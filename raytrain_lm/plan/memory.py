@@ -50,6 +50,8 @@ def layer_activation_bytes(m: ModelConfig, lay: Layout, cl: Cluster, ac: str) ->
     if ac == "full":  # the block input, in the run's activation dtype
         return tokens * h * cl.act_bytes / (t if lay.sp else 1)
     whole, split = family(m).activation_split(m, ac)
+    if cl.kernels == "fused" and ac in ("none", "selective"):  # a fused MLP does not save its activation's output
+        split -= family(m).fused_mlp_unsaved(m)
     per_token = (whole + split) / t if lay.sp else whole + split / t
     return tokens * h * per_token * cl.act_bytes
 
@@ -78,6 +80,8 @@ def logits_bytes(m: ModelConfig, lay: Layout, cl: Cluster, stages: list[StageSha
     # log-softmax: the one log_softmax saves) and its backward (that saved output, the gradient
     # nll_loss hands it and the gradient log_softmax returns: three fp32 tensors of the logits'
     # size at once)
+    if cl.loss == "fused":  # the logits and their gradient, written in place, in the compute dtype
+        return elements * 2 * cl.act_bytes * held
     return elements * max(cl.act_bytes + 4 + 4, 4 + 4 + 4) + (held - 1) * elements * 4
 
 
@@ -91,14 +95,17 @@ def gathered_bytes(p: dict[str, float], lay: Layout, cl: Cluster, stages: list[S
       the compute dtype and, with bf16/fp16 compute, its fp32 copy for the reduce-scatter (the
       sharded result is the gradient already counted), plus the head's unsharded gradient (it is
       computed first and reduced with the root group at the end);
-    - zero2 (reshard_after_forward=False), no pipeline: every parameter stays gathered from its
+    - zero1, zero2 (reshard_after_forward=False), no pipeline: every parameter stays gathered from its
       forward to its backward, so all the rank's parameters, plus the same gradients;
     - gradient accumulation (either): also every parameter's unsharded fp32 gradient, which
-      FSDP2 keeps between micro-steps while gradient sync is off (ddp.no_sync);
+      FSDP2 keeps between micro-steps while gradient sync is off (ddp.no_sync); a framework that
+      reduce-scatters every micro-step (Cluster.accumulate "reduce_scatter": FSDP1 under
+      Composer) keeps only the shard, already counted;
     - pipelined (either): the stage's parameters stay gathered (reshard_after_forward=False,
       fsdp.py) and torch.distributed.pipelining accumulates their unsharded fp32 gradients until
-      the last microbatch."""
-    if not lay.sharded:
+      the last microbatch.
+    DDP, and a framework's ZeRO-1 on whole replicas (Cluster.zero1), gather nothing."""
+    if not cl.shards_params(lay):
         return 0.0
     a = cl.act_bytes
     held = held_params(p, stages)
@@ -111,7 +118,7 @@ def gathered_bytes(p: dict[str, float], lay: Layout, cl: Cluster, stages: list[S
         working = (2 * p["block"] + root) * a
     head = (p.get("head") or p["wte"]) if any(st.last for st in stages) else 0.0
     grads = (p["block"] + head) * a + (p["block"] * 4 if a != 4 else 0)
-    if lay.microbatches > 1:  # every unsharded gradient waits for the last micro-step
+    if lay.microbatches > 1 and cl.accumulate == "unsharded":  # every gradient waits, unsharded
         return working + held * 4 + p["block"] * a
     return working + grads
 
@@ -119,9 +126,10 @@ def gathered_bytes(p: dict[str, float], lay: Layout, cl: Cluster, stages: list[S
 def rank_memory(m: ModelConfig, lay: Layout, cl: Cluster, stages: list[StageShape], rank: int) -> MemoryPlan:
     p = family(m).tp_counts(m, lay.tp)
     held = held_params(p, stages)
-    shard = lay.param_shards
-    # fp32 parameters and gradients (divided by dp under FSDP2: zero2 and fsdp shard both at
-    # rest), AdamW's two fp32 moments (divided by dp for all but ddp)
+    shard = cl.param_shards(lay)
+    # fp32 parameters and gradients (divided by dp under FSDP2: zero1, zero2 and fsdp shard both at
+    # rest; not by a framework's ZeRO-1 on whole replicas), AdamW's two fp32 moments (divided by
+    # dp for all but ddp)
     return MemoryPlan(params=4 * held / shard, grads=4 * held / shard,
                       optimizer=8 * held / lay.optimizer_shards,
                       gathered=gathered_bytes(p, lay, cl, stages),

@@ -8,6 +8,7 @@ from typing import Optional
 from raytrain_lm.config.layout import STRATEGIES, Layout
 from raytrain_lm.errors import UserError
 from raytrain_lm.models import family
+from raytrain_lm.plan import network
 from raytrain_lm.plan.estimate import Estimate, estimate_layout, plan
 from raytrain_lm.plan.hardware import GB, GIB, Cluster
 
@@ -74,7 +75,7 @@ def _row(i: int, e: Estimate) -> str:
         pipeline = f"{lay.schedule}{f' x{lay.v}' if lay.v > 1 else ''} {e.bubble:.0%}"
     return (f"{i:>3} {lay.tp:>3} {lay.pp:>3} {lay.dp:>4}  {lay.strategy:<6}{lay.ac:<10}"
             f"{'yes' if lay.sp else 'no':<4}{pipeline:<24}{f'{lay.micro_batch} x {lay.microbatches}':<10}"
-            f"{e.memory.model_state / GIB:>10.1f}{e.memory.total / GIB:>8.1f}{e.step_s:>9.3g}{e.mfu:>6.0%}"
+            f"{e.memory.model_state / GIB:>10.1f}{e.reserved / GIB:>8.1f}{e.step_s:>9.3g}{e.mfu:>6.0%}"
             f"{c.tp / GB:>8.2f}{c.pp / GB:>7.2f}{c.dp / GB:>7.2f}  {'yes' if e.fits else 'no'}")
 
 
@@ -92,10 +93,11 @@ def describe(name: str, n_params: int, global_batch: int, seq_len: int, cl: Clus
     shown = ranked if show_all else ranked[:top]
     lines = [
         *model_memory(name, n_params),
-        f"{cl.gpus} {'GPUs' if cl.gpu else 'workers'}, {cl.node} per node, {cl.memory_gb:g} GiB each "
-        f"({cl.budget / GIB:.1f} usable); global batch {global_batch} x {seq_len} tokens; "
-        f"{cl.tflops:g} TFLOP/s peak x {_efficiency_text(cl)} reached; links {cl.intra_gbps:g} Gb/s in a "
-        f"node, {cl.inter_gbps:g} Gb/s between nodes (per GPU per direction)",
+        f"{cl.gpus} {cl.kind + ' ' if cl.gpu else ''}{'GPUs' if cl.gpu else 'workers'}, {cl.node} per "
+        f"node, {cl.memory_gb:g} GiB each ({cl.budget / GIB:.1f} usable); global batch {global_batch} x "
+        f"{seq_len} tokens; {cl.tflops:g} TFLOP/s peak, {_efficiency_text(cl)}; links "
+        f"{cl.intra_gbps:g} Gb/s per GPU in a node, the node's NICs {cl.inter_gbps * cl.gpus_per_node:g} "
+        f"Gb/s between nodes (per direction)",
         f"{len(shown)} of {len(ranked)} layouts ({fitting} fit; --all or --json for all); b x n: "
         f"micro-batch x micro-batches per step (pipeline microbatches with pp, else accumulation); "
         f"GB sent per GPU per step:",
@@ -106,9 +108,10 @@ def describe(name: str, n_params: int, global_batch: int, seq_len: int, cl: Clus
         lines.append("recommendation: nothing fits; add GPUs, use GPUs with more memory, or lower "
                      "--batch-size / --seq-len")
     else:
-        lines.append(f"recommendation: {best.layout.flags()} (~{best.memory.total / GIB:.1f} GiB per "
+        lines.append(f"recommendation: {best.layout.flags()} (~{best.reserved / GIB:.1f} GiB per "
                      f"GPU, ~{best.step_s:.3g} s per step, ~{best.mfu:.0%} MFU)")
         lines.append(f"why: {reason(best, ranked, cl)}")
+    lines.append(fitted_text(cl))
     lines.append("assumptions and comparisons with published runs: docs/planner.md")
     return "\n".join(lines)
 
@@ -125,11 +128,9 @@ def model_memory(name: str, n_params: int) -> list[str]:
 
 def _efficiency_text(cl: Cluster) -> str:
     if cl.efficiency is not None:
-        return f"{cl.efficiency:g}"
-    from raytrain_lm.plan.efficiency import DEFAULT_GPU, PEAK_FRACTION
-
-    ceiling = PEAK_FRACTION[DEFAULT_GPU] if cl.peak_fraction is None else cl.peak_fraction
-    return f"up to {ceiling:g} (by matmul size: plan/efficiency.py)"
+        return f"{cl.efficiency:g} (--compute-efficiency)"
+    return (f"matmuls up to {cl.matmul_ceiling:.3g} (by size), flash attention "
+            f"{cl.attention_fraction:g}, memory-bound kernels at {cl.hbm_tbps:g} TB/s (plan/kernels.py)")
 
 
 def estimate_json(e: Estimate) -> dict:
@@ -141,16 +142,36 @@ def estimate_json(e: Estimate) -> dict:
                         "pp": e.comm.pp / GB},
             "seconds": {"compute": e.compute_s, "tp": e.tp_s, "pp": e.pp_s,
                         "dp_exposed": e.dp_exposed_s, "bubble": e.bubble_s, "step": e.step_s},
-            "bubble": e.bubble, "mfu": e.mfu, "efficiency": e.efficiency}
+            "compute_parts": e.compute_parts, "reserved_gib": e.reserved / GIB,
+            "bubble": e.bubble, "mfu": e.mfu}
 
 
 def report_json(n_params: int, global_batch: int, seq_len: int, cl: Cluster,
                 ranked: list[Estimate]) -> dict:
     best = recommendation(ranked)
     return {"parameters": n_params, "global_batch": global_batch, "seq_len": seq_len,
-            "cluster": asdict(cl), "layouts": [estimate_json(e) for e in ranked],
+            "cluster": asdict(cl), "fitted_constants": fitted_json(cl),
+            "layouts": [estimate_json(e) for e in ranked],
             "recommendation": None if best is None else estimate_json(best),
             "reason": None if best is None else reason(best, ranked, cl)}
+
+
+def fitted_json(cl: Cluster) -> list[dict]:
+    """The fitted constants behind this cluster's estimates, each with its value and rows."""
+    from raytrain_lm.plan.calibration import constants, used_by
+
+    return [{"name": name, "value": constants()[name]["value"], "rows": constants()[name]["rows"]}
+            for name in used_by(cl.kind, memory=cl.gpu) if cl.efficiency is None or name == "allocator"]
+
+
+def fitted_text(cl: Cluster) -> str:
+    """What `plan` says beside its estimates about the constants they rest on."""
+    from raytrain_lm.plan.calibration import describe
+
+    text = describe(cl.kind, memory=cl.gpu)
+    if cl.efficiency is not None:
+        text = "compute at --compute-efficiency (no fitted rate); " + text
+    return f"fitted: {text}; the rest is counted or from datasheets and measurements (docs/planner.md)"
 
 
 def plan_command(cfg, cl: Cluster, tp: Optional[int] = None, pp: Optional[int] = None,
@@ -251,8 +272,8 @@ def explain_text(e: Estimate, rank: int, ranked: list[Estimate], cl: Cluster) ->
     lay, c, mem = e.layout, e.comm, e.memory
 
     def bw(dim: str) -> str:
-        where = "inside a node" if cl.inside(lay.blocks[dim]) else "across nodes"
-        return f"{cl.bandwidth(lay.blocks[dim]) / 1e9:g} GB/s, {where}"
+        where = "inside a node" if network.inside(cl, lay, dim) else "across nodes"
+        return f"{network.bandwidth(cl, lay, dim) / 1e9:.3g} GB/s, {where}"
 
     def line(name: str, seconds: float, note: str) -> str:
         share = seconds / e.step_s if e.step_s else 0.0
@@ -266,9 +287,9 @@ def explain_text(e: Estimate, rank: int, ranked: list[Estimate], cl: Cluster) ->
              + f"; ~{e.mfu:.0%} MFU",
              f"step time {e.step_s:.4g} s:",
              line("compute", e.compute_s, ("the slowest pp rank's" if lay.pp > 1 else "the step's")
-                  + f" FLOPs at {e.efficiency:.3f} of {cl.tflops:g} TFLOP/s"),
-             line("exposed tp", e.tp_s, f"{c.tp / GB:.3g} GB sent per GPU at {bw('tp')}; none "
-                  f"hidden" if lay.tp > 1 else "no tensor parallelism"),
+                  + " work: " + _parts_text(e)),
+             line("exposed tp", e.tp_s, f"{c.tp / GB:.3g} GB sent per GPU at {bw('tp')}"
+                  if lay.tp > 1 else "no tensor parallelism"),
              line("bubble", e.bubble_s, f"{e.bubble:.1%} of a pipelined step idle" if lay.pp > 1
                   else "no pipeline"),
              line("exposed pp", e.pp_s, f"{c.pp / GB:.3g} GB sent per GPU at {bw('pp')}; the "
@@ -276,8 +297,8 @@ def explain_text(e: Estimate, rank: int, ranked: list[Estimate], cl: Cluster) ->
              line("exposed dp", e.dp_exposed_s, f"gathers {c.dp_gather / GB:.3g} GB + "
                   f"reductions {c.dp_reduce / GB:.3g} GB per GPU at {bw('dp')}"
                   if lay.dp > 1 else "no data parallelism"),
-             f"memory per GPU {mem.total / GIB:.2f} GiB of {cl.budget / GIB:.1f} GiB usable "
-             f"(the pipeline rank that needs the most):"]
+             f"memory per GPU {e.reserved / GIB:.2f} GiB reserved ({mem.total / GIB:.2f} GiB "
+             f"allocated) of {cl.budget / GIB:.1f} GiB usable (the pipeline rank that needs the most):"]
     for name, value, note in (
             ("parameters", mem.params, "fp32" + (", sharded over dp" if lay.sharded else "")),
             ("gradients", mem.grads, "fp32" + (", sharded over dp" if lay.sharded else "")),
@@ -289,4 +310,13 @@ def explain_text(e: Estimate, rank: int, ranked: list[Estimate], cl: Cluster) ->
              f"value"),
             ("logits", mem.logits, "last stage")):
         lines.append(f"  {name:<16}{value / GIB:>10.2f} GiB  {note}")
+    lines.append(fitted_text(cl))
     return "\n".join(lines)
+
+
+def _parts_text(e: Estimate) -> str:
+    p = e.compute_parts or {}
+    if "matmul" not in p:
+        return "the FLOPs at --compute-efficiency"
+    return (f"matmuls {p['matmul']:.3g} s, attention {p['attention']:.3g} s, memory-bound kernels "
+            f"and optimizer {p['memory']:.3g} s, over the fitted kernel efficiency")

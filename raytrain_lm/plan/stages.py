@@ -5,6 +5,7 @@ tensor-parallel counts (Family.tp_counts)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from raytrain_lm.config.layout import split_layers
 from raytrain_lm.models.family import ModelConfig
@@ -19,8 +20,13 @@ class StageShape:
 
 def rank_stages(m: ModelConfig, pp: int, v: int) -> list[list[StageShape]]:
     """Each pp rank's stages: stage s on rank s % pp ("loop" placement, parallel/pp.py)."""
+    return _rank_stages(m.n_layer, pp, v)
+
+
+@lru_cache(maxsize=4096)
+def _rank_stages(n_layer: int, pp: int, v: int) -> list[list[StageShape]]:
     n = pp * v
-    sizes = [len(r) for r in split_layers(m.n_layer, n)]
+    sizes = [len(r) for r in split_layers(n_layer, n)]
     return [[StageShape(sizes[s], s == 0, s == n - 1) for s in range(r, n, pp)] for r in range(pp)]
 
 

@@ -10,11 +10,13 @@ import matplotlib
 matplotlib.use("Agg")  # files only: no display needed, safe in headless jobs and tests
 import matplotlib.pyplot as plt  # noqa: E402
 
+from raytrain_lm.results.figure_file import MARK  # noqa: E402
+
 
 def png_bytes(fig) -> bytes:
-    """Render a finished figure to PNG bytes and free it."""
+    """Render a finished figure to PNG bytes, marked as report's (figure_file.MARK), and free it."""
     buf = io.BytesIO()
-    fig.savefig(buf, format="png")
+    fig.savefig(buf, format="png", metadata=dict([MARK]))
     plt.close(fig)
     return buf.getvalue()
 

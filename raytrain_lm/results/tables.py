@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any, Optional
 
 from raytrain_lm.errors import UserError
@@ -83,8 +82,24 @@ TABLE_KEYS = [
 
 def results_table(summary: dict[str, Any]) -> str:
     rows = [(label, _fmt_value(key, summary.get(key))) for key, label in TABLE_KEYS]
+    rows += eval_rows(summary.get("eval") or {})
     width = max(len(label) for label, _ in rows)
     return "\n".join(f"  {label:<{width}}  {value}" for label, value in rows)
+
+
+def eval_rows(evals: dict[str, dict]) -> list[tuple[str, str]]:
+    """`evaluate`'s scores (summary.json's `eval`): one row per task and metric, with its
+    standard error where lm-eval gave one, and the step evaluated."""
+    rows = []
+    for task, metrics in sorted(evals.items()):
+        for name, value in metrics.items():
+            if name == "step" or name.endswith("_stderr") or not isinstance(value, (int, float)):
+                continue
+            err = metrics.get(f"{name}_stderr")
+            text = f"{value:.4f}" + (f" ± {err:.4f}" if isinstance(err, (int, float)) else "")
+            step = metrics.get("step")
+            rows.append((f"{task} {name}", text + (f" (step {step})" if step is not None else "")))
+    return rows
 
 
 def compare_table(summaries: list[dict[str, Any]]) -> str:
@@ -140,28 +155,32 @@ def runs_table(runs: list[dict[str, Any]], paint=lambda text, color: text) -> st
                       paint(cell, STATUS_COLORS.get(raw, "bold")) if i == 1 else cell)
 
 
-def build_report(refs: list[str], storage: str, out: Optional[str] = None) -> dict[str, Any]:
+def build_report(refs: list[str], storage: str, out: Optional[str] = None,
+                 force: bool = False) -> dict[str, Any]:
     """Summaries of the runs `refs` and a PNG of their curves, written into the first run's folder
-    (report.png, or compare.png for several runs) unless `out` is given. Returns
-    {"runs": [summary, ...], "plot": where the PNG went}."""
-    from raytrain_lm.results.plots import plot_runs
+    (report.png, or compare.png for several runs) unless `out` is given (figure_file.py: a new
+    file, or with `force` a figure of report's). Returns {"runs": [summary, ...], "plot": where
+    the PNG went}."""
+    from raytrain_lm.results import figure_file
     from raytrain_lm.store.runs import open_run, summary_of
     from raytrain_lm.store.storage import is_remote, path_error
 
     if out and is_remote(out):  # as a Path it would be a local ./s3:/... file
         raise UserError(f"--out is a local file, not {out}; leave it out to write the PNG into "
                         f"the run's folder (wherever that is)")
+    if out:
+        figure_file.check_out(out, force)
     runs = [open_run(r, storage) for r in refs]
     curves = [(run.name, run.read_jsonl(files.METRICS)) for run in runs]
     empty = [name for name, rows in curves if not rows]
     if empty:
         raise UserError(f"run {empty[0]!r} has no metrics yet (it never logged a step)")
+    from raytrain_lm.results.plots import plot_runs  # matplotlib: ~1 s, not for a refusal
+
     png = plot_runs(curves)
     if out:
         try:
-            os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-            with open(out, "wb") as f:
-                f.write(png)
+            figure_file.write(out, png)
         except OSError as e:
             raise path_error(out, e) from None
         where = out

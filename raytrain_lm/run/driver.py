@@ -4,9 +4,8 @@ this happens is in preflight.py."""
 
 from __future__ import annotations
 
-import threading
 import time
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 from raytrain_lm import env
 from raytrain_lm.cluster.connect import check_reachable, connect_ray, starts_own_ray
@@ -15,11 +14,11 @@ from raytrain_lm.config.inputs import WorkerInputs
 from raytrain_lm.config.settings import TrainConfig
 from raytrain_lm.config.sizes import is_elastic, sizes_line
 from raytrain_lm.errors import RunFailed, UserError, last_line
-from raytrain_lm.plan.auto import auto_cluster, choose_layout, cluster_shape
+from raytrain_lm.plan.auto import auto_cluster, choose_layout, cluster_kind, cluster_shape
 from raytrain_lm.plan.fit import check_memory
 from raytrain_lm.ray_compat.polls import Polls
 from raytrain_lm.run.cpus import OMP_ENV, decide, idle_line, machine_cores, torch_threads
-from raytrain_lm.run.groups import WorkerGroups
+from raytrain_lm.run.follower import Follower, checkpoint_uri
 from raytrain_lm.run.preflight import (
     check_init_from,
     check_resources,
@@ -29,14 +28,12 @@ from raytrain_lm.run.preflight import (
     resume_step,
     worker_memory_gb,
 )
+from raytrain_lm.run.tracked import Figure, close_tracking, open_tracking, trackers_of
 from raytrain_lm.store import files
 from raytrain_lm.store.claims import RunClaim, live_claims
-from raytrain_lm.store.row import MetricsRow
 from raytrain_lm.store.runs import best_val_loss
-from raytrain_lm.store.storage import MetricsLog, RunFolder
-from raytrain_lm.store.summary import build_summary
+from raytrain_lm.store.storage import RunFolder
 
-ROWS_POLL_S = 0.25  # how often the driver takes new rows from the controller (progress lines)
 
 def loop_config(cfg: TrainConfig, init_from: Optional[str] = None, fail_at: Optional[str] = None,
                 force: bool = False) -> WorkerInputs:
@@ -92,18 +89,22 @@ def run_training(
     on_metrics: Optional[Callable[[dict], None]] = None,
     poll_seconds: Optional[float] = None,
     worker_env: Optional[dict[str, str]] = None,
+    track: Optional[list[str]] = None,
+    figure: Optional[Figure] = None,
 ) -> dict:
     """Train `cfg` on a Ray cluster; returns the summary (also written to summary.json).
 
     With `resume`, the run `cfg.name` continues from its latest valid checkpoint (the caller
-    loads the run's saved config: see `saved_config`)."""
+    loads the run's saved config: see `saved_config`), and its tracking runs too. `track`:
+    trackers to send the run to (run/tracked.py), `figure` drawing the curves they keep."""
     t_launch = time.time()
     run = run_folder(cfg, resume)
+    trackers = trackers_of(run, track, resume)
     manifest = prepare_data(cfg, say)
     if resume and (step := resume_step(cfg, run, manifest)) is not None:
         say(f"resuming {cfg.name} from its newest checkpoint, step {step}")
     if init_from:
-        init_from = check_init_from(init_from, cfg, manifest)
+        init_from = check_init_from(init_from, cfg, manifest, say)
     previous = previous_summary(run) if resume else {}
     known = configured_memory_gb(cfg)
     if not force and cfg.layout != "auto":  # before Ray starts when --gpu-memory-gb tells it
@@ -113,13 +114,15 @@ def run_training(
     with RunClaim(run):
         return _launch(cfg, run, t_launch, previous, known, resume=resume,
                        init_from=init_from, verbose=verbose, force=force, say=say,
-                       on_metrics=on_metrics, poll_seconds=poll_seconds, worker_env=worker_env)
+                       on_metrics=on_metrics, poll_seconds=poll_seconds, worker_env=worker_env,
+                       trackers=trackers, figure=figure)
 
 
 def _launch(cfg: TrainConfig, run: RunFolder, t_launch: float, previous: dict,
             known: Optional[float], *, resume: bool, init_from: Optional[str], verbose: bool,
             force: bool, say: Callable[[str], None], on_metrics: Optional[Callable[[dict], None]],
-            poll_seconds: Optional[float], worker_env: Optional[dict[str, str]]) -> dict:
+            poll_seconds: Optional[float], worker_env: Optional[dict[str, str]],
+            trackers: list[str], figure: Optional[Figure]) -> dict:
     """run_training from connecting to Ray on, with the run's folder claimed."""
     # Ray Train and the Ray connection are imported only now: a bad input above fails in a
     # second, not after ~2 s of imports; nor does an address where nothing answers
@@ -148,7 +151,13 @@ def _launch(cfg: TrainConfig, run: RunFolder, t_launch: float, previous: dict,
         say(sizes_line(cfg))
     follower = Follower(cfg, run, t_launch, previous, resume, say, on_metrics)
     follower.write_summary("running")  # kept current: after a crash of this driver it still tells
-    result, error = follower.follow(trainer)
+    follower.tracking = open_tracking(trackers, run, cfg.to_dict(), say, follower.log.rows)
+    try:
+        result, error = follower.follow(trainer)
+    except KeyboardInterrupt:  # Ctrl-C: the tracking runs say so, then the CLI does
+        close_tracking(follower.tracking, follower.write_summary("running"), follower.log.rows,
+                       "killed", figure)
+        raise
 
     checkpoint = checkpoint_uri(run, result.checkpoint.path) if result is not None and result.checkpoint else None
     if checkpoint is None:
@@ -156,6 +165,7 @@ def _launch(cfg: TrainConfig, run: RunFolder, t_launch: float, previous: dict,
     stopped = follower.stopped(checkpoint) if error is None else None
     final = follower.write_summary("failed" if error or stopped else "completed", checkpoint,
                                    _describe(error) if error else stopped)
+    close_tracking(follower.tracking, final, follower.log.rows, final["status"], figure)
     final["run_dir"] = run.display_path()
     if stopped:
         raise RunFailed(stopped)
@@ -197,12 +207,14 @@ def auto_layout(cfg: TrainConfig, say: Callable[[str], None]) -> None:
     and train with it (cfg changed in place; the run's saved config records the choice)."""
     import ray
 
-    per_node, memory = cluster_shape(cfg, ray.nodes(), worker_memory_gb(cfg))
-    best, why = choose_layout(cfg, auto_cluster(cfg, per_node, memory))
+    nodes = ray.nodes()
+    per_node, memory = cluster_shape(cfg, nodes, worker_memory_gb(cfg))
+    kind = cluster_kind(nodes, memory) if cfg.use_gpu else None
+    best, why = choose_layout(cfg, auto_cluster(cfg, per_node, memory, kind))
     best.layout.apply(cfg)
     validate(cfg)
-    say(f"layout auto: {best.layout.flags()} (~{best.memory.total / 2**30:.1f} GiB per worker of "
-        f"{memory:g}); {why}")
+    say(f"layout auto: {best.layout.flags()} (~{best.reserved / 2**30:.1f} GiB per worker of "
+        f"{memory:g}{', ' + kind if kind else ''}); {why}")
 
 
 def run_folder(cfg: TrainConfig, resume: bool) -> RunFolder:
@@ -224,117 +236,6 @@ def run_folder(cfg: TrainConfig, resume: bool) -> RunFolder:
     if not resume:
         run.check_can_create()
     return run
-
-
-class Follower:
-    """Follows a run from the driver: rows from the workers (held by the controller's callback,
-    taken from the controller) go to metrics.jsonl, TensorBoard and the caller's progress
-    display, restarts and resizes to `groups`, and summary.json is rewritten at every
-    checkpoint, failure and resize."""
-
-    def __init__(self, cfg: TrainConfig, run: RunFolder, t_launch: float, previous: dict,
-                 resume: bool, say: Callable[[str], None],
-                 on_metrics: Optional[Callable[[dict], None]]):
-        """`previous`: a resumed run's summary.json so far ({} for a new run)."""
-        self.cfg, self.run, self.t_launch = cfg, run, t_launch
-        self.say, self.on_metrics = say, on_metrics
-        self.nonfinite: Optional[str] = None  # "loss became nan at step N", when it did
-        self.log = MetricsLog(run)
-        last = self.log.rows[-1] if self.log.rows else {}
-        self.groups = WorkerGroups(previous.get("restarts", 0) + (1 if resume else 0),
-                                   previous.get("resizes"), last.get("workers"),
-                                   "resumed by the driver" if resume else None)
-
-    def write_summary(self, status: str, checkpoint: Optional[str] = None,
-                      error: Optional[str] = None) -> dict:
-        out = build_summary(self.cfg, self.log.rows, status, time.time() - self.t_launch,
-                            self.t_launch, checkpoint, error)
-        out["restarts"], out["resizes"] = self.groups.restarts, self.groups.resizes
-        out["best_checkpoint"] = (self.run.display_path(files.BEST_DIR)
-                                  if self.run.exists(files.BEST_DIR) else None)
-        self.run.write_json(files.SUMMARY, out)
-        return out
-
-    def follow(self, trainer):
-        """Run `trainer.fit()` in a thread while taking its rows from the controller (its handle
-        is `trainer.controller` once fit has made it); returns (result, error)."""
-        import ray
-
-        from raytrain_lm.run.tensorboard import TensorBoardLog
-
-        tb = TensorBoardLog(self.run, self.say)  # event files beside metrics.jsonl
-        outcome: dict[str, Any] = {}
-
-        def fit() -> None:
-            try:
-                outcome["result"] = trainer.fit()
-            except BaseException as e:  # reported by the caller, on the main thread
-                outcome["error"] = e
-
-        thread = threading.Thread(target=fit, name="ray-train-fit", daemon=True)
-        thread.start()
-        running = True
-        while running:
-            running = thread.is_alive()  # after fit returns, one last take: the rest of the rows
-            thread.join(timeout=ROWS_POLL_S)
-            controller = getattr(trainer, "controller", None)
-            if controller is None:
-                continue
-            try:
-                rows = ray.get(controller.take_rows.remote())
-            except Exception:  # the controller is gone: nothing more will come
-                break
-            try:
-                for row in rows:
-                    self.take(row, tb)
-            except UserError as e:  # the run's files cannot be kept (a full disk): it stops here
-                tb.close()
-                return None, e
-        thread.join()
-        tb.close()
-        return outcome.get("result"), outcome.get("error")
-
-    def stopped(self, checkpoint: Optional[str]) -> Optional[str]:
-        """Why the workers stopped short (their loss became non-finite) with the last good
-        checkpoint, `checkpoint` (the latest: none is saved after it), in one line; None when
-        they did not."""
-        if self.nonfinite is None:
-            return None
-        return (f"{self.nonfinite}; the last good checkpoint is "
-                f"{checkpoint or 'none (the run saved none before it)'}")
-
-    def take(self, row: MetricsRow, tb) -> None:
-        """One row from the workers (rank 0's): into metrics.jsonl, TensorBoard (`tb`), the
-        progress display; a restart or resize said and recorded."""
-        if row.get("event") == "nonfinite":  # the workers stop after this row (loop.py)
-            self.nonfinite = row["error"]
-            return
-        if row.get("event") == "worker_failure":
-            self.groups.failure(row["error"])
-            self.say(f"worker failure: {row['error']}; restarting from the latest checkpoint")
-            self.write_summary("running")
-            return
-        resized = self.groups.row(row)  # a new worker group: a restart, perhaps a resize
-        if resized:
-            self.say(resized)
-        rows = [*(row.pop("resumed_rows", None) or []), row]  # with the rows Ray may have lost
-        for r in rows:
-            if r.get("checkpoint"):
-                r["checkpoint"] = checkpoint_uri(self.run, r["checkpoint"])
-            self.log.add(r)
-        if self.on_metrics:  # shown once kept in metrics.jsonl; TensorBoard's copy is a convenience
-            self.on_metrics(row)
-        for r in rows:
-            tb.add(r)
-        if row.get("checkpoint") or resized:
-            self.write_summary("running")
-
-
-def checkpoint_uri(run: RunFolder, path: str) -> str:
-    """Where a checkpoint of `run` is, as the user would name it, from its folder name or from
-    Ray's path: a path inside Ray's filesystem, which on object stores lacks the scheme
-    (`bucket/...`, not `s3://bucket/...`)."""
-    return run.display_path(path.rstrip("/").rsplit("/", 1)[-1])
 
 
 def saved_config(storage: str, name: Optional[str]) -> dict:

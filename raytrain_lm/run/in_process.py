@@ -26,14 +26,10 @@ from raytrain_lm.config.sizes import is_elastic
 from raytrain_lm.errors import RunFailed, UserError, last_line
 from raytrain_lm.plan.fit import check_memory
 from raytrain_lm.run.cpus import decide, machine_cores
-from raytrain_lm.run.driver import (
-    Follower,
-    build_trainer,
-    checkpoint_uri,
-    previous_summary,
-    run_folder,
-)
+from raytrain_lm.run.driver import build_trainer, previous_summary, run_folder
+from raytrain_lm.run.follower import Follower, checkpoint_uri
 from raytrain_lm.run.preflight import check_init_from, configured_memory_gb, prepare_data, resume_step
+from raytrain_lm.run.tracked import Figure, close_tracking, open_tracking, trackers_of
 from raytrain_lm.store import files
 from raytrain_lm.store.claims import RunClaim
 from raytrain_lm.store.runs import best_val_loss
@@ -112,10 +108,12 @@ def launch_line(cfg: TrainConfig, ranks: int, local_ranks: int) -> str:
 
 def run_local(cfg: TrainConfig, *, resume: bool = False, init_from: Optional[str] = None,
               force: bool = False, verbose: bool = False, say: Callable[[str], None] = print,
-              on_metrics: Optional[Callable[[dict], None]] = None) -> Optional[dict]:
+              on_metrics: Optional[Callable[[dict], None]] = None,
+              track: Optional[list[str]] = None, figure: Optional[Figure] = None) -> Optional[dict]:
     """Train `cfg` in this process (and its torchrun peers). Returns the summary on rank 0 (also
     in summary.json), None on the other ranks. Without `verbose`, Ray Train's notes to its
-    workers' logs (which a run on Ray shows only with --verbose) stay off the terminal."""
+    workers' logs (which a run on Ray shows only with --verbose) stay off the terminal. `track`,
+    `figure`: rank 0's tracking runs, as in driver.run_training."""
     t_launch = time.time()
     if not verbose:
         quiet_worker_notes()
@@ -128,18 +126,19 @@ def run_local(cfg: TrainConfig, *, resume: bool = False, init_from: Optional[str
         build_trainer(cfg, RunFolder(cfg.storage, cfg.name or "named-by-rank-0"), local=True).fit()
         return None
     run = run_folder(cfg, resume)
+    trackers = trackers_of(run, track, resume)
     say(line)
     manifest = prepare_data(cfg, say)
     if resume and (step := resume_step(cfg, run, manifest)) is not None:
         say(f"resuming {cfg.name} from its newest checkpoint, step {step}")
     if init_from:
-        init_from = check_init_from(init_from, cfg, manifest)
+        init_from = check_init_from(init_from, cfg, manifest, say)
     previous = previous_summary(run) if resume else {}
     if not force:
         check_memory(cfg, configured_memory_gb(cfg))
     with RunClaim(run):
         return _train(cfg, run, t_launch, previous, resume=resume, init_from=init_from,
-                      force=force, say=say, on_metrics=on_metrics)
+                      force=force, say=say, on_metrics=on_metrics, trackers=trackers, figure=figure)
 
 
 class _Rows:
@@ -154,13 +153,15 @@ class _Rows:
 
 def _train(cfg: TrainConfig, run: RunFolder, t_launch: float, previous: dict, *, resume: bool,
            init_from: Optional[str], force: bool, say: Callable[[str], None],
-           on_metrics: Optional[Callable[[dict], None]]) -> dict:
+           on_metrics: Optional[Callable[[dict], None]], trackers: list[str],
+           figure: Optional[Figure]) -> dict:
     from raytrain_lm.ray_compat.callbacks import ForwardMetrics, KeepBest
     from raytrain_lm.run.tensorboard import TensorBoardLog
 
     run.write_json(files.CONFIG, cfg.to_dict())  # for --resume
     follower = Follower(cfg, run, t_launch, previous, resume, say, on_metrics)
     follower.write_summary("running")
+    follower.tracking = open_tracking(trackers, run, cfg.to_dict(), say, follower.log.rows)
     tensorboard = TensorBoardLog(run, say)
     callbacks = [ForwardMetrics(_Rows(follower, tensorboard)),
                  KeepBest(best_val_loss(run) if resume else None)]
@@ -169,6 +170,10 @@ def _train(cfg: TrainConfig, run: RunFolder, t_launch: float, previous: dict, *,
     result, error = None, None
     try:
         result = trainer.fit()
+    except KeyboardInterrupt:  # Ctrl-C: the tracking runs say so, then the CLI does
+        close_tracking(follower.tracking, follower.write_summary("running"), follower.log.rows,
+                       "killed", figure)
+        raise
     except BaseException as e:  # the summary says it failed; the error itself goes on up
         error = e
     finally:
@@ -179,6 +184,7 @@ def _train(cfg: TrainConfig, run: RunFolder, t_launch: float, previous: dict, *,
     stopped = follower.stopped(checkpoint) if error is None else None  # a non-finite loss
     final = follower.write_summary("failed" if error or stopped else "completed", checkpoint,
                                    last_line(error) if error else stopped)
+    close_tracking(follower.tracking, final, follower.log.rows, final["status"], figure)
     final["run_dir"] = run.display_path()
     if error is not None:  # a UserError stays the user's (exit 2); anything else, with its traceback
         raise error

@@ -5,7 +5,6 @@ nothing: the dataset (the built-in corpus is prepared on first use), the model a
 from __future__ import annotations
 
 import datetime as _dt
-import hashlib
 import os
 from pathlib import Path
 from typing import Callable, Optional
@@ -19,8 +18,9 @@ from raytrain_lm.errors import UserError
 from raytrain_lm.models import hf_importer
 from raytrain_lm.models.family import ModelConfig
 from raytrain_lm.plan.gpus import label_memory_gb
+from raytrain_lm.store import untrusted
 from raytrain_lm.store.files import TOKENIZER
-from raytrain_lm.store.hf_folder import is_hf_folder, read_config
+from raytrain_lm.store.hf_folder import check_tensors, is_hf_folder, read_config
 
 
 def ensure_dataset(cfg: TrainConfig, say: Callable[[str], None]) -> dict:
@@ -135,7 +135,7 @@ def resume_step(cfg: TrainConfig, run, manifest: dict) -> Optional[int]:
     return step
 
 
-def check_init_from(path: str, cfg: TrainConfig, manifest: dict) -> str:
+def check_init_from(path: str, cfg: TrainConfig, manifest: dict, say=None) -> str:
     """Validate --init-from against the model and dataset before any worker starts; returns the
     checkpoint folder to load (a run's best checkpoint, else its latest), or a Hugging Face
     folder of a family that imports it (check_hf_init_from)."""
@@ -144,7 +144,7 @@ def check_init_from(path: str, cfg: TrainConfig, manifest: dict) -> str:
     if is_hf_folder(path):
         return check_hf_init_from(path, cfg.model, manifest)
 
-    found = find_checkpoint(path, cfg.storage, best_else_latest=True)
+    found = find_checkpoint(path, cfg.storage, best_else_latest=True, say=say)
     # the tokenizer first: another tokenizer usually means another vocabulary size as well, and
     # it is the cause to name
     check_same_tokenizer(found.meta["tokenizer"], manifest, f"checkpoint {found.source}", cfg.data)
@@ -157,16 +157,20 @@ def check_init_from(path: str, cfg: TrainConfig, manifest: dict) -> str:
 
 
 def check_hf_init_from(folder: str | Path, m: ModelConfig, manifest: dict) -> str:
-    """A Hugging Face folder fits this run: a family imports its model_type, its shape is the
-    model's (each field its config.json fixes, as the model computes it: kv heads as given or
-    n_head, the ffn size by its rule) and its tokenizer.json is, byte for byte, the dataset's.
-    Returns the folder, resolved."""
+    """A Hugging Face folder fits this run: a family imports its model_type, its config.json's
+    every field read is of its type (the family's model_fields), its shape is the model's (each
+    field config.json fixes, as the model computes it: kv heads as given or n_head, the ffn size
+    by its rule), its tokenizer.json is, byte for byte, the dataset's, and its weight files hold
+    exactly the tensors of that model, each of its shape (their headers read: no tensor; every
+    file inside the folder: store/hf_folder.py). Before any worker starts. Returns the folder,
+    resolved."""
     from raytrain_lm.data.manifest import tokenizer_sha256
 
     folder = Path(folder)
     where = f"--init-from {folder}"
     config = read_config(folder)
-    fields = hf_importer(config.get("model_type"), where).model_fields(config, where)
+    adapter = hf_importer(config.get("model_type"), where)
+    fields = adapter.model_fields(config, where)
     ours = {k: {"n_kv_head": m.kv_heads, "ffn_dim": m.hidden_dim}.get(k, getattr(m, k, None))
             for k in fields}
     diff = [k for k in fields if fields[k] != ours[k]]
@@ -175,9 +179,11 @@ def check_hf_init_from(folder: str | Path, m: ModelConfig, manifest: dict) -> st
         sets = " ".join(f"--set model.{k}={fields[k]}" for k in diff)
         raise UserError(f"{where} is another model shape ({theirs}); train with {sets}")
     path = folder / TOKENIZER
-    if not path.is_file() or hashlib.sha256(path.read_bytes()).hexdigest() != tokenizer_sha256(manifest):
+    if not path.is_file() or untrusted.digest(path) != tokenizer_sha256(manifest):
         raise UserError(f"{where}: its tokenizer.json is not the dataset's tokenizer, so its token ids "
                         f"mean other text; prepare the dataset with `prepare --tokenizer {folder}`")
+    shapes, optional = adapter.expected_tensors(config, m, where)
+    check_tensors(folder, shapes, optional, adapter.IGNORED_SUFFIXES, where)
     return str(folder.resolve())
 
 

@@ -1,6 +1,7 @@
 """TensorBoard event files for every run, so `tensorboard --logdir runs` shows every run's curves.
 
-The driver feeds each metrics row (rank 0's, already global) to `TensorBoardLog.add`. Event files
+The driver feeds each metrics row (rank 0's, already global) to `TensorBoardLog.add`; its charted
+metrics are tagged with their chart names (store/row.CHART_NAMES). Event files
 go straight into the run's folder, so TensorBoard names each run after its folder. A row for a step
 already written means the run restarted from a checkpoint: a new event file starts with a purge
 marker at that step, and TensorBoard drops the abandoned points after it, like metrics.jsonl does.
@@ -18,28 +19,8 @@ import tempfile
 import time
 from typing import Callable, Optional
 
-from raytrain_lm.store.row import MetricsRow
+from raytrain_lm.store.row import MetricsRow, chart_values
 from raytrain_lm.store.storage import RunFolder
-
-# metrics key (store/row.MetricsRow) -> TensorBoard tag; the prefix groups the charts.
-TAGS: dict[str, str] = {
-    "loss": "loss/train",
-    "val_loss": "loss/val",
-    "val_ppl": "loss/val_perplexity",
-    "val_bpb": "loss/val_bits_per_byte",
-    "lr": "optim/lr",
-    "grad_norm": "optim/grad_norm",
-    "tokens_per_second": "perf/tokens_per_second",
-    "mfu": "perf/mfu",
-    "step_time": "perf/step_time_s",
-    "data_wait_frac": "perf/data_wait_frac",
-    "peak_mem_gb": "perf/peak_mem_gb",
-    "peak_mem_reserved_gb": "perf/peak_mem_reserved_gb",
-    "tokens": "progress/tokens",
-    "epoch": "progress/epoch",
-    "workers": "progress/workers",
-    "checkpoint_wait_s": "perf/checkpoint_wait_s",
-}
 
 
 class TensorBoardLog:
@@ -63,8 +44,7 @@ class TensorBoardLog:
 
             wall = (row["train_start_unix"] + row["elapsed"]
                     if row.get("train_start_unix") is not None and row.get("elapsed") is not None else None)
-            values = [Summary.Value(tag=tag, simple_value=float(row[key])) for key, tag in TAGS.items()
-                      if isinstance(row.get(key), (int, float)) and not isinstance(row.get(key), bool)]
+            values = [Summary.Value(tag=tag, simple_value=value) for tag, value in chart_values(row).items()]
             self.writer.add_event(Event(wall_time=time.time() if wall is None else wall, step=step,
                                         summary=Summary(value=values)))
             self.writer.flush()  # rows come every few seconds at most: keep the files current

@@ -20,7 +20,6 @@ matches its checksum; the loader skips an invalid one for the one before it.
 from __future__ import annotations
 
 import io
-import json
 import pickle
 import random
 import warnings
@@ -30,16 +29,10 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from raytrain_lm.errors import UserError
-from raytrain_lm.store.files import DCP_DIR, META, STATE, TOKENIZER, rank_record, rng_file
-from raytrain_lm.store.storage import sha256_file
-
-# 2: a global data position (data/sampler.py), RNG states as tensors and plain data (loadable with
-#    weights_only), the validation loss in meta.json.
-# 3: the model's fused q/k/v in head-interleaved order (models/gpt/gpt.py); model and optimizer always in
-#    dcp/ (FQN-keyed, optimizer state flattened), so any layout loads any other.
-VERSION = 3
-
+from raytrain_lm.errors import UserError, brief
+from raytrain_lm.store import untrusted
+from raytrain_lm.store.commit import VERSION, commit, meta_of, read_meta
+from raytrain_lm.store.files import DCP_DIR, STATE, TOKENIZER, rng_file
 
 # A single process (generate, export, the tests) saves and loads without a process group, as meant.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
@@ -145,7 +138,30 @@ def _read_dcp_metadata(folder: Path):
         raise UserError(f"{folder / DCP_DIR}/.metadata is corrupted: {e}") from None
     if getattr(metadata, "storage_meta", None) is None:
         metadata.storage_meta = StorageMeta()
+    _check_storage_data(folder / DCP_DIR, metadata)
     return metadata
+
+
+def _check_storage_data(dcp_dir: Path, metadata) -> None:
+    """Where .metadata says each tensor's bytes are: a file of dcp/ itself (a regular file, no
+    path out of the folder) and a byte range inside it, before dcp.load opens anything."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    where = f"{dcp_dir}/.metadata"
+    sizes: dict[str, int] = {}
+    storage = getattr(metadata, "storage_data", None)
+    if not isinstance(storage, dict):
+        raise UserError(f"{where} is corrupted: no storage data")
+    for info in storage.values():
+        name = getattr(info, "relative_path", None)
+        if not isinstance(info, _StorageInfo) or not isinstance(name, str) or "/" in name:
+            raise UserError(f"{where} is corrupted: it names {brief(name)}, not a file of {dcp_dir}")
+        if name not in sizes:
+            sizes[name] = untrusted.size_of(untrusted.inside(dcp_dir, name, where))
+        offset, length = info.offset, info.length
+        if not (isinstance(offset, int) and isinstance(length, int) and 0 <= offset
+                and 0 <= length and offset + length <= sizes[name]):
+            raise UserError(f"{where} is corrupted: a byte range outside {name}")
 
 
 def _dcp_reader(folder: Path):
@@ -249,20 +265,9 @@ def save_checkpoint(folder: Path, rank: int, step, state: Optional[dict[str, Any
 
 
 def commit_checkpoint(folder: Path, rank: int, state: Optional[dict[str, Any]]) -> list[Path]:
-    """This rank's commit record (the sha256 of every file it wrote) and, on rank 0 (`state`),
-    meta.json. Returns the rank's files in the order to copy them anywhere: its data files, then
-    its record, then meta.json, so a copy cut short lacks a record and never loads."""
-    written = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != META)
-    record = {str(p.relative_to(folder)): sha256_file(p) for p in written}
-    (folder / rank_record(rank)).write_text(json.dumps(record, indent=1))
-    order = [*written, folder / rank_record(rank)]
-    if rank == 0:
-        meta = {"version": VERSION, "step": state["step"], "world_size": state["world_size"],
-                "format": "dcp", "val_loss": state.get("val_loss"),
-                "config": state["config"], "tokenizer": state["tokenizer"]}
-        (folder / META).write_text(json.dumps(meta, indent=2))
-        order.append(folder / META)
-    return order
+    """This rank's commit record and, on rank 0 (`state`), meta.json (commit.py); returns the
+    rank's files in the order to copy them."""
+    return commit(folder, rank, meta_of(state) if rank == 0 else None)
 
 
 def load_state(folder: Path, step, optimizer: bool = True) -> None:
@@ -302,43 +307,6 @@ def load_weights(folder: Path, meta: dict[str, Any], step) -> None:
 # ---------------------------------------------------------------- checking and loading
 
 
-def read_meta(folder: Path) -> dict[str, Any]:
-    """meta.json, after checking that every rank's files are there and match their checksums."""
-    meta_path = folder / META
-    if not meta_path.is_file():
-        raise UserError(f"{folder} is not a complete checkpoint (no {META})")
-    try:
-        meta = json.loads(meta_path.read_bytes())
-        world = meta["world_size"]
-        if not isinstance(world, int) or isinstance(world, bool) or world < 1:
-            raise ValueError(f"world_size {world!r}")
-    except (ValueError, KeyError, TypeError, RecursionError):
-        raise UserError(f"{folder}/{META} is corrupted") from None
-    vouched = {META}
-    for r in range(world):
-        record_path = folder / rank_record(r)
-        if not record_path.is_file():
-            raise UserError(f"{folder} is incomplete (nothing committed by rank {r})")
-        try:
-            record = json.loads(record_path.read_bytes())
-            if not isinstance(record, dict):
-                raise ValueError("not a JSON object")
-        except (ValueError, RecursionError):
-            raise UserError(f"{record_path} is corrupted") from None
-        for rel, digest in record.items():
-            path = folder / rel
-            if not path.is_file() or path.is_symlink() or sha256_file(path) != digest:
-                raise UserError(f"{folder}/{rel} is corrupted (checksum mismatch)")
-        vouched |= {rank_record(r), *record}
-    # Every file is some rank's, checked above: a meta.json that names fewer ranks than wrote the
-    # checkpoint (world_size 0 skipped every check) leaves files no record vouches for.
-    unvouched = sorted(rel for p in folder.rglob("*") if p.is_file()
-                       and (rel := p.relative_to(folder).as_posix()) not in vouched)
-    if unvouched:
-        raise UserError(f"{folder}/{unvouched[0]} is corrupted (no commit record vouches for it)")
-    return meta
-
-
 def _full_state_from_dcp(folder: Path) -> dict[str, Any]:
     """Gather a sharded checkpoint into plain tensors in this one process."""
     return _dcp_load({}, folder, empty=True)
@@ -350,10 +318,12 @@ def load_checkpoint(folder: Path, map_location: str | torch.device = "cpu",
     saved it (so generate/export/--init-from work on FSDP checkpoints in one process). `meta`:
     what read_meta already returned for `folder`, so its checksums are not computed twice."""
     meta = meta or read_meta(folder)
-    state = safe_load(folder / STATE, map_location)
+    state = _read_state(folder, meta, map_location)
     if meta.get("format") == "dcp":
-        state["model"] = _full_state_from_dcp(folder)["model"]
-    model = state["model"]
+        state["model"] = _full_state_from_dcp(folder).get("model")
+    model = state.get("model")
+    if not isinstance(model, dict) or "wte.weight" not in model:
+        raise UserError(f"{folder} is corrupted: it holds no model weights")
     model.setdefault("lm_head.weight", model["wte.weight"])  # tied: one copy may be all there is
     if meta.get("version", 1) < 3:  # GPT-2's [q; k; v] order, from before the GPT interleaved it
         from raytrain_lm.models.gpt.hf_gpt import qkv_gpt2_to_interleaved
@@ -372,6 +342,18 @@ def load_resume_state(folder: Path, meta: dict[str, Any],
         raise UserError(f"{folder} was written by an older raytrain-lm, whose data position this "
                         f"one cannot continue from; start a new run from its weights with "
                         f"--init-from {folder}")
-    state = safe_load(folder / STATE)
+    state = _read_state(folder, meta)
     rng_path = folder / rng_file(rank)
     return state, safe_load(rng_path) if rng_path.is_file() else None
+
+
+def _read_state(folder: Path, meta: dict[str, Any], map_location: str | torch.device = "cpu") -> dict:
+    """state.pt, which must say what meta.json says (commit.check_meta checked that) of the step,
+    the config and the tokenizer: readers take these from state.pt."""
+    state = safe_load(folder / STATE, map_location)
+    if not isinstance(state, dict):
+        raise UserError(f"{folder}/{STATE} is corrupted: not a training state")
+    for key in ("step", "config", "tokenizer"):
+        if key in meta and state.get(key) != meta[key]:
+            raise UserError(f"{folder}/{STATE} is corrupted: its {key} is not meta.json's")
+    return state

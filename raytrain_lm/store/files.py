@@ -7,6 +7,8 @@ dataset's folder. Everything that reads or writes these files takes the names fr
         metrics.jsonl               one line per logged step
         checkpoint_00000200/        a Ray Train checkpoint: state.pt, meta.json, rank*.json, ...
         best_checkpoint/            a copy of the checkpoint with the lowest validation loss
+        tracking.json               the run's MLflow / W&B runs (--track), continued by --resume
+        eval/<task>.json            `evaluate`'s results, one file per task
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ METRICS = "metrics.jsonl"
 CHECKPOINT_PREFIX = "checkpoint_"
 CLAIM_PREFIX = ".claim-"  # a driver's claim on the folder while it runs (storage.RunClaim)
 BEST_DIR = "best_checkpoint"
+TRACKING = "tracking.json"  # {tracker: what continues its tracking run} (track/tracking.py)
+EVAL_DIR = "eval"  # evaluate's results: eval/<task>.json
 
 # ---------------------------------------------------------------- inside a checkpoint
 STATE = "state.pt"  # rank 0: step, data position, config; model and optimizer unless sharded
@@ -44,7 +48,7 @@ def checkpoint_step(name: str) -> Optional[int]:
     if not name.startswith(CHECKPOINT_PREFIX):
         return None
     digits = name[len(CHECKPOINT_PREFIX):]
-    return int(digits) if digits.isdigit() else None
+    return int(digits) if digits.isascii() and digits.isdigit() else None  # not '²': int() refuses it
 
 
 def rank_record(rank: int) -> str:

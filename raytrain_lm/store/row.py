@@ -48,6 +48,7 @@ class MetricsRow(TypedDict, total=False):
     resumed_from_step: Optional[int]
     checkpoint_wait_s: float  # how long training stood still for the previous checkpoint
     resumed_rows: list[dict]  # rows re-sent after a resume (the driver unpacks them)
+    earlier_rows: list[dict]  # the rows made since the previous report (the driver unpacks them)
     # the controller's and the driver's
     checkpoint: str  # the checkpoint this row's step saved (its path, or its name)
     event: str  # "worker_failure": a failed worker group; "nonfinite": the workers stopped
@@ -56,3 +57,31 @@ class MetricsRow(TypedDict, total=False):
 
 
 ROW_KEYS = frozenset(MetricsRow.__annotations__)
+
+# The metrics of a row that charts show, each under one name wherever it is charted (TensorBoard,
+# MLflow, Weights & Biases): metrics key -> chart name; the prefix groups the charts.
+CHART_NAMES: dict[str, str] = {
+    "loss": "loss/train",
+    "val_loss": "loss/val",
+    "val_ppl": "loss/val_perplexity",
+    "val_bpb": "loss/val_bits_per_byte",
+    "lr": "optim/lr",
+    "grad_norm": "optim/grad_norm",
+    "tokens_per_second": "perf/tokens_per_second",
+    "mfu": "perf/mfu",
+    "step_time": "perf/step_time_s",
+    "data_wait_frac": "perf/data_wait_frac",
+    "peak_mem_gb": "perf/peak_mem_gb",
+    "peak_mem_reserved_gb": "perf/peak_mem_reserved_gb",
+    "bubble": "perf/pipeline_bubble",
+    "checkpoint_wait_s": "perf/checkpoint_wait_s",
+    "tokens": "progress/tokens",
+    "epoch": "progress/epoch",
+    "workers": "progress/workers",
+}
+
+
+def chart_values(row: dict) -> dict[str, float]:
+    """The charted metrics of `row` that it has as numbers: chart name -> value."""
+    return {name: float(row[key]) for key, name in CHART_NAMES.items()
+            if isinstance(row.get(key), (int, float)) and not isinstance(row.get(key), bool)}

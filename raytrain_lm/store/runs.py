@@ -110,20 +110,21 @@ def checkpoint_folders(fs: pafs.FileSystem, run_path: str) -> list[tuple[int, st
 
 
 def peek_checkpoint_meta(fs: pafs.FileSystem, path: str) -> Optional[dict]:
-    """A checkpoint's meta.json as written, without checking its files (cheap on object stores);
-    None if it has none or it does not parse."""
-    import json
+    """A checkpoint's meta.json, checked (commit.check_meta) but without checking its files
+    (cheap on object stores); None if it has none, or a damaged one."""
+    from raytrain_lm.store.commit import MAX_META_BYTES, peek_meta
 
     try:
+        if fs.get_file_info(f"{path}/{files.META}").size > MAX_META_BYTES:
+            return None
         with fs.open_input_stream(f"{path}/{files.META}") as f:
-            meta = json.loads(f.read())
-    except (OSError, ValueError, RecursionError):
+            return peek_meta(f.read(MAX_META_BYTES))
+    except (OSError, TypeError):  # TypeError: no size (not a file)
         return None
-    return meta if isinstance(meta, dict) else None
 
 
 def newest_checkpoint_meta(run: RunFolder) -> tuple[Optional[int], Optional[dict]]:
-    """(step, meta.json) of the run's newest checkpoint that has a meta.json ((None, None): no
+    """(step, meta.json) of the run's newest checkpoint with a valid meta.json ((None, None): no
     checkpoint)."""
     for step, path in reversed(checkpoint_folders(run.fs, run.path)):
         meta = peek_checkpoint_meta(run.fs, path)
@@ -164,7 +165,7 @@ class FoundCheckpoint:
 
 def _checked(fs: pafs.FileSystem, path: str, source: str) -> FoundCheckpoint:
     """The checkpoint at `path`, copied locally first when remote; UserError if incomplete."""
-    from raytrain_lm.store.checkpoint_format import read_meta  # torch: not for `runs`, which only lists
+    from raytrain_lm.store.commit import read_meta
 
     tmp = None
     if isinstance(fs, pafs.LocalFileSystem):
@@ -208,10 +209,10 @@ def best_checkpoint(run: RunFolder) -> Optional[FoundCheckpoint]:
 
 
 def find_checkpoint(ref: str, storage: str, best: bool = False,
-                    best_else_latest: bool = False) -> FoundCheckpoint:
+                    best_else_latest: bool = False, say=None) -> FoundCheckpoint:
     """The checkpoint a command loads for `ref`: a checkpoint folder as given; else the run's
     latest, or with `best` its best; `best_else_latest` (--init-from) takes the best if the run
-    has one."""
+    has one. `say`: a line for each newer checkpoint skipped as invalid."""
     path = Path(ref).expanduser()
     if path.is_dir() and (path / files.META).is_file():
         if best:
@@ -227,7 +228,7 @@ def find_checkpoint(ref: str, storage: str, best: bool = False,
         if best:
             raise UserError(f"run {run.name!r} has no {files.BEST_DIR}/ (no checkpoint with a "
                             f"validation loss yet); use the latest (drop --best)")
-    found = latest_checkpoint(run.fs, run.path, run.display_path())
+    found = latest_checkpoint(run.fs, run.path, run.display_path(), say=say)
     if found is None:
         raise UserError(f"run {run.name!r} has no checkpoints (it stopped before its first one)")
     return found

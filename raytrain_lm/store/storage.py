@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import hashlib
 import json
 import os
 import socket
@@ -19,14 +18,6 @@ import pyarrow.fs as pafs
 
 from raytrain_lm.errors import UserError
 from raytrain_lm.store import files
-
-
-def sha256_file(path: str | Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def parse_json(data: bytes | str, where: str) -> Any:
@@ -69,6 +60,9 @@ def is_remote(path) -> bool:
 
 def open_uri(uri: str, what: str = "") -> tuple[pafs.FileSystem, str]:
     """(filesystem, path inside it) of a URI such as s3://bucket/prefix."""
+    if is_remote(uri) and not uri.split("://", 1)[1].strip("/"):  # from_uri takes it: all buckets
+        raise UserError(f"{what + ' ' if what else ''}{uri} names no bucket: give "
+                        f"{uri.split('://', 1)[0]}://BUCKET/PREFIX")
     try:
         fs, path = pafs.FileSystem.from_uri(uri)
     except (pafs.ArrowInvalid, OSError, ValueError) as e:
@@ -262,9 +256,10 @@ class RunFolder:
         disk has no room for the second copy, a file that exists is overwritten in place
         instead (its blocks are already there), so that a run that stops for want of space can
         still say so in its summary.json."""
-        tmp, target = f"{self.path}/.{rel}.tmp-{os.getpid()}", f"{self.path}/{rel}"
+        folder, _, name = f"{self.path}/{rel}".rpartition("/")  # rel may hold folders: eval/x.json
+        tmp, target = f"{folder}/.{name}.tmp-{os.getpid()}", f"{self.path}/{rel}"
         try:
-            self.fs.create_dir(self.path, recursive=True)
+            self.fs.create_dir(folder, recursive=True)
             with self.fs.open_output_stream(tmp) as f:
                 f.write(data)
             self.fs.move(tmp, target)

@@ -31,6 +31,7 @@ from raytrain_lm.run.preflight import check_resources, default_run_name, prepare
 from raytrain_lm.store.claims import RunClaim
 from raytrain_lm.store.files import SWEEP, TRIAL_CONFIG
 from raytrain_lm.store.storage import RunFolder
+from raytrain_lm.track import check_trackers
 from raytrain_lm.tune.space import SearchSpace, nest
 from raytrain_lm.tune.sweep_config import SWEEP_METRICS, SweepSettings
 
@@ -64,7 +65,9 @@ def _forward_to_tune_callback(controllers, trial_id: str):
             fixed = []
             for m in metrics:
                 m = dict(m)
-                m.pop("resumed_rows", None)  # for `train`'s metrics.jsonl; Tune has its own log
+                # for `train`'s metrics.jsonl; Tune has its own log (of the reported rows)
+                m.pop("resumed_rows", None)
+                m.pop("earlier_rows", None)
                 if m.get("event") == "nonfinite":
                     m.update(dict.fromkeys(("loss", *SWEEP_METRICS), DIVERGED), diverged=True)
                 for key in ("loss", *SWEEP_METRICS):
@@ -216,11 +219,13 @@ def run_sweep(
     say: Callable[[str], None] = print,
     live: Optional[Callable[[str], None]] = None,
     live_interval: float = 10.0,
+    track: Optional[list[str]] = None,
 ) -> dict:
     """Run (or, with resume, continue) the sweep `cfg.name` in `cfg.storage`; returns the summary.
+    `track`: trackers that get a run per trial, grouped by the sweep (tune/trial_tracking.py).
 
     For a resume, only cfg.name, cfg.storage and cfg.address are used: the rest comes from the
-    sweep's own sweep.json."""
+    sweep's own sweep.json, its trackers included."""
     if resume:
         if not cfg.name:
             raise UserError("--resume needs --name of the sweep to continue")
@@ -234,6 +239,7 @@ def run_sweep(
         cfg.address = address
         space = SearchSpace.from_json(saved["space"])
         settings = SweepSettings(**saved["settings"])
+        track = check_trackers(saved.get("track"))
     else:
         cfg.name = cfg.name or default_sweep_name(cfg)
         folder = RunFolder(cfg.storage, cfg.name)
@@ -241,15 +247,16 @@ def run_sweep(
             raise UserError(f"a sweep or run named {cfg.name!r} already exists in {cfg.storage}; "
                             f"pass --resume to continue it or choose another --name")
         folder.check_can_create()
+        track = check_trackers(track)
         prepare_data(cfg, say)
     assert space is not None and settings is not None
     with RunClaim(folder):  # one driver per sweep folder, from before Ray is reached
-        return _run(cfg, space, settings, folder, resume, verbose, say, live, live_interval)
+        return _run(cfg, space, settings, folder, resume, verbose, say, live, live_interval, track)
 
 
 def _run(cfg: TrainConfig, space: SearchSpace, settings: SweepSettings, folder: RunFolder,
          resume: bool, verbose: bool, say: Callable[[str], None],
-         live: Optional[Callable[[str], None]], live_interval: float) -> dict:
+         live: Optional[Callable[[str], None]], live_interval: float, track: list[str]) -> dict:
     """run_sweep from connecting to Ray on, with the sweep's folder claimed."""
     own_ray = choose_worker_cpus(cfg, None, say, trials=settings.concurrent)
     connect_ray(cfg.address, cfg.workers * cfg.worker_cpus + TRIAL_CPUS, verbose, say)
@@ -277,6 +284,9 @@ def _run(cfg: TrainConfig, space: SearchSpace, settings: SweepSettings, folder: 
     # is ours, and --json must leave nothing else on stdout.
     os.environ["RAY_AIR_NEW_OUTPUT"] = "0"
     from raytrain_lm.tune.report import LiveTable, collect_trials, watch, write_outputs
+    from raytrain_lm.tune.trial_tracking import SINK, TrackTrials
+
+    SINK["say"] = say
 
     watch(live, live_interval)
     trainable = _trainable(cfg, folder.display_path())
@@ -293,7 +303,8 @@ def _run(cfg: TrainConfig, space: SearchSpace, settings: SweepSettings, folder: 
     else:
         say(f"search space: {space.describe()}")
         folder.write_json(SWEEP, {"base": cfg.to_dict(), "space": space.to_json(),
-                                        "settings": asdict(settings)})
+                                  "settings": asdict(settings), "track": track})
+        tracking = [TrackTrials(track, cfg.storage, cfg.name, cfg.to_dict(), space.describe())] if track else []
         tuner = tune.Tuner(
             trainable,
             param_space=space.param_space(settings.search),
@@ -312,7 +323,8 @@ def _run(cfg: TrainConfig, space: SearchSpace, settings: SweepSettings, folder: 
             ),
             run_config=tune.RunConfig(
                 name=cfg.name, storage_path=folder.storage_uri, verbose=0,
-                callbacks=[_stop_callback(), LiveTable(cfg.max_steps, space.keys, settings.trials)],
+                callbacks=[_stop_callback(), LiveTable(cfg.max_steps, space.keys, settings.trials),
+                           *tracking],
                 failure_config=tune.FailureConfig(max_failures=0)),
         )
     t0 = time.time()

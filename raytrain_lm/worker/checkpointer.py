@@ -37,9 +37,9 @@ from raytrain_lm.store.runs import FoundCheckpoint, latest_checkpoint
 from raytrain_lm.worker.drills import fault_drill
 from raytrain_lm.worker.optim import resumed_horizon
 
-# Reported rows each checkpoint carries, to be re-sent after a resume: more than can be in flight
-# in Ray (a worker holds one uncollected report) when the driver or a worker dies.
-RECENT_ROWS = 8
+# The reports whose rows each checkpoint carries, to be re-sent after a resume: more than can be
+# in flight in Ray (a worker holds one uncollected report) when the driver or a worker dies.
+RECENT_REPORTS = 8
 
 
 def upload_mode(cfg: TrainConfig, fs: pafs.FileSystem) -> CheckpointUploadMode:
@@ -60,7 +60,8 @@ class Checkpointer:
         self.mode = upload_mode(cfg, self.fs)
         self.fail_at, self.run_name = fail_at, run_name
         self.waited: Optional[float] = None  # seconds training stood still for the last checkpoint
-        self.recent: deque[MetricsRow] = deque(maxlen=RECENT_ROWS)  # the rows each checkpoint carries
+        # the rows of the last reports, which each checkpoint carries
+        self.recent: deque[list[MetricsRow]] = deque(maxlen=RECENT_REPORTS)
         self.resent: Optional[list[MetricsRow]] = None  # rows to send again with the first report
         self.resumed_from: Optional[int] = None
 
@@ -82,17 +83,24 @@ class Checkpointer:
         # received them (its own death or a worker's, while they were in flight in Ray), so they
         # go to it again with the first report.
         self.resent = state.get("recent_metrics") or None
-        self.recent.extend(self.resent or [])
+        if self.resent:
+            self.recent.append(list(self.resent))
         found.cleanup()
         return state["step"], state["tokens"]
 
-    def report(self, row: MetricsRow, save: bool, step_fn=None, stream=None) -> None:
-        """`ray.train.report` (a barrier: every rank calls it), with a checkpoint if `save`."""
+    def report(self, rows: list[MetricsRow], save: bool, step_fn=None, stream=None) -> None:
+        """`ray.train.report` (a barrier: every rank calls it) of the last of `rows`, the others
+        (made since the previous report, in order) carried in it, with a checkpoint if `save`."""
+        *earlier, row = rows
         step = row["step"]
-        row["resumed_from_step"] = self.resumed_from
+        for r in rows:
+            r["resumed_from_step"] = self.resumed_from
         if self.waited is not None:  # the previous checkpoint's, measured after its report
             row["checkpoint_wait_s"], self.waited = self.waited, None
-        self.recent.append({**row, "checkpoint": checkpoint_name(step)} if save else dict(row))
+        self.recent.append([*map(dict, earlier),
+                            {**row, "checkpoint": checkpoint_name(step)} if save else dict(row)])
+        if earlier:
+            row["earlier_rows"] = earlier
         if self.resent is not None:
             row["resumed_rows"], self.resent = self.resent, None
         if not save:  # async: a report queues behind an upload in flight instead of waiting
@@ -102,7 +110,8 @@ class Checkpointer:
         if self.rank == 0:
             state = {"scaler": step_fn.scaler_state(), "step": step, "tokens": row["tokens"],
                      "data": stream.state_dict(), "world_size": self.world,
-                     "val_loss": row.get("val_loss"), "recent_metrics": list(self.recent),
+                     "val_loss": row.get("val_loss"),
+                     "recent_metrics": [r for sent in self.recent for r in sent],
                      "config": self.cfg.to_dict(), "tokenizer": self.tokenizer.spec()}
         started = time.perf_counter()
         tmp = tempfile.mkdtemp(prefix="raytrain-lm-ckpt-")  # Ray deletes it once uploaded
@@ -131,11 +140,13 @@ class Checkpointer:
                             destination_filesystem=self.fs)
         return ray.train.Checkpoint(dest, filesystem=self.fs)
 
-    def report_stop(self, step: int, why: str) -> None:
+    def report_stop(self, step: int, why: str, earlier: list[MetricsRow]) -> None:
         """The run's loss (or gradient norm) became non-finite: the last report, with no
-        checkpoint (a non-finite one is never saved, so none of the good ones is rotated out).
-        The driver ends the run with `why` and the last good checkpoint's name."""
-        ray.train.report({"step": step, "event": "nonfinite", "error": why},
+        checkpoint (a non-finite one is never saved, so none of the good ones is rotated out),
+        carrying the rows made since the previous report. The driver ends the run with `why` and
+        the last good checkpoint's name."""
+        ray.train.report({"step": step, "event": "nonfinite", "error": why,
+                          **({"earlier_rows": earlier} if earlier else {})},
                          checkpoint_upload_mode=self.mode)
 
     def report_final_rows(self, train_start_unix: float) -> None:

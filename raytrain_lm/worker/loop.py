@@ -1,11 +1,12 @@
 """`train_loop_per_worker`: what every Ray Train worker runs, top to bottom.
 
-restore (if this run has a checkpoint) -> model -> parallelize + optimizer -> data -> steps, with a
-`ray.train.report` every few steps. A report is a barrier across ranks, so every rank follows the
-same deterministic cadence (`Cadence`) of reports, validations and checkpoints, plus a checkpoint
-at once when a node of the run is about to be preempted (`PreemptionWatch`, the same on every
-rank). The worker group may be any of the run's sizes (config/sizes.py): every size takes the same
-global batch per step.
+restore (if this run has a checkpoint) -> model -> parallelize + optimizer -> data -> steps, a
+metrics row every few steps, sent with a `ray.train.report` about once per `--log-seconds`. A
+report is a barrier across ranks, so every rank follows the same deterministic cadence
+(`Cadence`) of rows, reports, validations and checkpoints, plus a checkpoint at once when a node
+of the run is about to be preempted (`PreemptionWatch`, the same on every rank). The worker
+group may be any of the run's sizes (config/sizes.py): every size takes the same global batch
+per step.
 """
 
 from __future__ import annotations
@@ -78,20 +79,21 @@ def train_loop_per_worker(inputs: WorkerInputs) -> None:
     peak = gpu_peak_tflops(device, cfg.peak_tflops, step_fn.precision)
     meter = Meter(device, world, fpt, peak, n_params, baseline_mem, build_mem,
                   loss_ranks=step_fn.dp, scaler_skips=step_fn.scaler.is_enabled())
+    rows: list = []  # the rows made since the last report, sent with the next one
     step_fn.train()
     while step < cfg.max_steps:
         lr = lr_at(step, cfg)
         nan_drill(inputs.nan_at, step + 1, step_fn)
-        loss, grad_norm, waited = step_fn(batches, lr)
+        loss, grad_norm = step_fn(batches, lr)
         step, tokens = step + 1, tokens + step_tokens
-        meter.add_step(loss, step_tokens, waited, grad_norm)
+        meter.add_step(loss, step_tokens, grad_norm)
         fault_drill(inputs.fail_at, step, rank, inputs.run_name)
         preempted = preemption.check(step)  # a node of the run is going: checkpoint now
-        if not (cadence.reports(step) or preempted):
+        if not (cadence.rows(step) or preempted):
             continue
         row = meter.row(step, lr, to_float(grad_norm), step_fn)
         if meter.nonfinite:  # every rank alike: the run stops here, saving nothing
-            checkpointer.report_stop(step, meter.nonfinite)
+            checkpointer.report_stop(step, meter.nonfinite, rows)
             return
         row.update(tokens=tokens, epoch=batches.epoch, workers=world,
                    threads=torch.get_num_threads())  # what the launch line said (run/cpus.py)
@@ -103,29 +105,36 @@ def train_loop_per_worker(inputs: WorkerInputs) -> None:
         save = cadence.checkpoints(step) or bool(preempted)
         if save and step_fn.replicated:
             row["replica_spread"] = meter.replica_spread(step_fn.parts[0])  # 0.0: they agree
-        checkpointer.report(row, save=save, step_fn=step_fn, stream=batches)
-        cadence.paced(step, meter.slowest_step_time)
+        rows.append(row)
+        if save or cadence.sends(step):
+            checkpointer.report(rows, save=save, step_fn=step_fn, stream=batches)
+            rows = []
+            cadence.paced(step, meter.slowest_step_time)
         meter.next_interval(exclude_since_row=save or cadence.validates(step))
     checkpointer.report_final_rows(meter.start_unix)
 
 
 class Cadence:
-    """When a step reports metrics, validates and checkpoints. Every checkpoint is also a
-    validation (so each checkpoint knows its validation loss) and every validation a report.
+    """When a step makes a metrics row, sends rows, validates and checkpoints. Every checkpoint is
+    also a validation (so each checkpoint knows its validation loss), every validation sends.
 
-    Reports every `log_every` steps, or (log_every 0) paced by time: `paced` sets the next
-    report's step so that about `log_seconds` pass between two reports at the step time just
-    measured. A report waits for Ray's poll of the workers when the previous one is still queued
-    (one report per poll), so reports by step count throttle fast steps; by time they cost a
-    barrier per `log_seconds`. The decision adds no collective: it is a pure function of the
-    slowest rank's interval, which every rank receives from the report's own all-reduce (Meter),
-    so all ranks call `ray.train.report` at the same steps."""
+    Rows: every `log_every` steps, or (log_every 0) one per send; and at every validation and the
+    last step. Sends (`ray.train.report`), at rows: about once per `log_seconds`, at every
+    validation and at the last step; `paced` sets the next
+    send's step so that about `log_seconds` pass between two at the step time just measured. The
+    rows made between two sends wait on the worker and travel together with the next
+    (Checkpointer.report), so metrics.jsonl keeps every one of them while a fast run pays one
+    report per `log_seconds`: a report is a barrier and waits for Ray's poll of the workers when
+    the previous one is still queued (one report per poll), so one report per row would throttle
+    fast steps to the poll. The decisions add no collective: they are pure functions of the step
+    and of the slowest rank's interval, which every rank receives from the row's own all-gather
+    (Meter), so all ranks call `ray.train.report` at the same steps."""
 
-    FIRST_REPORT = 1  # the first step's report (compilation, warm-up) gives the first step time
+    FIRST_SEND = 1  # the first step's report (compilation, warm-up) gives the first step time
 
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
-        self.next_report = self.FIRST_REPORT
+        self.next_send = self.FIRST_SEND
 
     def checkpoints(self, step: int) -> bool:
         every = self.cfg.checkpoint_every  # -1: never
@@ -134,14 +143,18 @@ class Cadence:
     def validates(self, step: int) -> bool:
         return step % self.cfg.eval_every == 0 or self.checkpoints(step)
 
-    def reports(self, step: int) -> bool:
-        if self.cfg.log_every:
-            return step % self.cfg.log_every == 0 or self.validates(step)
-        return step >= self.next_report or self.validates(step)
+    def rows(self, step: int) -> bool:
+        every = self.cfg.log_every
+        due = step % every == 0 if every else step >= self.next_send
+        return due or self.validates(step) or step == self.cfg.max_steps
+
+    def sends(self, step: int) -> bool:
+        """Whether the row of `step` (a step `rows` chose) goes now, with the rows before it."""
+        return step >= self.next_send or self.validates(step) or step == self.cfg.max_steps
 
     def paced(self, step: int, seconds_per_step: float) -> int:
-        """After the report of `step`: the step of the next time-paced report, from the step time
-        of the interval just reported (the same value on every rank). Returns it."""
+        """After the report of `step`: the step of the next send, from the step time of the
+        interval just measured (the same value on every rank). Returns it."""
         steps = math.ceil(self.cfg.log_seconds / seconds_per_step) if seconds_per_step > 0 else 1
-        self.next_report = step + max(1, steps)
-        return self.next_report
+        self.next_send = step + max(1, steps)
+        return self.next_send

@@ -13,7 +13,7 @@ import torch
 
 from raytrain_lm.config.settings import TrainConfig
 from raytrain_lm.parallel.fsdp import held_bytes, param_fraction
-from raytrain_lm.parallel.mesh import all_reduce
+from raytrain_lm.parallel.mesh import all_gather_rows, all_reduce
 from raytrain_lm.plan.fit import check_memory
 from raytrain_lm.plan.gpus import peak_tflops
 from raytrain_lm.store.row import MetricsRow
@@ -66,7 +66,7 @@ def reserved_memory_gb(device: torch.device) -> Optional[float]:
 
 
 class StepTimer:
-    """Accumulates wall time, time spent waiting for data, and tokens between two log points."""
+    """Accumulates wall time, steps and tokens between two log points."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -79,7 +79,6 @@ class StepTimer:
         now = time.perf_counter()
         self.start = getattr(self, "mark", now) + excluded
         self.mark = now
-        self.data_wait = 0.0
         self.tokens = 0
         self.steps = 0
 
@@ -95,8 +94,8 @@ class StepTimer:
 
 
 class Meter:
-    """What a rank measures between two reports (losses, tokens, time, waiting for data), turned
-    into one metrics row at report time: a few small all-reduces make it global on every rank."""
+    """What a rank measures between two rows (losses, tokens, time; the step's wait for data),
+    turned into one metrics row: one small all-gather makes it global on every rank."""
 
     def __init__(self, device: torch.device, world: int, flops_per_token: float,
                  peak_tflops: Optional[float], num_parameters: int, baseline_mem: float,
@@ -122,41 +121,43 @@ class Meter:
         self._row_done = 0.0
         self.slowest_step_time = 0.0  # seconds per step of the last reported interval, max over ranks
 
-    def add_step(self, loss: torch.Tensor, tokens: int, data_wait: float,
+    def add_step(self, loss: torch.Tensor, tokens: int,
                  grad_norm: Optional[torch.Tensor] = None) -> None:
         """Keeps the step's loss and gradient norm as device tensors: nothing is read on the host
-        until the report (no per-step synchronisation)."""
+        until the row (no per-step synchronisation)."""
         if self.first_step_unix is None:
             self.first_step_unix = time.time()
         self.losses.append(loss)
         self.norms.append(grad_norm if grad_norm is not None else torch.zeros((), device=loss.device))
         self.timer.steps += 1
         self.timer.tokens += tokens
-        self.timer.data_wait += data_wait
 
     def row(self, step: int, lr: float, grad_norm: float, step_fn) -> MetricsRow:
         """`step_fn`: the step (step.TrainStep): its parts and optimizers (memory held), the
-        pipeline's bubble and the bytes each mesh dimension moved."""
-        elapsed = self.timer.elapsed()
-        # One all-reduce: the steps' losses (summed over the loss-reporting ranks) and whether any
-        # rank saw a step's gradient norm non-finite (so every rank decides the same).
+        time it waited for data, the pipeline's bubble and the bytes each mesh dimension moved."""
+        elapsed = self.timer.elapsed()  # (a sync on CUDA: the events below are complete)
         n = len(self.losses)
         norms = torch.stack([_plain(g) for g in self.norms]).to(torch.float64)
-        both = all_reduce(torch.cat([torch.stack(self.losses).double(),
-                                     (~torch.isfinite(norms)).double()]))
-        losses = both[:n] / self.loss_ranks
+        mine = torch.cat([torch.stack(self.losses).double().reshape(-1),
+                          (~torch.isfinite(norms)).double().reshape(-1), torch.tensor(
+            [step_fn.take_data_wait(), peak_memory_gb(self.device),
+             held_bytes(step_fn.parts, step_fn.optimizers) / 1e9,
+             peak_memory_gb(self.device) - self.baseline_mem, self.build_mem,
+             elapsed / self.timer.steps, reserved_memory_gb(self.device) or 0.0],
+            dtype=torch.float64, device=self.device)])
+        # One collective a row (a row may be made every step): every rank's values. Summed over
+        # the ranks: the steps' losses (the loss-reporting ranks'), whether any rank saw a step's
+        # gradient norm non-finite (so every rank decides the same), the data waits; the memory
+        # and the step time: their maximum.
+        every = all_gather_rows(mine)
+        sums = every[:, :2 * n + 1].sum(0)
+        losses, bad, wait = sums[:n] / self.loss_ranks, sums[n:2 * n], sums[2 * n]
+        mem = every[:, 2 * n + 1:].max(0).values
         self.nonfinite = first_nonfinite(step - n + 1, losses.tolist(),
                                          [] if self.scaler_skips else norms.tolist(),
-                                         [] if self.scaler_skips else (both[n:] > 0).tolist())
-        wait = all_reduce(torch.tensor([self.timer.data_wait], dtype=torch.float64, device=self.device))
-        mem = all_reduce(torch.tensor([peak_memory_gb(self.device),
-                                       held_bytes(step_fn.parts, step_fn.optimizers) / 1e9,
-                                       peak_memory_gb(self.device) - self.baseline_mem, self.build_mem,
-                                       elapsed / self.timer.steps,
-                                       reserved_memory_gb(self.device) or 0.0],
-                                      dtype=torch.float64, device=self.device), op="max")
+                                         [] if self.scaler_skips else (bad > 0).tolist())
         # The slowest rank's step time in this interval: identical on every rank after the
-        # all-reduce, so the loop's time-paced cadence (loop.Cadence) agrees everywhere.
+        # all-gather, so the loop's time-paced cadence (loop.Cadence) agrees everywhere.
         self.slowest_step_time = mem[4].item()
         tps = self.timer.tokens / elapsed
         row: MetricsRow = {
@@ -167,7 +168,7 @@ class Meter:
             "grad_norm": grad_norm,
             "tokens_per_second": tps,
             "step_time": elapsed / self.timer.steps,
-            "data_wait_frac": wait[0].item() / self.world / elapsed,
+            "data_wait_frac": wait.item() / self.world / elapsed,
             "mfu": mfu(tps, self.fpt, self.world, self.peak),
             "peak_mem_gb": mem[0].item(),
             # what the allocator holds (allocated + cached); None on CPU

@@ -6,7 +6,6 @@ import math
 
 import torch
 
-from raytrain_lm.config.layout import Layout
 from raytrain_lm.config.settings import TrainConfig
 
 
@@ -17,73 +16,8 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.devi
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
-    kwargs = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=device.type == "cuda")
-    if Layout.of(cfg).broadcasts_params and _world() > 1:
-        return ZeroOneAdamW(groups, **kwargs)
-    return torch.optim.AdamW(groups, **kwargs)
-
-
-def _world() -> int:
-    import torch.distributed as dist
-
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def owners(params: list[torch.Tensor], world: int) -> list[int]:
-    """The rank that updates each parameter (ZeRO-1): largest first, each to the rank that owns
-    the fewest elements so far (ties to the lower rank), so every rank holds about 1/world of
-    AdamW's states. The same on every rank: it depends on the shapes only."""
-    load = [0] * world
-    out = [0] * len(params)
-    for i in sorted(range(len(params)), key=lambda i: (-params[i].numel(), i)):
-        r = min(range(world), key=lambda r: (load[r], r))
-        out[i] = r
-        load[r] += params[i].numel()
-    return out
-
-
-class ZeroOneAdamW(torch.optim.AdamW):
-    """ZeRO-1 over DDP (--strategy zero1): each data-parallel rank keeps AdamW's two moments for
-    the whole parameters it owns (`owners`) and updates only those; after the step every owner
-    broadcasts its updated parameters (one flattened tensor per owner). DDP has all-reduced the
-    gradients already, so each update is the one plain AdamW makes: the same losses, step for
-    step. It is an AdamW over the owned parameters to everything else (the checkpoint's
-    get_state_dict, the gradient scaler), so a checkpoint holds each rank's own states under the
-    parameters' names and loads at any layout; zero_grad clears every parameter's gradient."""
-
-    def __init__(self, groups: list[dict], **kwargs):
-        import torch.distributed as dist
-
-        self.world, rank = dist.get_world_size(), dist.get_rank()
-        self.all_params = [p for g in groups for p in g["params"]]
-        self.owner = owners(self.all_params, self.world)
-        mine = {id(p) for p, r in zip(self.all_params, self.owner) if r == rank}
-        super().__init__([{**g, "params": [p for p in g["params"] if id(p) in mine]}
-                          for g in groups], **kwargs)
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        import torch.distributed as dist
-        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-
-        loss = super().step(closure)
-        for r in range(self.world):
-            owned = [p for p, o in zip(self.all_params, self.owner) if o == r]
-            if not owned:
-                continue
-            flat = _flatten_dense_tensors([p.data for p in owned])
-            dist.broadcast(flat, src=r)
-            for p, value in zip(owned, _unflatten_dense_tensors(flat, [p.data for p in owned])):
-                p.data.copy_(value)
-        return loss
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for p in self.all_params:
-            if p.grad is not None:
-                if set_to_none:
-                    p.grad = None
-                else:
-                    p.grad.zero_()
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+                             fused=device.type == "cuda")
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:

@@ -8,11 +8,13 @@ Mixed precision, one mechanism per layout (as torchtitan's maybe_enable_amp): wh
 over dp, its MixedPrecisionPolicy alone (parameters gathered and computed in bf16/fp16,
 gradients reduced in fp32) with no autocast around it; everywhere else (DDP, FSDP2's replicate,
 tensor and pipeline parallelism without dp sharding, one worker) torch.autocast, which also runs
-DTensor ops and pipeline stages (tested on CPU in bf16). fp16 adds a gradient scaler."""
+DTensor ops and pipeline stages (tested on CPU in bf16). fp16 adds a gradient scaler. Where
+each rank holds other gradients (zero1, zero2, fsdp, tp) they are DTensors, whose overflow check
+DTensor reduces over the mesh dims they are sharded on, so every rank skips the same steps and
+keeps one scale (tests/test_zero.py)."""
 
 from __future__ import annotations
 
-import time
 from contextlib import nullcontext
 from typing import Optional
 
@@ -65,6 +67,8 @@ class TrainStep:
         self.scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
         self.timer = PipelineTimer(self.model.schedule, clock_for(device)) \
             if self.model.schedule is not None else None
+        self.data_clock = clock_for(device)
+        self._data_marks: list[tuple] = []  # around each batches.next() since take_data_wait
         self.comm_bytes: dict[str, int] = {}  # per mesh dim, one step (see _count_comm)
         self.steps = 0
 
@@ -93,6 +97,16 @@ class TrainStep:
         without a pipeline)."""
         return self.timer.take() if self.timer is not None else None
 
+    def take_data_wait(self) -> float:
+        """Seconds this rank waited for batches since the last call. On CPU, host time in
+        `batches.next()`. On CUDA the host runs ahead of the GPU, so its time there overstates
+        the wait: this is the GPU's time between events recorded just before and just after
+        `batches.next()` (which copies the batch to the device): the time the GPU stood idle for
+        the host to hand it a batch, plus the copy; none where the GPU still had queued work
+        while the host waited. Read after the step's work is done (Meter.row syncs first)."""
+        marks, self._data_marks = self._data_marks, []
+        return sum(self.data_clock.seconds(a, b) for a, b in marks)
+
     def scaler_state(self) -> dict:
         return self.scaler.state_dict()
 
@@ -103,9 +117,9 @@ class TrainStep:
 
     # ---------------------------------------------------------------- a step
 
-    def __call__(self, batches, lr: float) -> tuple[torch.Tensor, torch.Tensor, float]:
+    def __call__(self, batches, lr: float) -> tuple[torch.Tensor, torch.Tensor]:
         """(the step's loss of this rank's data-parallel group, 0 on ranks that do not report it;
-        the gradient norm before clipping; seconds spent waiting for batches)."""
+        the gradient norm before clipping)."""
         self.steps += 1
         with self._count_comm() as counter:
             # Gradients are freed here rather than after the step, so a report sees them as held.
@@ -113,11 +127,11 @@ class TrainStep:
                 optimizer.zero_grad(set_to_none=True)
                 for group in optimizer.param_groups:
                     group["lr"] = lr
-            loss, waited = self._forward_backward(batches)
+            loss = self._forward_backward(batches)
             grad_norm = self._clip_and_step()
         if counter is not None:
             self.comm_bytes = counter.bytes_per_dim()
-        return loss, grad_norm, waited
+        return loss, grad_norm
 
     def _count_comm(self):
         """The bytes each mesh dimension moves, counted on this run's second step (the first
@@ -126,26 +140,28 @@ class TrainStep:
             return nullcontext()
         return CommCounter(self.model.mesh)
 
-    def _forward_backward(self, batches) -> tuple[torch.Tensor, float]:
-        """Gradients of one step's mean loss over the whole global batch; returns (the loss of
-        this rank's dp group, or 0 on ranks that do not report it; seconds waiting for data)."""
+    def _forward_backward(self, batches) -> torch.Tensor:
+        """Gradients of one step's mean loss over the whole global batch; returns the loss of
+        this rank's dp group, or 0 on ranks that do not report it."""
         m = self.model
-        accum, waited, total = self.cfg.grad_accum, 0.0, None
+        accum, total = self.cfg.grad_accum, None
         for micro in range(accum):
-            t0 = time.perf_counter()
+            start = self.data_clock.mark()
             x, y = batches.next()
-            waited += time.perf_counter() - t0
+            self._data_marks.append((start, self.data_clock.mark()))
             if m.schedule is not None:
                 loss = self._pipeline_step(x, y)
             else:
-                with ddp.no_sync(m.modules[0], sync=micro == accum - 1), self.autocast, m.loss_ctx():
+                with ddp.no_sync(m.modules[0], sync=micro == accum - 1,
+                                 keep_gathered=self.cfg.strategy == "zero1"), \
+                        self.autocast, m.loss_ctx():
                     # the loss alone: holding the logits (batch x seq x vocab) through the
                     # backward would keep them alive when nothing needs them
                     loss = m.modules[0](x, y)[1]
                     self.scaler.scale(loss / accum).backward()
                 loss = _local(loss.detach()) / accum
             total = loss if total is None else total + loss
-        return (total if m.reports_loss else torch.zeros_like(total)), waited
+        return total if m.reports_loss else torch.zeros_like(total)
 
     def _pipeline_step(self, x, y) -> torch.Tensor:
         """One schedule step: the first stage takes the inputs, the last the targets; the

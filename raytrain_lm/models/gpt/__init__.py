@@ -51,3 +51,12 @@ class GPTFamily(Family):
 
     def activation_split(self, m: ModelConfig, ac: str) -> tuple[float, float]:
         return AC_SPLIT[ac]
+
+    def fused_mlp_unsaved(self, m: ModelConfig) -> float:
+        return 4.0  # GeLU's output over the 4h hidden
+
+    def kernel_bytes(self, m: ModelConfig, kernels: str) -> tuple[tuple[float, float], tuple[float, float]]:
+        """nn.LayerNorm and F.gelu are single kernels either way: two norms (2h + 3h each), two
+        residual adds (3h + 3h each), GeLU over the 4h hidden (8h + 12h)."""
+        h = m.n_embd
+        return (2 * 2 * h + 2 * 3 * h, 2 * 3 * h + 2 * 3 * h), (8 * h, 12 * h)

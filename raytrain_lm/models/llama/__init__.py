@@ -79,3 +79,19 @@ class LlamaFamily(Family):
         kv, f = 2 * m.kv_heads / m.n_head, self.hidden_dim(m) / m.n_embd
         return {"none": (4, 2 + kv + 4 * f), "selective": (3, 2 + kv + 2 * f),
                 "op": (2, 2 + kv / 2 + f)}[ac]
+
+    def fused_mlp_unsaved(self, m: ModelConfig) -> float:
+        return 2 * self.hidden_dim(m) / m.n_embd  # silu(gate) and its product with up
+
+    def kernel_bytes(self, m: ModelConfig, kernels: str) -> tuple[tuple[float, float], tuple[float, float]]:
+        """Fused: two RMSNorms (2h + 3h each), two residual adds (3h + 3h each), rotary over q and
+        k (2(h + kv) + 2(h + kv)), SwiGLU over the hidden f (3f + 5f). Eager (models/llama/llama.py
+        and torchtitan without compile): RMSNorm in fp32 as six kernels (18h + 36h), rotary through
+        fp32 (10(h + kv) each way), silu and the product as two kernels (5f + 8f)."""
+        h, f, qk = m.n_embd, self.hidden_dim(m), m.n_embd + m.kv_heads * m.head_dim
+        eager = kernels == "eager"
+        norm = (18 * h, 36 * h) if eager else (2 * h, 3 * h)
+        whole = (2 * norm[0] + 2 * 3 * h, 2 * norm[1] + 2 * 3 * h)
+        rot = (10 * qk, 10 * qk) if eager else (2 * qk, 2 * qk)
+        glu = (5 * f, 8 * f) if eager else (3 * f, 5 * f)
+        return whole, (rot[0] + glu[0], rot[1] + glu[1])

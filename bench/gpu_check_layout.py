@@ -1,0 +1,221 @@
+"""One row of bench/gpu_check.py: a layout built and run by the worker's own code on this one
+process's device, as a Ray Train worker would run it, without Ray.
+
+`step.TrainStep` builds the layout (`parallel.parallelize`, mesh dims of one rank applied all the
+same: `force`) and steps it; the batches come from pinned host memory, copied with
+non_blocking=True as the loader does on a GPU (so `take_data_wait` reads CUDA events); a
+`metrics.Meter` makes the timed steps' metrics row as the loop does (step time with no sync per
+step, tokens/s, MFU, data wait, the pipeline bubble through CUDA events, bytes per mesh dim,
+max_memory_allocated); `TrainStep.evaluate` runs a validation with padding rows; sharded layouts
+save a checkpoint (`store/checkpoint_format`: DCP) from the device, overwrite every weight and
+AdamW state, load it back and compare. Imports nothing outside torch, numpy and the project's
+worker side (`MODULES`: a fast test imports them all with Ray, pyarrow, typer, yaml and
+tokenizers unimportable)."""
+
+from __future__ import annotations
+
+import math
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+# Every project module the check imports, here and in the modules these import (gpu_check's
+# smoke test compares this with what its processes loaded).
+MODULES = ("raytrain_lm.worker.step", "raytrain_lm.worker.metrics", "raytrain_lm.parallel.ddp",
+           "raytrain_lm.parallel.fsdp", "raytrain_lm.store.checkpoint_format",
+           "raytrain_lm.config.layout", "raytrain_lm.config.presets", "raytrain_lm.plan.estimate",
+           "raytrain_lm.plan.hardware", "raytrain_lm.models", "raytrain_lm.models.gpt.gpt",
+           "raytrain_lm.models.llama.llama", "raytrain_lm.parallel.tp", "raytrain_lm.parallel.init")
+
+# The model of every row but gpt2's: big enough on a GPU that a step is GPU work, not launches.
+MODEL = {"gpu": dict(vocab_size=50304, block_size=512, n_layer=4, n_head=8, n_embd=512),
+         "smoke": dict(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=32)}
+BATCH = {"gpu": (8, 512), "smoke": (4, 32)}  # (sequences, tokens each)
+GPT2_BATCH = {"gpu": (16, 1024), "smoke": (2, 64)}
+WARMUP = 2  # untimed: compilation and allocation, then the step that counts bytes (CommCounter)
+
+
+class PinnedBatches:
+    """What the loop's loader hands a step: a batch of pinned host memory moved to the device
+    with non_blocking=True at each next(), as Ray's loader does with pin_memory on a GPU."""
+
+    def __init__(self, vocab: int, batch: int, seq: int, device: torch.device, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        tokens = torch.randint(0, vocab, (batch, seq + 1), generator=g)
+        self.host = tokens.pin_memory() if device.type == "cuda" else tokens
+        self.device, self.epoch = device, 0
+
+    def next(self):
+        t = self.host.to(self.device, non_blocking=True)
+        return t[:, :-1], t[:, 1:]
+
+
+class RandomValidation:
+    """What step.evaluate reads of data/loaders.Validation: two batches, the second with two
+    padding rows (ignored targets), and the bytes of text the real targets stand for."""
+
+    IGNORE = -100
+
+    def __init__(self, vocab: int, batch: int, seq: int, device: torch.device):
+        g = torch.Generator().manual_seed(1)
+        self.batches = [torch.randint(0, vocab, (batch, seq + 1), generator=g) for _ in range(2)]
+        self.device = device
+        self.text_bytes = (2 * batch - 2) * seq  # one byte per real target
+
+    def __iter__(self):
+        for i, t in enumerate(self.batches):
+            x, y = t[:, :-1].to(self.device), t[:, 1:].clone()
+            if i == 1:
+                y[-2:] = self.IGNORE
+            yield x, y.to(self.device)
+
+
+def config(kind: str, settings: dict):
+    from raytrain_lm.config.presets import preset_config
+    from raytrain_lm.config.settings import TrainConfig
+
+    gpt2 = settings.get("model") == "gpt2"
+    cfg = preset_config("gpt2") if gpt2 else TrainConfig()
+    if not gpt2 or kind == "smoke":  # the smoke's gpt2 row: the small model at gpt2's settings
+        for k, v in MODEL[kind].items():
+            setattr(cfg.model, k, v)
+    cfg.model.vocab_size = cfg.model.vocab_size or 50304
+    cfg.batch_size, cfg.seq_len = (GPT2_BATCH if gpt2 else BATCH)[kind]
+    cfg.seq_len = min(cfg.seq_len, cfg.model.block_size)
+    cfg.lr, cfg.warmup_steps = 3e-4, 0
+    for k, v in settings.items():
+        if k.startswith("model."):
+            setattr(cfg.model, k.split(".", 1)[1], v)
+        elif k != "model":
+            setattr(cfg, k, v)
+    if cfg.model.arch == "llama":
+        cfg.model.bias, cfg.model.multiple_of = False, 32
+    return cfg
+
+
+def weights_sums(parts) -> dict[str, float]:
+    """Each parameter's sum by its name in the model (wrappers' name parts left out)."""
+    from raytrain_lm.parallel.fsdp import local
+
+    sums, seen = {}, set()
+    for part in parts:
+        for name, p in part.named_parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                name = name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+                sums[name] = float(local(p.detach()).double().sum())
+    return sums
+
+
+def state_sums(step) -> list[float]:
+    """Every weight's and AdamW moment's local sum, in a fixed order."""
+    from raytrain_lm.parallel.fsdp import local
+
+    out = [float(local(p.detach()).double().sum()) for p in step.model.params()]
+    for opt in step.optimizers:
+        for state in opt.state.values():
+            out += [float(local(v).double().sum()) for k, v in sorted(state.items())
+                    if torch.is_tensor(v) and v.dim() > 0]
+    return out
+
+
+def dcp_round_trip(step) -> dict:
+    """Save this rank's shards (DCP, from the device), overwrite every weight and AdamW state,
+    load them back: the same sums, or not."""
+    from raytrain_lm.parallel.fsdp import local
+    from raytrain_lm.store.checkpoint_format import load_state, save_checkpoint
+
+    before = state_sums(step)
+    with tempfile.TemporaryDirectory(prefix="gpu-check-dcp-") as tmp:
+        t0 = time.perf_counter()
+        save_checkpoint(Path(tmp), 0, step, {"step": step.steps}, commit=False)
+        t1 = time.perf_counter()
+        with torch.no_grad():
+            for p in step.model.params():
+                local(p).fill_(0.5)
+            for opt in step.optimizers:
+                for state in opt.state.values():
+                    for v in state.values():
+                        if torch.is_tensor(v) and v.dim() > 0:
+                            local(v).fill_(0.5)
+        load_state(Path(tmp), step)
+        t2 = time.perf_counter()
+    after = state_sums(step)
+    same = len(before) == len(after) and all(a == b for a, b in zip(before, after))
+    return {"dcp": "ok" if same else "differs", "dcp_save_s": t1 - t0, "dcp_load_s": t2 - t1}
+
+
+def run_layout(name: str, settings: dict, force: tuple, kind: str, device: torch.device,
+               steps: int) -> dict:
+    """The layout's row: what was built, the timed steps' metrics row, validation, DCP."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from raytrain_lm.models import family, flops_per_token
+    from raytrain_lm.parallel.ddp import DDP_KWARGS
+    from raytrain_lm.parallel.fsdp import to_float
+    from raytrain_lm.worker.metrics import Meter, gpu_peak_tflops, peak_memory_gb
+    from raytrain_lm.worker.step import TrainStep
+
+    cfg = config(kind, settings)
+    row = {"layout": name, "settings": settings, "force": list(force), "status": "ok",
+           "batch": [cfg.batch_size, cfg.seq_len]}
+    torch._dynamo.reset()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    torch.manual_seed(cfg.seed)
+    cuda = device.type == "cuda"
+    # DDP as Ray's prepare_model wraps it (parallel/ddp.py's kwargs), without Ray
+    wrap = None if force else (lambda m: DistributedDataParallel(
+        m, device_ids=[device] if cuda else None, **DDP_KWARGS))
+    baseline = peak_memory_gb(device)
+    step = TrainStep(cfg, device, force=frozenset(force), ddp_wrap=wrap)
+    row.update(precision=step.precision, fsdp_mixed=step.model.mixed_by_fsdp, arch=cfg.model.arch,
+               parameters=family(cfg.model).counts(cfg.model).total,
+               init_sums=weights_sums(step.parts))
+    batches = PinnedBatches(cfg.model.vocab_size, cfg.batch_size, cfg.seq_len, device)
+    step.train()
+    losses = []
+    t0 = time.perf_counter()
+    for _ in range(WARMUP):
+        loss, norm = step(batches, cfg.lr)
+        losses.append(float(loss))
+    step.take_data_wait(), step.take_bubble()
+    row["first_steps_s"] = time.perf_counter() - t0
+    fpt = flops_per_token(cfg.model, cfg.seq_len)
+    meter = Meter(device, 1, fpt, gpu_peak_tflops(device, None, step.precision),
+                  row["parameters"], baseline)
+    for _ in range(steps):
+        loss, norm = step(batches, cfg.lr)
+        meter.add_step(loss, cfg.batch_size * cfg.seq_len * cfg.grad_accum)
+    metrics = meter.row(WARMUP + steps, cfg.lr, to_float(norm), step)
+    losses += metrics["step_losses"]
+    row.update({k: metrics[k] for k in ("step_time", "tokens_per_second", "mfu", "data_wait_frac",
+                                        "bubble", "comm_bytes", "peak_mem_gb", "grad_norm")})
+    row.update(loss_first=losses[0], loss_last=losses[-1],
+               scale=step.scaler.get_scale() if step.scaler.is_enabled() else None)
+    if "pp" in force and cfg.pp == 1 and cfg.pp_schedule == "interleaved-1f1b":
+        # Both stages on this one rank hand activations over locally, and torch's eval runs the
+        # schedule's backward hand-offs too (an AssertionError); a real run puts neighbouring
+        # stages on different ranks (tests/test_virtual_stages.py validates there).
+        row["val_loss"] = row["val_bpb"] = None
+    else:
+        row["val_loss"], row["val_bpb"] = step.evaluate(
+            RandomValidation(cfg.model.vocab_size, cfg.batch_size, cfg.seq_len, device))
+    if step.model.mesh is not None:  # a sharded layout: its checkpoint's round trip
+        row.update(dcp_round_trip(step))
+    row["status"] = verdict(row, losses)
+    return row
+
+
+def verdict(row: dict, losses: list[float]) -> str:
+    if not all(math.isfinite(x) for x in losses):
+        return "non-finite loss"
+    if not losses[-1] < losses[0]:  # (fp16: the scaler may skip a first step)
+        return "loss did not fall"
+    if row["val_loss"] is not None and not math.isfinite(row["val_loss"]):
+        return "non-finite validation loss"
+    if row.get("dcp", "ok") != "ok":
+        return "checkpoint round trip differs"
+    return "ok"
