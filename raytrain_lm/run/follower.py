@@ -105,7 +105,7 @@ class Follower:
         recorded."""
         if row.get("event") == "nonfinite":  # the workers stop after this row (loop.py)
             for earlier in row.pop("earlier_rows", None) or []:  # the good rows before it
-                self._take(earlier, tb)
+                self.take(earlier, tb)
             self.nonfinite = row["error"]
             return
         if row.get("event") == "worker_failure":
