@@ -327,6 +327,32 @@ def tiny_run(ray_address, pydoc_data, tmp_path_factory):
     return storage, storage / "looked-at"
 
 
+# `train` on a Ray it starts itself (the README's first command on a laptop): 4 steps of tiny with
+# checkpoints at 2 and 4; also the reference of `--workers 0` (tests/test_workers_0.py)
+COLD_FLAGS = ("--max-steps", "4", "--log-every", "2", "--eval-every", "4", "--checkpoint-every", "2")
+
+
+@pytest.fixture(scope="session")
+def cold_run(pydoc_data, tmp_path_factory):
+    """`train --address local --workers 1` with COLD_FLAGS, in a process of its own, on a Ray that
+    process starts and stops, with no thread count set (as a laptop's shell): (the finished
+    process, its run folder, the Ray's temporary folder). For own_cluster tests only (the
+    session cluster is stopped first)."""
+    import shutil
+    import tempfile
+
+    stop_session_ray()
+    ray_tmp = Path(tempfile.mkdtemp(prefix="rt-", dir="/tmp"))  # Ray's socket paths must be short
+    storage = tmp_path_factory.mktemp("cold")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("OMP_NUM_THREADS", raising=False)  # conftest sets it for the other tests
+        r = run_cli("train", "--address", "local", "--workers", "1", *COLD_FLAGS, "--data",
+                    str(pydoc_data), "--storage", str(storage), "--name", "cold",
+                    env={"RAY_TMPDIR": str(ray_tmp)}, timeout=240)
+    yield SimpleNamespace(result=r, run_dir=storage / "cold", ray_tmp=ray_tmp)
+    shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
 TINY_RUN_ACTORS: list[str] = []  # the classes of the actors the shared tiny run started
 TINY_RUN_CONTROLLER_LIBS: list[str] = []  # the shared libraries its controller had loaded
 

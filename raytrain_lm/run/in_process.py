@@ -121,6 +121,7 @@ def run_local(cfg: TrainConfig, *, resume: bool = False, init_from: Optional[str
     cfg.workers, cfg.min_workers = ranks, None
     validate(cfg)  # the layout at this size: --tp x --pp divides the ranks
     use_gpus(cfg.use_gpu, local_ranks)
+    asked = cfg.cpus_per_worker  # None: this launch decides (launch_line); a resume decides again
     line = launch_line(cfg, ranks, local_ranks)
     if rank != 0:  # everything else is rank 0's (inputs, name, files)
         build_trainer(cfg, RunFolder(cfg.storage, cfg.name or "named-by-rank-0"), local=True).fit()
@@ -137,6 +138,7 @@ def run_local(cfg: TrainConfig, *, resume: bool = False, init_from: Optional[str
     if not force:
         check_memory(cfg, configured_memory_gb(cfg))
     with RunClaim(run):
+        run.write_json(files.CONFIG, {**cfg.to_dict(), "cpus_per_worker": asked})  # for --resume
         return _train(cfg, run, t_launch, previous, resume=resume, init_from=init_from,
                       force=force, say=say, on_metrics=on_metrics, trackers=trackers, figure=figure)
 
@@ -158,7 +160,6 @@ def _train(cfg: TrainConfig, run: RunFolder, t_launch: float, previous: dict, *,
     from raytrain_lm.ray_compat.callbacks import ForwardMetrics, KeepBest
     from raytrain_lm.run.tensorboard import TensorBoardLog
 
-    run.write_json(files.CONFIG, cfg.to_dict())  # for --resume
     follower = Follower(cfg, run, t_launch, previous, resume, say, on_metrics)
     follower.write_summary("running")
     follower.tracking = open_tracking(trackers, run, cfg.to_dict(), say, follower.log.rows)
