@@ -135,6 +135,7 @@ def main(argv=None) -> None:
     scaler = torch.amp.GradScaler(device.type, enabled=amp == torch.float16)
     peak = gpu_peak_tflops(device, cfg.peak_tflops)
     timer = StepTimer(device)
+    data_wait = 0.0  # seconds in next(stream) since the last log point
     loss_sum = torch.zeros((), device=device)
     loss_count = 0
     log = open(out / "metrics.jsonl", "w") if rank == 0 else None
@@ -149,7 +150,7 @@ def main(argv=None) -> None:
         for micro in range(cfg.grad_accum):
             t0 = time.perf_counter()
             x, y = next(stream)
-            timer.data_wait += time.perf_counter() - t0
+            data_wait += time.perf_counter() - t0
             sync = micro == cfg.grad_accum - 1
             with (nullcontext() if sync else model.no_sync()), ctx:
                 _, loss = model(x, y)
@@ -173,7 +174,7 @@ def main(argv=None) -> None:
             continue
 
         elapsed = timer.elapsed()
-        stats = torch.tensor([loss_sum.item(), loss_count, timer.data_wait], dtype=torch.float64,
+        stats = torch.tensor([loss_sum.item(), loss_count, data_wait], dtype=torch.float64,
                              device=device)
         dist.all_reduce(stats)
         mem = torch.tensor([peak_memory_gb(device)], device=device)
@@ -201,6 +202,7 @@ def main(argv=None) -> None:
         loss_sum.zero_()
         loss_count = 0
         timer.reset()
+        data_wait = 0.0
 
     if log:
         log.close()

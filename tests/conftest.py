@@ -496,12 +496,13 @@ def validation_as_read(cfg, byte_lengths):
 LLAMA_SETTINGS = ["model.arch=llama", "model.bias=false", "model.n_kv_head=2", "model.multiple_of=32"]
 
 
-def save_hf_llama(folder: Path, m, tokenizer_json: bytes, seed: int = 0, tied: bool = False):
+def save_hf_llama(folder: Path, m, tokenizer_json: bytes, seed: int = 0, tied: bool = False,
+                  max_shard_size: str = "50GB"):
     """A LlamaForCausalLM of `m`'s shape (a ModelConfig) with transformers' own random init,
     saved as a Hugging Face folder (safetensors, config.json) with `tokenizer_json`: a released
-    checkpoint in miniature, made here (nothing downloaded). `tied`: the head is the embedding
-    (tie_word_embeddings, as Llama 3.2 1B/3B; the folder holds no lm_head.weight). Returns the
-    model (eval mode)."""
+    checkpoint in miniature, made here (nothing downloaded). `tied`: tie_word_embeddings (no
+    lm_head.weight, as Llama 3.2 1B/3B); `max_shard_size` past the weights' size: shards and
+    model.safetensors.index.json, as every larger Hub model. Returns the model (eval mode)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -513,6 +514,6 @@ def save_hf_llama(folder: Path, m, tokenizer_json: bytes, seed: int = 0, tied: b
                          tie_word_embeddings=tied)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).eval()
-    model.save_pretrained(folder, safe_serialization=True)
+    model.save_pretrained(folder, safe_serialization=True, max_shard_size=max_shard_size)
     (Path(folder) / "tokenizer.json").write_bytes(tokenizer_json)
     return model

@@ -115,8 +115,8 @@ LLAMA_YAML = ("model:\n  arch: llama\n  bias: false\n  n_layer: 2\n  n_embd: 32\
 
 
 def hf_folder(tmp: Path) -> Path:
-    """Our Llama's weights under transformers' names (hf_llama.to_hf), as an export writes them,
-    with llama.yaml, the run's model settings, beside it."""
+    """Our Llama's weights under transformers' names (hf_llama.ADAPTER.to_hf), as an export writes
+    them, with llama.yaml, the run's model settings, beside it."""
     (tmp / "llama.yaml").write_text(LLAMA_YAML)
     return _copy_of("hf", _write_hf_folder, tmp / "hf")
 
@@ -132,9 +132,9 @@ def _write_hf_folder(folder: Path) -> None:
     (folder.parent / "llama.yaml").write_text(LLAMA_YAML)
     cfg = build_config(config_file=str(folder.parent / "llama.yaml")).model
     folder.mkdir()
-    save_file(hf_llama.to_hf(build_model(cfg, seed=0).state_dict(), cfg, 256),
+    save_file(hf_llama.ADAPTER.to_hf(build_model(cfg, seed=0).state_dict(), cfg, 256),
               str(folder / "model.safetensors"), metadata={"format": "pt"})
-    (folder / "config.json").write_text(json.dumps(hf_llama.hf_config(cfg, 256, None)))
+    (folder / "config.json").write_text(json.dumps(hf_llama.ADAPTER.hf_config(cfg, 256, None)))
     (folder / "tokenizer.json").write_text(byte_tokenizer_json())
 
 

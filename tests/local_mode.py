@@ -5,8 +5,9 @@ worker, accumulation, strategies, resumes across layouts), which are about torch
 Each rank is what `torchrun --nproc_per_node N cli.py train --workers 0` starts: a process with
 torchrun's variables (RANK, WORLD_SIZE, MASTER_ADDR/PORT, LOCAL_RANK, LOCAL_WORLD_SIZE) calling the
 product's `run/in_process.run_local` (Ray Train's local mode, ray_compat/local_controller.py):
-rank 0 checks and claims the run's folder and writes its files, every rank trains. Here rank 0's progress lines and
-metrics rows come back to the test through a queue, with its summary or any rank's traceback.
+rank 0 checks and claims the run's folder and writes its files, every rank trains. Here rank 0's
+progress lines and metrics rows come back to the test through a queue, with its summary or any
+rank's traceback; `kill_after` ends every rank right after a report, as a lost job.
 
 The ranks are forked from a fork server (a fresh Python process with the loop's modules imported
 once): never from the test process itself, which may hold a Ray driver's threads and sockets.
@@ -28,6 +29,11 @@ PRELOAD = ["raytrain_lm.worker.loop", "raytrain_lm.run.in_process",
            "raytrain_lm.ray_compat.local_controller", "raytrain_lm.ray_compat.trainer",
            "raytrain_lm.run.tensorboard", "local_mode"]
 _CTX = None
+KILLED = 75  # the exit code of a rank that kill_after stopped
+
+
+class Killed(RuntimeError):
+    """run_local's ranks were killed as asked (kill_after)."""
 
 
 def _context():
@@ -56,12 +62,16 @@ def _context():
     return _CTX
 
 
-def _rank_main(rank: int, world: int, port: int, cfg, kwargs: dict, ours: dict, out) -> None:
+def _rank_main(rank: int, world: int, port: int, cfg, kwargs: dict, ours: dict, out,
+               kill_after: Optional[int]) -> None:
     """One rank of a torchrun of `train --workers 0`: torchrun's variables and the test's own
     (`ours`: the RAYTRAIN_LM_* drills as the test process has them now; the fork server's
     environment is the one it started with), then the product."""
     from raytrain_lm.errors import RunFailed, UserError
     from raytrain_lm.run.in_process import run_local
+
+    if kill_after is not None:
+        _exit_after_report(kill_after, out)
 
     for key in [k for k in os.environ if k.startswith(PROJECT_ENV)]:
         del os.environ[key]
@@ -82,11 +92,32 @@ def _rank_main(rank: int, world: int, port: int, cfg, kwargs: dict, ours: dict, 
     os._exit(code)  # no atexit handlers of the modules the fork server imported
 
 
+def _exit_after_report(step: int, out) -> None:
+    """Make this rank exit (KILLED) as soon as its `ray.train.report` of `step` or a later step
+    has returned: the report's files are in and rank 0 has written its row (a report is a
+    barrier), then the process ends with no cleanup, as a lost job's."""
+    import ray.train
+
+    report = ray.train.report
+
+    def report_then_exit(metrics, *args, **kwargs):
+        report(metrics, *args, **kwargs)
+        if metrics.get("step", 0) >= step:
+            out.close()
+            out.join_thread()  # what this rank put is in the pipe
+            os._exit(KILLED)
+
+    ray.train.report = report_then_exit
+
+
 def run_local(cfg, *, resume: bool = False, init_from: Optional[str] = None, force: bool = False,
               on_metrics: Optional[Callable[[dict], None]] = None,
-              say: Callable[[str], None] = lambda m: None, timeout: float = 300) -> dict:
+              say: Callable[[str], None] = lambda m: None, timeout: float = 300,
+              kill_after: Optional[int] = None) -> dict:
     """`train --workers 0` of `cfg` under a torchrun of cfg.workers ranks. Returns rank 0's summary
-    (also in summary.json); a rank's failure raises with its traceback."""
+    (also in summary.json); a rank's failure raises with its traceback. `kill_after`: every rank
+    exits right after reporting that step (a lost job, its checkpoints as far as they got) and
+    `Killed` is raised: resume the run's folder with resume=True."""
     from raytrain_lm.cluster.connect import free_port
 
     assert isinstance(cfg.workers, int), "an elastic run needs Ray"
@@ -94,7 +125,7 @@ def run_local(cfg, *, resume: bool = False, init_from: Optional[str] = None, for
     out = ctx.Queue()
     kwargs = dict(resume=resume, init_from=init_from, force=force)
     ours = {k: v for k, v in os.environ.items() if k.startswith(PROJECT_ENV)}
-    ranks = [ctx.Process(target=_rank_main, args=(r, world, port, cfg, kwargs, ours, out))
+    ranks = [ctx.Process(target=_rank_main, args=(r, world, port, cfg, kwargs, ours, out, kill_after))
              for r in range(world)]
     for p in ranks:
         p.start()
@@ -105,7 +136,10 @@ def run_local(cfg, *, resume: bool = False, init_from: Optional[str] = None, for
                 got = out.get(timeout=1.0)
             except queue_mod.Empty:
                 dead = [r for r, p in enumerate(ranks) if p.exitcode is not None and r not in done]
-                if dead and out.empty():
+                killed = [r for r in dead if ranks[r].exitcode == KILLED]
+                if killed and out.empty():  # as asked: once every rank is gone
+                    error = "killed as asked" if len(dead) == world else None
+                elif dead and out.empty():
                     error = f"rank {dead[0]} died (exit code {ranks[dead[0]].exitcode})"
                 elif time.time() > deadline:
                     error = f"the ranks took over {timeout} s"
@@ -128,5 +162,5 @@ def run_local(cfg, *, resume: bool = False, init_from: Optional[str] = None, for
     if raised is not None:
         raise raised
     if error is not None:
-        raise RuntimeError(error)
+        raise (Killed if error == "killed as asked" else RuntimeError)(error)
     return summary

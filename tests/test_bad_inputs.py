@@ -128,6 +128,29 @@ CASES = [
         setup="checkpoint-truncated-shard"),
     Bad("generate ck -n 3", "ck/dcp/extra.bin is corrupted (no commit record vouches for it)",
         setup="checkpoint-extra-file"),
+    # a Hugging Face folder this project does not compute, or one a flag contradicts -------- issue 40
+    Bad("train --data {data} --init-from gemma", "--init-from gemma holds a 'gemma' model; --init-from "
+        "takes Hugging Face folders of model_type llama, qwen2, qwen3, mistral", setup="hf-gemma"),
+    Bad("plan --init-from gemma", "--init-from gemma holds a 'gemma' model", setup="hf-gemma"),
+    Bad("train --data {data} --init-from yarn", "--init-from yarn is a Qwen2ForCausalLM this project "
+        "cannot compute: rope_type 'yarn' (the rotary embeddings computed here: default, linear, "
+        "llama3)", setup="hf-yarn"),
+    Bad("train --data {data} --init-from qwen --set model.n_layer=4", "--set model.n_layer=4 "
+        "contradicts --init-from qwen, whose config.json makes model.n_layer=2: drop it (the "
+        "folder is the model)", setup="hf-qwen"),
+    # a Hugging Face folder that does not hold the model (issue 40) ---------------------------
+    Bad("train --data {data} --init-from hf",
+        "hf/model.safetensors.index.json names model-00002-of-00006.safetensors, which is not in "
+        "hf (a download cut short?)", setup="hf-missing-shard"),
+    Bad("train --data {data} --init-from hf", "model.layers.0.mlp.up_proj.weight in "
+        "model-00001-of-00006.safetensors has shape [128, 352], its config.json says [352, 128]",
+        setup="hf-wrong-shape"),
+    Bad("train --data {data} --init-from hf", "--init-from hf: its tokenizer.json is "
+        "not the dataset's tokenizer", setup="hf-other-tokenizer"),
+    Bad("export r --format hf --dtype fp16 --out x", "--dtype must be one of bf16, fp32, got 'fp16'"),
+    Bad("export r --format hf --max-shard-size 5XB --out x", "--max-shard-size must be a positive "
+                                                              "size such as 5GB"),
+    Bad("export r --dtype fp32 --out x", "--dtype and --max-shard-size are for --format hf"),
     # a second driver in one run folder ---------------------------------------------------- item 5
     Bad("train --data {data} --name r", "run 'r' in runs is in use by another driver (pid",
         setup="claimed", process=True),  # the claim is this process's: the driver another
@@ -238,6 +261,20 @@ CASES = [
         "config.json: it lacks lm_head.weight", setup="hf-weight-missing"),
     Bad("train --data {data} --config llama.yaml --init-from hf", "model.safetensors is not a "
         "safetensors file (its header is not JSON)", setup="hf-header-damaged"),
+    # a mixture of experts and expert parallelism (issue 43) ------------------------------------
+    Bad("train --data {data} --preset moe-tiny --ep 3", "--ep 3 must divide model.n_experts (4): each "
+                                                        "expert-parallel rank holds the same number of whole experts"),
+    Bad("train --data {data} --preset moe-tiny --workers 6 --ep 4",
+        "--ep 4 must divide the data-parallel size 6: expert parallelism splits the data-parallel ranks"),
+    Bad("train --data {data} --preset moe-tiny --tp 2 --ep 2", "--ep 2 must divide the data-parallel size 1"),
+    Bad("train --data {data} --preset moe-tiny --set model.top_k=5",
+        "model.top_k (5) must be between 1 and model.n_experts (4)"),
+    Bad("train --data {data} --preset moe-tiny --set model.n_experts=1",
+        "model.arch moe needs model.n_experts of 2 or more, got 1 (one expert is the llama: --arch llama)"),
+    Bad("train --data {data} --preset llama-tiny --ep 2",
+        "--ep 2 splits a mixture of experts (model.arch moe); model.arch llama has no experts: drop --ep"),
+    Bad("plan --preset mixtral-8x7b --gpus 16 --ep 3", "--ep 3 must divide model.n_experts (8)"),
+    Bad("plan --preset llama3-8b --gpus 16 --ep 2", "--ep 2 splits a mixture of experts (model.arch moe)"),
 ]
 
 
@@ -296,6 +333,32 @@ def _truncated(tmp: Path) -> None:
 
 def _extra_file(tmp: Path) -> None:
     (_checkpoint(tmp) / "dcp" / "extra.bin").write_bytes(b"x")
+
+
+def _hf_folder(tmp: Path, data: Path, damage: str) -> None:
+    """A Llama folder (llama-tiny's shape on `data`'s bytes), in 6 shards with an index, made by
+    transformers, then damaged."""
+    from safetensors.torch import load_file, save_file
+
+    from conftest import save_hf_llama
+    from raytrain_lm.config.load import build_config
+    from raytrain_lm.data.manifest import load_manifest
+    from raytrain_lm.data.tokenizer import byte_tokenizer_json, train_bpe
+    from raytrain_lm.run.preflight import fit_model_to_data
+
+    cfg = build_config(flags={"preset": "llama-tiny", "data": str(data)})
+    fit_model_to_data(cfg, load_manifest(data))
+    folder = tmp / "hf"
+    save_hf_llama(folder, cfg.model, byte_tokenizer_json().encode(), max_shard_size="700KB")
+    if damage == "missing-shard":
+        (folder / "model-00002-of-00006.safetensors").unlink()
+    elif damage == "wrong-shape":
+        name = "model.layers.0.mlp.up_proj.weight"
+        shard = folder / "model-00001-of-00006.safetensors"  # where transformers put it
+        tensors = load_file(shard)
+        save_file({**tensors, name: tensors[name].t().contiguous()}, shard, metadata={"format": "pt"})
+    else:
+        (folder / "tokenizer.json").write_bytes(train_bpe(["some words of text. " * 50], 300).raw)
 
 
 def _big_id(tmp: Path) -> None:
@@ -374,6 +437,17 @@ def _web_port(tmp: Path):
         server.close()
 
 
+def _hf_config_only(tmp: Path, name: str, **config) -> None:
+    """A Hugging Face folder's config.json (a small Qwen2's, with `config`) beside a weights
+    file: what is refused is read from config.json before any weight."""
+    (tmp / name).mkdir()
+    (tmp / name / "config.json").write_text(json.dumps({
+        "model_type": "qwen2", "vocab_size": 320, "hidden_size": 64, "intermediate_size": 96,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "max_position_embeddings": 128, **config}))
+    (tmp / name / "model.safetensors").write_bytes(b"")
+
+
 def _writer(fn):
     @contextlib.contextmanager
     def setup(tmp: Path, data: Path):
@@ -419,7 +493,13 @@ SETUPS = {
     "checkpoint-world-0": _writer(lambda tmp, data: _world_0(tmp)),
     "checkpoint-truncated-shard": _writer(lambda tmp, data: _truncated(tmp)),
     "checkpoint-extra-file": _writer(lambda tmp, data: _extra_file(tmp)),
+    **{f"hf-{damage}": _writer(lambda tmp, data, damage=damage: _hf_folder(tmp, data, damage))
+       for damage in ("missing-shard", "wrong-shape", "other-tokenizer")},
     "sweep-of-another-user": _writer(lambda tmp, data: _sweep_of_another_user(tmp)),
+    "hf-gemma": _writer(lambda tmp, data: _hf_config_only(tmp, "gemma", model_type="gemma")),
+    "hf-yarn": _writer(lambda tmp, data: _hf_config_only(
+        tmp, "yarn", rope_scaling={"rope_type": "yarn", "factor": 4.0})),
+    "hf-qwen": _writer(lambda tmp, data: _hf_config_only(tmp, "qwen")),
     "claimed": lambda tmp, data: _claimed(tmp),
     "web-port": lambda tmp, data: _web_port(tmp),
     **{name: _writer(lambda tmp, data, fn=fn: fn(tmp)) for name, fn in crafted.SETUPS.items()},
@@ -434,10 +514,13 @@ HOLDS = {
     "notes-and-run": "runs/r/, notes.md, notes.png (someone's PNG), link.png (a symlink to notes.md)",
     "claimed": "runs/r/ (another driver's claim)",
     "sweep-of-another-user": "runs/s/", "deep-jsonl": "deep.jsonl", "ints-parquet": "ints.parquet",
+    "hf-gemma": "gemma/ (a Gemma's Hugging Face folder)",
+    "hf-yarn": "yarn/ (a Qwen2 folder with yarn rope scaling)", "hf-qwen": "qwen/ (a Qwen2 folder)",
     **{k: "ds/ (its manifest changed)" for k in SETUPS if k.startswith("dataset-") and k != "dataset-and-notes"},
     **{k: "runs/r/ (a file of it damaged)" for k in SETUPS if k.startswith("run-")},
     **{k: "ck/ (a checkpoint, damaged)" for k in SETUPS if k.startswith("checkpoint-")},
     **crafted.HOLDS,
+    **{k: "hf/ (a Hugging Face folder, damaged)" for k in SETUPS if k.startswith("hf-")},
 }
 
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from conftest import cli_here
-from raytrain_lm.results.export import export_checkpoint_hf, export_hf
 from raytrain_lm.results.generate import sample
+from raytrain_lm.results.hf_export import export_checkpoint_hf, export_hf
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # nothing may be fetched from a hub
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
@@ -39,7 +39,7 @@ def exported(trained_here, tmp_path_factory):
     out = {}
     for kind, run in trained_here.items():
         out[kind] = tmp_path_factory.mktemp("hf") / kind
-        res = cli_here("export", str(run.ckpt), "--format", "hf", "--out", str(out[kind]))
+        res = cli_here("export", str(run.ckpt), "--format", "hf", "--dtype", "fp32", "--out", str(out[kind]))
         assert res.returncode == 0, res.stderr
     return out
 
@@ -220,8 +220,98 @@ def test_c_attn_reaches_gpt2_in_its_qkv_order(tmp_path):
                 p.normal_(0, 0.5, generator=torch.Generator().manual_seed(len(name)))
     rows = torch.arange(3 * 32)
     assert torch.equal(qkv_interleaved_to_gpt2(qkv_gpt2_to_interleaved(rows, 4), 4), rows)  # inverse
-    export_hf(model.state_dict(), cfg, ByteTokenizer(), tmp_path / "hf")
+    export_hf(model.state_dict(), cfg, ByteTokenizer(), tmp_path / "hf", dtype="fp32")
     hf = GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
     idx = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         assert (full_logits(model, idx) - hf(idx).logits).abs().max().item() < 1e-5
+
+
+def test_a_sharded_bf16_export_is_what_transformers_loads(trained_here, tmp_path):
+    """The default dtype (bf16, as the Hub's) in shards of at most --max-shard-size, named by
+    model.safetensors.index.json, written a tensor at a time: transformers loads it
+    (AutoModelForCausalLM, AutoTokenizer) and computes our model's logits with its weights
+    rounded to bf16; --force replaces a sharded export."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from raytrain_lm.models import build_model
+
+    run = trained_here["llama"]
+    out = tmp_path / "hf"
+    res = cli_here("export", str(run.ckpt), "--format", "hf", "--max-shard-size", "100KB", "--out", str(out))
+    assert res.returncode == 0, res.stderr
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(p.name for p in out.glob("model-*.safetensors"))
+    assert len(shards) >= 3 and set(index["weight_map"].values()) == set(shards)
+    assert not (out / "model.safetensors").exists()
+    sizes = {}
+    for name in shards:
+        with safe_open(out / name, "pt") as f:
+            assert f.metadata()["source"] == "raytrain-lm/gpt-2"
+            sizes[name] = sum(f.get_tensor(k).nbytes for k in f.keys())
+            assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
+            assert all(index["weight_map"][k] == name for k in f.keys())
+    # each shard closes before the tensor that would take it past 100 kB (one larger is alone)
+    largest = max(t.numel() * 2 for t in run.model.state_dict().values())
+    assert all(size <= max(100_000, largest) for size in sizes.values())
+    assert index["metadata"]["total_size"] == sum(sizes.values())
+    V = run.tok.vocab_size
+    hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    rounded = build_model(run.cfg.model)
+    rounded.load_state_dict({k: v.bfloat16().float() for k, v in run.model.state_dict().items()})
+    idx = torch.randint(0, V, (2, 64), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        assert (full_logits(rounded.eval(), idx)[..., :V] - hf(idx).logits).abs().max().item() < 1e-5
+    tok = AutoTokenizer.from_pretrained(out)
+    assert tok.eos_token == tok.bos_token == "<|endoftext|>" == run.tok.token_bytes(run.tok.eot_id).decode()
+    res = cli_here("export", str(run.ckpt), "--format", "hf", "--dtype", "fp32", "--out", str(out), "--force")
+    assert res.returncode == 0, res.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors",
+                                                     "tokenizer.json", "tokenizer_config.json"]
+
+
+def test_export_reads_the_checkpoint_one_tensor_at_a_time(trained_here, tmp_path, monkeypatch):
+    """Each of the model's tensors is read from dcp/ alone, once (a tied one once), and is the
+    checkpoint's: what keeps export's memory to a few tensors whatever the model's size (the
+    figure: bench/hf_load.py)."""
+    from raytrain_lm.store import checkpoint_format
+
+    run = trained_here["bpe"]
+    reads = []
+    real = checkpoint_format.read_model_tensor
+
+    def counting(folder, name, shape, dtype):
+        reads.append(name)
+        return real(folder, name, shape, dtype)
+
+    monkeypatch.setattr(checkpoint_format, "read_model_tensor", counting)
+    export_checkpoint_hf(run.ckpt, tmp_path / "hf", dtype="fp32")
+    assert sorted(reads) == sorted(n for n, _ in run.model.named_parameters())  # wte once: tied
+
+
+def test_bos_and_eos_come_from_the_tokenizer_file():
+    """<|endoftext|> is both (GPT-2, Qwen); a Llama 3-style file (a post-processor that puts
+    <|begin_of_text|> first, <|end_of_text|> as its end) gives each its own; the byte tokenizer
+    has none."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, processors
+
+    from raytrain_lm.data.tokenizer import BPETokenizer, ByteTokenizer, bytes_to_unicode
+    from raytrain_lm.results.hf_export import special_tokens
+
+    def file(specials, post_processor):
+        tok = HFTokenizer(models.BPE(vocab={c: i for i, c in enumerate(bytes_to_unicode().values())},
+                                     merges=[]))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        tok.decoder = decoders.ByteLevel()
+        tok.add_special_tokens(specials)
+        tok.post_processor = post_processor
+        return BPETokenizer("tokenizer.json", raw=tok.to_str().encode())
+
+    llama3 = file(["<|begin_of_text|>", "<|end_of_text|>"], processors.TemplateProcessing(
+        single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", 256)]))
+    assert special_tokens(llama3) == (256, 257)
+    assert special_tokens(file(["<|endoftext|>", "<|im_end|>"], processors.ByteLevel())) == (256, 256)
+    assert special_tokens(ByteTokenizer()) == (None, None)

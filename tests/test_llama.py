@@ -63,10 +63,23 @@ def hf_twin(model, attn="sdpa"):
     from raytrain_lm.models.llama import hf_llama
 
     cfg = model.cfg
-    hf = LlamaForCausalLM(LlamaConfig(**hf_llama.hf_config(cfg, cfg.vocab_size, None)))
-    hf.load_state_dict(hf_llama.to_hf(model.state_dict(), cfg, cfg.vocab_size), strict=True)
+    hf = LlamaForCausalLM(LlamaConfig(**hf_llama.ADAPTER.hf_config(cfg, cfg.vocab_size, None)))
+    hf.load_state_dict(hf_llama.ADAPTER.to_hf(model.state_dict(), cfg, cfg.vocab_size), strict=True)
     hf.config._attn_implementation = attn
     return hf.eval()
+
+
+def test_expected_tensors_are_the_shapes_transformers_builds():
+    """What the driver checks a folder's headers against (HFAdapter.expected_tensors, arithmetic
+    with no torch) is every tensor of the LlamaForCausalLM of that config, name for name."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from raytrain_lm.models.llama.hf_llama import ADAPTER
+
+    config = ADAPTER.hf_config(SMALL, SMALL.vocab_size, None)
+    hf = LlamaForCausalLM(LlamaConfig(**config))
+    shapes, optional = ADAPTER.expected_tensors(config, SMALL, "here")
+    assert shapes == {k: tuple(v.shape) for k, v in hf.state_dict().items()} and optional == set()
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
@@ -172,16 +185,14 @@ def with_model(cfg, **model):
 
 def test_init_from_hf_next_step_loss_is_the_hf_models(hf_llama):
     """The weights --init-from loads into the model as a rank holds it (the worker's
-    checkpointer.load_hf_weights): its loss on a training batch is transformers' on the same
+    hf_load.load_hf_weights): its loss on a training batch is transformers' on the same
     batch."""
-    from types import SimpleNamespace
-
-    from raytrain_lm.worker.checkpointer import load_hf_weights
+    from raytrain_lm.worker.hf_load import load_hf_weights
 
     folder, hf, run = hf_llama
     cfg = with_model(run.cfg, vocab_size=1000)
     model = build_model(cfg.model, seed=0)
-    load_hf_weights(folder, SimpleNamespace(parts=[model]))
+    load_hf_weights(folder, [model], cfg.model)
     x, y = batches_as_read(cfg).next()
     with torch.no_grad():
         ours = model(x, y)[1].item()
@@ -190,8 +201,9 @@ def test_init_from_hf_next_step_loss_is_the_hf_models(hf_llama):
 
 
 def test_init_from_hf_checks_shape_and_tokenizer(hf_llama, tmp_path):
-    """Before any worker starts: the shape (with the settings that would match), the vocabulary,
-    the tokenizer (byte for byte the dataset's) and what llama.py cannot compute."""
+    """Before any worker starts: the model of a config made otherwise than from the folder (the
+    folder's values against the run's), the tokenizer (byte for byte the dataset's) and what
+    llama.py cannot compute."""
     from raytrain_lm.data.manifest import load_manifest
     from raytrain_lm.run.preflight import check_hf_init_from
 
@@ -199,7 +211,7 @@ def test_init_from_hf_checks_shape_and_tokenizer(hf_llama, tmp_path):
     manifest = load_manifest(run.data)
     cfg = with_model(run.cfg, vocab_size=1000)
     assert check_hf_init_from(folder, cfg.model, manifest) == str(folder.resolve())
-    with pytest.raises(UserError, match=r"vocab_size: 1000 vs 1024\).*--set model.vocab_size=1000"):
+    with pytest.raises(UserError, match=r"another model \(vocab_size: 1000 vs 1024: the folder's vs"):
         check_hf_init_from(folder, run.cfg.model, manifest)  # the padded vocabulary
     wide = with_model(run.cfg, vocab_size=1000, n_kv_head=4)
     with pytest.raises(UserError, match="n_kv_head: 2 vs 4"):
@@ -213,27 +225,26 @@ def test_init_from_hf_checks_shape_and_tokenizer(hf_llama, tmp_path):
         check_hf_init_from(other, cfg.model, manifest)
     config = json.loads((folder / "config.json").read_text())
     (other / "config.json").write_text(json.dumps({**config, "rope_parameters": {
-        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0}}))
-    with pytest.raises(UserError, match="rope_type 'llama3'"):
+        "rope_type": "yarn", "rope_theta": 500000.0, "factor": 8.0}}))
+    with pytest.raises(UserError, match="rope_type 'yarn' \\(the rotary embeddings computed here"):
         check_hf_init_from(other, cfg.model, manifest)
-    (other / "config.json").write_text(json.dumps({**config, "model_type": "mistral"}))
-    with pytest.raises(UserError, match="holds a 'mistral' model"):
+    (other / "config.json").write_text(json.dumps({**config, "model_type": "gemma"}))
+    with pytest.raises(UserError, match="holds a 'gemma' model"):
         check_hf_init_from(other, cfg.model, manifest)
 
 
 def test_a_tied_hf_llama_gives_transformers_logits(tmp_path):
     """A tied folder (tie_word_embeddings, no lm_head.weight in it, as transformers saves Llama
     3.2 1B/3B and small Qwens) passes the checks before launch and loads with its embedding as
-    the head: the logits are transformers' own. An untied folder lacking the head is refused."""
-    from types import SimpleNamespace
-
+    the head (one parameter): the logits are transformers' own. An untied folder lacking the
+    head is refused."""
     from safetensors import safe_open
 
     from raytrain_lm.data.tokenizer import byte_tokenizer_json
     from raytrain_lm.run.preflight import check_hf_init_from
-    from raytrain_lm.worker.checkpointer import load_hf_weights
+    from raytrain_lm.worker.hf_load import load_hf_weights
 
-    m = ModelConfig(**{**vars(SMALL), "vocab_size": 256})
+    m = ModelConfig(**{**vars(SMALL), "vocab_size": 256, "tie_embeddings": True})
     folder = tmp_path / "tied"
     hf = save_hf_llama(folder, m, byte_tokenizer_json().encode(), seed=5, tied=True)
     with safe_open(folder / "model.safetensors", "pt") as f:
@@ -241,36 +252,41 @@ def test_a_tied_hf_llama_gives_transformers_logits(tmp_path):
     manifest = {"tokenizer": {"type": "byte", "vocab_size": 256}}
     assert check_hf_init_from(folder, m, manifest) == str(folder.resolve())
     model = build_model(m, seed=0).eval()
-    load_hf_weights(folder, SimpleNamespace(parts=[model]))
+    load_hf_weights(folder, [model], m)
     x = torch.randint(256, (2, 24), generator=torch.Generator().manual_seed(0))
+    assert model.lm_head.weight is model.wte.weight  # one parameter, as the folder's
     with torch.no_grad():
         assert (model(x, targets=x)[0] - hf(x).logits).abs().max().item() < 1e-5
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": False}))
     with pytest.raises(UserError, match="it lacks lm_head.weight"):
-        check_hf_init_from(folder, m, manifest)
+        check_hf_init_from(folder, ModelConfig(**{**vars(m), "tie_embeddings": False}), manifest)
 
 
-def test_train_refuses_an_hf_folder_of_another_shape_in_one_line(hf_llama, tmp_path):
+def test_train_refuses_a_preset_that_contradicts_the_folder_in_one_line(hf_llama, tmp_path):
+    """--init-from takes the model from the folder's config.json: a --preset whose model is
+    another is refused in one line naming both values, before anything is written."""
     folder, _, run = hf_llama
     r = cli_here("train", "--data", str(run.data), "--storage", str(tmp_path / "runs"), "--preset",
-                "llama-tiny", "--init-from", str(folder))
-    assert_clean_error(r, "is another model shape")
+                 "llama-tiny", "--init-from", str(folder))
+    assert_clean_error(r, f"--preset llama-tiny (model.block_size=256) contradicts --init-from "
+                          f"{folder}, whose config.json makes model.block_size=128")
     assert not (tmp_path / "runs").exists()
 
 
 def test_an_export_imports_back(trained_here, tmp_path):
     """ours -> Hugging Face -> ours: the weights come back (the padding rows of the vocabulary
     aside, which the export drops)."""
-    from raytrain_lm.results.export import export_hf
-    from raytrain_lm.worker.checkpointer import hf_weights
+    from raytrain_lm.results.hf_export import export_hf
+    from raytrain_lm.worker.hf_load import load_hf_weights
 
     run = trained_here["llama"]
-    export_hf(run.model.state_dict(), run.cfg.model, run.tok, tmp_path / "hf")
-    back = hf_weights(tmp_path / "hf")
+    export_hf(run.model.state_dict(), run.cfg.model, run.tok, tmp_path / "hf", dtype="fp32")
     V = run.tok.vocab_size
+    back = build_model(with_model(run.cfg, vocab_size=V).model, seed=1)
+    load_hf_weights(tmp_path / "hf", [back], back.cfg)
     for name, t in run.model.state_dict().items():
-        assert torch.equal(back[name], t[:V] if name in ("wte.weight", "lm_head.weight") else t), name
+        assert torch.equal(back.state_dict()[name], t[:V] if name in ("wte.weight", "lm_head.weight") else t), name
 
 
 # ---------------------------------------------------------------- the planner

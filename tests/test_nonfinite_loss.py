@@ -27,6 +27,9 @@ class Step:  # what Meter.row reads of the step
     def take_data_wait(self):
         return 0.0
 
+    def moe_metrics(self):  # a dense model's
+        return None
+
 
 def meter(scaler_skips: bool = False) -> Meter:
     return Meter(torch.device("cpu"), 1, 1.0, None, 6, 0.0, scaler_skips=scaler_skips)

@@ -79,6 +79,9 @@ def test_meter_gives_the_interval_step_time_for_the_pace():
         def take_data_wait(self):
             return 0.25
 
+        def moe_metrics(self):
+            return None
+
     meter = Meter(torch.device("cpu"), 1, 1.0, None, 6, 0.0)
     for _ in range(4):
         meter.add_step(torch.tensor(1.0), 10)

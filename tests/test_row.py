@@ -48,6 +48,9 @@ def test_the_meters_row_has_only_declared_keys():
         def take_data_wait(self):
             return 0.0
 
+        def moe_metrics(self):  # a mixture of experts' keys are declared too
+            return {"aux_loss": 1.0, "z_loss": 0.0, "expert_load": [1.2, 1.1]}
+
     meter = Meter(torch.device("cpu"), 1, 1.0, None, 6, 0.0)
     meter.add_step(torch.tensor(1.0), 10)
     assert set(meter.row(1, 1e-3, 1.0, Step())) <= ROW_KEYS

@@ -144,7 +144,16 @@ def export(
     out: str = typer.Option(..., help="Local folder to write the model into."),
     format: str = typer.Option("native", "--format", help="native: model.safetensors + "
                                "config.json for plain PyTorch and models/; hf: a Hugging Face "
-                               "GPT-2 folder (AutoModelForCausalLM / AutoTokenizer load it)."),
+                               "folder of the model's own class (GPT2LMHeadModel, "
+                               "LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
+                               "MistralForCausalLM), which AutoModelForCausalLM and "
+                               "AutoTokenizer load."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="hf: the weights' dtype, bf16 (as "
+                                        "the Hub's) or fp32 (exactly the checkpoint's) [default: bf16]."),
+    max_shard_size: Optional[str] = typer.Option(None, "--max-shard-size", help="hf: the largest "
+                                                 "weight file, e.g. 5GB, 500MB, 2GiB; a larger model "
+                                                 "is split into shards named by "
+                                                 "model.safetensors.index.json [default: 5GB]."),
     best: bool = BEST,
     force: bool = typer.Option(False, help="Replace --out if it exists."),
     storage: str = STORAGE,
@@ -154,21 +163,34 @@ def export(
     """Write a checkpoint's weights: safetensors + config JSON (plain PyTorch), or `--format hf`
     for Hugging Face transformers. A BPE's tokenizer.json goes along."""
     from raytrain_lm.results.export import (
+        DEFAULT_MAX_SHARD,
         FORMATS,
+        check_dtype_name,
         check_out,
         export_checkpoint,
-        export_checkpoint_hf,
+        parse_size,
     )
     from raytrain_lm.store.runs import find_checkpoint
 
     if format not in FORMATS:
         raise UserError(f"--format must be one of {', '.join(FORMATS)}, got {format!r}")
+    if format == "hf":
+        dtype, max_shard_size = dtype or "bf16", max_shard_size or DEFAULT_MAX_SHARD
+        check_dtype_name(dtype)
+        parse_size(max_shard_size)
+    elif dtype or max_shard_size:
+        raise UserError("--dtype and --max-shard-size are for --format hf (native keeps the "
+                        "checkpoint's fp32 in one file)")
     check_out(out, force)  # before a checkpoint is looked for or copied
     out = Path(out)
     found = find_checkpoint(model, storage, best=best, say=warn)
     try:
         if format == "hf":
-            config = export_checkpoint_hf(found.path, out, force=force, meta=found.meta)
+            from raytrain_lm.results.hf_export import export_checkpoint_hf
+
+            say = None if quiet or as_json else (lambda m: typer.echo(paint(m, "dim", sys.stderr), err=True))
+            config = export_checkpoint_hf(found.path, out, force=force, meta=found.meta, dtype=dtype,
+                                          max_shard_size=max_shard_size, say=say)
         else:
             config = export_checkpoint(found.path, out, source=found.source, force=force, meta=found.meta)
     finally:

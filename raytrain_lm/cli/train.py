@@ -33,18 +33,20 @@ from raytrain_lm.plan.estimate import check_cluster
 from raytrain_lm.plan.kinds import DEFAULT_KIND, kind_cluster, kinds
 from raytrain_lm.plan.printout import plan_command
 from raytrain_lm.results.tables import progress_line, results_table
+from raytrain_lm.store.hf_folder import folder_model
 from raytrain_lm.tune.lr_scaling import apply_lr_scaling
 
-ARCH = typer.Option(None, help="The model's architecture: gpt (GPT-2) or llama (RMSNorm, "
-                    "rotary positions, SwiGLU, grouped-query attention, untied head; no biases) "
-                    "[default: the preset's]. The preset's shape in the other architecture; "
-                    "model.* settings (--set) choose the rest.")
+ARCH = typer.Option(None, help="The model's architecture: gpt (GPT-2), or llama (RMSNorm, "
+                    "rotary positions, SwiGLU, grouped-query attention; no biases), qwen2 (a "
+                    "Llama with q/k/v biases), qwen3 (per-head q/k norms) or mistral (a sliding "
+                    "window, model.sliding_window) [default: the preset's]. The preset's shape "
+                    "in that architecture; model.* settings (--set) choose the rest.")
 # `--workers` is train's own option (N or MIN-MAX), not generated from the setting.
 TRAIN_SETTINGS = ("use_gpu", "preset", "data", "max_steps", "batch_size", "seq_len", "lr",
                   "grad_accum", "log_every", "log_seconds", "eval_every", "checkpoint_every",
                   "keep_checkpoints",
                   "checkpoint_upload", "max_failures", "max_preemptions", "resize_interval",
-                  "seed", "compile", "strategy", "tp", "pp", "microbatches", "pp_schedule",
+                  "seed", "compile", "strategy", "tp", "pp", "ep", "microbatches", "pp_schedule",
                   "virtual_stages", "layout", "gpus_per_node", "gpu_memory_gb",
                   "sequence_parallel", "activation_checkpointing", "precision", "name", "storage",
                   "address", "scale_timeout")
@@ -70,6 +72,7 @@ def workers_value(text: str):
                              "python cli.py train --workers 4 --pp 2 --microbatches 8 --pp-schedule 1f1b",
                              "python cli.py train --workers 8 --tp 2 --pp 2 --strategy fsdp",
                              "python cli.py train --workers 16 --use-gpu --preset llama3-8b --layout auto",
+                             "python cli.py train --init-from Llama-3.2-1B --data data/llama3 --use-gpu --layout auto",
                              "python cli.py train --config best.yaml --set model.dropout=0.1",
                              "python cli.py train --config best.yaml --workers 8 --scale-lr sqrt",
                              "python cli.py train --name my-run --resume",
@@ -89,8 +92,10 @@ def train(
     config: ConfigPath = CONFIG_FILE,
     set_: SetList = SET,
     resume: bool = typer.Option(False, help="Continue the run --name from its latest checkpoint."),
-    init_from: Optional[Path] = typer.Option(None, help="Start from this checkpoint's weights (a "
-                                             "checkpoint, or a run: its best) with a fresh optimizer."),
+    init_from: Optional[Path] = typer.Option(None, help="Start from these weights with a fresh "
+                                             "optimizer: a checkpoint, a run (its best), or a "
+                                             "Hugging Face folder (Llama, Qwen2, Qwen3, Mistral), "
+                                             "whose config.json is the model."),
     arch: Optional[str] = ARCH,
     scale_lr: str = typer.Option("none", help="Scale lr to this run's global batch from the one it was "
                                  "chosen at (ref_batch_tokens): none, linear or sqrt (recommended for AdamW)."),
@@ -101,7 +106,8 @@ def train(
     quiet: bool = QUIET,
     as_json: bool = JSON,
 ) -> None:
-    """Train a GPT or Llama model with Ray Train (DDP over gloo on CPU, NCCL on GPU)."""
+    """Train a GPT, Llama, Qwen2, Qwen3 or Mistral model with Ray Train (DDP over gloo on CPU,
+    NCCL on GPU)."""
     from raytrain_lm.run.driver import run_training, saved_config
 
     local = workers is not None and str(workers) == "0"  # Ray Train's local mode (run/in_process.py)
@@ -118,7 +124,7 @@ def train(
         settings = {**settings, "storage": settings["storage"] or default_storage()}
         base = saved_config(settings["storage"], settings["name"])
     cfg = build_config(config_file=str(config) if config else None, flags=settings, sets=set_,
-                       base=base)
+                       base=base, folder=folder_model(init_from) if init_from else None)
     worker_env = parse_env(worker_env or [])
     if local:
         from raytrain_lm.run.in_process import check_local, run_local
@@ -181,6 +187,8 @@ def train_paths(args: list[str]) -> dict:
 
 
 @app.command(epilog=examples("python cli.py plan --preset gpt2 --gpus 8",
+                             "python cli.py plan --preset qwen2.5-7b --gpus 16 --gpu-memory-gb 80",
+                             "python cli.py plan --init-from Llama-3.2-1B --gpus 8",
                              "python cli.py plan --preset gpt-70b --gpus 64 --gpus-per-node 8 --gpu-memory-gb 80",
                              "python cli.py plan --preset gpt-70b --gpus 512 --tp 8 --strategy fsdp --json",
                              "python cli.py plan --preset llama3-8b --gpus 8 --explain tp=1,pp=1,strategy=fsdp",
@@ -196,7 +204,10 @@ def train_paths(args: list[str]) -> dict:
                              "4 in fp32; auto: bf16 on GPU, fp32 with --cpu."})
 def plan(
     settings: dict,
-    preset: str = typer.Option("gpt2", help="Model preset (any field overridable with --set)."),
+    preset: Optional[str] = typer.Option(None, help="Model preset (any field overridable with "
+                                         "--set) [default: gpt2, or --init-from's model]."),
+    init_from: Optional[Path] = typer.Option(None, help="Plan the model of this Hugging Face "
+                                             "folder (its config.json)."),
     gpus: int = typer.Option(8, "--gpus", "--workers", help="GPUs (workers) in all."),
     gpu: str = typer.Option(DEFAULT_KIND, "--gpu", help="The GPU kind, whose peak, memory, HBM, "
                             "links, node and achievable rates the plan takes (raytrain_lm/plan/"
@@ -231,6 +242,9 @@ def plan(
                                                   "power-capped part]."),
     tp: Optional[int] = typer.Option(None, help="Only layouts with this tensor-parallel degree."),
     pp: Optional[int] = typer.Option(None, help="Only layouts with this many pipeline stages."),
+    ep: Optional[int] = typer.Option(None, help="A mixture of experts: only layouts with this "
+                                     "expert-parallel degree [default: every one that divides the "
+                                     "data-parallel size and the experts]."),
     strategy: Optional[str] = typer.Option(None, help="Only layouts whose data-parallel dimension is "
                                            "this: ddp, zero1, zero2 or fsdp."),
     virtual_stages: Optional[int] = typer.Option(None, help="Only pipelines of interleaved-1f1b "
@@ -260,9 +274,18 @@ def plan(
                            peak_fraction=peak_fraction, gpu=not cpu,
                            precision=settings.get("precision") or "auto")
     check_cluster(cluster)
-    preset_vocab = PRESETS.get(preset, {}).get("model", {}).get("vocab_size")
-    model = {"vocab_size": vocab_size or preset_vocab or 50304, **({"arch": arch} if arch else {})}
-    cfg = build_config(preset=preset, sets=set_, flags={**settings, "workers": gpus, "model": model})
+    folder = folder_model(init_from) if init_from else None
+    if init_from and folder is None:
+        raise UserError(f"--init-from {init_from} is not a Hugging Face model folder (config.json "
+                        f"and safetensors): plan takes one, or --preset")
+    if folder is None:
+        preset = preset or "gpt2"
+        preset_vocab = PRESETS.get(preset, {}).get("model", {}).get("vocab_size")
+        vocab_size = vocab_size or preset_vocab or 50304
+    model = {**({"vocab_size": vocab_size} if vocab_size else {}), **({"arch": arch} if arch else {})}
+    cfg = build_config(preset=preset, sets=set_, flags={**settings, "workers": gpus, "model": model},
+                       folder=folder)
     typer.echo(plan_command(cfg, cluster, tp=tp, pp=pp, strategy=strategy, top=top,
                             show_all=show_all, as_json=as_json, global_batch=global_batch,
-                            virtual_stages=virtual_stages, explain=explain))
+                            virtual_stages=virtual_stages, explain=explain, ep=ep,
+                            name=f"the {cfg.model.arch} of {init_from}" if folder else None))

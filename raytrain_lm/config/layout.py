@@ -101,8 +101,8 @@ class Layout:
         `pipelined`: a schedule and its microbatches even at --pp 1 (one process running a
         pipeline's code: parallelize's `force`)."""
         world = cfg.workers if world is None else world
-        if cfg.tp < 1 or cfg.pp < 1:
-            raise UserError(f"--tp and --pp must be at least 1, got {cfg.tp} and {cfg.pp}")
+        if cfg.tp < 1 or cfg.pp < 1 or cfg.ep < 1:
+            raise UserError(f"--tp, --pp and --ep must be at least 1, got {cfg.tp}, {cfg.pp} and {cfg.ep}")
         if world % (cfg.tp * cfg.pp):
             raise UserError(f"--workers {world} must be a multiple of --tp x --pp = "
                             f"{cfg.tp * cfg.pp}: the data-parallel size is workers / (tp x pp)")
@@ -124,7 +124,7 @@ class Layout:
         dp = world // (cfg.tp * cfg.pp)
         common = dict(dp=dp, tp=cfg.tp, pp=cfg.pp, strategy=cfg.strategy,
                       ac=cfg.activation_checkpointing, sp=cfg.sequence_parallel, seq_len=cfg.seq_len,
-                      virtual=cfg.virtual_stages or DEFAULT_VIRTUAL)
+                      virtual=cfg.virtual_stages or DEFAULT_VIRTUAL, ep=cfg.ep)
         if cfg.pp == 1 and not pipelined:
             return cls(schedule="-", micro_batch=cfg.batch_size, microbatches=cfg.grad_accum, **common)
         n = cfg.microbatches or 2 * cfg.pp * (common["virtual"] if cfg.pp_schedule == "interleaved-1f1b" else 1)
@@ -139,7 +139,7 @@ class Layout:
     def apply(self, cfg: TrainConfig) -> None:
         """Set cfg's layout settings to this layout (the data-parallel size follows from
         --workers; the global batch is workers x batch-size x grad-accum either way)."""
-        cfg.tp, cfg.pp, cfg.strategy = self.tp, self.pp, self.strategy
+        cfg.tp, cfg.pp, cfg.ep, cfg.strategy = self.tp, self.pp, self.ep, self.strategy
         cfg.activation_checkpointing, cfg.sequence_parallel = self.ac, self.sp
         if self.pp > 1:
             cfg.pp_schedule, cfg.batch_size, cfg.microbatches, cfg.grad_accum = \
@@ -153,6 +153,8 @@ class Layout:
         """This layout as `train` flags (the data-parallel size follows from --workers)."""
         out = [f"--tp {self.tp}", f"--pp {self.pp}", f"--strategy {self.strategy}",
                f"--activation-checkpointing {self.ac}"]
+        if self.ep > 1:
+            out.append(f"--ep {self.ep}")
         if self.sp:
             out.append("--sequence-parallel")
         if self.pp > 1:
@@ -270,7 +272,8 @@ class Layout:
     def replicated(self) -> bool:
         """A whole model on every rank, trained by DDP (Ray Train's prepare_model): no tp, no pp,
         and a strategy without FSDP2 (or one rank, with nothing to shard over)."""
-        return self.tp == 1 and self.pp == 1 and (not STRATEGIES[self.strategy].fsdp or self.dp == 1)
+        return self.tp == 1 and self.pp == 1 and self.ep == 1 and \
+            (not STRATEGIES[self.strategy].fsdp or self.dp == 1)
 
     @property
     def by_fsdp(self) -> bool:
@@ -308,8 +311,16 @@ class Layout:
     @property
     def mesh_shape(self) -> dict[str, int]:
         """The device mesh's dims, outermost first (parallel/mesh.py builds it); a rank's place
-        in it is `coords`."""
+        in it is `coords`. With expert parallelism dp is two dims, edp x ep (ep innermost: an
+        expert-parallel group is ep consecutive dp ranks), and "dp" their flattening."""
+        if self.ep > 1:
+            return {"pp": self.pp, "edp": self.dp // self.ep, "ep": self.ep, "tp": self.tp}
         return {"pp": self.pp, "dp": self.dp, "tp": self.tp}
+
+    @property
+    def mesh_dims(self) -> tuple[str, ...]:
+        """Every dim a part of the model is placed on: the mesh's, and "dp" where it is flattened."""
+        return tuple(self.mesh_shape) + (("dp",) if self.ep > 1 else ())
 
     def coords(self, rank: int) -> Coords:
         """Where `rank` sits in the mesh, row-major over mesh_shape (tp innermost), without
@@ -320,4 +331,4 @@ class Layout:
     @property
     def blocks(self) -> dict[str, int]:
         """Each dimension's groups as aligned blocks of consecutive ranks (parallel/mesh.py)."""
-        return {"tp": self.tp, "dp": self.dp * self.tp, "pp": self.gpus}
+        return {"tp": self.tp, "dp": self.dp * self.tp, "ep": self.ep * self.tp, "pp": self.gpus}

@@ -1,6 +1,8 @@
 """A run's TrainConfig from its sources: a preset, a config file, CLI flags and `--set key=value`.
 
-Precedence (later wins): dataclass defaults < preset < config file < CLI flags < --set.
+Precedence (later wins): dataclass defaults < preset < config file < CLI flags < --set; with
+--init-from a Hugging Face folder, its config.json's model replaces the preset's and no later
+layer may contradict it.
 Every layer goes through `settings.apply_overrides`; the result is checked (checks.py)."""
 
 from __future__ import annotations
@@ -10,10 +12,11 @@ from pathlib import Path
 from typing import Any, Optional
 
 from raytrain_lm.config.checks import check_resumable, validate
-from raytrain_lm.config.presets import preset_config
+from raytrain_lm.config.presets import PRESETS, preset_config
 from raytrain_lm.config.settings import TrainConfig, apply_overrides
 from raytrain_lm.errors import UserError, brief
 from raytrain_lm.models import FAMILIES
+from raytrain_lm.models.family import ModelConfig
 
 
 def parse_set_args(items: list[str]) -> dict[str, Any]:
@@ -96,34 +99,71 @@ def build_config(
     flags: Optional[dict[str, Any]] = None,
     sets: Optional[list[str]] = None,
     base: Optional[dict[str, Any]] = None,
+    folder: Optional[tuple[str, dict[str, Any]]] = None,
 ) -> TrainConfig:
     """Layer preset < file < flags < --set into one validated TrainConfig.
 
     With `base` (a resumed run's saved config) the layers apply on top of it instead of a
-    preset, and the model itself may not change."""
+    preset, and the model itself may not change. With `folder` ((where, the model fields of a
+    Hugging Face folder's config.json): --init-from) the folder is the model: its fields replace
+    the preset's (a preset given by name must agree with them; none given: the preset of the
+    same model, if one is, else the default preset's training settings), and a file, flag or
+    --set that contradicts one of them is refused, naming both values."""
     file_data = load_config_file(config_file) if config_file else {}
     flags = {k: v for k, v in (flags or {}).items() if v is not None}
     set_data = parse_set_args(sets or [])
+    asked = preset or flags.get("preset") or set_data.get("preset") or file_data.get("preset")
+    if asked is not None and not isinstance(asked, str):
+        raise UserError(f"preset must be the name of one, got {brief(asked)}")
     if base is not None:
         cfg = TrainConfig.from_dict(base)
         name = cfg.preset
+    elif folder is not None:
+        name = asked or _preset_of(folder[1]) or "tiny"
+        cfg = preset_config(name)
+        if asked:
+            _check_agrees(f"--preset {name}", {"arch": None, **PRESETS[name].get("model", {})},
+                          cfg.model, folder)
+        apply_overrides(cfg.model, folder[1], source=folder[0])
     else:
-        name = (preset or flags.get("preset") or set_data.get("preset") or file_data.get("preset")
-                or "tiny")
-        if not isinstance(name, str):
-            raise UserError(f"preset must be the name of one, got {brief(name)}")
+        name = asked or "tiny"
         cfg = preset_config(name)
         arch = _chosen_arch(file_data, flags, set_data)
         if arch is not None and arch != cfg.model.arch and arch in FAMILIES:
             apply_overrides(cfg.model, FAMILIES[arch].defaults, source=f"model.arch={arch}")
-    apply_overrides(cfg, file_data, source=f"config file {config_file}")
-    apply_overrides(cfg, flags, source="flags")
-    apply_overrides(cfg, set_data, source="--set")
+    layers = ((file_data, f"config file {config_file}"), (flags, "flags"), (set_data, "--set"))
+    for data, source in layers:
+        apply_overrides(cfg, data, source=source)
+    if folder is not None:
+        for data, source in reversed(layers):  # the last layer that sets a field is its value's
+            _check_agrees(source, data.get("model") or {}, cfg.model, folder)
     if base is not None:
         check_resumable(TrainConfig.from_dict(base), cfg, name)
     cfg.preset = name
     validate(cfg)
     return cfg
+
+
+def _preset_of(fields: dict[str, Any]) -> Optional[str]:
+    """The preset whose model is the one these fields describe, if any."""
+    for name in PRESETS:
+        m = preset_config(name).model
+        if all(getattr(m, k) == v for k, v in fields.items()):
+            return name
+    return None
+
+
+def _check_agrees(source: str, given: dict[str, Any], m: ModelConfig,
+                  folder: tuple[str, dict[str, Any]]) -> None:
+    """Each model field that `source` gives (now `m`'s value) is the folder's."""
+    where, fields = folder
+    for key in given:
+        if key in fields and getattr(m, key) != fields[key]:
+            said = {"flags": f"--{key.replace('_', '-')} {getattr(m, key)}",
+                    "--set": f"--set model.{key}={getattr(m, key)}"}.get(
+                        source, f"{source} (model.{key}={getattr(m, key)})")
+            raise UserError(f"{said} contradicts {where}, whose config.json makes model.{key}="
+                            f"{fields[key]}: drop it (the folder is the model)")
 
 
 def _chosen_arch(*layers: dict[str, Any]) -> Optional[str]:

@@ -36,6 +36,12 @@ PRESETS: dict[str, dict[str, Any]] = {
     "llama-small": dict(model=dict(arch="llama", bias=False, block_size=512, n_layer=6, n_head=6,
                                    n_kv_head=2, n_embd=384, multiple_of=64),
                         batch_size=16, seq_len=256, lr=1e-3, warmup_steps=100),
+    # A mixture of experts for this machine: llama-tiny's attention, 4 experts of 256 hidden units
+    # per block, 2 per token: 1.84M parameters with bytes, 1.05M active (a Llama of ffn_dim 512,
+    # the two experts' units, has as many less the routers' 2,048: bench/moe.py's dense twin).
+    "moe-tiny": dict(model=dict(arch="moe", bias=False, block_size=256, n_layer=4, n_head=4,
+                                n_kv_head=2, n_embd=128, ffn_dim=256, n_experts=4, top_k=2),
+                     batch_size=16, seq_len=128, lr=3e-3, warmup_steps=30),
 }
 
 
@@ -54,8 +60,8 @@ def _llama(vocab, context, layers, heads, kv_heads, width, multiple_of, theta, m
 # of their pretraining and the peak learning rates of the Llama 2 and Llama 3 papers. Parameter
 # counts (tests/test_llama.py checks them): 6,738,415,616; 13,015,864,320; 68,976,648,192;
 # 8,030,261,248; 70,553,706,496; 405,853,388,800, the Hugging Face Hub's safetensors totals
-# of meta-llama/Llama-2-{7b,13b,70b}-hf, Meta-Llama-3-{8B,70B} and Llama-3.1-405B. Llama 3.1's
-# 128k context needs its rope scaling (not built here): llama3-405b plans at 8192.
+# of meta-llama/Llama-2-{7b,13b,70b}-hf, Meta-Llama-3-{8B,70B} and Llama-3.1-405B. llama3-405b
+# plans at Llama 3's 8192 without Llama 3.1's rope scaling (llama3.1-8b below has it).
 PRESETS.update({
     "llama2-7b": _llama(32000, 4096, 32, 32, 32, 4096, 256, 10000.0, lr=3e-4),
     "llama2-13b": _llama(32000, 4096, 40, 40, 40, 5120, 256, 10000.0, lr=3e-4),
@@ -63,6 +69,54 @@ PRESETS.update({
     "llama3-8b": _llama(128256, 8192, 32, 32, 8, 4096, 1024, 500000.0, 1.3, lr=3e-4),
     "llama3-70b": _llama(128256, 8192, 80, 64, 8, 8192, 4096, 500000.0, 1.3, lr=1.5e-4),
     "llama3-405b": _llama(128256, 8192, 126, 128, 8, 16384, 4096, 500000.0, 1.2, lr=8e-5),
+})
+
+
+def _hub(arch, vocab, context, layers, heads, kv_heads, width, ffn, theta, eps, seq_len, **model):
+    """A released checkpoint's shape, as its config.json gives it (ffn_dim: intermediate_size)."""
+    return dict(model=dict(arch=arch, bias=False, vocab_size=vocab, block_size=context,
+                           n_layer=layers, n_head=heads, n_kv_head=kv_heads, n_embd=width,
+                           ffn_dim=ffn, rope_theta=theta, norm_eps=eps, **model),
+                batch_size=1, seq_len=seq_len, lr=3e-4, warmup_steps=2000, strategy="fsdp",
+                activation_checkpointing="full")
+
+
+LLAMA31_ROPE = dict(rope_type="llama3", rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
+                    rope_original_context=8192)
+# The checkpoints most continued pretraining starts from, for `plan` (a run starts from the
+# folder itself: `train --init-from FOLDER` takes its config.json). Each is its config.json on
+# the Hugging Face Hub (meta-llama/Llama-3.2-1B, Llama-3.2-3B, Llama-3.1-8B, Qwen/Qwen2.5-7B,
+# Qwen/Qwen3-8B, mistralai/Mistral-7B-v0.1); their parameter counts (tests/test_families.py
+# checks them, and transformers' own count of each config): 1,235,814,400; 3,212,749,824;
+# 8,030,261,248; 7,615,616,512; 8,190,735,360; 7,241,732,096. seq_len: the context of their
+# main pretraining (Llama 3: 8192, Qwen2.5/3: 4096, Mistral: 8192); lr: a continued
+# pretraining's, not theirs.
+PRESETS.update({
+    "llama3.2-1b": _hub("llama", 128256, 131072, 16, 32, 8, 2048, 8192, 500000.0, 1e-5, 8192,
+                        tie_embeddings=True, rope_factor=32.0, **LLAMA31_ROPE),
+    "llama3.2-3b": _hub("llama", 128256, 131072, 28, 24, 8, 3072, 8192, 500000.0, 1e-5, 8192,
+                        tie_embeddings=True, rope_factor=32.0, **LLAMA31_ROPE),
+    "llama3.1-8b": _hub("llama", 128256, 131072, 32, 32, 8, 4096, 14336, 500000.0, 1e-5, 8192,
+                        rope_factor=8.0, **LLAMA31_ROPE),
+    "qwen2.5-7b": _hub("qwen2", 152064, 131072, 28, 28, 4, 3584, 18944, 1000000.0, 1e-6, 4096,
+                       qkv_bias=True),
+    "qwen3-8b": _hub("qwen3", 151936, 40960, 36, 32, 8, 4096, 12288, 1000000.0, 1e-6, 4096,
+                     qk_norm=True),
+    "mistral-7b": _hub("mistral", 32000, 32768, 32, 32, 8, 4096, 14336, 10000.0, 1e-5, 8192,
+                       sliding_window=4096),
+    # Released mixtures of experts (models/moe/): Mixtral 8x7B and 8x22B (mistralai/Mixtral-8x7B-v0.1,
+    # Mixtral-8x22B-v0.1), Qwen3-30B-A3B and Qwen3-235B-A22B (Qwen/...): ffn_dim is each expert's
+    # intermediate size (Qwen3's moe_intermediate_size). Counts (tests/test_moe.py): Mixtral 8x7B
+    # 46,702,792,704 with 12,879,925,248 active (Mistral's 46.7B / 12.9B), 8x22B 140,630,071,296 with
+    # 39,161,468,928 (141B / 39B); Qwen3 30.5B / 3.3B and 235B / 22B as Qwen publishes them.
+    "mixtral-8x7b": _hub("moe", 32000, 32768, 32, 32, 8, 4096, 14336, 1000000.0, 1e-5, 4096,
+                         n_experts=8, top_k=2),
+    "mixtral-8x22b": _hub("moe", 32768, 65536, 56, 48, 8, 6144, 16384, 1000000.0, 1e-5, 4096,
+                          n_experts=8, top_k=2),
+    "qwen3-30b-a3b": _hub("moe", 151936, 40960, 48, 32, 4, 2048, 768, 1000000.0, 1e-6, 4096,
+                          head_size=128, qk_norm=True, n_experts=128, top_k=8),
+    "qwen3-235b-a22b": _hub("moe", 151936, 40960, 94, 64, 4, 4096, 1536, 1000000.0, 1e-6, 4096,
+                            head_size=128, qk_norm=True, n_experts=128, top_k=8),
 })
 
 

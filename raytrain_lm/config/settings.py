@@ -99,6 +99,9 @@ class TrainConfig:
     tp: int = setting(1, help="Tensor-parallel degree: each layer's matrices split over this many "
                       "workers (keep it within a node).")
     pp: int = setting(1, help="Pipeline-parallel degree: the layers split into this many stages.")
+    ep: int = setting(1, help="Expert-parallel degree (model.arch moe): each block's experts split "
+                      "over this many of the data-parallel ranks, tokens sent to them by all-to-all "
+                      "(it divides the experts and the data-parallel size).")
     microbatches: int = setting(0, help="Pipeline microbatches per step (--pp); they split "
                                 "--batch-size. 0: 2 x the stages.")
     pp_schedule: str = setting("1f1b", help="Pipeline schedule: gpipe, 1f1b or interleaved-1f1b "

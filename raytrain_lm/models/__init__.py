@@ -9,9 +9,15 @@ from typing import Optional
 from raytrain_lm.errors import UserError
 from raytrain_lm.models.family import Family, ModelConfig
 from raytrain_lm.models.gpt import GPTFamily
+from raytrain_lm.models.hf import HFAdapter
 from raytrain_lm.models.llama import LlamaFamily
+from raytrain_lm.models.mistral import MistralFamily
+from raytrain_lm.models.moe import MoEFamily
+from raytrain_lm.models.qwen2 import Qwen2Family
+from raytrain_lm.models.qwen3 import Qwen3Family
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (GPTFamily(), LlamaFamily())}
+FAMILIES: dict[str, Family] = {f.name: f for f in (GPTFamily(), LlamaFamily(), Qwen2Family(),
+                                                   Qwen3Family(), MistralFamily(), MoEFamily())}
 
 
 def family(m: ModelConfig | str) -> Family:
@@ -34,24 +40,28 @@ def build_model(m: ModelConfig, seed: Optional[int] = None):
     return decoder_class(m)(m, seed=seed)
 
 
-def hf_adapter(m: ModelConfig):
-    """The family's Hugging Face adapter module (`to_hf`, `hf_config`); a UserError where it has
-    none."""
+def hf_adapter(m: ModelConfig) -> HFAdapter:
+    """The family's Hugging Face adapter (models/hf.py); a UserError where it has none."""
     f = family(m)
     if f.hf_adapter is None:
         raise UserError(f"model.arch {f.name} has no Hugging Face format: export it with --format native")
-    return importlib.import_module(f.hf_adapter)
+    return importlib.import_module(f.hf_adapter).ADAPTER
 
 
-def hf_importer(model_type: object, where: str):
-    """The adapter of the family that imports Hugging Face folders of `model_type` (`from_hf`,
-    `model_fields`); a UserError, in one line, for a folder no family here imports."""
+def hf_importer(model_type: object, where: str) -> HFAdapter:
+    """The adapter of the family that imports Hugging Face folders of `model_type`; a
+    UserError, in one line, for a folder no family here imports."""
     for f in FAMILIES.values():
         if model_type in f.hf_model_types:
-            return importlib.import_module(f.hf_adapter)
+            return importlib.import_module(f.hf_adapter).ADAPTER
     kinds = ", ".join(t for f in FAMILIES.values() for t in f.hf_model_types)
     raise UserError(f"{where} holds a {model_type!r} model; --init-from takes Hugging Face folders "
                     f"of model_type {kinds} or this project's checkpoints")
+
+
+def describe(m: ModelConfig) -> str:
+    """"a qwen2 of 7,615,616,512 parameters": the family and the count (Family.counts)."""
+    return f"a {m.arch} of {family(m).counts(m).total:,} parameters"
 
 
 def flops_per_token(m: ModelConfig, seq_len: int) -> float:
@@ -61,6 +71,7 @@ def flops_per_token(m: ModelConfig, seq_len: int) -> float:
     the position embeddings, the tied token embedding counting once, as the output projection;
     the Llama's all but the token embedding, a lookup). L layers, H (query) heads, Q head size,
     T sequence length: the 12·L·H·Q·T term is attention's QK^T and AV products (forward +
-    backward)."""
-    L, H, Q, T = m.n_layer, m.n_head, m.n_embd // m.n_head, seq_len
+    backward), counted over the whole context as PaLM does (a sliding window shorter than T
+    computes fewer: not subtracted)."""
+    L, H, Q, T = m.n_layer, m.n_head, m.head_dim, seq_len
     return 6.0 * family(m).matmul_params(m) + 12.0 * L * H * Q * T

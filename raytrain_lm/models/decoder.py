@@ -101,16 +101,58 @@ class Decoder(nn.Module):
             x, kv = block(x, layer_cache)
             if cache is not None:
                 cache.layers[i] = kv
+        aux = take_aux_losses(self.h) if self.training else None
         if targets is None:
             return self.head(x[:, -1:, :]), None  # only the last position is needed to sample
         logits = self.head(x)
         # Under tensor parallelism with loss parallelism, logits is a DTensor sharded over the
         # vocabulary; cross_entropy then runs on the shards inside `loss_parallel()`.
         loss = F.cross_entropy(logits.float().flatten(0, 1), targets.reshape(-1))
-        return logits, loss
+        # trained on, not reported: the loss's value stays the cross-entropy
+        return logits, attach_aux_loss(loss, aux)
 
     def new_cache(self) -> KVCache:
         return KVCache(layers=[None] * self.cfg.n_layer)
+
+
+def take_aux_losses(module: nn.Module) -> Optional[torch.Tensor]:
+    """The sum of the auxiliary losses the modules under `module` computed in their last training
+    forward (a mixture of experts' load balancing: `take_aux_loss`), each taken once; None where
+    there are none. The caller makes them part of what backward differentiates
+    (`attach_aux_loss`): the decoder to its loss, a pipeline stage to its output."""
+    total = None
+    for m in module.modules():
+        take = getattr(m, "take_aux_loss", None)
+        aux = take() if take is not None else None
+        if aux is not None:
+            total = aux if total is None else total + aux
+    return total
+
+
+class _AuxGradient(torch.autograd.Function):
+    """x unchanged; in backward `aux` receives x's own gradient where x is the loss (a scalar),
+    else a gradient of 1."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+        ctx.loss, ctx.aux = x.dim() == 0, (aux.dtype, aux.device)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        dtype, device = ctx.aux
+        if ctx.loss:  # the loss's own gradient (accumulation's 1/n, fp16's scale), plain
+            return grad, (grad.to_local() if hasattr(grad, "to_local") else grad).to(dtype)
+        return grad, torch.ones((), dtype=dtype, device=device)
+
+
+def attach_aux_loss(x: torch.Tensor, aux: Optional[torch.Tensor]) -> torch.Tensor:
+    """`x` unchanged in value, with `aux` trained on as part of the loss when backward passes
+    through `x`. `x` the loss itself (a scalar; under loss parallelism a distributed one): `aux`
+    gets the gradient the loss gets. `x` a pipeline stage's output, the loss taken on another
+    stage: per microbatch a gradient of 1 (the schedule divides every gradient by the
+    microbatches afterwards, as it does the loss's)."""
+    return x if aux is None else _AuxGradient.apply(x, aux)
 
 
 def fill_buffers_(model: nn.Module) -> None:
@@ -177,8 +219,11 @@ def init_region_(out: torch.Tensor, name: str, spec: tuple[str, float], global_s
     if kind == "ones":
         out.fill_(1.0)
         return
-    if len(global_shape) > 2:
-        raise NotImplementedError("region init covers 1-D and 2-D parameters")
+    if len(global_shape) > 2:  # (experts, out, in): regions that split dim 0 only
+        if tuple(out.shape[1:]) != tuple(global_shape[1:]) or any(offset[1:]):
+            raise NotImplementedError("region init splits parameters of 3 or more dims by rows only")
+        global_shape = (global_shape[0], math.prod(global_shape[1:]))
+        offset, out = (offset[0], 0), out.view(out.shape[0], -1)
     n_rows = global_shape[0]
     n_cols = global_shape[1] if len(global_shape) == 2 else 1
     r0, r1 = offset[0], offset[0] + out.shape[0]

@@ -11,6 +11,7 @@ filling its own shards with the single-process build's values (docs/parallelism.
     mesh.py   the device mesh of the layout's mesh_shape
     ac.py     activation checkpointing (full, selective, op)
     ddp.py    DDP through ray.train.torch.prepare_model; no_sync for accumulation
+    ep.py     expert parallelism: experts sharded by expert, tokens by all-to-all; MoE metrics
     fsdp.py   FSDP2 or FSDP2's replicate on the dp dim; what a rank holds
     tp.py     tensor (and sequence) parallelism with DTensor; loss without gathering logits
     pp.py     pipeline stages, schedules, a tied embedding across first and last stage
@@ -30,16 +31,16 @@ import torch.nn as nn
 
 from raytrain_lm.config.layout import Coords, Layout
 from raytrain_lm.config.settings import TrainConfig
-from raytrain_lm.models import build_model, decoder_class
-from raytrain_lm.parallel import ddp, fsdp
+from raytrain_lm.models import build_model, family
+from raytrain_lm.parallel import ddp, ep, fsdp
 from raytrain_lm.parallel.ac import apply_activation_checkpointing
-from raytrain_lm.parallel.mesh import build_mesh, is_distributed
+from raytrain_lm.parallel.mesh import build_mesh, dim_mesh, is_distributed
 
 
 def parallelize(cfg: TrainConfig, device: torch.device, dtype: Optional[torch.dtype] = None,
-                force: frozenset = frozenset(), ddp_wrap=None) -> "Built":
+                force: frozenset = frozenset(), ddp_wrap=None, init: bool = True) -> "Built":
     """The model of `cfg` as this rank holds it (see Built)."""
-    return Built(cfg, device, dtype, force, ddp_wrap)
+    return Built(cfg, device, dtype, force, ddp_wrap, init)
 
 
 class Built:
@@ -50,13 +51,15 @@ class Built:
 
     def __init__(self, cfg: TrainConfig, device: torch.device,
                  dtype: Optional[torch.dtype] = None, force: frozenset = frozenset(),
-                 ddp_wrap=None):
+                 ddp_wrap=None, init: bool = True):
         """`dtype`: mixed precision's (None: fp32); FSDP takes it as its MixedPrecisionPolicy
         where it shards over dp (`mixed_by_fsdp`: then nothing else may cast, see step.py).
         `force` ("tp", "pp", "fsdp"): apply those even on a mesh dim of one rank, so one
         process runs every layout's code (bench/gpu_check.py); `ddp_wrap`: DDP's wrapper in
-        place of Ray Train's prepare_model (parallel/ddp.py)."""
-        self.cfg, self.device, self.dtype = cfg, device, dtype
+        place of Ray Train's prepare_model (parallel/ddp.py). `init` False: a model built
+        sharded is left with its memory as allocated, for a caller that fills every parameter
+        next (a checkpoint, --init-from), which then costs no initial values."""
+        self.cfg, self.device, self.dtype, self.init = cfg, device, dtype, init
         world = dist.get_world_size() if is_distributed() else 1
         rank = dist.get_rank() if is_distributed() else 0
         self.layout = lay = Layout.of(cfg, world, pipelined="pp" in force)
@@ -101,9 +104,13 @@ class Built:
             if self.tp_on:
                 tp.apply_tp(part, self.mesh["tp"], sequence_parallel=cfg.sequence_parallel,
                             local_logits=self.pp_on)
-            fsdp.apply_dp(part, self.mesh["dp"], self.layout, self.dtype, compile=cfg.compile,
-                          pipelined=self.pp_on, force=self.force_fsdp)
-            materialize_(part, cfg.model, cfg.seed, self.device)
+            experts = self.layout.ep > 1
+            if experts:
+                ep.apply_ep(part, self.mesh["ep"], fsdp.blocks(part))
+            fsdp.apply_dp(part, dim_mesh(self.mesh, "dp"), self.layout, self.dtype, compile=cfg.compile,
+                          pipelined=self.pp_on, force=self.force_fsdp,
+                          edp_mesh=self.mesh["edp"] if experts else None)
+            materialize_(part, cfg.model, cfg.seed, self.device, init=self.init)
         return [part for _, part in self.stages]
 
     def _build_pipeline(self) -> None:
@@ -118,7 +125,7 @@ class Built:
         self.has_last = any(m.is_last for m in self.parts)
         self.pp_group = self.mesh["pp"].get_group()
         # a tied embedding lives on the first and the last stage; an untied head is its own
-        self.tied_group = pp.tied_group(self.mesh) if decoder_class(cfg.model).tied else None
+        self.tied_group = pp.tied_group(self.mesh) if family(cfg.model).tied(cfg.model) else None
         self.norm_exclude = pp.duplicate_tied_params(self.parts)
 
     # ---------------------------------------------------------------- running it

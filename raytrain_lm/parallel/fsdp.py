@@ -10,6 +10,7 @@ import torch
 import torch.nn as nn
 
 from raytrain_lm.config.layout import Layout
+from raytrain_lm.parallel import ep
 
 # A Block returns (x, (k, v)) and k, v are views; FSDP2 warns about in-place ops on returned
 # views. Nothing writes into them (they are only the KV cache), so the warning is noise.
@@ -17,7 +18,8 @@ warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a vi
 
 
 def apply_dp(part: nn.Module, dp_mesh, layout: Layout, dtype: Optional[torch.dtype],
-             compile: bool = False, pipelined: bool = False, force: bool = False) -> nn.Module:
+             compile: bool = False, pipelined: bool = False, force: bool = False,
+             edp_mesh=None) -> nn.Module:
     """Shard (zero1, zero2, fsdp) or replicate (ddp) a model part over the "dp" mesh dim, in
     place, before its parameters are materialised, one group per block, then the part's root
     (embeddings, final norm and the tied head: a shared parameter lives in one group), so each
@@ -36,12 +38,17 @@ def apply_dp(part: nn.Module, dp_mesh, layout: Layout, dtype: Optional[torch.dty
              DTensor parameters, and a pipeline stage knows to all-reduce its gradients after the
              last microbatch only): one all-reduce per group. Plain DDP without tp or pp goes
              through Ray (parallel/ddp.py).
-    All average the gradients over dp, so dp-sharded batches give the whole batch's gradient."""
+    All average the gradients over dp, so dp-sharded batches give the whole batch's gradient.
+    With expert parallelism (`edp_mesh`: the dp ranks that hold the same experts), each block's
+    experts are sharded or replicated over edp first, as a group of their own (parallel/ep.py)."""
     if dp_mesh.size() == 1 and not force:  # (force: fully_shard on one rank, for checks)
         return part
+    experts = ep.experts_of(part, blocks(part)) if edp_mesh is not None else []
     if not layout.by_fsdp:
         from torch.distributed._composable.replicate_with_fsdp import replicate
 
+        for module in experts:
+            replicate(module, mesh=edp_mesh)
         for block in blocks(part):
             replicate(block, mesh=dp_mesh)
         replicate(part, mesh=dp_mesh)
@@ -57,6 +64,8 @@ def apply_dp(part: nn.Module, dp_mesh, layout: Layout, dtype: Optional[torch.dty
     if compile:
         for block in blocks(part):
             block.compile()  # per block, as torchtitan does: FSDP's hooks stay outside graphs
+    for module in experts:
+        fully_shard(module, **{**kwargs, "mesh": edp_mesh})
     for block in blocks(part):
         fully_shard(block, **kwargs)
     fully_shard(part, **kwargs)

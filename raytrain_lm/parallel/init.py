@@ -46,8 +46,10 @@ def init_sharded_(model: nn.Module, cfg, seed: int) -> int:
     return filled
 
 
-def materialize_(model: nn.Module, cfg, seed: int, device: str | torch.device = "cpu") -> None:
-    """meta -> real local shards -> initial values (and the buffers no checkpoint holds)."""
+def materialize_(model: nn.Module, cfg, seed: int, device: str | torch.device = "cpu",
+                 init: bool = True) -> None:
+    """meta -> real local shards -> initial values (`init`; else left as allocated, for weights
+    loaded next) and the buffers no checkpoint holds."""
     tied_before = _is_tied(model)
     model.to_empty(device=device)
     if tied_before and not _is_tied(model):
@@ -57,7 +59,8 @@ def materialize_(model: nn.Module, cfg, seed: int, device: str | torch.device = 
             raise RuntimeError("to_empty untied a sharded lm_head/wte pair")
         model.lm_head.weight = model.wte.weight
     fill_buffers_(model)  # to_empty leaves the rotary tables (Llama) uninitialised
-    init_sharded_(model, cfg, seed)
+    if init:
+        init_sharded_(model, cfg, seed)
 
 
 def _is_tied(model: nn.Module) -> bool:

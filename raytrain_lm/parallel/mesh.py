@@ -20,6 +20,11 @@ Ray Train gives the workers of one node consecutive ranks (it sorts them by node
   it for the first dp ranks and cross nodes only beyond.
 Dims are always addressed by name (mesh["dp"], ...); dims of size 1 are kept, so code never
 special-cases them.
+
+Expert parallelism (--ep) splits dp into edp x ep, ep innermost, and flattens them back into
+"dp" (what the dense parameters and the data see): an expert-parallel group is ep consecutive
+dp ranks, inside a node as long as tp x ep divides the GPUs per node, and a rank's dp index is
+the same as without it. e.g. 4 workers, --ep 2: edp 0 0 1 1, ep 0 1 0 1, dp 0 1 2 3.
 """
 
 from __future__ import annotations
@@ -35,16 +40,26 @@ def is_distributed() -> bool:
 
 
 def build_mesh(device: torch.device, layout: Layout):
-    """The layout's mesh (pp, dp, tp) over every worker."""
+    """The layout's mesh (pp, dp, tp; with ep: pp, edp, ep, tp and "dp" flattened) over every
+    worker."""
     from torch.distributed.device_mesh import init_device_mesh
 
     shape = layout.mesh_shape
     if dist.get_world_size() != layout.gpus:
         raise ValueError(f"{dist.get_world_size()} workers are not the layout's {layout.gpus}")
     mesh = init_device_mesh(device.type, tuple(shape.values()), mesh_dim_names=tuple(shape))
-    for dim in shape:
-        match_world_timeout(mesh.get_group(dim))
+    for dim in layout.mesh_dims:
+        match_world_timeout(dim_mesh(mesh, dim).get_group())
     return mesh
+
+
+def dim_mesh(mesh, dim: str):
+    """The mesh of one named dim: the root's, or "dp" flattened from edp x ep under expert
+    parallelism (torch deprecates slicing a flattened dim from the root; flattening again
+    returns the same mesh and groups)."""
+    if dim == "dp" and "edp" in mesh.mesh_dim_names:
+        return mesh["edp", "ep"]._flatten("dp")
+    return mesh[dim]
 
 
 def world_timeout():

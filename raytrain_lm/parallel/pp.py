@@ -37,7 +37,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from raytrain_lm.config.layout import Layout
 from raytrain_lm.models import build_model
-from raytrain_lm.models.decoder import Decoder
+from raytrain_lm.models.decoder import Decoder, attach_aux_loss, take_aux_losses
 from raytrain_lm.parallel.mesh import world_timeout
 
 PIPELINE_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B}
@@ -68,6 +68,8 @@ class Stage(nn.Module):
             x = self.arch.embed(self, x)  # token ids -> embeddings
         for block in self.h.values():
             x, _ = block(x)
+        if self.training:  # a mixture of experts' load balancing, trained with this stage's output
+            x = attach_aux_loss(x, take_aux_losses(self.h))
         if self.is_last:
             x = self.arch.head(self, x)  # logits (the local vocab shard under TP)
         return x
@@ -124,11 +126,36 @@ def build_schedule(layout: Layout, stages: list[tuple[int, nn.Module]], pp_mesh:
     group = pp_mesh.get_group()
     pstages = [PipelineStage(m, s, layout.stages, torch.device(device), group=group)
                for s, m in stages]
+    for stage in pstages:
+        _stats_in_chunks_only(stage)
     if cls is ScheduleInterleaved1F1B:
         return cls(pstages, layout.microbatches, loss_fn=loss_fn, scale_grads=True)
     if len(pstages) != 1:
         raise ValueError(f"{layout.schedule} runs one stage per rank")
     return cls(pstages[0], layout.microbatches, loss_fn=loss_fn, scale_grads=True)
+
+
+def _stats_in_chunks_only(stage: PipelineStage) -> None:
+    """A mixture of experts' statistics count the schedule's microbatches only: on its first step
+    a stage also runs its module once on uninitialised inputs of the right shapes, to learn its
+    outputs' (torch.distributed.pipelining's metadata inference)."""
+    layers = [m for m in stage.submod.modules() if hasattr(m, "keeps_stats")]
+    if not layers:
+        return
+    chunk = stage.forward_one_chunk
+
+    def counted(*args, **kwargs):
+        for layer in layers:
+            layer.keeps_stats = True
+        try:
+            return chunk(*args, **kwargs)
+        finally:
+            for layer in layers:
+                layer.keeps_stats = False
+
+    for layer in layers:
+        layer.keeps_stats = False
+    stage.forward_one_chunk = counted
 
 
 def tied_group(mesh: DeviceMesh) -> dist.ProcessGroup | None:

@@ -9,17 +9,27 @@ Layouts (tp ranks r = 0..tp-1):
                           (r+1)*H/tp-1 (the GPT's c_attn rows are head-interleaved, gpt.py; the
                           Llama's k/v heads r*KV/tp.., KV divisible by tp: Family.check_layout)
                           and a slice of the MLP's hidden units.
+                          A colwise bias (Qwen2's q/k/v) is Shard(0) with its rows.
   rowwise projections     RowwiseParallel: weight Shard(1), bias Replicate; output all-reduced
                           (or reduce-scattered over the sequence with SP).
+  head norms              (Qwen3's q/k norms, applied to each head of a colwise output)
+                          `HeadParallel` below: weight Replicate, input this rank's heads as
+                          Shard(2) of (B, T, heads, head size), so the weight's gradient is
+                          summed over the ranks' heads (a Replicate input would keep each
+                          rank's partial sum).
   wte                     RowwiseParallel on the embedding = Shard(0) of the (V, C) weight
                           (vocab-parallel lookup, masked, then all-reduce / reduce-scatter).
-  lm_head                 ColwiseParallel = Shard(0) of the (V, C) weight; tied (the GPT), the
+  lm_head                 ColwiseParallel = Shard(0) of the (V, C) weight; tied (the GPT, a
+                          Llama-skeleton model with tie_embeddings), the
                           same DTensor as wte: one tensor, two users. Output logits stay
                           Shard(-1) (vocab) and cross_entropy runs under `loss_parallel()`: full
                           logits are never gathered.
   wpe                     (the GPT's positions) RowwiseParallel too: Shard(0) over positions; its
                           (T, C) output is all-reduced, or reduce-scattered over T with SP. The
                           Llama's rotary tables are plain buffers every rank holds whole.
+  whole modules           (TPPlan.whole: a mixture of experts) plain parameters, the same on
+                          every tp rank, computed on the whole sequence; with SP their input is
+                          all-gathered and their output sliced back to this rank's part.
   norms                   SequenceParallel with SP (Replicate params, sequence-sharded
                           activations); without SP `ReplicateParallel` below makes their params
                           Replicate DTensors as well, so that every parameter is a DTensor
@@ -40,6 +50,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_modul
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -56,6 +67,22 @@ class ReplicateParallel(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         return distribute_module(module, device_mesh, _replicate_params, _inputs_as_replicate,
                                  _outputs_to_local)
+
+
+class HeadParallel(ParallelStyle):
+    """A norm applied to each head of a column-parallel output (Qwen3's q/k norms, on
+    (B, T, heads, head size)): its weight a Replicate DTensor, its input this rank's heads as
+    Shard(2) of all heads, so the weight's gradient is summed over the ranks' heads; the output
+    handed back as this rank's plain tensor."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(module, device_mesh, _replicate_params, _inputs_as_head_shards,
+                                 _outputs_to_local)
+
+
+def _inputs_as_head_shards(module, inputs, mesh):
+    return tuple(DTensor.from_local(t, mesh, [Shard(2)], run_check=False)
+                 if not isinstance(t, DTensor) and hasattr(t, "shape") else t for t in inputs)
 
 
 def _replicate_params(name, module, mesh):
@@ -122,17 +149,31 @@ def apply_tp(module: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool 
             **{name: ColwiseParallel() for name in projections.colwise},
             **{name: RowwiseParallel(output_layouts=seq) if sp else RowwiseParallel()
                for name in projections.rowwise},
+            **{name: HeadParallel() for name in projections.head_norms if _has_path(block, name)},
         }
         if sp:  # all-gather the sequence before attention and the MLP
             plan["attn"] = PrepareModuleInput(input_layouts=(seq, None),
                                               desired_input_layouts=(Replicate(), None))
             plan["mlp"] = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),))
+            for name in projections.whole:  # the whole sequence in, this rank's part out
+                plan[name] = PrepareModuleInputOutput(
+                    input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_input=True,
+                    output_layouts=(Replicate(),), desired_output_layouts=(seq,), use_local_output=True)
         parallelize_module(block, tp_mesh, plan)
     return module
 
 
 def _has(module: nn.Module, name: str) -> bool:
     return getattr(module, name, None) is not None
+
+
+def _has_path(module: nn.Module, path: str) -> bool:
+    """Whether `module` has the submodule `path` ("attn.q_norm")."""
+    for name in path.split("."):
+        module = getattr(module, name, None)
+        if module is None:
+            return False
+    return True
 
 
 def _blocks(module: nn.Module):

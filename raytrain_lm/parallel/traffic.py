@@ -26,6 +26,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from raytrain_lm.parallel.mesh import dim_mesh
+
 _FUNCOL = ("_c10d_functional", "_c10d_functional_autograd")
 
 
@@ -47,24 +49,29 @@ def _as_pg(a):
 
 
 class CommCounter(TorchDispatchMode):
-    def __init__(self, mesh: DeviceMesh | None = None):
+    def __init__(self, mesh: DeviceMesh | None = None, dims: tuple[str, ...] = ()):
+        """`dims`: the mesh's dims to name (default: its own; a flattened one, as "dp" under
+        expert parallelism, is named here too)."""
         super().__init__()
         # Groups are identified by their ranks, not their names: DTensor may run a mesh's
         # collectives on the groups of an earlier, equal mesh (DeviceMesh equality is by rank
-        # layout and dim names, and sharding decisions are cached by it).
+        # layout and dim names, and sharding decisions are cached by it). Under --ep equal to
+        # dp, ep and dp are the same ranks: the all-to-alls are named ep, the rest dp.
         self.names = {}  # ranks of a group -> mesh dim name
-        self.dims = tuple(mesh.mesh_dim_names) if mesh is not None else ()
-        if mesh is not None:
-            for dim in mesh.mesh_dim_names:
-                if mesh[dim].size() > 1:
-                    self.names[tuple(dist.get_process_group_ranks(mesh.get_group(dim)))] = dim
+        self.a2a_names = {}  # ... for all-to-alls
+        self.dims = (dims or tuple(mesh.mesh_dim_names)) if mesh is not None else ()
+        for dim in self.dims:
+            if dim_mesh(mesh, dim).size() > 1:
+                ranks = tuple(dist.get_process_group_ranks(dim_mesh(mesh, dim).get_group()))
+                (self.a2a_names if dim == "ep" else self.names)[ranks] = dim
         # (dim, op) -> {"calls", "payload", "wire", "recv", "max" (largest payload of one call)}
         self.stats = defaultdict(lambda: defaultdict(int))
 
     def _record(self, group, op: str, payload: int = 0, wire: float = 0, recv: int = 0):
         pg = dist.distributed_c10d._resolve_process_group(group) if isinstance(group, str) else group
         ranks = tuple(dist.get_process_group_ranks(pg))
-        dim = self.names.get(ranks, "world" if pg.size() == dist.get_world_size() else str(ranks))
+        dim = (self.a2a_names if op == "all_to_all" else {}).get(ranks) or \
+            self.names.get(ranks, "world" if pg.size() == dist.get_world_size() else str(ranks))
         s = self.stats[(dim, op)]
         s["calls"] += 1
         s["payload"] += payload

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from raytrain_lm.config.layout import Layout
 from raytrain_lm.models import family
 from raytrain_lm.models.family import ModelConfig
+from raytrain_lm.plan import experts
 from raytrain_lm.plan.hardware import Cluster
 from raytrain_lm.plan.stages import StageShape, held_params, root_params
 
@@ -31,6 +32,7 @@ class Comm:
     tp: float = 0.0
     pp: float = 0.0
     pp_tied: float = 0.0  # of pp: the tied embedding's gradient all-reduce (GPT)
+    ep: float = 0.0  # a mixture of experts' all-to-alls (plan/experts.py)
 
     @property
     def dp(self) -> float:
@@ -115,7 +117,10 @@ def pp_comm(m: ModelConfig, p: dict[str, float], lay: Layout, cl: Cluster,
 
 def rank_comm(m: ModelConfig, lay: Layout, cl: Cluster, stages: list[StageShape]) -> Comm:
     p = family(m).tp_counts(m, lay.tp)
-    gather, reduce = dp_comm(p, lay, cl, stages)
+    gather, reduce = dp_comm(experts.dense_counts(m, p), lay, cl, stages)
+    if experts.block_experts(m):  # routed experts: over edp (the dp ranks holding the same ones)
+        e_gather, e_reduce = dp_comm(experts.expert_counts(m, lay), experts.expert_dp(lay), cl, stages)
+        gather, reduce = gather + e_gather, reduce + e_reduce
     pp, tied = pp_comm(m, p, lay, cl, stages)
     return Comm(dp_gather=gather, dp_reduce=reduce, tp=tp_comm(m, lay, cl, stages), pp=pp,
-                pp_tied=tied)
+                pp_tied=tied, ep=experts.all_to_all_bytes(m, lay, cl.act_bytes, stages))

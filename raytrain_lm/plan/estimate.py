@@ -11,7 +11,7 @@ from raytrain_lm.config.layout import AC_MODES, PP_SCHEDULES, STRATEGIES, Layout
 from raytrain_lm.errors import UserError
 from raytrain_lm.models import family, flops_per_token
 from raytrain_lm.models.family import ModelConfig
-from raytrain_lm.plan import network
+from raytrain_lm.plan import experts, network
 from raytrain_lm.plan.comm import Comm, pp_send_bytes, rank_comm, tp_backward_share
 from raytrain_lm.plan.hardware import GPUS_PER_NODE, Cluster
 from raytrain_lm.plan.kernels import rank_compute_seconds
@@ -31,7 +31,7 @@ def recompute_flops_per_token(m: ModelConfig, ac: str, seq_len: int,
         return 2.0 * m.n_layer * sum(w for i, w in enumerate(mms[:-1]) if i % 2 == 1)
     if ac != "full":
         return 0.0
-    block = family(m).counts(m).block - (mms[-1] if early_stop else 0)
+    block = family(m).active_block(m) - (mms[-1] if early_stop else 0)
     return 2.0 * m.n_layer * block + 4.0 * m.n_layer * m.n_embd * seq_len
 
 
@@ -45,7 +45,7 @@ def stage_flops_per_token(m: ModelConfig, stages: list[StageShape], ac: str, seq
     rank with the head does more than the average where the layers are split evenly (Megatron-LM
     of 2021 and torchtitan split layers only, the head on the last stage; parallel/pp.py gives
     any extra layers to the middle stages)."""
-    head = flops_per_token(m, seq_len) - m.n_layer * 6.0 * family(m).counts(m).block \
+    head = flops_per_token(m, seq_len) - m.n_layer * 6.0 * family(m).active_block(m) \
         - 12.0 * m.n_layer * m.n_embd * seq_len
     layer = (flops_per_token(m, seq_len) - head
              + recompute_flops_per_token(m, ac, seq_len, early_stop)) / m.n_layer
@@ -65,6 +65,7 @@ class Estimate:
     compute_s: float  # the slowest pp rank's (its stages' FLOPs: stage_flops_per_token)
     bubble: float
     tp_s: float  # exposed (all of it)
+    ep_s: float  # exposed (all of it): a mixture of experts' all-to-alls
     pp_s: float  # exposed: the fill and drain sends, and what the steady state cannot hide
     dp_exposed_s: float
     step_s: float
@@ -75,17 +76,20 @@ class Estimate:
 
     @property
     def bubble_s(self) -> float:
-        """Seconds the pipeline bubble adds: (compute + tp) x bubble / (1 - bubble)."""
-        return (self.compute_s + self.tp_s) * self.bubble / (1 - self.bubble) if self.bubble else 0.0
+        """Seconds the pipeline bubble adds: (compute + tp + ep) x bubble / (1 - bubble)."""
+        busy = self.compute_s + self.tp_s + self.ep_s
+        return busy * self.bubble / (1 - self.bubble) if self.bubble else 0.0
 
 
 def rank_step(lay: Layout, cl: Cluster, comm: Comm, compute: float, idle: float,
               send_s: float = 0.0) -> tuple[float, ...]:
-    """(tp, pp, dp, step) seconds for one rank: what each dimension's traffic adds to the step,
-    the part compute does not hide.
+    """(tp, ep, pp, dp, step) seconds for one rank: what each dimension's traffic adds to the
+    step, the part compute does not hide.
     - tp: all of it. Each all-reduce (or all-gather / reduce-scatter with sequence
       parallelism) sits between two matmuls that need its result (vanilla TP, parallel/tp.py);
       the pipeline bubble stretches it with compute.
+    - ep: all of it, as tp: the experts need the tokens the dispatch brings, and the layer's
+      output the combine returns (parallel/ep.py overlaps nothing).
     - pp: the sends along the pipeline's fill and drain (the first microbatch's activations
       through every stage boundary, its last gradient back: 2 (v pp - 1) sends of `send_s`),
       plus whatever the steady state's sends take beyond the compute they overlap
@@ -103,6 +107,7 @@ def rank_step(lay: Layout, cl: Cluster, comm: Comm, compute: float, idle: float,
     t_tp = comm.tp / network.bandwidth(cl, lay, "tp")
     if cl.tp_overlap_backward:
         t_tp *= 1 - tp_backward_share(lay)
+    t_ep = comm.ep / network.bandwidth(cl, lay, "ep") if comm.ep else 0.0
     bw_pp = network.bandwidth(cl, lay, "pp")
     t_pp = 0.0
     if lay.pp > 1:
@@ -120,7 +125,7 @@ def rank_step(lay: Layout, cl: Cluster, comm: Comm, compute: float, idle: float,
         exposed = max(0.0, gather - compute) + reduce
     else:
         exposed = max(0.0, gather + reduce - compute)
-    return t_tp, t_pp, exposed, (compute + t_tp) / (1 - idle) + t_pp + exposed
+    return t_tp, t_ep, t_pp, exposed, (compute + t_tp + t_ep) / (1 - idle) + t_pp + exposed
 
 
 def estimate_layout(m: ModelConfig, lay: Layout, cl: Cluster, time_unfit: bool = True) -> Estimate:
@@ -134,7 +139,7 @@ def estimate_layout(m: ModelConfig, lay: Layout, cl: Cluster, time_unfit: bool =
     reserved = memory.total * (constant("allocator") if cl.gpu else 1.0)
     if not time_unfit and reserved > cl.budget:
         return Estimate(layout=lay, memory=memory, comm=Comm(), compute_s=math.inf, bubble=0.0,
-                        tp_s=0.0, pp_s=0.0, dp_exposed_s=0.0, step_s=math.inf, mfu=0.0, fits=False,
+                        tp_s=0.0, ep_s=0.0, pp_s=0.0, dp_exposed_s=0.0, step_s=math.inf, mfu=0.0, fits=False,
                         reserved=reserved)
     tokens = lay.dp * lay.sequences * lay.seq_len
     model_flops = flops_per_token(m, lay.seq_len) * tokens
@@ -148,15 +153,16 @@ def estimate_layout(m: ModelConfig, lay: Layout, cl: Cluster, time_unfit: bool =
             work = stage_flops_per_token(m, ranks[r], lay.ac, lay.seq_len, cl.recompute_early_stop)
             parts = {"total": work * replica_tokens / (lay.tp * cl.tflops * 1e12 * cl.efficiency)}
         else:
-            parts = rank_compute_seconds(m, lay, cl, ranks[r],
-                                         held_params(p, ranks[r]) / lay.optimizer_shards)
+            ex = experts.held_experts(m, ranks[r])
+            parts = rank_compute_seconds(m, lay, cl, ranks[r], experts.spread(
+                held_params(p, ranks[r]) - ex, ex, lay, lay.optimizer_shards))
         comm = rank_comm(m, lay, cl, ranks[r])
         times = rank_step(lay, cl, comm, parts["total"], idle, send_s)
         if slowest is None or times[-1] > slowest[2][-1]:
             slowest = (comm, parts, times)
-    comm, parts, (t_tp, t_pp, exposed, step) = slowest
+    comm, parts, (t_tp, t_ep, t_pp, exposed, step) = slowest
     return Estimate(layout=lay, memory=memory, comm=comm, compute_s=parts["total"], bubble=idle,
-                    tp_s=t_tp, pp_s=t_pp, dp_exposed_s=exposed, step_s=step,
+                    tp_s=t_tp, ep_s=t_ep, pp_s=t_pp, dp_exposed_s=exposed, step_s=step,
                     mfu=model_flops / (step * lay.gpus * cl.tflops * 1e12),
                     fits=reserved <= cl.budget, reserved=reserved, compute_parts=parts)
 
@@ -230,9 +236,10 @@ def structures(m: ModelConfig, cl: Cluster, seq_len: int, tp: Optional[int] = No
 
 
 def variants(structure: tuple, global_batch: int, seq_len: int,
-             micro_batch: Optional[int] = None) -> Iterator[Layout]:
-    """The micro-batch splits of one structure (check_layout's rules for pipelines): any global
-    batch that dp divides; only `micro_batch` when given (any size that divides S)."""
+             micro_batch: Optional[int] = None, ep: int = 1) -> Iterator[Layout]:
+    """The micro-batch splits of one structure (check_layout's rules for pipelines), with `ep`
+    expert-parallel ranks: any global batch that dp divides; only `micro_batch` when given (any
+    size that divides S)."""
     t, p, dp, kind, ac, sp, schedule, v = structure
     if global_batch % dp:
         return
@@ -243,7 +250,7 @@ def variants(structure: tuple, global_batch: int, seq_len: int,
         n = sequences // b
         if p > 1 and (n < p or (schedule == "interleaved-1f1b" and n % p)):
             continue
-        yield Layout(dp, t, p, kind, ac, sp, schedule, b, n, seq_len, v if v > 1 else 2)
+        yield Layout(dp, t, p, kind, ac, sp, schedule, b, n, seq_len, v if v > 1 else 2, ep)
 
 
 def _bucket(seconds: float) -> int:
@@ -267,19 +274,23 @@ def rank_key(e: Estimate) -> tuple:
     if not e.fits:
         return (1, e.memory.total)
     return (0, _bucket(e.step_s), AC_MODES.index(lay.ac), lay.sp, list(STRATEGIES).index(lay.strategy),
-            lay.pp, lay.v, lay.tp, e.memory.total)
+            lay.pp, lay.v, lay.tp, lay.ep, e.memory.total)
 
 
 def plan(m: ModelConfig, cl: Cluster, global_batch: int, seq_len: int, tp: Optional[int] = None,
          pp: Optional[int] = None, strategy: Optional[str] = None,
-         virtual_stages: Optional[int] = None) -> list[Estimate]:
-    """Every layout (each with its best micro-batch split), ranked: fitting ones fastest first."""
-    check_request(m, cl, global_batch, seq_len, tp, pp, strategy, virtual_stages)
+         virtual_stages: Optional[int] = None, ep: Optional[int] = None) -> list[Estimate]:
+    """Every layout (each with its best micro-batch split), ranked: fitting ones fastest first.
+    A mixture of experts' layouts come with each expert-parallel degree dp and its experts allow
+    (`ep`: that one)."""
+    check_request(m, cl, global_batch, seq_len, tp, pp, strategy, virtual_stages, ep)
     out = []
     for structure in structures(m, cl, seq_len, tp, pp, strategy, virtual_stages):
-        estimates = [estimate_layout(m, lay, cl) for lay in variants(structure, global_batch, seq_len)]
-        if estimates:
-            out.append(best_variant(estimates))
+        for e in experts.ep_sizes(m, structure[2], ep):
+            estimates = [estimate_layout(m, lay, cl)
+                         for lay in variants(structure, global_batch, seq_len, ep=e)]
+            if estimates:
+                out.append(best_variant(estimates))
     if not out:
         raise UserError(f"no layout of {cl.gpus} GPUs can split a global batch of {global_batch} "
                         f"sequences: change --global-batch (or --batch-size / --grad-accum), or "
@@ -311,9 +322,13 @@ def check_cluster(cl: Cluster) -> None:
 
 def check_request(m: ModelConfig, cl: Cluster, global_batch: int, seq_len: int,
                   tp: Optional[int], pp: Optional[int], strategy: Optional[str],
-                  virtual_stages: Optional[int] = None) -> None:
+                  virtual_stages: Optional[int] = None, ep: Optional[int] = None) -> None:
     """Bad inputs of `plan`, one line each."""
     check_cluster(cl)
+    if ep is not None:
+        problem = family(m).check_layout(m, 1, ep) if ep >= 1 else f"--ep must be at least 1, got {ep}"
+        if problem:
+            raise UserError(problem)
     if global_batch < 1:
         raise UserError(f"the global batch must be at least 1 sequence, got {global_batch}")
     if strategy is not None and strategy not in STRATEGIES:
@@ -339,7 +354,7 @@ def check_tp(m: ModelConfig, cl: Cluster, tp: int, seq_len: int) -> None:
         raise UserError(f"--tp {tp} does not fit in a node of {cl.node} GPUs: tensor parallelism "
                         f"all-reduces activations in every layer and needs the node's links")
     if not whole_heads(m, tp) or m.block_size % tp:
-        kv = f", model.n_kv_head ({m.kv_heads})" if m.arch == "llama" else ""
+        kv = f", model.n_kv_head ({m.kv_heads})" if m.n_kv_head is not None else ""
         raise UserError(f"--tp {tp} must divide model.n_head ({m.n_head}){kv} and model.block_size "
                         f"({m.block_size}): each tensor-parallel rank holds whole heads")
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 from raytrain_lm.config.layout import Layout
 from raytrain_lm.models import family
 from raytrain_lm.models.family import ModelConfig
+from raytrain_lm.plan import experts
 from raytrain_lm.plan.hardware import Cluster
 from raytrain_lm.plan.stages import StageShape
 
@@ -117,11 +118,17 @@ def rank_compute_seconds(m: ModelConfig, lay: Layout, cl: Cluster, stages: list[
     early = cl.recompute_early_stop
     # matmuls: 6 x weights per token (forward, two backward), one more forward of what is recomputed
     block, recomputed, ((wf, wb), (sf, sb)) = _per_layer(m, lay.ac, early, cl.kernels)
-    mm = layers * (6 * block + 2 * recomputed) / t
+    # a mixture of experts' layer stays whole on every tp rank, its experts' matmuls small
+    moe = experts.whole_weights(m)
+    per_weight = layers * (6 + 2 * recomputed / block)
+    mm = per_weight * (block - moe) / t
     if last:
         mm += 6 * (m.vocab_size or 256) * h / t
     f = matmul_flops(m, lay.micro_batch, s, t)
     t_mm = mm * tokens / matmul_rate(cl, f)
+    if moe:
+        f_expert = 2.0 * experts.expert_rows(m, lay) * h * m.hidden_dim
+        t_mm += per_weight * moe * tokens / matmul_rate(cl, f_expert)
     # attention: 4 h s forward per token, twice that backward, and the forward again where recomputed
     unfused = cl.attention == "unfused"
     again = lay.ac == "full" or (unfused and lay.ac == "selective")

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from raytrain_lm.config.layout import Layout
 from raytrain_lm.models import family
 from raytrain_lm.models.family import ModelConfig
+from raytrain_lm.plan import experts
 from raytrain_lm.plan.hardware import Cluster
 from raytrain_lm.plan.stages import StageShape, held_params, root_params
 
@@ -125,13 +126,14 @@ def gathered_bytes(p: dict[str, float], lay: Layout, cl: Cluster, stages: list[S
 
 def rank_memory(m: ModelConfig, lay: Layout, cl: Cluster, stages: list[StageShape], rank: int) -> MemoryPlan:
     p = family(m).tp_counts(m, lay.tp)
-    held = held_params(p, stages)
-    shard = cl.param_shards(lay)
+    ex = experts.held_experts(m, stages)  # a mixture of experts' routed experts: over ep first
+    dense = held_params(p, stages) - ex
+    kept = experts.spread(dense, ex, lay, cl.param_shards(lay))
     # fp32 parameters and gradients (divided by dp under FSDP2: zero1, zero2 and fsdp shard both at
     # rest; not by a framework's ZeRO-1 on whole replicas), AdamW's two fp32 moments (divided by
     # dp for all but ddp)
-    return MemoryPlan(params=4 * held / shard, grads=4 * held / shard,
-                      optimizer=8 * held / lay.optimizer_shards,
-                      gathered=gathered_bytes(p, lay, cl, stages),
+    return MemoryPlan(params=4 * kept, grads=4 * kept,
+                      optimizer=8 * experts.spread(dense, ex, lay, lay.optimizer_shards),
+                      gathered=gathered_bytes(experts.gathered_counts(m, p, lay), lay, cl, stages),
                       activations=activation_bytes(m, lay, cl, stages, rank),
                       logits=logits_bytes(m, lay, cl, stages))

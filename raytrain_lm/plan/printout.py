@@ -27,6 +27,9 @@ def reason(best: Estimate, ranked: list[Estimate], cl: Cluster) -> str:
     parts = []
     if lay.tp > 1:
         parts.append(f"TP {lay.tp} {where('tp')}" + (" with sequence parallelism" if lay.sp else ""))
+    if lay.ep > 1:
+        parts.append(f"EP {lay.ep} {where('ep')} (the experts over {lay.ep} of the {lay.dp} "
+                     f"data-parallel GPUs)")
     if lay.pp > 1:
         stages = f" x {lay.v} stages" if lay.v > 1 else ""
         parts.append(f"PP {lay.pp} {where('pp')} ({lay.schedule}{stages}, {lay.microbatches} "
@@ -43,7 +46,7 @@ def reason(best: Estimate, ranked: list[Estimate], cl: Cluster) -> str:
 
 def short(lay: Layout) -> str:
     """A layout in a few words."""
-    out = f"tp {lay.tp}, pp {lay.pp}, {lay.strategy} {lay.dp}"
+    out = f"tp {lay.tp}, pp {lay.pp}, {lay.strategy} {lay.dp}" + (f", ep {lay.ep}" if lay.ep > 1 else "")
     if lay.pp > 1:
         out += f", {lay.schedule}" + (f" x{lay.v}" if lay.v > 1 else "")
     ckpt = "no checkpointing" if lay.ac == "none" else f"{lay.ac} checkpointing"
@@ -68,31 +71,36 @@ def _versus_plain(best: Estimate, ranked: list[Estimate]) -> str:
     return f"; data parallelism alone would take {plain[0].step_s / best.step_s:.1f}x as long"
 
 
-def _row(i: int, e: Estimate) -> str:
+def _row(i: int, e: Estimate, experts: bool) -> str:
     lay, c = e.layout, e.comm
     pipeline = "-"
     if lay.pp > 1:
         pipeline = f"{lay.schedule}{f' x{lay.v}' if lay.v > 1 else ''} {e.bubble:.0%}"
-    return (f"{i:>3} {lay.tp:>3} {lay.pp:>3} {lay.dp:>4}  {lay.strategy:<6}{lay.ac:<10}"
+    return (f"{i:>3} {lay.tp:>3} {lay.pp:>3} {lay.dp:>4}" + (f" {lay.ep:>3}" if experts else "") +
+            f"  {lay.strategy:<6}{lay.ac:<10}"
             f"{'yes' if lay.sp else 'no':<4}{pipeline:<24}{f'{lay.micro_batch} x {lay.microbatches}':<10}"
             f"{e.memory.model_state / GIB:>10.1f}{e.reserved / GIB:>8.1f}{e.step_s:>9.3g}{e.mfu:>6.0%}"
-            f"{c.tp / GB:>8.2f}{c.pp / GB:>7.2f}{c.dp / GB:>7.2f}  {'yes' if e.fits else 'no'}")
+            f"{c.tp / GB:>8.2f}{c.pp / GB:>7.2f}{c.dp / GB:>7.2f}" + (f"{c.ep / GB:>7.2f}" if experts else "")
+            + f"  {'yes' if e.fits else 'no'}")
 
 
-def format_table(estimates: list[Estimate], start: int = 1) -> str:
-    head = (f"{'#':>3} {'tp':>3} {'pp':>3} {'dp':>4}  {'dp as':<6}{'ckpt':<10}{'sp':<4}"
+def format_table(estimates: list[Estimate], start: int = 1, experts: bool = False) -> str:
+    """`experts`: a mixture of experts' columns too (ep, and the all-to-alls' GB)."""
+    head = (f"{'#':>3} {'tp':>3} {'pp':>3} {'dp':>4}" + (f" {'ep':>3}" if experts else "") +
+            f"  {'dp as':<6}{'ckpt':<10}{'sp':<4}"
             f"{'pipeline, bubble':<24}{'b x n':<10}{'state GiB':>10}{'GiB/GPU':>8}{'step s':>9}{'MFU':>6}"
-            f"{'tp GB':>8}{'pp GB':>7}{'dp GB':>7}  fits")
-    return "\n".join([head, "-" * len(head)] + [_row(start + i, e) for i, e in enumerate(estimates)])
+            f"{'tp GB':>8}{'pp GB':>7}{'dp GB':>7}" + (f"{'ep GB':>7}" if experts else "") + "  fits")
+    return "\n".join([head, "-" * len(head)] + [_row(start + i, e, experts) for i, e in enumerate(estimates)])
 
 
 def describe(name: str, n_params: int, global_batch: int, seq_len: int, cl: Cluster,
-             ranked: list[Estimate], top: int, show_all: bool) -> str:
-    """The text `plan` prints."""
+             ranked: list[Estimate], top: int, show_all: bool, active: Optional[int] = None) -> str:
+    """The text `plan` prints (`active`: a mixture of experts' parameters per token)."""
     fitting = sum(e.fits for e in ranked)
     shown = ranked if show_all else ranked[:top]
+    experts = active is not None and active < n_params
     lines = [
-        *model_memory(name, n_params),
+        *model_memory(name, n_params, active if experts else None),
         f"{cl.gpus} {cl.kind + ' ' if cl.gpu else ''}{'GPUs' if cl.gpu else 'workers'}, {cl.node} per "
         f"node, {cl.memory_gb:g} GiB each ({cl.budget / GIB:.1f} usable); global batch {global_batch} x "
         f"{seq_len} tokens; {cl.tflops:g} TFLOP/s peak, {_efficiency_text(cl)}; links "
@@ -101,7 +109,7 @@ def describe(name: str, n_params: int, global_batch: int, seq_len: int, cl: Clus
         f"{len(shown)} of {len(ranked)} layouts ({fitting} fit; --all or --json for all); b x n: "
         f"micro-batch x micro-batches per step (pipeline microbatches with pp, else accumulation); "
         f"GB sent per GPU per step:",
-        format_table(shown),
+        format_table(shown, experts=experts),
     ]
     best = recommendation(ranked)
     if best is None:
@@ -116,10 +124,12 @@ def describe(name: str, n_params: int, global_batch: int, seq_len: int, cl: Clus
     return "\n".join(lines)
 
 
-def model_memory(name: str, n_params: int) -> list[str]:
+def model_memory(name: str, n_params: int, active: Optional[int] = None) -> list[str]:
     """What the parameters alone take, before any layout divides them (the 'state GiB' column:
-    what a GPU of each layout holds of it)."""
-    return [f"{name}: {n_params:,} parameters ({n_params / 1e9:.2f}B)",
+    what a GPU of each layout holds of it); a mixture of experts' active parameters."""
+    moe = (f", {active:,} active per token ({active / 1e9:.2f}B: FLOPs count these; expert "
+           f"parallelism splits the experts, ep GB: its all-to-alls)") if active else ""
+    return [f"{name}: {n_params:,} parameters ({n_params / 1e9:.2f}B){moe}",
             f"the model alone: fp32 weights {4 * n_params / GIB:,.1f} GiB ({n_params:,} x 4 bytes); "
             f"with gradients and AdamW's two moments x4 = {16 * n_params / GIB:,.1f} GiB (16 bytes "
             f"per parameter; mixed precision needs as much: bf16 weights and gradients, fp32 "
@@ -139,17 +149,18 @@ def estimate_json(e: Estimate) -> dict:
                            "total": e.memory.total / GIB},
             "comm_gb": {"dp": e.comm.dp / GB, "dp_gather": e.comm.dp_gather / GB,
                         "dp_reduce": e.comm.dp_reduce / GB, "tp": e.comm.tp / GB,
-                        "pp": e.comm.pp / GB},
-            "seconds": {"compute": e.compute_s, "tp": e.tp_s, "pp": e.pp_s,
+                        "pp": e.comm.pp / GB, "ep": e.comm.ep / GB},
+            "seconds": {"compute": e.compute_s, "tp": e.tp_s, "ep": e.ep_s, "pp": e.pp_s,
                         "dp_exposed": e.dp_exposed_s, "bubble": e.bubble_s, "step": e.step_s},
             "compute_parts": e.compute_parts, "reserved_gib": e.reserved / GIB,
             "bubble": e.bubble, "mfu": e.mfu}
 
 
 def report_json(n_params: int, global_batch: int, seq_len: int, cl: Cluster,
-                ranked: list[Estimate]) -> dict:
+                ranked: list[Estimate], active: Optional[int] = None) -> dict:
     best = recommendation(ranked)
-    return {"parameters": n_params, "global_batch": global_batch, "seq_len": seq_len,
+    return {"parameters": n_params, "active_parameters": active or n_params,
+            "global_batch": global_batch, "seq_len": seq_len,
             "cluster": asdict(cl), "fitted_constants": fitted_json(cl),
             "layouts": [estimate_json(e) for e in ranked],
             "recommendation": None if best is None else estimate_json(best),
@@ -177,34 +188,37 @@ def fitted_text(cl: Cluster) -> str:
 def plan_command(cfg, cl: Cluster, tp: Optional[int] = None, pp: Optional[int] = None,
                  strategy: Optional[str] = None, top: int = 10, show_all: bool = False,
                  as_json: bool = False, global_batch: Optional[int] = None,
-                 virtual_stages: Optional[int] = None, explain: Optional[str] = None) -> str:
+                 virtual_stages: Optional[int] = None, explain: Optional[str] = None,
+                 ep: Optional[int] = None, name: Optional[str] = None) -> str:
     """`plan`: every layout of `cl` for cfg's model, sequence length and global batch
     (--global-batch, else GPUs x --batch-size x --grad-accum: what plain data parallelism would
-    train with), as text or JSON; with `explain`, one layout's step time and memory, by part."""
+    train with), as text or JSON; with `explain`, one layout's step time and memory, by part.
+    `name`: what the model is called [default: its preset]."""
     import json
 
     if top < 1:
         raise UserError(f"--top must be at least 1, got {top}")
     if global_batch is None:
         global_batch = cl.gpus * cfg.batch_size * cfg.grad_accum
-    ranked = plan(cfg.model, cl, global_batch, cfg.seq_len, tp, pp, strategy, virtual_stages)
+    ranked = plan(cfg.model, cl, global_batch, cfg.seq_len, tp, pp, strategy, virtual_stages, ep)
     n_params = family(cfg.model).counts(cfg.model).total
+    active = family(cfg.model).active_params(cfg.model)
     if explain is not None:
         e, rank = explained(cfg.model, cl, ranked, explain, global_batch, cfg.seq_len)
         if as_json:
             return json.dumps({"rank": rank, "layouts": len(ranked), **estimate_json(e)}, indent=2)
         return explain_text(e, rank, ranked, cl)
     if as_json:
-        return json.dumps(report_json(n_params, global_batch, cfg.seq_len, cl, ranked), indent=2)
-    return describe(cfg.preset, n_params, global_batch, cfg.seq_len, cl, ranked, top, show_all)
+        return json.dumps(report_json(n_params, global_batch, cfg.seq_len, cl, ranked, active), indent=2)
+    return describe(name or cfg.preset, n_params, global_batch, cfg.seq_len, cl, ranked, top, show_all, active)
 
 
 # ---------------------------------------------------------------- plan --explain
 
-LAYOUT_KEYS = {"tp": int, "pp": int, "dp": int, "strategy": str, "ac": str, "sp": bool,
+LAYOUT_KEYS = {"tp": int, "pp": int, "dp": int, "ep": int, "strategy": str, "ac": str, "sp": bool,
                "schedule": str, "v": int, "b": int}
 LAYOUT_HELP = ("a row number of the table, or key=value pairs separated by commas: tp, pp, dp, "
-               "strategy, ac, sp (yes/no), schedule, v (stages per GPU), b (micro-batch); "
+               "ep, strategy, ac, sp (yes/no), schedule, v (stages per GPU), b (micro-batch); "
                "e.g. tp=8,pp=4,strategy=ddp,ac=full")
 
 
@@ -243,7 +257,7 @@ def explained(m, cl: Cluster, ranked: list[Estimate], text: str, global_batch: i
 
     def matches(lay: Layout) -> bool:
         return all(getattr(lay, field) == want[key] for key, field in
-                   (("tp", "tp"), ("pp", "pp"), ("dp", "dp"), ("strategy", "strategy"),
+                   (("tp", "tp"), ("pp", "pp"), ("dp", "dp"), ("ep", "ep"), ("strategy", "strategy"),
                     ("ac", "ac"), ("sp", "sp"), ("schedule", "schedule"), ("v", "v"))
                    if key in want)
 
@@ -290,6 +304,8 @@ def explain_text(e: Estimate, rank: int, ranked: list[Estimate], cl: Cluster) ->
                   + " work: " + _parts_text(e)),
              line("exposed tp", e.tp_s, f"{c.tp / GB:.3g} GB sent per GPU at {bw('tp')}"
                   if lay.tp > 1 else "no tensor parallelism"),
+             *([line("exposed ep", e.ep_s, f"{c.ep / GB:.3g} GB of all-to-alls sent per GPU at "
+                     f"{bw('ep')}")] if lay.ep > 1 else []),
              line("bubble", e.bubble_s, f"{e.bubble:.1%} of a pipelined step idle" if lay.pp > 1
                   else "no pipeline"),
              line("exposed pp", e.pp_s, f"{c.pp / GB:.3g} GB sent per GPU at {bw('pp')}; the "

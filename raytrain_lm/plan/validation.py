@@ -96,7 +96,7 @@ def published_estimate(m: ModelConfig, cl: Cluster, run: dict) -> Optional[Estim
         if s[4] != want.get("ac", s[4]) or s[5] != want.get("sp", s[5]) or \
                 s[6] != want.get("schedule", s[6]):
             continue
-        for lay in variants(s, run["global_batch"], run["seq_len"], want.get("b")):
+        for lay in variants(s, run["global_batch"], run["seq_len"], want.get("b"), want.get("ep", 1)):
             found.append(estimate_layout(m, lay, cl))
     fitting = [e for e in found if e.fits]
     return best_variant(fitting) if fitting else None
@@ -194,7 +194,7 @@ def summary_text(s: dict) -> str:
 
 def describe_layout(e: Estimate) -> str:
     lay = e.layout
-    out = f"tp {lay.tp} pp {lay.pp} {lay.strategy} {lay.dp}"
+    out = f"tp {lay.tp} pp {lay.pp} {lay.strategy} {lay.dp}" + (f" ep {lay.ep}" if lay.ep > 1 else "")
     if lay.pp > 1:
         out += f" {lay.schedule}" + (f" x{lay.v}" if lay.v > 1 else "")
     return out + f", AC {lay.ac}" + (", SP" if lay.sp else "") + f", b {lay.micro_batch}"
@@ -202,7 +202,8 @@ def describe_layout(e: Estimate) -> str:
 
 def _cells(r: Row) -> list[str]:
     lay = r.run["layout"]
-    pub = f"TP {lay['tp']} x PP {lay['pp']} x {lay['strategy']}, AC {lay['ac']}"
+    pub = f"TP {lay['tp']} x PP {lay['pp']} x {lay['strategy']}" + \
+        (f" x EP {lay['ep']}" if lay.get("ep", 1) > 1 else "") + f", AC {lay['ac']}"
     mem_pub = r.run["published"].get("memory_gib")
     mem = (f"{r.mine.reserved / GIB:.1f} / {mem_pub:g}" if mem_pub and r.mine else
            f"{r.mine.reserved / GIB:.1f} / -" if r.mine else "does not fit")

@@ -79,13 +79,14 @@ def evaluate(model: str, tasks: list[str], *, storage: str, best: bool = False,
                 raise UserError("--best chooses among a run's checkpoints; give the run, not a folder")
             done, folder = Evaluated(model, None, None), path
         else:
-            from raytrain_lm.results.export import export_checkpoint_hf
+            from raytrain_lm.results.hf_export import export_checkpoint_hf
 
             found = find_checkpoint(model, storage, best=best)
             try:
                 run = run_of_checkpoint(path) if (path / files.META).is_file() else open_run(model, storage)
                 folder = Path(tmp, "hf")
-                export_checkpoint_hf(found.path, folder, meta=found.meta)
+                # fp32: the checkpoint's weights as trained (export's default, bf16, rounds them)
+                export_checkpoint_hf(found.path, folder, meta=found.meta, dtype="fp32")
             finally:
                 found.cleanup()
             done = Evaluated(found.source, found.step, run)

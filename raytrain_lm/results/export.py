@@ -3,10 +3,9 @@
 - `native` (the default): safetensors plus a config JSON in this project's names, for plain
   PyTorch with models/. Tied weights (the output projection shares the token embedding) are
   stored once; config.json's "tied" says which names to point at which.
-- `hf`: a Hugging Face model folder (config.json, model.safetensors under transformers' names,
-  the tokenizer files), which transformers' Auto classes load without this project: each
-  family's adapter gives the names and config.json (a GPT as GPT2LMHeadModel, models/gpt/hf_gpt.py;
-  a Llama as LlamaForCausalLM, models/llama/hf_llama.py).
+- `hf`: a Hugging Face model folder (results/hf_export.py), which transformers' Auto classes
+  load without this project: each family's adapter gives the names and config.json (a GPT as
+  GPT2LMHeadModel, models/gpt/hf_gpt.py; a Llama as LlamaForCausalLM, models/llama/hf_llama.py).
 
 Either way a BPE's tokenizer.json goes along, byte for byte the dataset's and the checkpoint's.
 """
@@ -15,14 +14,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any, Optional
 
 from raytrain_lm.config.settings import TrainConfig
-from raytrain_lm.data.tokenizer import EOT, Tokenizer, byte_tokenizer_json, tokenizer_from_spec
+from raytrain_lm.data.tokenizer import tokenizer_from_spec
 from raytrain_lm.errors import UserError
-from raytrain_lm.models import family, hf_adapter
-from raytrain_lm.models.family import ModelConfig
+from raytrain_lm.models import family
 from raytrain_lm.store.files import TOKENIZER
 from raytrain_lm.store.hf_folder import HF_CONFIG, HF_WEIGHTS
 from raytrain_lm.store.storage import is_remote, staged_folder
@@ -31,6 +30,25 @@ from raytrain_lm.store.storage import is_remote, staged_folder
 # folder whose weights say so); a native export's config.json names its family's format.
 EXPORT_SOURCE = "raytrain-lm/gpt-2"
 FORMATS = ("native", "hf")
+HF_DTYPES = ("bf16", "fp32")  # export --format hf --dtype
+DEFAULT_MAX_SHARD = "5GB"  # the Hub's shards (transformers 4's default; transformers 5 writes 50GB)
+
+
+def check_dtype_name(dtype: str) -> str:
+    if dtype not in HF_DTYPES:
+        raise UserError(f"--dtype must be one of {', '.join(HF_DTYPES)}, got {dtype!r}")
+    return dtype
+
+
+def parse_size(text: str) -> int:
+    """`--max-shard-size`: bytes, as transformers reads it ("5GB" = 5e9, "500MiB", "1000000")."""
+    m = re.fullmatch(r"\s*(\d+)\s*([KMG]i?B)?\s*", str(text), re.IGNORECASE)
+    if not m or int(m.group(1)) == 0:
+        raise UserError(f"--max-shard-size must be a positive size such as 5GB, 500MB or 2GiB, "
+                        f"got {text!r}")
+    unit = (m.group(2) or "B").upper()
+    scale = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+    return int(m.group(1)) * scale[unit]
 
 
 def _untie(state: dict) -> tuple[dict, dict[str, str]]:
@@ -48,7 +66,7 @@ def _untie(state: dict) -> tuple[dict, dict[str, str]]:
     return kept, tied
 
 
-def _umask() -> int:
+def umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
@@ -88,15 +106,17 @@ def export_checkpoint(folder: Path, out: Path, source: str, force: bool = False,
     with staged_folder(out) as tmp:
         save_file(weights, f"{tmp}/{HF_WEIGHTS}", metadata={"format": "pt", "source": EXPORT_SOURCE})
         Path(tmp, HF_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
-        os.chmod(f"{tmp}/{HF_WEIGHTS}", 0o666 & ~_umask())  # safetensors creates it owner-only
+        os.chmod(f"{tmp}/{HF_WEIGHTS}", 0o666 & ~umask())  # safetensors creates it owner-only
         if tok.raw is not None:
             Path(tmp, TOKENIZER).write_bytes(tok.raw)
     return config
 
 
-# Every file an export may hold (native or hf).
+# Every file an export may hold (native or hf): these, and hf's weight shards.
 EXPORT_FILES = frozenset({"model.safetensors", "config.json", "tokenizer.json",
-                          "generation_config.json", "tokenizer_config.json"})
+                          "generation_config.json", "tokenizer_config.json",
+                          "model.safetensors.index.json"})
+SHARD_FILE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 
 
 def check_out(out: str | Path, force: bool) -> None:
@@ -116,13 +136,15 @@ def check_out(out: str | Path, force: bool) -> None:
 
 
 def is_export(folder: Path) -> bool:
-    """A folder export wrote: only export's files, and a model.safetensors marked as ours."""
+    """A folder export wrote: only export's files, every safetensors file marked as ours."""
     if folder.is_symlink() or not folder.is_dir():
         return False
     entries = list(folder.iterdir())
-    if any(e.name not in EXPORT_FILES or e.is_symlink() or not e.is_file() for e in entries):
+    if any(e.name not in EXPORT_FILES and not SHARD_FILE.fullmatch(e.name) or e.is_symlink()
+           or not e.is_file() for e in entries):
         return False
-    return _safetensors_source(folder / HF_WEIGHTS) == EXPORT_SOURCE
+    weights = [e for e in entries if e.name.endswith(".safetensors")]
+    return bool(weights) and all(_safetensors_source(e) == EXPORT_SOURCE for e in weights)
 
 
 def _safetensors_source(path: Path) -> Optional[str]:
@@ -137,70 +159,3 @@ def _safetensors_source(path: Path) -> Optional[str]:
         return header.get("__metadata__", {}).get("source")
     except (OSError, ValueError, AttributeError, RecursionError):
         return None
-
-
-# ---------------------------------------------------------------- Hugging Face format
-# The family's adapter (Family.hf_adapter) gives the weights' names and config.json; writing the
-# folder needs safetensors and tokenizers, not transformers.
-
-HF_TOKENIZER_CONFIG = "tokenizer_config.json"
-HF_GENERATION_CONFIG = "generation_config.json"
-
-
-def export_hf(state_dict: dict, cfg: ModelConfig, tok: Tokenizer, out: Path,
-              force: bool = False) -> dict[str, Any]:
-    """Write `out` as a Hugging Face model folder (its family's format); returns config.json's content. The
-    vocabulary is the tokenizer's (the model's padding rows are dropped), so every id of the
-    exported model is a token and the real tokens' logits are unchanged."""
-    check_out(out, force)
-    if cfg.vocab_size < tok.vocab_size:
-        raise UserError(f"the model has {cfg.vocab_size} token embeddings but its tokenizer "
-                        f"{tok.vocab_size} tokens")
-    adapter = hf_adapter(cfg)
-    weights = adapter.to_hf(state_dict, cfg, tok.vocab_size)
-    config = adapter.hf_config(cfg, tok.vocab_size, tok.eot_id)
-    config["dtype"] = str(next(iter(weights.values())).dtype).removeprefix("torch.")
-    _write_hf(out, weights, config, tok, cfg.block_size)
-    return config
-
-
-def _write_hf(out: Path, weights: dict, config: dict, tok: Tokenizer, block_size: int) -> None:
-    from safetensors.torch import save_file
-
-    eot = tok.eot_id
-    generation = {"bos_token_id": eot, "eos_token_id": eot}
-    # PreTrainedTokenizerFast (transformers' tokenizer.json-as-is class): without a
-    # tokenizer_config.json AutoTokenizer would pick GPT2Tokenizer from config.json, which
-    # rebuilds the pipeline from vocab and merges with its own pre-tokenizer settings.
-    # clean_up_tokenization_spaces=False: True rewrites " ." to "." on decode.
-    tok_config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": block_size,
-                  "clean_up_tokenization_spaces": False, "add_prefix_space": False}
-    if eot is not None:
-        tok_config.update(bos_token=EOT, eos_token=EOT)
-    with staged_folder(out) as tmp:
-        # metadata format=pt: transformers refuses a safetensors file without it; source: ours
-        # (export --force replaces only a folder whose weights say so)
-        save_file(weights, f"{tmp}/{HF_WEIGHTS}", metadata={"format": "pt", "source": EXPORT_SOURCE})
-        os.chmod(f"{tmp}/{HF_WEIGHTS}", 0o666 & ~_umask())  # safetensors creates it owner-only
-        Path(tmp, HF_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
-        Path(tmp, HF_GENERATION_CONFIG).write_text(json.dumps(generation, indent=2) + "\n")
-        Path(tmp, HF_TOKENIZER_CONFIG).write_text(json.dumps(tok_config, indent=2) + "\n")
-        # a BPE: the dataset's file itself; bytes: an equivalent tokenizer.json (id i = byte i)
-        Path(tmp, TOKENIZER).write_bytes(tok.raw if tok.raw is not None else
-                                         byte_tokenizer_json().encode())
-
-
-def export_checkpoint_hf(folder: Path, out: Path, force: bool = False,
-                         meta: Optional[dict] = None) -> dict[str, Any]:
-    """`export --format hf`: a checkpoint folder -> a Hugging Face model folder."""
-    from raytrain_lm.models import decoder_class
-    from raytrain_lm.store.checkpoint_format import load_checkpoint
-
-    check_out(out, force)
-    state = load_checkpoint(folder, meta=meta)
-    cfg = TrainConfig.from_dict(state["config"])
-    tok = tokenizer_from_spec(state["tokenizer"], folder)
-    # through the model: a sharded checkpoint gathers the tied weights as two copies
-    model = decoder_class(cfg.model).from_state_dict(cfg.model, state["model"])
-    config = export_hf(model.state_dict(), cfg.model, tok, out, force=force)
-    return {**config, "step": state["step"]}

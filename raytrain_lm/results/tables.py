@@ -36,6 +36,8 @@ def progress_line(row: MetricsRow, max_steps: int) -> str:
         f"val {row['val_loss']:.4f}" if row.get("val_loss") is not None else None,
         f"{row['val_bpb']:.3f} bpb" if row.get("val_bpb") is not None else None,
         f"lr {row['lr']:.2e}",
+        # a mixture of experts: its most imbalanced layer (max / mean tokens per expert)
+        f"load {max(row['expert_load']):.2f}" if row.get("expert_load") else None,
         f"{_fmt_rate(row['tokens_per_second'])} tok/s",
         f"mfu {row['mfu'] * 100:.1f}%" if row.get("mfu") is not None else None,
         f"data-wait {row['data_wait_frac'] * 100:.1f}%",

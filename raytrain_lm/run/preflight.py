@@ -158,12 +158,13 @@ def check_init_from(path: str, cfg: TrainConfig, manifest: dict, say=None) -> st
 
 def check_hf_init_from(folder: str | Path, m: ModelConfig, manifest: dict) -> str:
     """A Hugging Face folder fits this run: a family imports its model_type, its config.json's
-    every field read is of its type (the family's model_fields), its shape is the model's (each
-    field config.json fixes, as the model computes it: kv heads as given or n_head, the ffn size
-    by its rule), its tokenizer.json is, byte for byte, the dataset's, and its weight files hold
-    exactly the tensors of that model, each of its shape (their headers read: no tensor; every
-    file inside the folder: store/hf_folder.py). Before any worker starts. Returns the folder,
-    resolved."""
+    every field read is of its type (the family's model_fields), its model is this run's (each
+    field its config.json fixes, as the model computes it: kv heads as given or n_head, the head
+    size as given or width / heads, the ffn size by its rule; `train` builds the model from the
+    folder, so only a config made otherwise differs), its tokenizer.json is, byte for byte, the
+    dataset's, and its weight files hold exactly the tensors of that model, each of its shape
+    (their headers read: no tensor; every file inside the folder: store/hf_folder.py). Before
+    any worker starts. Returns the folder, resolved."""
     from raytrain_lm.data.manifest import tokenizer_sha256
 
     folder = Path(folder)
@@ -171,13 +172,14 @@ def check_hf_init_from(folder: str | Path, m: ModelConfig, manifest: dict) -> st
     config = read_config(folder)
     adapter = hf_importer(config.get("model_type"), where)
     fields = adapter.model_fields(config, where)
-    ours = {k: {"n_kv_head": m.kv_heads, "ffn_dim": m.hidden_dim}.get(k, getattr(m, k, None))
-            for k in fields}
+    effective = {"n_kv_head": m.kv_heads, "ffn_dim": m.hidden_dim,
+                 "head_size": None if m.head_dim * m.n_head == m.n_embd else m.head_dim}
+    ours = {k: effective.get(k, getattr(m, k, None)) for k in fields}
     diff = [k for k in fields if fields[k] != ours[k]]
     if diff:
         theirs = ", ".join(f"{k}: {fields[k]} vs {ours[k]}" for k in diff)
-        sets = " ".join(f"--set model.{k}={fields[k]}" for k in diff)
-        raise UserError(f"{where} is another model shape ({theirs}); train with {sets}")
+        raise UserError(f"{where} is another model ({theirs}: the folder's vs this run's); its "
+                        f"config.json is the model: leave out --preset and --set model.*")
     path = folder / TOKENIZER
     if not path.is_file() or untrusted.digest(path) != tokenizer_sha256(manifest):
         raise UserError(f"{where}: its tokenizer.json is not the dataset's tokenizer, so its token ids "

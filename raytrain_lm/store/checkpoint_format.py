@@ -334,6 +334,23 @@ def load_checkpoint(folder: Path, map_location: str | torch.device = "cpu",
     return state
 
 
+def model_tensor_specs(folder: Path, meta: dict[str, Any]) -> Optional[dict[str, tuple[tuple[int, ...], torch.dtype]]]:
+    """The model's tensors of a checkpoint that read_meta checked (`meta`), by name: (shape,
+    dtype) from dcp/'s metadata, no tensor read; None for a checkpoint of an earlier format
+    (whose model load_checkpoint reads whole)."""
+    if meta.get("version", 1) < 3 or meta.get("format") != "dcp":
+        return None
+    entries = _read_dcp_metadata(folder).state_dict_metadata.items()
+    return {key.removeprefix("model."): (tuple(md.size), md.properties.dtype) for key, md in entries
+            if key.startswith("model.") and hasattr(md, "size")}
+
+
+def read_model_tensor(folder: Path, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """One tensor of the model, whole, from dcp/ (its chunks from every rank that saved one):
+    what export reads one at a time."""
+    return _dcp_load({"model": {name: torch.empty(shape, dtype=dtype)}}, folder)["model"][name]
+
+
 def load_resume_state(folder: Path, meta: dict[str, Any],
                       rank: int) -> tuple[dict[str, Any], Optional[dict[str, Any]]]:
     """(state.pt, this rank's RNG states or None if the saving run had no such rank) of a

@@ -1,8 +1,8 @@
 """A Hugging Face model folder on disk (config.json, model.safetensors or shards named by
 model.safetensors.index.json), read by its own names and without trusting it: a family's adapter
 (models/<family>/hf_*.py) maps the names to its own and says which tensors and shapes it expects.
-No torch but in read_tensors: the driver checks a folder with this before anything is launched,
-and the workers read the weight files it lists.
+No torch: the driver checks a folder with this before anything is launched, and the workers
+read the slices they keep of the weight files it lists (store/safetensors_io.py).
 
 - config.json, the index: JSON objects of a bounded size (UTF-8, nested as JSON allows);
 - the weight files: model.safetensors, or the files the index's weight_map names: plain names
@@ -19,9 +19,10 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from raytrain_lm.errors import UserError, brief
+from raytrain_lm.models import hf_importer
 from raytrain_lm.store import untrusted
 from raytrain_lm.store.files import META
 
@@ -37,11 +38,17 @@ FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")  # what weights may be (loaded into
 
 @dataclass(frozen=True)
 class TensorInfo:
-    """A tensor as its file's header describes it."""
+    """A tensor as its file's header describes it: `offset` is where its bytes start in the
+    file (row-major, little-endian, as safetensors stores every tensor)."""
 
     file: str
     dtype: str
     shape: tuple[int, ...]
+    offset: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * DTYPE_BYTES[self.dtype]
 
 
 def is_hf_folder(path: str | Path) -> bool:
@@ -97,19 +104,21 @@ def weight_files(folder: str | Path) -> dict[str, Path]:
 
 def _weight_file(folder: Path, name: str, where: str) -> Path:
     path = untrusted.inside(folder, name, where)  # inside, no symlink
+    if not os.path.lexists(path):
+        raise UserError(f"{where} names {name}, which is not in {folder} (a download cut short?)")
     untrusted.size_of(path)  # a regular file
     return path
 
 
-def read_tensors(folder: str | Path) -> dict:
-    """Every tensor of the folder's weight files (weight_files: the files checked), under the
-    folder's own names (torch)."""
-    from safetensors.torch import load_file
-
-    tensors = {}
-    for path in weight_files(folder).values():
-        tensors.update(load_file(str(path)))
-    return tensors
+def folder_model(path: str | Path) -> Optional[tuple[str, dict[str, Any]]]:
+    """For --init-from: (how to name the folder, the ModelConfig fields its config.json fixes),
+    or None where `path` is not a Hugging Face folder. A family must import its model_type
+    (else one line: the model types that are)."""
+    if not is_hf_folder(path):
+        return None
+    where = f"--init-from {path}"
+    config = read_config(path)
+    return where, hf_importer(config.get("model_type"), where).model_fields(config, where)
 
 
 def read_header(path: Path) -> dict[str, TensorInfo]:
@@ -135,7 +144,7 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
     for name, entry in header.items():
         if name == "__metadata__":
             continue
-        info, (begin, end) = _tensor(path, name, entry)
+        info, (begin, end) = _tensor(path, name, entry, 8 + n)
         if end > size - 8 - n:
             raise UserError(f"{path}: tensor {name} lies past the end of the file (cut short?)")
         out[name] = info
@@ -147,7 +156,7 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
     return out
 
 
-def _tensor(path: Path, name: str, entry: Any) -> tuple[TensorInfo, tuple[int, int]]:
+def _tensor(path: Path, name: str, entry: Any, data_start: int) -> tuple[TensorInfo, tuple[int, int]]:
     def whole(x: Any) -> bool:
         return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
@@ -160,7 +169,7 @@ def _tensor(path: Path, name: str, entry: Any) -> tuple[TensorInfo, tuple[int, i
     begin, end = offsets
     if end - begin != math.prod(shape) * DTYPE_BYTES[dtype]:
         raise UserError(f"{path}: tensor {name}'s bytes do not match its shape {shape} in {dtype}")
-    return TensorInfo(path.name, dtype, tuple(shape)), (begin, end)
+    return TensorInfo(path.name, dtype, tuple(shape), data_start + begin), (begin, end)
 
 
 def tensors(folder: str | Path) -> dict[str, TensorInfo]:

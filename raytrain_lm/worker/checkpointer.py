@@ -28,13 +28,13 @@ from ray.train import CheckpointUploadMode
 
 from raytrain_lm.config.settings import TrainConfig
 from raytrain_lm.data.tokenizer import Tokenizer
-from raytrain_lm.models import hf_importer
 from raytrain_lm.store import checkpoint_format as ckpt_io
 from raytrain_lm.store.files import checkpoint_name
-from raytrain_lm.store.hf_folder import is_hf_folder, read_config, read_tensors
+from raytrain_lm.store.hf_folder import is_hf_folder
 from raytrain_lm.store.row import MetricsRow
 from raytrain_lm.store.runs import FoundCheckpoint, latest_checkpoint
 from raytrain_lm.worker.drills import fault_drill
+from raytrain_lm.worker.hf_load import load_hf_weights
 from raytrain_lm.worker.optim import resumed_horizon
 
 # The reports whose rows each checkpoint carries, to be re-sent after a resume: more than can be
@@ -157,31 +157,18 @@ class Checkpointer:
                               "train_start_unix": train_start_unix, "resumed_rows": self.resent[:-1]})
 
 
-def load_init_from(path: str, step_fn) -> None:
-    """--init-from: the weights of a checkpoint of ours, or of a Hugging Face folder (through its
-    family's names), into this rank's parts; the optimizer starts fresh."""
+def load_init_from(path: str, step_fn, rank: int = 0) -> None:
+    """--init-from: the weights of a checkpoint of ours, or of a Hugging Face folder (each rank
+    reading only the slices it keeps: hf_load.py), into this rank's parts; the optimizer starts
+    fresh."""
     if is_hf_folder(path):
-        load_hf_weights(path, step_fn)
+        say = (lambda m: print(m, flush=True)) if rank == 0 else None
+        stats = load_hf_weights(path, step_fn.parts, step_fn.cfg.model, say=say)
+        if say:
+            say(f"[init-from] {path}: {stats.tensors} tensors, {stats.bytes_read / 2**30:.2f} GiB "
+                f"read by rank 0 in {stats.seconds:.1f} s")
     else:
         ckpt_io.load_weights(Path(path), ckpt_io.read_meta(Path(path)), step_fn)
-
-
-def hf_weights(folder: str | Path) -> dict:
-    """Every tensor of a Hugging Face folder, under our names (its family's adapter)."""
-    config = read_config(folder)
-    return hf_importer(config.get("model_type"), f"--init-from {folder}").from_hf(read_tensors(folder))
-
-
-def load_hf_weights(folder: str | Path, step_fn) -> None:
-    """The folder's weights into this rank's parts (each rank reads the full tensors and keeps
-    its shards)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-    full = hf_weights(folder)
-    for part in step_fn.parts:
-        keys = part.state_dict().keys()
-        set_model_state_dict(part, {k: full[k] for k in keys},
-                             options=StateDictOptions(full_state_dict=True))
 
 
 def restore_rng(rng: Optional[dict], seed: int, stream: int) -> None:

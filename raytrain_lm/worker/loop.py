@@ -57,7 +57,8 @@ def train_loop_per_worker(inputs: WorkerInputs) -> None:
     # --- the model as this rank holds it (built sharded where the layout shards it), then its
     # state: a resumed run's own, else --init-from's weights, else the initial values
     baseline_mem = peak_memory_gb(device)
-    step_fn = TrainStep(sized, device)
+    # a resumed run's checkpoint or --init-from's weights fill every parameter: no initial values
+    step_fn = TrainStep(sized, device, init=found is None and not inputs.init_from)
     build_mem = peak_memory_gb(device) - baseline_mem  # built sharded: only this rank's shards
     # drills.py: which windows each rank reads
     log = WindowLog.for_group(checkpointer.fs, checkpointer.run_path, rank, world) \
@@ -69,7 +70,7 @@ def train_loop_per_worker(inputs: WorkerInputs) -> None:
     else:
         step, tokens = 0, 0
         if inputs.init_from:  # a checkpoint, or a Hugging Face folder
-            load_init_from(inputs.init_from, step_fn)
+            load_init_from(inputs.init_from, step_fn, rank)
     restore_rng(rng, cfg.seed, rank // cfg.tp)  # the saved RNG states, else a dropout stream per rank
 
     n_params = family(cfg.model).counts(cfg.model).total

@@ -184,6 +184,7 @@ class Meter:
             "first_step_unix": self.first_step_unix,
             "num_parameters": self.num_parameters,
         }
+        row.update(step_fn.moe_metrics() or {})  # aux_loss, z_loss, expert_load (a mixture of experts)
         self._row_done = time.perf_counter()
         return row
 

@@ -10,14 +10,23 @@ from raytrain_lm.config.settings import TrainConfig
 
 
 def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
-    # Decay 2-D weights (matmuls, embeddings); never biases or LayerNorm gains.
+    # Decay 2-D weights (matmuls, embeddings, experts); never biases or LayerNorm gains.
     params = [p for p in model.parameters() if p.requires_grad]
-    groups = [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-    ]
+    groups = [{"params": ps, "weight_decay": cfg.weight_decay if decay else 0.0}
+              for decay in (True, False) for ps in _by_placement([p for p in params if (p.dim() >= 2) == decay])]
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                              fused=device.type == "cuda")
+
+
+def _by_placement(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """`params` in lists of one kind each: plain tensors, and distributed tensors per device mesh.
+    AdamW's foreach kernels take one kind per call, and a mixture of experts under tensor or
+    expert parallelism holds several (its MoE layers whole on every tp rank, its experts on the
+    ep dim)."""
+    kinds: dict = {}
+    for p in params:
+        kinds.setdefault(getattr(p, "device_mesh", None), []).append(p)
+    return list(kinds.values()) or [[]]
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:

@@ -23,7 +23,9 @@ import torch.nn as nn
 
 from raytrain_lm.config.settings import TrainConfig
 from raytrain_lm.data.tokenizer import bits_per_byte
+from raytrain_lm.models import family
 from raytrain_lm.parallel import ddp, grad, parallelize, pp
+from raytrain_lm.parallel.ep import moe_metrics
 from raytrain_lm.parallel.mesh import all_reduce
 from raytrain_lm.parallel.traffic import CommCounter, PipelineTimer, clock_for
 from raytrain_lm.worker.optim import build_optimizer
@@ -56,7 +58,8 @@ def autocast_dtype(cfg: TrainConfig, device: torch.device) -> Optional[torch.dty
 
 class TrainStep:
     def __init__(self, cfg: TrainConfig, device: torch.device, **layout):
-        """`layout`: parallelize's `force` and `ddp_wrap` (bench/gpu_check.py)."""
+        """`layout`: parallelize's `force` and `ddp_wrap` (bench/gpu_check.py), and `init`
+        (False where a checkpoint or --init-from fills the model next)."""
         self.cfg, self.device = cfg, device
         dtype = autocast_dtype(cfg, device)
         self.precision = {v: k for k, v in DTYPES.items()}[dtype]  # fp32, bf16 or fp16
@@ -96,6 +99,13 @@ class TrainStep:
         """The share of the pipeline steps since the last call this rank spent idle (None
         without a pipeline)."""
         return self.timer.take() if self.timer is not None else None
+
+    def moe_metrics(self) -> Optional[dict]:
+        """A mixture of experts' balance since the last call, over every rank (a collective):
+        parallel/ep.moe_metrics; None for a dense model."""
+        if family(self.cfg.model).experts is None:
+            return None
+        return moe_metrics(self.parts, self.cfg.model.n_layer, counts_here=self.model.coords.tp == 0)
 
     def take_data_wait(self) -> float:
         """Seconds this rank waited for batches since the last call. On CPU, host time in
@@ -138,7 +148,7 @@ class TrainStep:
         one sets things up) of a sharded layout; every step moves the same."""
         if self.steps != 2 or self.model.mesh is None:
             return nullcontext()
-        return CommCounter(self.model.mesh)
+        return CommCounter(self.model.mesh, self.model.layout.mesh_dims)
 
     def _forward_backward(self, batches) -> torch.Tensor:
         """Gradients of one step's mean loss over the whole global batch; returns the loss of

@@ -6,6 +6,10 @@ from __future__ import annotations
 from raytrain_lm.errors import UserError
 from raytrain_lm.models.family import Family, ModelConfig, ParamCounts, TPPlan
 
+# Settings the GPT does not compute, at their defaults (the others it ignores, as n_kv_head)
+LLAMA_ONLY = {"head_size": None, "rope_type": "default", "qkv_bias": False, "qk_norm": False,
+              "sliding_window": None}
+
 # Activation elements per layer per token, in units of the width: (whole on every tp rank without
 # sequence parallelism, divided by tp). Sums: 17 without recomputation, 11 selective, 9 op (the
 # block input; the outputs of c_attn, attention and c_fc: parallel/ac.py).
@@ -24,7 +28,17 @@ class GPTFamily(Family):
     export_format = "raytrain-lm/gpt-2"
     export_notes = {"qkv_layout": "head-interleaved"}
 
+    def tied(self, m: ModelConfig) -> bool:
+        return True
+
     def check(self, m: ModelConfig) -> None:
+        """The Llama skeleton's settings are not the GPT's: set, they would be ignored; the
+        GELU is one of GELUS."""
+        for key, default in LLAMA_ONLY.items():
+            if getattr(m, key) != default:
+                raise UserError(f"model.{key} is a setting of the Llama-skeleton families (llama, "
+                                f"qwen2, qwen3, mistral), not of the gpt: drop it or choose "
+                                f"--arch")
         if m.gelu not in GELUS:
             raise UserError(f"model.gelu must be one of {', '.join(GELUS)}, got {m.gelu!r}")
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from raytrain_lm.models.family import ModelConfig
+from raytrain_lm.models.hf import HFAdapter
 
 # nn.Linear weights (out, in) that GPT-2 keeps in its Conv1D modules as (in, out)
 _CONV1D = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
@@ -33,50 +34,63 @@ def qkv_interleaved_to_gpt2(t, n_head: int):
     return t.reshape(n_head, 3, hd, *t.shape[1:]).transpose(0, 1).reshape(three_c, *t.shape[1:])
 
 
-def to_hf(state: dict, cfg: ModelConfig, vocab_size: int) -> dict:
-    """Our GPT's state dict under transformers' GPT2LMHeadModel names ({name: contiguous
-    tensor}); the embedding keeps its first `vocab_size` rows (the tokenizer's: the padding rows
-    are never a token). The head is tied to the embedding, so it is not stored."""
-    C = cfg.n_embd
-    zeros = state["wte.weight"].new_zeros
-    out = {"transformer.wte.weight": state["wte.weight"][:vocab_size],
-           "transformer.wpe.weight": state["wpe.weight"]}
-    for i in range(cfg.n_layer):
-        p = f"h.{i}."
-        for ln in ("ln_1", "ln_2"):
-            out[f"transformer.{p}{ln}.weight"] = state[p + ln + ".weight"]
-            # GPT-2 always has biases: a bias=False model's are zero (exactly what it computes)
-            out[f"transformer.{p}{ln}.bias"] = state.get(p + ln + ".bias", zeros(C))
-        for mod in _CONV1D:
-            w = state[p + mod + ".weight"]
-            b = state.get(p + mod + ".bias", zeros(w.shape[0]))
-            if mod == "attn.c_attn":
-                w, b = qkv_interleaved_to_gpt2(w, cfg.n_head), qkv_interleaved_to_gpt2(b, cfg.n_head)
-            out[f"transformer.{p}{mod}.weight"] = w.t()  # Conv1D: (in, out)
-            out[f"transformer.{p}{mod}.bias"] = b
-    out["transformer.ln_f.weight"] = state["ln_f.weight"]
-    out["transformer.ln_f.bias"] = state.get("ln_f.bias", zeros(C))
-    return {k: v.detach().contiguous() for k, v in out.items()}
+class GPTAdapter(HFAdapter):
+    """Our GPT as GPT2LMHeadModel. Export only (GPT-2 folders are not imported here)."""
+
+    model_type = "gpt2"
+    architecture = "GPT2LMHeadModel"
+
+    def hf_name(self, name: str, m: ModelConfig) -> Optional[str]:
+        if name in ("wte.weight", "lm_head.weight"):  # tied: the head is the embedding
+            return "transformer.wte.weight"
+        if name.startswith(("wpe.", "h.", "ln_f.")):
+            return f"transformer.{name}"
+        raise ValueError(f"no Hugging Face name for {name}")
+
+    def to_hf_tensor(self, name: str, t, m: ModelConfig):
+        if ".attn.c_attn." in name:
+            t = qkv_interleaved_to_gpt2(t, m.n_head)
+        if name.endswith(".weight") and any(f".{mod}." in name for mod in _CONV1D):
+            t = t.t()  # Conv1D: (in, out)
+        return t
+
+    def sliceable(self, name: str, m: ModelConfig) -> bool:
+        return not any(f".{mod}." in name for mod in _CONV1D)
+
+    def hf_zeros(self, m: ModelConfig) -> dict[str, tuple[int, ...]]:
+        """GPT-2 always has biases: a bias=False model's are zero (exactly what it computes)."""
+        if m.bias:
+            return {}
+        C = m.n_embd
+        out = {"transformer.ln_f.bias": (C,)}
+        for i in range(m.n_layer):
+            p = f"transformer.h.{i}."
+            out.update({p + "ln_1.bias": (C,), p + "ln_2.bias": (C,), p + "attn.c_attn.bias": (3 * C,),
+                        p + "attn.c_proj.bias": (C,), p + "mlp.c_fc.bias": (4 * C,),
+                        p + "mlp.c_proj.bias": (C,)})
+        return out
+
+    def hf_config(self, cfg: ModelConfig, vocab_size: int, eot: Optional[int]) -> dict[str, Any]:
+        """GPT2LMHeadModel's config.json for `cfg` with the tokenizer's vocabulary."""
+        return {
+            "architectures": [self.architecture],
+            "model_type": self.model_type,
+            "vocab_size": vocab_size,
+            "n_positions": cfg.block_size,
+            "n_embd": cfg.n_embd,
+            "n_layer": cfg.n_layer,
+            "n_head": cfg.n_head,
+            "n_inner": None,  # 4 * n_embd, as our MLP
+            # transformers' gelu is F.gelu (exact); gelu_new GPT-2's tanh form, F.gelu(approximate="tanh")
+            "activation_function": "gelu_new" if cfg.gelu == "tanh" else "gelu",
+            "layer_norm_epsilon": 1e-5,  # torch.nn.LayerNorm's default, which our model uses
+            "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.dropout,
+            "scale_attn_weights": True,  # 1/sqrt(head_dim), as scaled_dot_product_attention
+            "tie_word_embeddings": True,
+            # GPT2Config defaults both to 50256 (GPT-2's <|endoftext|>): wrong for any other
+            # vocabulary, and generate() would stop on it. None where the tokenizer has no EOT.
+            "bos_token_id": eot, "eos_token_id": eot,
+        }
 
 
-def hf_config(cfg: ModelConfig, vocab_size: int, eot: Optional[int]) -> dict[str, Any]:
-    """GPT2LMHeadModel's config.json for `cfg` with the tokenizer's vocabulary."""
-    return {
-        "architectures": ["GPT2LMHeadModel"],
-        "model_type": "gpt2",
-        "vocab_size": vocab_size,
-        "n_positions": cfg.block_size,
-        "n_embd": cfg.n_embd,
-        "n_layer": cfg.n_layer,
-        "n_head": cfg.n_head,
-        "n_inner": None,  # 4 * n_embd, as our MLP
-        # transformers' gelu is F.gelu (exact); gelu_new GPT-2's tanh form, F.gelu(approximate="tanh")
-        "activation_function": "gelu_new" if cfg.gelu == "tanh" else "gelu",
-        "layer_norm_epsilon": 1e-5,  # torch.nn.LayerNorm's default, which our model uses
-        "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.dropout,
-        "scale_attn_weights": True,  # 1/sqrt(head_dim), as scaled_dot_product_attention
-        "tie_word_embeddings": True,
-        # GPT2Config defaults both to 50256 (GPT-2's <|endoftext|>): wrong for any other
-        # vocabulary, and generate() would stop on it. None where the tokenizer has no EOT.
-        "bos_token_id": eot, "eos_token_id": eot,
-    }
+ADAPTER = GPTAdapter()

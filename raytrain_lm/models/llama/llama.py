@@ -1,9 +1,14 @@
-"""The Llama family's decoder (Llama 2 and 3, after Meta's llama/model.py and torchtitan): RMSNorm
-before attention and MLP, rotary position embeddings, grouped-query attention, a SwiGLU MLP, no
-biases, an untied output head. Like the GPT it knows nothing of distribution (no
-torch.distributed), and it keeps the GPT's skeleton and names where they mean the same thing
-(`wte`, the blocks `h`, `ln_1`/`ln_2`/`ln_f` for the norms, `lm_head`), so the parallel/ code
-that splits, shards and pipelines the GPT does the same here.
+"""The decoder of the Llama family and of every family on its skeleton (Llama 2 and 3.x, Qwen2,
+Qwen3, Mistral; after Meta's llama/model.py, transformers and torchtitan): RMSNorm before
+attention and MLP, rotary position embeddings, grouped-query attention, a SwiGLU MLP. What the
+families add are its settings (models/family.ModelConfig): q/k/v biases (`qkv_bias`, Qwen2),
+an RMSNorm of each query and key head before the rotation (`qk_norm`, Qwen3), a sliding window
+(`sliding_window`, Mistral), an output head tied to the embedding (`tie_embeddings`, Llama 3.2
+1B/3B, small Qwens) and scaled rotary frequencies (`rope_type` linear or llama3). Like the GPT
+it knows nothing of distribution (no torch.distributed), and it keeps the GPT's skeleton and
+names where they mean the same thing (`wte`, the blocks `h`, `ln_1`/`ln_2`/`ln_f` for the
+norms, `lm_head`), so the parallel/ code that splits, shards and pipelines the GPT does the
+same here.
 
 Choices that matter outside this file:
 
@@ -19,6 +24,8 @@ Choices that matter outside this file:
   saved). Every attention holds a reference to it, so a pipeline stage that takes some blocks
   takes the tables with them; a KV-cached step reads the rows of its positions from the same
   tables (the cache's length is where the new tokens start).
+* A sliding window needs no mask while every query's keys fit in it (the causal kernel is then
+  exact); past it, an explicit (queries x keys) mask (`window_mask`).
 """
 
 from __future__ import annotations
@@ -48,12 +55,36 @@ class RMSNorm(nn.Module):
         return self.weight * xf.type_as(x)
 
 
-def rotary_tables(head_dim: int, length: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin, (length, head_dim) in fp32 on the CPU: position p, dimension j holds
-    p * theta^(-2(j mod head_dim/2)/head_dim), the same products transformers computes."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu")
-                                .float() / head_dim))
-    freqs = torch.arange(length, dtype=torch.int64, device="cpu").float()[:, None] * inv_freq[None, :]
+def inverse_frequencies(cfg: ModelConfig) -> torch.Tensor:
+    """theta^(-2j/head_dim) for j < head_dim/2 (fp32, on the CPU), scaled by cfg.rope_type as
+    transformers' modeling_rope_utils computes it: linear divides every frequency by the factor;
+    llama3 (Llama 3.1+) divides those whose wavelength exceeds original_context /
+    low_freq_factor, keeps those below original_context / high_freq_factor, and blends the band
+    between."""
+    d = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64, device="cpu")
+                                         .float() / d))
+    factor = cfg.rope_factor
+    if cfg.rope_type == "linear":
+        return inv_freq / factor
+    if cfg.rope_type != "llama3":
+        return inv_freq
+    context = cfg.rope_original_context or cfg.block_size
+    low, high = cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > context / low, inv_freq / factor, inv_freq)
+    smooth = (context / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < context / high) * ~(wavelen > context / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rotary_tables(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin, (block_size, head_dim) in fp32 on the CPU: position p, dimension j holds
+    p * inv_freq[j mod head_dim/2], the same products transformers computes."""
+    inv_freq = inverse_frequencies(cfg)
+    positions = torch.arange(cfg.block_size, dtype=torch.int64, device="cpu").float()
+    freqs = positions[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos(), emb.sin()
 
@@ -63,15 +94,15 @@ class Rotary(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.head_dim, self.length, self.theta = cfg.head_dim, cfg.block_size, cfg.rope_theta
-        self.register_buffer("cos", torch.empty(self.length, self.head_dim), persistent=False)
-        self.register_buffer("sin", torch.empty(self.length, self.head_dim), persistent=False)
+        self.cfg = cfg
+        self.register_buffer("cos", torch.empty(cfg.block_size, cfg.head_dim), persistent=False)
+        self.register_buffer("sin", torch.empty(cfg.block_size, cfg.head_dim), persistent=False)
         if not self.cos.is_meta:
             self.reset_buffers()
 
     @torch.no_grad()
     def reset_buffers(self) -> None:
-        cos, sin = rotary_tables(self.head_dim, self.length, self.theta)
+        cos, sin = rotary_tables(self.cfg)
         if self.cos.is_meta:  # built on the meta device and loaded from a state dict
             self.cos, self.sin = cos, sin
         else:
@@ -93,54 +124,78 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, rope: Rotary):
         super().__init__()
-        self.head_dim = cfg.head_dim
-        self.q_proj = nn.Linear(cfg.n_embd, cfg.n_head * cfg.head_dim, bias=False)
-        self.k_proj = nn.Linear(cfg.n_embd, cfg.kv_heads * cfg.head_dim, bias=False)
-        self.v_proj = nn.Linear(cfg.n_embd, cfg.kv_heads * cfg.head_dim, bias=False)
-        self.o_proj = nn.Linear(cfg.n_head * cfg.head_dim, cfg.n_embd, bias=False)
+        self.head_dim, self.window = cfg.head_dim, cfg.sliding_window
+        q, kv = cfg.n_head * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+        self.q_proj = nn.Linear(cfg.n_embd, q, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.n_embd, kv, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.n_embd, kv, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(q, cfg.n_embd, bias=False)
+        if cfg.qk_norm:  # Qwen3: each head of q and k normalised before the rotation
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
         self.rope = rope  # shared by every block (see the module docstring)
 
     def forward(self, x: torch.Tensor, cache: Optional[tuple] = None):
         B, T = x.shape[:2]
         # -1 heads: under tensor parallelism each projection returns only this rank's heads.
-        q, k, v = (proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
-                   for proj in (self.q_proj, self.k_proj, self.v_proj))  # (B, heads, T, head_dim)
+        q, k, v = (proj(x).view(B, T, -1, self.head_dim) for proj in (self.q_proj, self.k_proj,
+                                                                       self.v_proj))
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, T, head_dim)
         start = 0 if cache is None else cache[0].size(2)
         cos, sin = self.rope.cos[start:start + T], self.rope.sin[start:start + T]
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if cache is not None:  # generation: the cache holds rotated keys, one per kv head
             k, v = torch.cat([cache[0], k], dim=2), torch.cat([cache[1], v], dim=2)
-        causal = cache is None or T > 1  # one new token may see every cached key
         if cache is not None and T > 1 and k.size(2) != T:
             raise ValueError("a multi-token step is only supported on an empty cache")
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=causal,
-                                           enable_gqa=q.size(1) != k.size(1))
+        gqa = q.size(1) != k.size(1)
+        if self.window is not None and k.size(2) > self.window:  # some query sees past its window
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=window_mask(start, T, k.size(2),
+                                                                              self.window, q.device),
+                                               enable_gqa=gqa)
+        else:  # one new token may see every cached key
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=cache is None or T > 1,
+                                               enable_gqa=gqa)
         y = y.transpose(1, 2).reshape(B, T, -1)  # local heads * head_dim columns
         return self.o_proj(y), (k, v)
 
 
-class SwiGLU(nn.Module):
-    """down(silu(gate(x)) * up(x))."""
+def window_mask(start: int, T: int, keys: int, window: int, device) -> torch.Tensor:
+    """(T, keys) booleans: query at position start + i sees key j where j <= start + i and
+    start + i - j < window (transformers' sliding_window_overlay on its causal mask)."""
+    q = torch.arange(start, start + T, device=device)[:, None]
+    k = torch.arange(keys, device=device)[None, :]
+    return (k <= q) & (q - k < window)
 
-    def __init__(self, cfg: ModelConfig):
+
+class SwiGLU(nn.Module):
+    """down(silu(gate(x)) * up(x)), of `hidden` units (default: the config's)."""
+
+    def __init__(self, cfg: ModelConfig, hidden: Optional[int] = None):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.n_embd, cfg.hidden_dim, bias=False)
-        self.up_proj = nn.Linear(cfg.n_embd, cfg.hidden_dim, bias=False)
-        self.down_proj = nn.Linear(cfg.hidden_dim, cfg.n_embd, bias=False)
+        hidden = hidden or cfg.hidden_dim
+        self.gate_proj = nn.Linear(cfg.n_embd, hidden, bias=False)
+        self.up_proj = nn.Linear(cfg.n_embd, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, cfg.n_embd, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class LlamaBlock(nn.Module):
-    """Pre-RMSNorm block: x + attn(norm(x)), then + mlp(norm(x)). Called as the GPT's Block is."""
+    """Pre-RMSNorm block: x + attn(norm(x)), then + mlp(norm(x)). Called as the GPT's Block is.
+    `MLP`: its feed-forward module's class (a mixture of experts: models/moe/)."""
+
+    MLP = SwiGLU
 
     def __init__(self, cfg: ModelConfig, rope: Rotary):
         super().__init__()
         self.ln_1 = RMSNorm(cfg.n_embd, cfg.norm_eps)
         self.attn = Attention(cfg, rope)
         self.ln_2 = RMSNorm(cfg.n_embd, cfg.norm_eps)
-        self.mlp = SwiGLU(cfg)
+        self.mlp = self.MLP(cfg)
 
     def forward(self, x: torch.Tensor, cache: Optional[tuple] = None):
         a, kv = self.attn(self.ln_1(x), cache)
@@ -150,23 +205,35 @@ class LlamaBlock(nn.Module):
 
 
 class Llama(Decoder):
+    Block = LlamaBlock
+
     def __init__(self, cfg: ModelConfig, seed: Optional[int] = None):
         super().__init__()
         assert cfg.vocab_size is not None, "vocab_size must be set (from the dataset) before building"
         self.cfg = cfg
+        self.tied = cfg.tie_embeddings
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.rope = Rotary(cfg)
-        self.h = nn.ModuleList(LlamaBlock(cfg, self.rope) for _ in range(cfg.n_layer))
+        self.h = nn.ModuleList(self.Block(cfg, self.rope) for _ in range(cfg.n_layer))
         self.ln_f = RMSNorm(cfg.n_embd, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.tie_weights()
         self._init_or_leave_meta(seed)
+
+    def tie_weights(self) -> None:
+        """A tied head shares the embedding's one tensor (again after `Module.to_empty`)."""
+        if self.tied:
+            self.lm_head.weight = self.wte.weight
 
     @staticmethod
     def init_spec(cfg: ModelConfig, module: nn.Module, fqn: str) -> tuple[str, float]:
         """GPT-2's scheme carried over: N(0, 0.02) for matrices and the embedding, the residual
-        projections (o_proj, down_proj) scaled by 1/sqrt(2 n_layer), norms at one."""
+        projections (o_proj, down_proj) scaled by 1/sqrt(2 n_layer), norms at one, biases at
+        zero."""
         if isinstance(module, RMSNorm):
             return ("ones", 0.0)
+        if fqn.endswith(".bias"):
+            return ("zeros", 0.0)
         if fqn.endswith(("o_proj.weight", "down_proj.weight")):
             return ("normal", 0.02 / math.sqrt(2 * cfg.n_layer))
         if isinstance(module, (nn.Linear, nn.Embedding)):

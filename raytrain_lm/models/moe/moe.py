@@ -1,0 +1,191 @@
+"""The mixture of experts' decoder (after Mixtral and Qwen3-MoE, and torchtitan's MoE): the Llama
+(models/llama/llama.py) with every block's MLP a `MoELayer`, routed SwiGLU experts with an
+optional shared one. Nothing here imports torch.distributed: expert parallelism (parallel/ep.py)
+swaps the layer's `dispatch` for one that sends tokens to the ranks holding their experts, and
+hands `Experts` its weights sharded by expert.
+
+A layer, for N tokens of width D, E experts, top k:
+
+1. Router: logits = x W_r^T (E per token, in fp32 whatever the autocast: a rounding must not
+   change which experts a token picks), softmax, the k largest probabilities and their experts;
+   with `norm_top_k` the k weights rescaled to sum to 1 (Mixtral, Qwen3-MoE).
+2. Dispatch, dropless: the N*k (token, expert) pairs sorted by expert (a stable sort: within an
+   expert, in token order), every pair computed, none dropped for capacity.
+3. Experts: each a SwiGLU on its contiguous rows, by a grouped matmul where torch has one for the
+   compute dtype (bf16: CUDA's kernel, and a CPU one), else a loop over the experts
+   (`expert_ffn`).
+4. Combine: each pair's output back to its (token, slot) place, weighted and summed over the k
+   slots in slot order (no atomics: the same sum on every layout and device).
+
+Training adds two losses (`take_aux_loss`, which the decoder or a pipeline stage adds to the
+loss, models/decoder.py) and keeps statistics (`stats`, read and reset by
+parallel/ep.moe_metrics):
+
+* load balancing (Switch Transformer eq. 4, Mixtral's `load_balancing_loss_func`):
+  E * sum_e f_e P_e, f_e the share of routed slots that chose expert e, P_e the mean router
+  probability of e; 1.0 when perfectly balanced. Computed per sequence and averaged over the
+  sequences (as DeepSeek-V3's sequence-wise balance loss), so the same tokens give the same loss
+  whatever the layout splits the batch into (data-parallel ranks, micro-batches, pipeline
+  microbatches): that is what lets every layout train exactly the one-worker model. Weighted by
+  `aux_loss_coef / n_layer` per layer: the mean over layers, times the coefficient.
+* router z-loss (ST-MoE eq. 5): the mean over tokens of logsumexp(logits)^2, weighted by
+  `z_loss_coef / n_layer`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from raytrain_lm.models.family import ModelConfig
+from raytrain_lm.models.llama.llama import Llama, LlamaBlock, SwiGLU
+
+# The grouped matmul's CUDA kernel wants rows aligned to 16 bytes: bf16 widths that divide by 8.
+GROUPED_ALIGN = 8
+
+
+def local(w: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a weight: under expert parallelism the experts' weights are
+    distributed tensors sharded by expert (their local part: this rank's experts)."""
+    return w.to_local() if hasattr(w, "to_local") else w
+
+
+def grouped_mm_suits(x: torch.Tensor, hidden: int) -> bool:
+    """Whether `expert_ffn` runs a grouped matmul: torch has one for bf16 (on CUDA from sm80, and
+    on the CPU); fp32 and fp16 take the loop."""
+    dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) \
+        else x.dtype
+    if dtype != torch.bfloat16 or not hasattr(F, "grouped_mm"):
+        return False
+    if x.device.type == "cuda":
+        return torch.cuda.get_device_capability(x.device) >= (8, 0) and \
+            x.shape[-1] % GROUPED_ALIGN == 0 and hidden % GROUPED_ALIGN == 0
+    return x.device.type == "cpu"
+
+
+def expert_ffn(x: torch.Tensor, counts: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
+               down: torch.Tensor) -> torch.Tensor:
+    """SwiGLU expert i on rows counts[:i].sum() .. counts[:i+1].sum() of `x` (rows grouped by
+    expert): down_i(silu(gate_i x) * up_i x). gate, up: (experts, hidden, D); down: (experts, D,
+    hidden), as nn.Linear stores its weight."""
+    if grouped_mm_suits(x, gate.shape[1]):
+        offsets = counts.cumsum(0).to(torch.int32)
+        a, g, u, d = (t.to(torch.bfloat16) for t in (x, gate, up, down))
+        h = F.silu(F.grouped_mm(a, g.transpose(-2, -1), offs=offsets)) * \
+            F.grouped_mm(a, u.transpose(-2, -1), offs=offsets)
+        return F.grouped_mm(h, d.transpose(-2, -1), offs=offsets).to(x.dtype)
+    # Every expert runs, even on no rows: each weight is then used in every step (DDP expects it).
+    outs = [F.linear(F.silu(F.linear(rows, gate[i])) * F.linear(rows, up[i]), down[i])
+            for i, rows in enumerate(x.split(counts.tolist()))]
+    return torch.cat(outs)
+
+
+class Experts(nn.Module):
+    """E SwiGLU experts' weights as three (E, ., .) tensors (expert parallelism shards dim 0)."""
+
+    def __init__(self, n: int, dim: int, hidden: int):
+        super().__init__()
+        self.gate_proj = nn.Parameter(torch.empty(n, hidden, dim))
+        self.up_proj = nn.Parameter(torch.empty(n, hidden, dim))
+        self.down_proj = nn.Parameter(torch.empty(n, dim, hidden))
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x: rows grouped by this rank's experts, counts[i] of them for its i-th."""
+        return expert_ffn(x, counts, local(self.gate_proj), local(self.up_proj), local(self.down_proj))
+
+
+def local_dispatch(routed: torch.Tensor, counts: torch.Tensor, experts: Experts) -> torch.Tensor:
+    """Every expert is here: compute the rows grouped by expert where they are."""
+    return experts(routed, counts)
+
+
+class MoELayer(nn.Module):
+    """Router, dispatch, experts, combine (the module docstring), plus a shared expert."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_experts, self.top_k, self.norm_top_k = cfg.n_experts, cfg.top_k, cfg.norm_top_k
+        self.router = nn.Linear(cfg.n_embd, cfg.n_experts, bias=False)
+        self.experts = Experts(cfg.n_experts, cfg.n_embd, cfg.hidden_dim)
+        self.shared = SwiGLU(cfg, cfg.shared_ffn_dim) if cfg.shared_ffn_dim else None
+        self.dispatch = local_dispatch  # (routed, counts, experts) -> outputs in the same order
+        self.aux_weight, self.z_weight = cfg.aux_loss_coef / cfg.n_layer, cfg.z_loss_coef / cfg.n_layer
+        # Training statistics since the last read (parallel/ep.moe_metrics): tokens per expert,
+        # then the sums over forwards of the balance loss and the z-loss, and the forwards. A
+        # plain attribute, not a buffer: DDP would broadcast rank 0's over every rank's.
+        self.stats: Optional[torch.Tensor] = None
+        self.keeps_stats = True  # off where a forward is not a training step's (pipelining's probe)
+        self.aux_loss: Optional[torch.Tensor] = None
+
+    def take_aux_loss(self) -> Optional[torch.Tensor]:
+        aux, self.aux_loss = self.aux_loss, None
+        return aux
+
+    def route(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(logits, weights, experts): the router's fp32 logits (N, E), each token's top-k
+        weights and experts (N, k)."""
+        with torch.autocast(flat.device.type, enabled=False):
+            logits = F.linear(flat.float(), local(self.router.weight).float())
+        weights, chosen = logits.softmax(-1).topk(self.top_k, dim=-1)
+        if self.norm_top_k:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return logits, weights, chosen
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, D = x.shape
+        flat = x.reshape(-1, D)
+        logits, weights, chosen = self.route(flat)
+        pairs = chosen.reshape(-1)  # (N*k,): token t's slot j at t*k + j
+        counts = torch.bincount(pairs, minlength=self.n_experts)
+        order = pairs.argsort(stable=True)
+        out = self.dispatch(flat[order // self.top_k], counts, self.experts)
+        out = torch.zeros_like(out).index_copy(0, order, out)  # back to (token, slot) order
+        y = (out.view(-1, self.top_k, D).float() * weights.unsqueeze(-1)).sum(1).to(x.dtype)
+        y = y.view(B, T, D)
+        if self.shared is not None:
+            y = y + self.shared(x)
+        if self.training:
+            self._losses(logits, chosen, counts, B)
+        return y
+
+    def _losses(self, logits: torch.Tensor, chosen: torch.Tensor, counts: torch.Tensor,
+                sequences: int) -> None:
+        """The auxiliary losses of this forward (module docstring), kept for the decoder, and
+        their values in `stats`."""
+        E = self.n_experts
+        probs = logits.softmax(-1).view(sequences, -1, E)
+        picks = chosen.view(sequences, -1)
+        share = torch.zeros(sequences, E, device=logits.device).scatter_add_(
+            1, picks, torch.ones_like(picks, dtype=torch.float32)) / picks.shape[1]
+        balance = E * (share * probs.mean(1)).sum(-1).mean()
+        z = torch.logsumexp(logits, -1).square().mean()
+        self.aux_loss = self.aux_weight * balance + (self.z_weight * z if self.z_weight else 0.0)
+        if not self.keeps_stats:
+            return
+        with torch.no_grad():
+            if self.stats is None or self.stats.device != logits.device:
+                self.stats = torch.zeros(E + 3, dtype=torch.float64, device=logits.device)
+            self.stats += torch.cat([counts, torch.stack([balance, z, torch.ones_like(z)])]).to(self.stats)
+
+
+class MoEBlock(LlamaBlock):
+    MLP = MoELayer
+
+
+class MoE(Llama):
+    """The Llama whose blocks' MLPs are mixtures of experts."""
+
+    Block = MoEBlock
+
+    @staticmethod
+    def init_spec(cfg: ModelConfig, module: nn.Module, fqn: str) -> tuple[str, float]:
+        """The Llama's scheme; the experts' matrices as its MLPs' (down projections scaled by
+        1/sqrt(2 n_layer)), the router's N(0, 0.02)."""
+        if isinstance(module, Experts):
+            return ("normal", 0.02 / math.sqrt(2 * cfg.n_layer) if fqn.endswith("down_proj") else 0.02)
+        return Llama.init_spec(cfg, module, fqn)
+
