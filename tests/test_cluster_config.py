@@ -314,18 +314,19 @@ def _zipped(folder: Path, tmp: Path) -> set[str]:
 def test_a_job_uploads_the_package_cli_and_its_config_and_no_secret(tmp_path):
     """The project folder went up with an exclude list: .env, .aws/credentials, .ssh/*, .netrc,
     *.pem and *.key were packed. Now only the package's modules, cli.py and the --config file
-    named go (as Ray zips them), and one line says so with the size."""
+    named go (as Ray zips them), and one line says so with the size. The package goes whole:
+    sending only its *.py left plan/gpu_kinds.json behind and every submitted train failed."""
     from raytrain_lm.cluster.jobs import PACKAGE, job_working_dir
 
     project = tmp_path / "project"
     _project_with_secrets(project)
-    modules = {f"raytrain_lm/{p.relative_to(PACKAGE).as_posix()}" for p in PACKAGE.rglob("*.py")
-               if "__pycache__" not in p.parts}
-    assert "raytrain_lm/data/loaders.py" in modules
+    modules = {f"raytrain_lm/{p.relative_to(PACKAGE).as_posix()}" for p in PACKAGE.rglob("*")
+               if p.is_file() and "__pycache__" not in p.parts}
+    assert {"raytrain_lm/data/loaders.py", "raytrain_lm/plan/gpu_kinds.json"} <= modules
     with job_working_dir({"config": "configs/run.yaml"}, cwd=project, root=project) as (folder, line):
         sent = _zipped(folder, tmp_path)
     assert sent == modules | {"cli.py", "configs/run.yaml"}, sorted(sent ^ (modules | {"cli.py"}))
-    assert re.fullmatch(rf"uploading raytrain_lm/ \({len(modules)} modules\) and cli.py, "
+    assert re.fullmatch(rf"uploading raytrain_lm/ \({len(modules)} files\) and cli.py, "
                         rf"configs/run.yaml: \d+ KB", line), line
     assert not folder.exists()  # the staging folder is gone once Ray has zipped it
 
@@ -533,3 +534,20 @@ def test_setup_says_in_one_line_when_torchs_cuda_needs_a_newer_driver(torch_cuda
 
     line = cuda_mismatch(torch_cuda, driver)
     assert (line is None) if says is None else (says in line and "\n" not in line)
+
+
+def test_every_data_file_of_the_package_goes_into_a_wheel():
+    """A wheel takes a package's non-Python files only when pyproject.toml names them: built
+    without package-data, it held no plan/*.json and its planner could not start."""
+    import fnmatch
+    import tomllib
+
+    from raytrain_lm.cluster.jobs import PACKAGE
+
+    declared = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["tool"]["setuptools"]
+    globs = {f"{pkg.replace('.', '/')}/{g}" for pkg, gs in declared.get("package-data", {}).items() for g in gs}
+    data = [p.relative_to(PACKAGE.parent).as_posix() for p in PACKAGE.rglob("*")
+            if p.is_file() and p.suffix not in (".py", ".pyc") and "__pycache__" not in p.parts]
+    assert data, "the package reads tables of its own"
+    missing = [d for d in data if not any(fnmatch.fnmatch(d, g) for g in globs)]
+    assert not missing, f"add them to [tool.setuptools.package-data]: {missing}"

@@ -162,13 +162,14 @@ def submit(train_args: list[str], given: dict, address: Optional[str] = None, fo
 
 @contextlib.contextmanager
 def job_working_dir(given: dict, cwd: Path, root: Path = PROJECT, package: Path = PACKAGE):
-    """The job's working dir, made of only what the job runs: the package's modules, cli.py (the
+    """The job's working dir, made of only what the job runs: the package's files (its modules
+    and the tables it reads, such as plan/gpu_kinds.json), cli.py (the
     project's, else a two-line one) and a --config file named by a relative path (the job finds
     it where `train` was told it is). Never the project folder as a whole, which may hold
     .env, credentials, keys, datasets and runs. Yields (folder, the line saying what goes and
     how large it is); the folder is removed after the block (Ray has zipped it by then)."""
     files = {f"{package.name}/{p.relative_to(package).as_posix()}": p
-             for p in sorted(package.rglob("*.py")) if "__pycache__" not in p.parts}
+             for p in sorted(package.rglob("*")) if p.is_file() and "__pycache__" not in p.parts}
     config = uploaded_config(given.get("config"), cwd)
     if config is not None:
         files[config.relative_to(cwd).as_posix()] = config
@@ -184,7 +185,7 @@ def job_working_dir(given: dict, cwd: Path, root: Path = PROJECT, package: Path 
         size = sum(p.stat().st_size for p in Path(tmp).rglob("*") if p.is_file())
         modules = [r for r in files if r.startswith(f"{package.name}/")]
         named = ", ".join(["cli.py", *(r for r in files if r not in modules)])
-        yield Path(tmp), (f"uploading {package.name}/ ({len(modules)} modules) and {named}: "
+        yield Path(tmp), (f"uploading {package.name}/ ({len(modules)} files) and {named}: "
                           f"{size / 1024:.0f} KB")
 
 
