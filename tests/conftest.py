@@ -328,8 +328,10 @@ def tiny_run(ray_address, pydoc_data, tmp_path_factory):
 
 
 # `train` on a Ray it starts itself (the README's first command on a laptop): 4 steps of tiny with
-# checkpoints at 2 and 4; also the reference of `--workers 0` (tests/test_workers_0.py)
-COLD_FLAGS = ("--max-steps", "4", "--log-every", "2", "--eval-every", "4", "--checkpoint-every", "2")
+# checkpoints at 2 and 4, validated at 4 on 8 windows (the default 256 cost seconds per run); also
+# the reference of `--workers 0` (tests/test_workers_0.py)
+COLD_FLAGS = ("--max-steps", "4", "--log-every", "2", "--eval-every", "4", "--checkpoint-every", "2",
+              "--set", "eval_windows=8")
 
 
 @pytest.fixture(scope="session")

@@ -540,6 +540,7 @@ def test_every_data_file_of_the_package_goes_into_a_wheel():
     """A wheel takes a package's non-Python files only when pyproject.toml names them: built
     without package-data, it held no plan/*.json and its planner could not start."""
     import fnmatch
+
     import tomllib
 
     from raytrain_lm.cluster.jobs import PACKAGE

@@ -90,3 +90,26 @@ def test_a_torchrun_of_2_ranks_trains_like_2_ray_workers(tiny_run, pydoc_data, t
     assert list(ours) == list(range(1, 5)) and ours == {s: rays[s] for s in ours}
     checkpoint = {p.name for p in (run_dir / "checkpoint_00000004").iterdir()}
     assert {"meta.json", "rank0.json", "rank1.json"} <= checkpoint
+
+
+def test_local_mode_keeps_the_newest_checkpoints_counting_a_resumed_runs(tmp_path):
+    """Local mode's retention (what Ray's checkpoint manager does on Ray): with keep 2, a resumed
+    run whose folder holds the checkpoints of steps 2 and 4 deletes step 2's when it registers
+    step 6; a checkpoint made again at the same path (step 6 after a resume from 4) is one entry,
+    not two; keep None keeps all."""
+    import pyarrow.fs as pafs
+
+    from raytrain_lm.ray_compat.local_controller import Retention
+
+    fs = pafs.LocalFileSystem()
+    for step in (2, 4):
+        (tmp_path / f"checkpoint_{step:08d}").mkdir()
+    kept = Retention(fs, str(tmp_path), keep=2)
+    (tmp_path / "checkpoint_00000006").mkdir()
+    kept.register(str(tmp_path / "checkpoint_00000006"))
+    kept.register(str(tmp_path / "checkpoint_00000006") + "/")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint_00000004", "checkpoint_00000006"]
+    everything = Retention(fs, str(tmp_path), keep=None)
+    (tmp_path / "checkpoint_00000008").mkdir()
+    everything.register(str(tmp_path / "checkpoint_00000008"))
+    assert len(list(tmp_path.iterdir())) == 3
