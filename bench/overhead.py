@@ -124,8 +124,13 @@ def timed(cmd: list[str], env: dict, timeout: float) -> dict:
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     wall = time.perf_counter() - t0
     if proc.returncode != 0:  # recorded; its repetition is left out, the others still count
-        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
-        print(f"run failed (exit {proc.returncode}): {' '.join(cmd)}\n{tail}", file=sys.stderr)
+        lines = (proc.stdout + proc.stderr).strip().splitlines()
+        tail = "\n".join(lines[-15:])
+        # torchrun's closing report names the failed rank, not its error: the rank's last
+        # traceback goes first
+        last = max((i for i, line in enumerate(lines) if line.startswith("Traceback")), default=None)
+        cause = "\n".join(lines[last:last + 40]) + "\n" if last is not None else ""
+        print(f"run failed (exit {proc.returncode}): {' '.join(cmd)}\n{cause}{tail}", file=sys.stderr)
         return {"error": f"exit {proc.returncode}: {tail.splitlines()[-1] if tail else ''}", **busy}
     return {"wall_seconds": wall, **busy}
 

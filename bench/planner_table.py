@@ -13,8 +13,7 @@ import sys
 from raytrain_lm.models import family
 from raytrain_lm.models.family import ModelConfig
 from raytrain_lm.plan.estimate import plan
-from raytrain_lm.plan.hardware import GB
-from raytrain_lm.plan.kinds import kind_cluster
+from raytrain_lm.plan.hardware import GB, kind_cluster
 from raytrain_lm.plan.printout import reason, recommendation
 
 # name: (model shape, sequence length, global batch in sequences). Global batches as GPT-3's table

@@ -1,7 +1,7 @@
 """FSDP2, ZeRO-1/2 and activation checkpointing on two real gloo workers, against DDP on the same
 data. The arithmetic (each strategy's losses, its shards, an exact resume) runs on the local
-harness; FSDP and ZeRO-1 also run on Ray Train workers, each with a worker killed and restarted
-from its checkpoint by Ray."""
+harness (the DDP reference is a Ray run). Ray's restart of a sharded run after a killed worker is
+test_moe_ray.py's (ep2 on ZeRO-1: the same dcp checkpoint)."""
 
 import shutil
 
@@ -11,14 +11,13 @@ from conftest import SMALL_SETTINGS, SMALL_STEPS, row_losses, small_config, step
 from local_mode import run_local
 from raytrain_lm.config.load import build_config
 from raytrain_lm.models.gpt.gpt import GPT
-from raytrain_lm.run.driver import run_training
 from raytrain_lm.store.checkpoint_format import load_checkpoint
 
 STEPS = SMALL_STEPS
 pytestmark = pytest.mark.slow  # Ray runs and the harness's, every test here
 
 
-def train(data, storage, name, on=run_training, resume=False, **flags):
+def train(data, storage, name, on=run_local, resume=False, **flags):
     rows = []
     summary = on(small_config(data, storage, name, **flags), resume=resume, say=lambda m: None,
                  on_metrics=rows.append)
@@ -66,16 +65,26 @@ def test_fsdp_checkpoint_loads_in_one_process(fsdp, storage):
     assert state["step"] == STEPS and state["format"] == "dcp"
 
 
-def test_fsdp_resume_after_killed_worker_with_selective_recompute(ray_address, fsdp, pydoc_data, storage,
-                                                                  monkeypatch):
-    """On Ray Train workers: rank 0 dies after step 13, Ray restarts the group, and the run goes
-    on from step 10's checkpoint with the uninterrupted (harness) run's losses."""
-    monkeypatch.setenv("RAYTRAIN_LM_FAIL_AT", "0:13")
-    losses, rows = train(pydoc_data, storage, "fsdp-killed", strategy="fsdp", max_failures=1,
-                         activation_checkpointing="selective")
-    assert rows[-1]["resumed_from_step"] == 10
-    reference = fsdp[0]
-    for s in reference:
+def test_fsdp_resumes_exactly_with_selective_recompute(fsdp, pydoc_data, storage):
+    """The FSDP run's folder without its final checkpoint, resumed from step 20 with selective
+    activation recompute (dropout on: a recomputed block draws the masks of its forward): steps
+    21-30 have the uninterrupted run's losses. Ray's restart of a sharded run after a killed
+    worker: test_moe_ray.py (ep2 on ZeRO-1, the same dcp checkpoint)."""
+    assert_resumes_exactly(pydoc_data, storage, "fsdp", fsdp[0], activation_checkpointing="selective")
+
+
+def assert_resumes_exactly(data, storage, name, reference, **flags):
+    """Copies run `name`'s folder without its final checkpoint and resumes it on the harness
+    with `flags`: steps 21-30 must have `reference`'s losses."""
+    shutil.copytree(storage / name, storage / f"{name}-resumed")
+    shutil.rmtree(storage / f"{name}-resumed" / f"checkpoint_{STEPS:08d}")
+    flags.setdefault("strategy", name)
+    _, rows = train(data, storage, f"{name}-resumed", on=run_local, resume=True, **flags)
+    assert rows[-1]["resumed_from_step"] == STEPS - 10
+    # this run's rows only: the copied folder's metrics.jsonl also holds the first run's
+    losses = row_losses(rows)
+    assert losses.keys() == set(range(STEPS - 9, STEPS + 1))
+    for s in losses:
         assert losses[s] == pytest.approx(reference[s], rel=1e-6, abs=1e-7)
 
 
@@ -102,8 +111,7 @@ def test_an_fsdp_checkpoint_exports_its_tied_embedding_once(fsdp, storage, tmp_p
 
 # ZeRO-1 and ZeRO-2 (FSDP2 with reshard_after_forward=False; ZeRO-1 keeps the parameters
 # gathered through a step's micro-steps) on the same two workers: the DDP run's losses, and each resumes
-# exactly from its checkpoint (ZeRO-1 after a killed worker on Ray, ZeRO-2 on the harness: its
-# checkpoint is FSDP's, whose restart on Ray is tested above).
+# exactly from its checkpoint.
 @pytest.fixture(scope="module")
 def zero_runs(pydoc_data, storage):
     return {s: train(pydoc_data, storage, s, on=run_local, strategy=s) for s in ("zero1", "zero2")}
@@ -119,31 +127,8 @@ def test_zero_matches_ddp_and_shards_the_optimizer(ddp, zero_runs, strategy):
     assert 0.45 < ratio < 0.6  # everything sharded at rest, as fsdp
 
 
-def test_zero1_resumes_after_a_killed_worker(ray_address, zero_runs, pydoc_data, storage, monkeypatch):
-    """On Ray Train workers: rank 1's process exits after step
-    13, the user is told, Ray restarts the group once, and the run goes on from step 10's
-    checkpoint with the uninterrupted (harness) run's losses."""
-    monkeypatch.setenv("RAYTRAIN_LM_FAIL_AT", "1:13")
-    messages = []
-    summary = run_training(small_config(pydoc_data, storage, "zero1-killed", strategy="zero1",
-                                        max_failures=1), say=messages.append)
-    assert summary["status"] == "completed" and summary["steps"] == STEPS
-    assert summary["restarts"] == 1 and summary["resumed_from_step"] == 10
-    assert any(m.startswith("worker failure") for m in messages), messages
-    losses, reference = step_losses(storage / "zero1-killed"), zero_runs["zero1"][0]
-    for s in reference:
-        assert losses[s] == pytest.approx(reference[s], rel=1e-6, abs=1e-7)
-
-
-def test_zero2_resumes_exactly_from_its_checkpoint(zero_runs, pydoc_data, storage):
-    """The ZeRO-2 run's folder without its final checkpoint, resumed: from step 20, steps 21-30
+@pytest.mark.parametrize("strategy", ["zero1", "zero2"])
+def test_zero_resumes_exactly_from_its_checkpoint(zero_runs, pydoc_data, storage, strategy):
+    """Each ZeRO run's folder without its final checkpoint, resumed: from step 20, steps 21-30
     have the uninterrupted run's losses."""
-    shutil.copytree(storage / "zero2", storage / "zero2-resumed")
-    shutil.rmtree(storage / "zero2-resumed" / f"checkpoint_{STEPS:08d}")
-    _, rows = train(pydoc_data, storage, "zero2-resumed", on=run_local, resume=True, strategy="zero2")
-    assert rows[-1]["resumed_from_step"] == STEPS - 10
-    # this run's rows only: the copied folder's metrics.jsonl also holds the first run's
-    losses, reference = row_losses(rows), zero_runs["zero2"][0]
-    assert losses.keys() == set(range(STEPS - 9, STEPS + 1))
-    for s in losses:
-        assert losses[s] == pytest.approx(reference[s], rel=1e-6, abs=1e-7)
+    assert_resumes_exactly(pydoc_data, storage, strategy, zero_runs[strategy][0])

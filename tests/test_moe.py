@@ -223,7 +223,7 @@ def test_plan_prints_total_and_active_parameters_and_ranks_ep_layouts():
     trains) splits the experts over a node's 8 GPUs."""
     from raytrain_lm.config.load import build_config
     from raytrain_lm.plan.auto import choose_layout
-    from raytrain_lm.plan.kinds import kind_cluster
+    from raytrain_lm.plan.hardware import kind_cluster
 
     out = cli_here("plan", "--preset", "mixtral-8x7b", "--gpus", "16", "--tp", "1", "--pp", "1")
     assert out.returncode == 0, out.stderr

@@ -487,8 +487,8 @@ def test_matmul_rate_grows_with_size_and_the_flags_override_it():
     achievable fraction, --compute-efficiency the whole compute model with a constant."""
     from dataclasses import replace
 
+    from raytrain_lm.plan.hardware import kind_cluster
     from raytrain_lm.plan.kernels import f_half, matmul_flops, matmul_rate
-    from raytrain_lm.plan.kinds import kind_cluster
 
     m = preset_config("gpt2").model
     m.vocab_size = 50304

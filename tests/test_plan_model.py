@@ -17,9 +17,9 @@ from raytrain_lm.plan import calibration, network
 from raytrain_lm.plan.comm import rank_comm
 from raytrain_lm.plan.estimate import estimate_layout, plan
 from raytrain_lm.plan.frameworks import FRAMEWORKS, apply
-from raytrain_lm.plan.hardware import GIB, Cluster
+from raytrain_lm.plan.hardware import GIB, Cluster, kind_cluster
 from raytrain_lm.plan.kernels import layer_bytes, rank_compute_seconds
-from raytrain_lm.plan.kinds import PATH, kind, kind_cluster, kinds
+from raytrain_lm.plan.kinds import PATH, kind, kinds
 from raytrain_lm.plan.memory import rank_memory
 from raytrain_lm.plan.stages import rank_stages
 
@@ -32,7 +32,8 @@ def test_every_kind_has_its_figures_and_their_sources():
         assert k["sources"] and all(s in raw["sources"] for s in k["sources"]), key
         assert ("matmul_fraction" in k) != ("matmul_from" in k), key  # measured, or the same chip's
         got = kind(key)
-        assert 0 < got.matmul_fraction < 1 and got.bf16_tflops > 0 and got.hbm_tbps > 0
+        assert 0 < got.matmul_fraction < 1 and got.half_tflops > 0 and got.hbm_tbps > 0
+        assert got.fp32_tflops < got.fp16_tflops and got.bf16_tflops in (None, got.fp16_tflops)
         assert got.memory_gb > 0 and got.intra_gbs > 0 and got.inter_gbps > 0
     assert kind("h200").matmul_fraction == kind("h100-sxm").matmul_fraction == pytest.approx(794.5 / 989, abs=1e-3)
     assert kind("a100-80gb").matmul_fraction == pytest.approx(271.2 / 312, abs=1e-3)
@@ -219,16 +220,22 @@ def test_the_docs_table_of_gpu_kinds_is_the_json():
 
 def test_layout_auto_plans_for_the_gpu_ray_reports():
     """train --layout auto takes the kind from Ray's accelerator label (an A100's memory tells its
-    two sizes apart), else the H100 SXM's figures."""
+    two sizes apart; every device kind of the table has its label: a T4 node was planned with the
+    H100's 989 TFLOP/s), else the default kind's figures, and says so."""
     from types import SimpleNamespace
 
-    from raytrain_lm.plan.auto import auto_cluster, cluster_kind
+    from raytrain_lm.plan.auto import auto_cluster, cluster_kind, kind_text
 
     node = lambda label: {"Alive": True, "Resources": {"GPU": 8.0, f"accelerator_type:{label}": 1.0}}  # noqa: E731
     assert cluster_kind([node("A100")], 80.0) == "a100-80gb" and cluster_kind([node("A100")], 40.0) == "a100-40gb"
     assert cluster_kind([node("H100"), node("H100")], 80.0) == "h100-sxm"
-    assert cluster_kind([node("H100"), node("A100")], 80.0) is None and cluster_kind([node("T4")], 16.0) is None
+    assert cluster_kind([node("H100"), node("A100")], 80.0) is None
+    assert cluster_kind([node("RTX-PRO-6000")], 96.0) is None
     cfg = SimpleNamespace(workers=16, use_gpu=True, precision="auto")
     cl = auto_cluster(cfg, 8, 80.0, "a100-80gb")
     assert (cl.tflops, cl.kind, cl.memory_gb, cl.gpus_per_node) == (312, "a100-80gb", 80.0, 8)
+    t4 = auto_cluster(cfg, 8, 16.0, cluster_kind([node("T4")], 16.0))
+    assert (t4.kind, t4.tflops, t4.hbm_tbps, t4.intra_gbps) == ("t4", 65, 0.32, 16 * 8)  # fp16: no bf16 units
     assert auto_cluster(cfg, 8, 80.0).kind == "h100-sxm"
+    assert kind_text(None, True) == "a GPU gpu_kinds.json does not know: h100-sxm's rates assumed"
+    assert kind_text("t4", True) == "t4" and kind_text(None, False) == "CPU workers"

@@ -30,7 +30,8 @@ from raytrain_lm.config.settings import default_storage
 from raytrain_lm.config.sizes import parse_workers
 from raytrain_lm.errors import UserError
 from raytrain_lm.plan.estimate import check_cluster
-from raytrain_lm.plan.kinds import DEFAULT_KIND, kind_cluster, kinds
+from raytrain_lm.plan.hardware import kind_cluster
+from raytrain_lm.plan.kinds import DEFAULT_KIND, kinds
 from raytrain_lm.plan.printout import plan_command
 from raytrain_lm.results.tables import progress_line, results_table
 from raytrain_lm.store.hf_folder import folder_model
@@ -214,7 +215,7 @@ def plan(
                             "gpu_kinds.json, with sources): " + ", ".join(kinds()) + "; the flags "
                             "below override its figures."),
     gpus_per_node: Optional[int] = typer.Option(None, help="GPUs per node: tensor parallelism stays "
-                                                "inside one [default: the kind's node, 8]."),
+                                                "inside one [default: the kind's node: 8 GPUs, a GH200's 4]."),
     gpu_memory_gb: Optional[float] = typer.Option(None, help="Memory per GPU in GiB, as cards are "
                                                   "sold (80 for an 80 GB card, 80 x 2^30 bytes), "
                                                   "less 1 GiB for CUDA and NCCL [default: the "
@@ -229,8 +230,8 @@ def plan(
                                                     "per GPU per direction: all NICs' Gb/s over the "
                                                     "GPUs per node [default: the kind's node; "
                                                     "DGX H100: 8 x 400 / 8 = 400]."),
-    gpu_tflops: Optional[float] = typer.Option(None, help="Peak dense bf16 TFLOP/s per GPU "
-                                               "[default: the kind's]."),
+    gpu_tflops: Optional[float] = typer.Option(None, help="Peak dense bf16 TFLOP/s per GPU (fp16 "
+                                               "on a GPU without bf16 units) [default: the kind's]."),
     hbm_tbps: Optional[float] = typer.Option(None, help="HBM bandwidth per GPU, TB/s [default: "
                                              "the kind's]."),
     compute_efficiency: Optional[float] = typer.Option(None, help="A constant fraction of the "

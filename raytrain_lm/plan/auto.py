@@ -10,15 +10,17 @@ from typing import Optional
 from raytrain_lm.config.layout import Layout
 from raytrain_lm.errors import UserError
 from raytrain_lm.plan.estimate import Estimate, plan
-from raytrain_lm.plan.hardware import GIB, Cluster
-from raytrain_lm.plan.kinds import DEFAULT_KIND, kind_cluster, kind_of_label
+from raytrain_lm.plan.gpus import kind_of_label
+from raytrain_lm.plan.hardware import GIB, Cluster, kind_cluster
+from raytrain_lm.plan.kinds import DEFAULT_KIND
 from raytrain_lm.plan.printout import reason, recommendation
 
 
 def auto_cluster(cfg, gpus_per_node: Optional[int], memory_gb: Optional[float],
                  kind: Optional[str] = None) -> Cluster:
     """The cluster --layout auto plans for: --workers GPUs (CPU workers without --use-gpu) of
-    `kind` (the GPU Ray reports, cluster_kind; its rates and links; the H100 SXM's when unknown),
+    `kind` (the GPU Ray reports, cluster_kind; its rates and links; the default kind's when none
+    is known, which `kind_text` says),
     `gpus_per_node` of them per node (at most all of them; a count that does not divide the
     workers is taken as its largest divisor that does), `memory_gb` GiB each."""
     if memory_gb is None:
@@ -35,6 +37,14 @@ def cluster_kind(nodes: list[dict], memory_gb: Optional[float]) -> Optional[str]
     labels = {key.split(":", 1)[1] for n in nodes if n.get("Alive", True)
               for key in n.get("Resources", {}) if key.startswith("accelerator_type:")}
     return kind_of_label(labels.pop(), memory_gb) if len(labels) == 1 else None
+
+
+def kind_text(kind: Optional[str], use_gpu: bool) -> str:
+    """What `--layout auto` says of the workers it planned for: their GPU kind, or that none is
+    known and whose figures stood in (never one kind's silently)."""
+    if not use_gpu:
+        return "CPU workers"
+    return kind or f"a GPU gpu_kinds.json does not know: {DEFAULT_KIND}'s rates assumed"
 
 
 def trainable(cfg, lay: Layout) -> bool:

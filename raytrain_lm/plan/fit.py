@@ -14,19 +14,20 @@ from raytrain_lm.plan.hardware import GIB
 from raytrain_lm.plan.printout import recommendation
 
 
-def check_memory(cfg: TrainConfig, memory_gb: Optional[float]) -> None:
+def check_memory(cfg: TrainConfig, memory_gb: Optional[float], gpu_kind: Optional[str] = None) -> None:
     """Refuse a configuration whose planned per-worker memory (plan.py, for its own layout: tp,
     pp, strategy, sequence parallelism, schedule and microbatches) exceeds what a worker has,
-    naming the plan's best layout for the same workers and global batch. An elastic run is
-    checked at each of its sizes (fewer workers hold more of a sharded model each)."""
+    naming the plan's best layout for the same workers and global batch on their GPU kind (the
+    one the device or Ray's label names, plan/gpus.py). An elastic run is checked at each of its
+    sizes (fewer workers hold more of a sharded model each)."""
     if memory_gb is None:
         return
     for size in worker_counts(cfg):  # a fixed run: its one size, as configured
-        _check_memory_at(fit_to_world(cfg, size), memory_gb)
+        _check_memory_at(fit_to_world(cfg, size), memory_gb, gpu_kind)
 
 
-def _check_memory_at(cfg: TrainConfig, memory_gb: float) -> None:
-    layout, cluster = Layout.of(cfg), config_cluster(cfg, memory_gb)
+def _check_memory_at(cfg: TrainConfig, memory_gb: float, gpu_kind: Optional[str]) -> None:
+    layout, cluster = Layout.of(cfg), config_cluster(cfg, memory_gb, gpu_kind)
     mine = estimate_layout(cfg.model, layout, cluster)
     if mine.fits:
         return

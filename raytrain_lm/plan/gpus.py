@@ -1,5 +1,5 @@
-"""What the project knows about GPU models: which model a device name or a Ray accelerator label
-names, its dense peaks per precision (for MFU) and its memory (for the memory check).
+"""Which GPU kind (plan/kinds.py, the one table) a CUDA device name or a Ray accelerator label
+names, and the peak and memory that follow; and whether torch's CUDA build suits the node's driver.
 
 Names are matched exactly, never by substring: "NVIDIA L40" is not an "L4", and Ray's label "A100"
 does not say whether the card has 40 or 80 GB (Ray derives its label from the first model token
@@ -9,54 +9,30 @@ of the device name: "NVIDIA A100-SXM4-80GB" -> "A100"; ray/_private/accelerators
 from __future__ import annotations
 
 import re
-from typing import NamedTuple, Optional
+from functools import lru_cache
+from typing import Optional
 
-
-class GPU(NamedTuple):
-    """Dense tensor-core peaks in TFLOP/s without sparsity, from the vendors' datasheets (None: no
-    such tensor cores or no published figure), and memory in GB as sold. `fp32` is the peak an
-    fp32 run reaches: TF32 tensor cores where the GPU has them (a GPU worker enables TF32 for
-    fp32 matmuls, loop.py), else the plain fp32 units."""
-    bf16: Optional[float]
-    fp16: Optional[float]
-    fp32: Optional[float]
-    memory: float
-
-
-# Keys are what `gpu_model` reads from torch's device name.
-GPUS: dict[str, GPU] = {
-    "B200": GPU(2250.0, 2250.0, 1100.0, 180),  # "NVIDIA B200" (HGX: 180 GB per GPU)
-    "GH200": GPU(989.0, 989.0, 494.0, 96),  # "NVIDIA GH200 480GB" (the 480 GB: CPU + GPU
-    #                                         memory; 96 GB HBM3 on the GPU, 144 on the HBM3e one)
-    "H200": GPU(989.0, 989.0, 494.0, 141),  # "NVIDIA H200" (SXM)
-    "H200 NVL": GPU(835.0, 835.0, 417.0, 141),
-    "H100 80GB": GPU(989.0, 989.0, 494.0, 80),  # "NVIDIA H100 80GB HBM3" (SXM)
-    "H100 PCIe": GPU(756.0, 756.0, 378.0, 80),
-    "H100 NVL": GPU(835.0, 835.0, 417.0, 94),
-    "H800": GPU(989.0, 989.0, 494.0, 80),  # "NVIDIA H800" (SXM: the H100's compute, less NVLink)
-    "H800 PCIe": GPU(756.0, 756.0, 378.0, 80),
-    "A100 80GB": GPU(312.0, 312.0, 156.0, 80),  # "NVIDIA A100-SXM4-80GB", "NVIDIA A100 80GB PCIe"
-    "A100 40GB": GPU(312.0, 312.0, 156.0, 40),  # "NVIDIA A100-SXM4-40GB", "NVIDIA A100-PCIE-40GB"
-    "L40S": GPU(362.0, 362.0, 183.0, 48),
-    "L40": GPU(181.0, 181.0, 90.5, 48),
-    "L4": GPU(121.0, 121.0, 60.0, 24),
-    "A10": GPU(125.0, 125.0, 62.5, 24),
-    # AWS's variant of the A10 (g5 instances): NVIDIA publishes no datasheet; the A10's figures
-    # (the same GA102 chip), as AWS's and cloud providers' tables give them. --peak-tflops
-    # overrides where a measured figure is wanted.
-    "A10G": GPU(125.0, 125.0, 62.5, 24),
-    "V100 32GB": GPU(None, 125.0, 15.7, 32),  # no bf16 units: auto picks fp16 (step.py)
-    "V100 16GB": GPU(None, 125.0, 15.7, 16),
-    "T4": GPU(None, 65.0, 8.1, 16),
-}
+from raytrain_lm.plan.kinds import GPUKind, kinds
 
 BRANDS = ("NVIDIA", "Tesla")
 
 
-def gpu_model(device_name: str) -> Optional[str]:
-    """The GPUS key of a CUDA device name ("NVIDIA H100 PCIe" -> "H100 PCIe", "NVIDIA
-    A100-SXM4-80GB" -> "A100 80GB", "NVIDIA L40" -> "L40"); None for a model not in the table
-    and for a MIG slice (a part of a GPU: less memory, fewer cores)."""
+@lru_cache(maxsize=1)
+def _device_keys() -> dict[str, str]:
+    """Each device name key (gpu_kinds.json's `devices`) -> its kind."""
+    out: dict[str, str] = {}
+    for k in kinds().values():
+        for name in k.devices:
+            if name in out:
+                raise ValueError(f"gpu_kinds.json: device {name!r} is both {out[name]} and {k.key}")
+            out[name] = k.key
+    return out
+
+
+def kind_of_device(device_name: str) -> Optional[str]:
+    """The kind of a CUDA device name ("NVIDIA H100 PCIe" -> h100-pcie, "NVIDIA A100-SXM4-80GB"
+    -> a100-80gb, "NVIDIA L40" -> l40); None for a model not in the table and for a MIG slice (a
+    part of a GPU: less memory, fewer cores)."""
     words = [w for w in re.split(r"[\s-]+", device_name.strip()) if w and w not in BRANDS]
     if not words or "MIG" in words:
         return None
@@ -64,23 +40,46 @@ def gpu_model(device_name: str) -> Optional[str]:
     form = "NVL" if "NVL" in rest else "PCIe" if "PCIE" in rest else None
     memory = next((w for w in rest if re.fullmatch(r"\d+GB", w)), None)
     # The form factor first (an H100 PCIe and an H100 SXM both have 80 GB), then the memory.
-    return next((key for key in (f"{chip} {form}", f"{chip} {memory}", chip) if key in GPUS), None)
+    keys = _device_keys()
+    return next((keys[k] for k in (f"{chip} {form}", f"{chip} {memory}", chip) if k in keys), None)
 
 
 def peak_tflops(device_name: str, precision: str = "bf16") -> Optional[float]:
-    """The dense peak of this device's model for a run in `precision` (fp32, bf16, fp16)."""
-    model = gpu_model(device_name)
-    return getattr(GPUS[model], precision) if model else None
+    """The dense peak of this device's kind for a run in `precision` (fp32, bf16, fp16)."""
+    key = kind_of_device(device_name)
+    return kinds()[key].peak(precision) if key else None
+
+
+def _label_kinds(label: str) -> list[GPUKind]:
+    """The kinds a Ray accelerator label may stand for, in the table's order: those with a device
+    key whose first word is the label (as Ray derives it), or that list it (AMD's). "A100-80G",
+    a label a user adds by hand, names the memory too."""
+    chip, _, size = label.partition("-")
+    return [k for k in kinds().values() if label in k.ray_labels or any(
+        name.split()[0] == chip and (not size or name == f"{chip} {size}B") for name in k.devices)]
 
 
 def label_memory_gb(label: str) -> Optional[float]:
     """Memory per GPU of a Ray accelerator_type label when the label determines it ("L4" -> 24,
-    "A100-80G" -> 80, "H200" -> 141); None when models of different memory share it ("A100",
+    "A100-80G" -> 80, "H200" -> 141); None when kinds of different memory share it ("A100",
     "H100", "V100") or it is unknown."""
-    chip, _, size = label.partition("-")  # "A100-80G": a label a user adds by hand
-    sizes = {gpu.memory for model, gpu in GPUS.items()
-             if model.split()[0] == chip and (not size or model == f"{chip} {size}B")}
+    sizes = {k.memory_gb for k in _label_kinds(label)}
     return sizes.pop() if len(sizes) == 1 else None
+
+
+def kind_of_label(label: str, memory_gb: Optional[float] = None) -> Optional[str]:
+    """The kind a Ray accelerator label names (None: none the table knows). Where kinds share
+    the label, the memory per GPU tells them apart (the smallest that holds it: 40 GiB is the A100
+    40GB, 94 the H100 NVL); without it, or among equals, the first in the table (H100 -> the SXM
+    part)."""
+    candidates = _label_kinds(label)
+    if not candidates:
+        return None
+    if memory_gb:
+        holding = [k for k in candidates if k.memory_gb >= memory_gb]
+        return (min(holding, key=lambda k: k.memory_gb) if holding
+                else max(candidates, key=lambda k: k.memory_gb)).key
+    return candidates[0].key
 
 
 def cuda_mismatch(torch_cuda: Optional[str], driver_version: Optional[int]) -> Optional[str]:

@@ -1,14 +1,16 @@
 """The cluster a layout is planned for: GPUs, their memory, links and peak, and what the training
-framework does. Its defaults are H100 SXM nodes of 8 GPUs and this project's framework; `plan
---gpu KIND` builds one from a kind (kinds.py), validation rows from their kind and framework
-(frameworks.py)."""
+framework does. `kind_cluster` builds one from a GPU kind (plan/kinds.py, the one table: `plan
+--gpu KIND`, `train --layout auto`, the memory check), validation rows from their kind and
+framework (frameworks.py); a bare Cluster's figures are the default kind's (h100-sxm) and this
+project's framework."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional
 
-from raytrain_lm.plan.gpus import GPUS
+from raytrain_lm.plan.calibration import clock_factor
+from raytrain_lm.plan.kinds import DEFAULT_KIND, kind
 
 GB = 1e9  # bytes sent (link speeds are decimal)
 GIB = 2 ** 30  # bytes of memory: an "80 GB" card holds 80 GiB (torch reports 80 x 2^30 for an A100 80GB)
@@ -17,22 +19,17 @@ GIB = 2 ** 30  # bytes of memory: an "80 GB" card holds 80 GiB (torch reports 80
 # that publish memory: plan/calibration.json)
 OVERHEAD_GIB = 1.0
 USABLE_FRACTION = 0.9  # of a CPU worker's memory (no CUDA allocator)
-# NVLink 4: 900 GB/s per GPU both directions together = 450 GB/s = 3600 Gb/s per direction.
-H100_NVLINK_GBPS = 3600.0
-# One 400 Gb/s InfiniBand (or RoCE) NIC per GPU, as in DGX H100 and Meta's Grand Teton hosts.
-IB_400_GBPS = 400.0
-H100_TFLOPS = GPUS["H100 80GB"].bf16  # H100 SXM dense bf16
-GPUS_PER_NODE = 8
+_DEFAULT = kind(DEFAULT_KIND)
 
 
 @dataclass(frozen=True)
 class Cluster:
     gpus: int
-    gpus_per_node: int = GPUS_PER_NODE
-    memory_gb: float = 80.0
-    intra_gbps: float = H100_NVLINK_GBPS  # per GPU per direction, gigabits per second
-    inter_gbps: float = IB_400_GBPS
-    tflops: float = H100_TFLOPS  # peak per GPU
+    gpus_per_node: int = _DEFAULT.gpus_per_node
+    memory_gb: float = _DEFAULT.memory_gb
+    intra_gbps: float = _DEFAULT.intra_gbs * 8  # per GPU per direction, gigabits per second
+    inter_gbps: float = _DEFAULT.inter_gbps
+    tflops: float = _DEFAULT.half_tflops  # peak per GPU
     efficiency: Optional[float] = None  # --compute-efficiency: a constant fraction of the peak; None: plan/kernels.py
     gpu: bool = True  # False: CPU workers (fp32 activations)
     precision: str = "auto"  # the run's --precision: auto is bf16 on GPU, fp32 on CPU
@@ -53,12 +50,12 @@ class Cluster:
     # asynchronously); Megatron-LM's p2p of 2021 (and Megatron-DeepSpeed's) waits for each
     # batched send/receive and synchronizes the device before computing on
     overlap_pp: bool = True
-    # The GPU kind's rates beyond the peak (plan/gpu_kinds.json; the defaults are the H100 SXM's):
-    kind: str = "h100-sxm"
-    hbm_tbps: float = 3.35  # HBM bandwidth, TB/s
-    matmul_fraction: float = 0.803  # the best bf16 matmul over the peak (MAMF / peak)
-    clock_factor: float = 1.0  # a power-capped part's sustained rate over its chip's MAMF
-    attention_fraction: float = 0.35  # flash attention's fraction of the peak
+    # The GPU kind's rates beyond the peak (plan/gpu_kinds.json):
+    kind: str = DEFAULT_KIND
+    hbm_tbps: float = _DEFAULT.hbm_tbps  # HBM bandwidth, TB/s
+    matmul_fraction: float = _DEFAULT.matmul_fraction  # the best bf16 matmul over the peak (MAMF / peak)
+    clock_factor: float = clock_factor(DEFAULT_KIND)  # a power-capped part's sustained rate over its chip's MAMF
+    attention_fraction: float = _DEFAULT.attention_fraction  # flash attention's fraction of the peak
     # How the framework runs (plan/frameworks.py; the defaults are this project's):
     kernels: str = "eager"  # memory-bound kernels: "eager" (fp32 RMSNorm as several kernels) or "fused"
     attention: str = "flash"  # "flash" (fused, causal blocks skipped) or "unfused" (scores in memory)
@@ -121,3 +118,20 @@ class Cluster:
         """Whether a group whose ranks lie in aligned blocks of `block` consecutive ranks stays
         inside one node."""
         return block <= self.node and self.node % block == 0
+
+
+def kind_cluster(key: str, gpus: int, gpus_per_node: Optional[int] = None,
+                 memory_gb: Optional[float] = None, intra_gbps: Optional[float] = None,
+                 inter_gbps: Optional[float] = None, tflops: Optional[float] = None,
+                 hbm_tbps: Optional[float] = None, **rest) -> Cluster:
+    """The cluster of `gpus` GPUs of kind `key`; a figure given overrides the kind's."""
+    k = kind(key)
+
+    def given(value, default):
+        return default if value is None else value
+
+    return Cluster(gpus=gpus, gpus_per_node=given(gpus_per_node, k.gpus_per_node),
+                   memory_gb=given(memory_gb, k.memory_gb), intra_gbps=given(intra_gbps, k.intra_gbs * 8),
+                   inter_gbps=given(inter_gbps, k.inter_gbps), tflops=given(tflops, k.half_tflops),
+                   kind=key, hbm_tbps=given(hbm_tbps, k.hbm_tbps), matmul_fraction=k.matmul_fraction,
+                   clock_factor=clock_factor(key), attention_fraction=k.attention_fraction, **rest)

@@ -1,6 +1,7 @@
-"""The GPU kinds the planner knows (gpu_kinds.json: every figure with its source) and the cluster
-a kind makes: `plan --gpu KIND` takes its peak, memory, HBM, links, node and achievable rates
-from here, and any flag the user gives overrides one of them."""
+"""The one GPU table: every GPU kind the project knows (gpu_kinds.json, each figure with its
+source), as `plan --gpu KIND`, the memory check and a worker's MFU read it. Which kind a device
+name or a Ray label names is plan/gpus.py's; the cluster a kind makes is plan/hardware.py's.
+Standard library only: a GPU host with torch alone reads it (bench/gpu_check.py)."""
 
 from __future__ import annotations
 
@@ -11,22 +12,22 @@ from pathlib import Path
 from typing import Optional
 
 from raytrain_lm.errors import UserError
-from raytrain_lm.plan.hardware import Cluster
 
 PATH = Path(__file__).with_name("gpu_kinds.json")
-DEFAULT_KIND = "h100-sxm"
-# Flash attention's fraction of the peak, as published: FlashAttention-2 on A100 'reaching 50-73%
-# of the theoretical maximum FLOPs/s' (Dao 2023, arXiv 2307.08691; the middle taken), and on H100
-# 'only 35% utilization' (Shah et al. 2024, FlashAttention-3, arXiv 2407.08608). Other chips: the
-# H100's, assumed.
-FLASH_FRACTION = {"ampere": 0.6, "other": 0.35}
+DEFAULT_KIND = "h100-sxm"  # `plan`'s --gpu when none is named
+PRECISIONS = ("bf16", "fp16", "fp32")
 
 
 @dataclass(frozen=True)
 class GPUKind:
     key: str
     name: str
-    bf16_tflops: float
+    devices: tuple[str, ...]  # the name keys of the CUDA device names it is (plan/gpus.py)
+    ray_labels: tuple[str, ...]  # Ray's labels not derived from a device key (AMD's)
+    arch: str
+    bf16_tflops: Optional[float]  # dense peaks; None: no such units
+    fp16_tflops: float
+    fp32_tflops: float  # TF32 where the GPU has it
     memory_gb: float
     hbm_tbps: float
     intra_gbs: float  # GB/s per GPU per direction inside a node
@@ -35,27 +36,37 @@ class GPUKind:
     nic_gbps: float
     matmul_fraction: float  # MAMF / peak, measured (or the same chip's)
     fitted_clock: bool  # a power-capped part: its clock factor is fitted (calibration.json)
+    attention_fraction: float  # flash attention's fraction of the peak, by architecture
     note: str
+
+    @property
+    def half_tflops(self) -> float:
+        """The peak the planner plans with: bf16, or fp16 on a GPU without bf16 units (where
+        precision auto runs fp16)."""
+        return self.bf16_tflops or self.fp16_tflops
+
+    def peak(self, precision: str) -> Optional[float]:
+        """The dense peak of a run in `precision` (bf16, fp16, fp32: TF32 where it has it)."""
+        return {"bf16": self.bf16_tflops, "fp16": self.fp16_tflops, "fp32": self.fp32_tflops}[precision]
 
     @property
     def inter_gbps(self) -> float:
         """The node's NIC bandwidth per GPU, Gb/s per direction."""
         return self.nics_per_node * self.nic_gbps / self.gpus_per_node
 
-    @property
-    def attention_fraction(self) -> float:
-        return FLASH_FRACTION["ampere" if self.key.startswith(("a100", "a10g")) else "other"]
-
 
 @lru_cache(maxsize=1)
 def kinds() -> dict[str, GPUKind]:
-    raw = json.loads(PATH.read_text())["kinds"]
+    data = json.loads(PATH.read_text())
+    raw, flash = data["kinds"], data["flash_fraction"]
     out = {}
     for key, k in raw.items():
         frac = k.get("matmul_fraction") or raw[k["matmul_from"]]["matmul_fraction"]
-        out[key] = GPUKind(key, k["name"], k["bf16_tflops"], k["memory_gb"], k["hbm_tbps"], k["intra_gbs"],
-                           k["gpus_per_node"], k["nics_per_node"], k["nic_gbps"], frac,
-                           k.get("clock_factor") == "fitted", k.get("note", ""))
+        out[key] = GPUKind(key, k["name"], tuple(k["devices"]), tuple(k.get("ray_labels", ())), k["arch"],
+                           k["bf16_tflops"], k["fp16_tflops"], k["fp32_tflops"], k["memory_gb"], k["hbm_tbps"],
+                           k["intra_gbs"], k["gpus_per_node"], k["nics_per_node"], k["nic_gbps"], frac,
+                           k.get("clock_factor") == "fitted", flash.get(k["arch"], flash["other"]),
+                           k.get("note", ""))
     return out
 
 
@@ -65,48 +76,19 @@ def kind(key: str) -> GPUKind:
     return kinds()[key]
 
 
-def kind_cluster(key: str, gpus: int, gpus_per_node: Optional[int] = None,
-                 memory_gb: Optional[float] = None, intra_gbps: Optional[float] = None,
-                 inter_gbps: Optional[float] = None, tflops: Optional[float] = None,
-                 hbm_tbps: Optional[float] = None, **rest) -> Cluster:
-    """The cluster of `gpus` GPUs of kind `key`; a figure given overrides the kind's."""
-    from raytrain_lm.plan.calibration import clock_factor
-
-    k = kind(key)
-
-    def given(value, default):
-        return default if value is None else value
-
-    return Cluster(gpus=gpus, gpus_per_node=given(gpus_per_node, k.gpus_per_node),
-                   memory_gb=given(memory_gb, k.memory_gb), intra_gbps=given(intra_gbps, k.intra_gbs * 8),
-                   inter_gbps=given(inter_gbps, k.inter_gbps), tflops=given(tflops, k.bf16_tflops),
-                   kind=key, hbm_tbps=given(hbm_tbps, k.hbm_tbps), matmul_fraction=k.matmul_fraction,
-                   clock_factor=clock_factor(key), attention_fraction=k.attention_fraction, **rest)
-
-
-# Ray's accelerator labels (ray/_private/accelerators: NVIDIA's first model token, AMD's product
-# name) -> the kind; a label two memory sizes share is told apart by the memory per GPU.
-LABELS = {"H100": "h100-sxm", "H200": "h200", "H800": "h800", "B200": "b200", "L40S": "l40s",
-          "A10G": "a10g", "AMD-Instinct-MI300X-OAM": "mi300x"}
-
-
-def kind_of_label(label: str, memory_gb: Optional[float] = None) -> Optional[str]:
-    """The kind a Ray accelerator label names (None: not one the planner knows)."""
-    if label == "A100":
-        return "a100-40gb" if memory_gb and memory_gb <= 40 else "a100-80gb"
-    return LABELS.get(label)
-
-
 def kinds_markdown() -> str:
     """docs/planner.md's table of the kinds (gpu_kinds.json's figures; its sources there)."""
     from raytrain_lm.plan.calibration import clock_factor
 
-    lines = ["| --gpu | GPU | bf16 TFLOP/s | GB | HBM TB/s | links in a node, GB/s per direction | "
-             "node: GPUs, NICs x Gb/s | large matmuls reach (of the peak) | flash attention |",
-             "|---|---|---:|---:|---:|---:|---|---:|---:|"]
+    lines = ["| --gpu | GPU | CUDA device / Ray label | TFLOP/s bf16 / fp16 / fp32 | GB | HBM TB/s | "
+             "links in a node, GB/s per direction | node: GPUs, NICs x Gb/s | large matmuls reach "
+             "(of the peak) | flash attention |",
+             "|---|---|---|---|---:|---:|---:|---|---:|---:|"]
     for k in kinds().values():
         reach = f"{k.matmul_fraction:.3f}" + (f" x {clock_factor(k.key):.3g} (fitted clock)" if k.fitted_clock else "")
-        lines.append(f"| `{k.key}` | {k.name} | {k.bf16_tflops:g} | {k.memory_gb:g} | {k.hbm_tbps:g} | "
+        names = ", ".join(k.devices + k.ray_labels) or "-"
+        peaks = " / ".join("-" if p is None else f"{p:g}" for p in map(k.peak, PRECISIONS))
+        lines.append(f"| `{k.key}` | {k.name} | {names} | {peaks} | {k.memory_gb:g} | {k.hbm_tbps:g} | "
                      f"{k.intra_gbs:g} | {k.gpus_per_node}, {k.nics_per_node} x {k.nic_gbps:g} | {reach} | "
                      f"{k.attention_fraction:g} |")
     return "\n".join(lines)

@@ -35,8 +35,8 @@ from raytrain_lm.plan.estimate import (
     tp_sizes,
     variants,
 )
-from raytrain_lm.plan.hardware import GIB, Cluster
-from raytrain_lm.plan.kinds import kind, kind_cluster
+from raytrain_lm.plan.hardware import GIB, Cluster, kind_cluster
+from raytrain_lm.plan.kinds import kind
 
 RUNS = Path(__file__).with_name("published_runs.json")
 LOW, HIGH = 0.8, 1.25  # the throughput target: planned / published within these

@@ -15,7 +15,7 @@ from raytrain_lm.config.settings import TrainConfig
 from raytrain_lm.config.sizes import is_elastic, sizes_line
 from raytrain_lm.errors import RunFailed, UserError, last_line
 from raytrain_lm.models import describe
-from raytrain_lm.plan.auto import auto_cluster, choose_layout, cluster_kind, cluster_shape
+from raytrain_lm.plan.auto import auto_cluster, choose_layout, cluster_kind, cluster_shape, kind_text
 from raytrain_lm.plan.fit import check_memory
 from raytrain_lm.ray_compat.polls import Polls
 from raytrain_lm.run.cpus import OMP_ENV, decide, idle_line, machine_cores, torch_threads
@@ -28,6 +28,7 @@ from raytrain_lm.run.preflight import (
     prepare_data,
     resume_step,
     worker_memory_gb,
+    workers_kind,
 )
 from raytrain_lm.run.tracked import Figure, close_tracking, open_tracking, trackers_of
 from raytrain_lm.store import files
@@ -140,7 +141,8 @@ def _launch(cfg: TrainConfig, run: RunFolder, t_launch: float, previous: dict,
     if cfg.layout == "auto":
         auto_layout(cfg, say)
     if not force and known is None:  # else from Ray's accelerator labels or memory resource
-        check_memory(cfg, worker_memory_gb(cfg))
+        memory = worker_memory_gb(cfg)
+        check_memory(cfg, memory, workers_kind(cfg, memory))
 
     callbacks = [ForwardMetrics(HeldRows()), KeepBest(best_val_loss(run) if resume else None)]
     trainer = build_trainer(cfg, run, callbacks=callbacks, init_from=init_from,
@@ -216,7 +218,7 @@ def auto_layout(cfg: TrainConfig, say: Callable[[str], None]) -> None:
     best.layout.apply(cfg)
     validate(cfg)
     say(f"layout auto: {best.layout.flags()} (~{best.reserved / 2**30:.1f} GiB per worker of "
-        f"{memory:g}{', ' + kind if kind else ''}); {why}")
+        f"{memory:g}, {kind_text(kind, cfg.use_gpu)}); {why}")
 
 
 def run_folder(cfg: TrainConfig, resume: bool) -> RunFolder:

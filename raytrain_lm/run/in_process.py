@@ -81,6 +81,16 @@ def use_gpus(use_gpu: bool, local_ranks: int) -> None:
                         f"needs one; drop --use-gpu to train on the CPU")
 
 
+def local_gpu_kind() -> Optional[str]:
+    """The GPU kind (plan/gpus.py) of this node's GPUs, by the first one's name (use_gpus
+    checked there is one per rank), for the memory check."""
+    import torch
+
+    from raytrain_lm.plan.gpus import kind_of_device
+
+    return kind_of_device(torch.cuda.get_device_name(0))
+
+
 def quiet_worker_notes() -> None:
     """Ray Train's notes that go to a Ray worker's log, not to the terminal: that local mode is on,
     where the model moved, that it is wrapped in DDP, a deprecation inside Ray's prepare_model."""
@@ -135,8 +145,9 @@ def run_local(cfg: TrainConfig, *, resume: bool = False, init_from: Optional[str
     if init_from:
         init_from = check_init_from(init_from, cfg, manifest, say)
     previous = previous_summary(run) if resume else {}
-    if not force:
-        check_memory(cfg, configured_memory_gb(cfg))
+    if not force:  # on the kind this process's GPU is, as a Ray run on its workers' label
+        memory = configured_memory_gb(cfg)
+        check_memory(cfg, memory, local_gpu_kind() if memory else None)
     with RunClaim(run):
         run.write_json(files.CONFIG, {**cfg.to_dict(), "cpus_per_worker": asked})  # for --resume
         return _train(cfg, run, t_launch, previous, resume=resume, init_from=init_from,

@@ -17,6 +17,7 @@ from raytrain_lm.config.sizes import is_elastic, worker_counts, workers_text
 from raytrain_lm.errors import UserError
 from raytrain_lm.models import hf_importer
 from raytrain_lm.models.family import ModelConfig
+from raytrain_lm.plan.auto import cluster_kind
 from raytrain_lm.plan.gpus import label_memory_gb
 from raytrain_lm.store import untrusted
 from raytrain_lm.store.files import TOKENIZER
@@ -114,6 +115,14 @@ def worker_memory_gb(cfg: TrainConfig) -> Optional[float]:
         sizes = [size for size in map(label_memory_gb, labels) if size]
         return min(sizes) if sizes else None
     return ray.cluster_resources().get("memory", 0) / 2 ** 30 / cfg.workers or None
+
+
+def workers_kind(cfg: TrainConfig, memory_gb: Optional[float]) -> Optional[str]:
+    """The GPU kind Ray's live nodes' accelerator label names (plan/gpus.py), for the memory
+    check; None for CPU workers, no label, several, or one the table does not know."""
+    import ray
+
+    return cluster_kind(ray.nodes(), memory_gb) if cfg.use_gpu else None
 
 
 def configured_memory_gb(cfg: TrainConfig) -> Optional[float]:

@@ -15,22 +15,23 @@ from raytrain_lm.config.settings import TrainConfig
 from raytrain_lm.parallel.fsdp import held_bytes, param_fraction
 from raytrain_lm.parallel.mesh import all_gather_rows, all_reduce
 from raytrain_lm.plan.fit import check_memory
-from raytrain_lm.plan.gpus import peak_tflops
+from raytrain_lm.plan.gpus import kind_of_device, peak_tflops
 from raytrain_lm.store.row import MetricsRow
 
 
 def check_device_memory(cfg: TrainConfig, device: torch.device, force: bool) -> None:
     """On a GPU worker, before anything is built: plan.fit.check_memory against the memory the
-    device reports (the driver knows only what Ray's label implies, often nothing), unless
-    --force."""
+    device reports (the driver knows only what Ray's label implies, often nothing), on the GPU
+    kind its name is, unless --force."""
     if force or device.type != "cuda":
         return
-    check_memory(cfg, torch.cuda.get_device_properties(device).total_memory / 2 ** 30)
+    check_memory(cfg, torch.cuda.get_device_properties(device).total_memory / 2 ** 30,
+                 kind_of_device(torch.cuda.get_device_name(device)))
 
 
 def gpu_peak_tflops(device: torch.device, override: Optional[float] = None,
                     precision: str = "bf16") -> Optional[float]:
-    """The peak used for MFU: `override`, else the dense peak of this GPU's model (gpus.GPUS) in
+    """The peak used for MFU: `override`, else the dense peak of this GPU's kind (gpu_kinds.json) in
     the run's `precision` (fp32: TF32 where the GPU has it), else None (no MFU)."""
     if override:
         return override
