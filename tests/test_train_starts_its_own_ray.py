@@ -23,8 +23,9 @@ def _actor_classes(ray_tmp: Path) -> list[str]:
 
 @pytest.mark.own_cluster  # a Ray of its own: after the session cluster is gone, in the Ray tier
 def test_train_on_a_ray_of_its_own(cold_run):
-    """It trains, its one worker runs as many torch threads as the machine has cores, as the
-    launch line says (Ray's default would be one), it starts no actor it does without (no
+    """It trains, its launch line says it runs on a local Ray (`--workers 0` says local mode:
+    tests/test_workers_0.py), its one worker runs as many torch threads as the machine has
+    cores, as that line says (Ray's default would be one), it starts no actor it does without (no
     autoscaler runs on a Ray the driver started, so Ray Data's autoscaling coordinator, which Ray
     Train starts to ask one for the workers' resources, would only be one more process beside
     the workers), and when it is done nothing of its Ray is left running."""
@@ -33,7 +34,7 @@ def test_train_on_a_ray_of_its_own(cold_run):
     assert r.returncode == 0, r.stderr[-2000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["steps"] == 4
-    assert f"1 worker x {cores} CPU{'s' if cores > 1 else ''} ({cores} torch thread" in r.stdout
+    assert f"local Ray: 1 worker x {cores} CPU{'s' if cores > 1 else ''} ({cores} torch thread" in r.stdout
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
     assert [row["threads"] for row in rows] == [cores] * len(rows) and rows
     saved = json.loads((run_dir / "config.json").read_text())
