@@ -1,4 +1,5 @@
-"""The CPU training step against a peer written in nanoGPT's style, and `train --workers 1`.
+"""The CPU training step against a peer written in nanoGPT's style, `train --workers 1`, and
+`train` against nanoGPT's own train.py.
 
 Part `step` (one process, no Ray, fp32, --threads threads): the project's GPT and its TrainStep
 (forward, backward, global-norm clip, AdamW) against `RefGPT` + `ref_step` below, a plain PyTorch
@@ -19,10 +20,16 @@ as whole processes at two step counts: per step = (time at --long-steps - time a
 / (difference of steps), so start-up, the final validation and checkpoint cancel out. With
 --before DIR, the same commands from an older checkout (its PYTHONPATH) alternate with this one.
 
+Part `nanogpt` (bench/peer_nanogpt.py): `train --workers 0`, `--workers 1` on Ray and a torchrun
+of `--workers 0` against nanoGPT's unchanged train.py (alone and under torchrun), as whole
+commands: ms per step in the steady state and time to the end of the first step.
+
     PYTHONPATH=. python bench/cpu_peer.py --part step --out bench/results/cpu_peer_step.json
     PYTHONPATH=. python bench/cpu_peer.py --part threads --rounds 4 --steps 10
     flock /tmp/ray.lock env PYTHONPATH=. python bench/cpu_peer.py --part train \\
         --before /work/wt-cpu-old --out bench/results/cpu_peer_train.json
+    flock /tmp/ray.lock env PYTHONPATH=. python bench/cpu_peer.py --part nanogpt \\
+        --nanogpt NANOGPT_CHECKOUT --rounds 3 --out bench/results/cpu_peer_nanogpt.json
 """
 
 from __future__ import annotations
@@ -119,9 +126,17 @@ def ref_step(model, optimizer, x, y) -> float:
 # ------------------------------------------------------------------ part step
 
 
-def project_step(preset: str):
-    """The project's TrainStep in this process (cpu_kernels.build_step on MKL's path)."""
-    return build_step(preset, "mkl")
+def project_step(preset: str, gelu: str = "exact"):
+    """The project's TrainStep in this process (cpu_kernels.build_step on MKL's path), with the
+    GPT's MLP on `gelu`."""
+    from raytrain_lm.config import presets
+
+    saved = presets.PRESETS[preset]
+    presets.PRESETS[preset] = {**saved, "model": {**saved["model"], "gelu": gelu}}
+    try:
+        return build_step(preset, "mkl")
+    finally:
+        presets.PRESETS[preset] = saved
 
 
 def mm_gflops(reps: int = 5) -> float:
@@ -245,6 +260,52 @@ def part_threads(args) -> dict:
                                      for k, v in got.items()}}
 
 
+# ------------------------------------------------------------------ part gelu
+
+
+def part_gelu(args) -> dict:
+    """The project's step with the exact GELU and with GPT-2's tanh form, same weights and
+    batches, alternated in blocks of --steps steps on --threads threads: wall and CPU ms per
+    step (CPU time is what a busy machine changes least)."""
+    from raytrain_lm.worker.optim import lr_at
+
+    torch.set_num_threads(args.threads)
+    out = {}
+    for preset in args.presets:
+        steps = {g: project_step(preset, g) for g in ("exact", "tanh")}
+        cfg = steps["exact"][0]
+        g = torch.Generator().manual_seed(0)
+        data = []
+        for _ in range(8):
+            w = torch.randint(0, 256, (cfg.batch_size, cfg.seq_len + 1), generator=g)
+            data.append((w[:, :-1], w[:, 1:]))
+        n = args.steps if preset == "tiny" else max(1, args.steps // 2)
+
+        def block(gelu: str) -> tuple[float, float]:
+            _, step = steps[gelu]
+            stream = Batches(data)
+            t0, c0 = time.perf_counter(), time.process_time()
+            for _ in range(n):
+                step(stream, lr_at(step.steps, cfg))[0].item()
+            return (time.perf_counter() - t0) / n * 1e3, (time.process_time() - c0) / n * 1e3
+
+        for gelu in steps:  # warm-up
+            block(gelu)
+        got = {gelu: [] for gelu in steps}
+        for r in range(args.rounds):
+            for gelu in (("exact", "tanh") if r % 2 == 0 else ("tanh", "exact")):
+                got[gelu].append(block(gelu))
+            print(preset, {k: [round(x, 1) for x in v[-1]] for k, v in got.items()}, flush=True)
+        rows = {k: {"wall_ms_median": statistics.median(w for w, _ in v),
+                    "cpu_ms_median": statistics.median(c for _, c in v),
+                    "wall_ms_by_round": [w for w, _ in v], "cpu_ms_by_round": [c for _, c in v]}
+                for k, v in got.items()}
+        out[preset] = {"steps_per_block": n, "rows": rows,
+                       "tanh_minus_exact_cpu_ms_by_round": [t[1] - e[1] for e, t in
+                                                            zip(got["exact"], got["tanh"])]}
+    return out
+
+
 # ------------------------------------------------------------------ part train
 
 
@@ -293,7 +354,7 @@ def part_train(args) -> dict:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--part", choices=("step", "threads", "train"), default="step")
+    p.add_argument("--part", choices=("step", "threads", "train", "gelu", "nanogpt"), default="step")
     p.add_argument("--presets", nargs="+", default=["tiny", "small"])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=6, help="step: steps per block (small: half).")
@@ -301,6 +362,13 @@ def main(argv=None) -> None:
     p.add_argument("--short-steps", type=int, default=10)
     p.add_argument("--long-steps", type=int, default=70)
     p.add_argument("--before", default=None, help="train: an older checkout to compare with.")
+    p.add_argument("--nanogpt", default=None, help="nanogpt: a checkout of karpathy/nanoGPT (its "
+                   "train.py, model.py, configurator.py are used as they are).")
+    p.add_argument("--rows", nargs="+", default=["tiny-1", "small-1", "tiny-ddp2"],
+                   help="nanogpt: rows of peer_nanogpt.ROWS.")
+    p.add_argument("--extra", nargs="*", default=[], help="nanogpt: extra sides of the one-process "
+                   "rows (peer_nanogpt.EXTRA): one suspect of the per-step gap each.")
+    p.add_argument("--data", default=str(ROOT / "data" / "pydoc"), help="nanogpt: the prepared dataset.")
     p.add_argument("--out", default=None)
     p.add_argument("--child-threads", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -309,7 +377,11 @@ def main(argv=None) -> None:
         return
     t0 = time.time()
     load = os.getloadavg()[0]
-    rows = {"step": part_step, "threads": part_threads, "train": part_train}[args.part](args)
+    from peer_nanogpt import part_nanogpt
+
+    parts = {"step": part_step, "threads": part_threads, "train": part_train, "gelu": part_gelu,
+             "nanogpt": part_nanogpt}
+    rows = parts[args.part](args)
     result = {"what": f"cpu_peer --part {args.part}", "settings": vars(args),
               "machine": f"{cpu_name()}, {os.cpu_count()} CPUs, torch {torch.__version__}",
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),

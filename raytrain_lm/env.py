@@ -25,6 +25,8 @@ RAY_USE_TLS_ENV = "RAY_USE_TLS"
 HEALTH_POLL_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
 PREEMPTION_POLL_ENV = "RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S"
 OMP_ENV = "OMP_NUM_THREADS"
+# torchrun's (torch.distributed's env:// rendezvous), which Ray Train's local mode reads too
+TORCHRUN_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 # the trackers' own (train --track; track/)
 MLFLOW_URI_ENV = "MLFLOW_TRACKING_URI"
 MLFLOW_FILE_STORE_ENV = "MLFLOW_ALLOW_FILE_STORE"
@@ -104,6 +106,14 @@ def preemption_poll() -> Optional[str]:
 def omp_threads() -> Optional[str]:
     """$OMP_NUM_THREADS of this process."""
     return _get(OMP_ENV)
+
+
+def torchrun_place() -> Optional[tuple[int, int, int]]:
+    """(rank, world size, ranks on this node) when this process is a rank of a torchrun (all of
+    torchrun's variables set, as Ray Train's local mode requires), else None."""
+    if any(_get(name) is None for name in TORCHRUN_ENV):
+        return None
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_WORLD_SIZE"])
 
 
 def mlflow_uri() -> Optional[str]:

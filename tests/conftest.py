@@ -327,6 +327,34 @@ def tiny_run(ray_address, pydoc_data, tmp_path_factory):
     return storage, storage / "looked-at"
 
 
+# `train` on a Ray it starts itself (the README's first command on a laptop): 4 steps of tiny with
+# checkpoints at 2 and 4, validated at 4 on 8 windows (the default 256 cost seconds per run); also
+# the reference of `--workers 0` (tests/test_workers_0.py)
+COLD_FLAGS = ("--max-steps", "4", "--log-every", "2", "--eval-every", "4", "--checkpoint-every", "2",
+              "--set", "eval_windows=8")
+
+
+@pytest.fixture(scope="session")
+def cold_run(pydoc_data, tmp_path_factory):
+    """`train --address local --workers 1` with COLD_FLAGS, in a process of its own, on a Ray that
+    process starts and stops, with no thread count set (as a laptop's shell): (the finished
+    process, its run folder, the Ray's temporary folder). For own_cluster tests only (the
+    session cluster is stopped first)."""
+    import shutil
+    import tempfile
+
+    stop_session_ray()
+    ray_tmp = Path(tempfile.mkdtemp(prefix="rt-", dir="/tmp"))  # Ray's socket paths must be short
+    storage = tmp_path_factory.mktemp("cold")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("OMP_NUM_THREADS", raising=False)  # conftest sets it for the other tests
+        r = run_cli("train", "--address", "local", "--workers", "1", *COLD_FLAGS, "--data",
+                    str(pydoc_data), "--storage", str(storage), "--name", "cold",
+                    env={"RAY_TMPDIR": str(ray_tmp)}, timeout=240)
+    yield SimpleNamespace(result=r, run_dir=storage / "cold", ray_tmp=ray_tmp)
+    shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
 TINY_RUN_ACTORS: list[str] = []  # the classes of the actors the shared tiny run started
 TINY_RUN_CONTROLLER_LIBS: list[str] = []  # the shared libraries its controller had loaded
 
@@ -358,7 +386,7 @@ class TrainedHere:
     so greedy choices are not near-ties) but need no Ray."""
 
     def __init__(self, root: Path, tokenizer: str, vocab_size, bias: bool, steps: int = 30,
-                 arch: str = "gpt", data: Optional[Path] = None):
+                 arch: str = "gpt", data: Optional[Path] = None, gelu: str = "exact"):
         """`data`: an existing dataset to train on (else one is prepared with `tokenizer`)."""
         import torch
 
@@ -377,7 +405,8 @@ class TrainedHere:
         self.cfg = build_config(flags=dict(data=str(self.data), seq_len=64, batch_size=16),
                                 sets=["model.n_layer=2", "model.n_head=4", "model.n_embd=64",
                                       "model.block_size=128", f"model.bias={bias}",
-                                      f"model.arch={arch}", *(LLAMA_SETTINGS if arch == "llama" else [])])
+                                      f"model.gelu={gelu}", f"model.arch={arch}",
+                                      *(LLAMA_SETTINGS if arch == "llama" else [])])
         fit_model_to_data(self.cfg, self.manifest)  # vocabulary padded to a multiple of 64
         torch.manual_seed(0)
         self.model = build_model(self.cfg.model)
@@ -403,10 +432,10 @@ class TrainedHere:
 
 
 class TrainedModels(dict):
-    """{"byte": a byte model (vocabulary 256, biases), "bpe": a BPE model (1000 tokens padded to
-    1024, bias=False as the gpt2 preset), "llama": a Llama (2 kv heads) on the same BPE}, each
-    trained the first time a test of this process asks for it (a module that needs one model
-    does not pay for three); items() trains them all."""
+    """{"byte": a byte model (vocabulary 256, biases, exact GELU), "bpe": a BPE model (1000 tokens
+    padded to 1024, bias=False and tanh GELU as the gpt2 preset), "llama": a Llama (2 kv heads) on
+    the same BPE}, each trained the first time a test of this process asks for it (a module that
+    needs one model does not pay for three); items() trains them all."""
 
     KINDS = ("byte", "bpe", "llama")
 
@@ -418,7 +447,7 @@ class TrainedModels(dict):
         if kind == "byte":
             made = TrainedHere(self.root / "byte", "byte", None, bias=True)
         elif kind == "bpe":
-            made = TrainedHere(self.root / "bpe", "bpe", 1000, bias=False)
+            made = TrainedHere(self.root / "bpe", "bpe", 1000, bias=False, gelu="tanh")
         elif kind == "llama":
             made = TrainedHere(self.root / "llama", "bpe", 1000, bias=False, arch="llama",
                                data=self["bpe"].data)

@@ -165,6 +165,22 @@ CASES = [
                                                           "but it is not a Ray cluster", setup="web-port"),
     Bad("prepare --address 127.0.0.1:{port}", "something listens at 127.0.0.1:{port} but it is "
                                               "not a Ray cluster", setup="web-port"),
+    # what Ray Train's local mode (--workers 0: this process, no Ray) cannot do -------------- issue 41
+    Bad("train --data {data} --workers 0 --address 127.0.0.1:6379",
+        "--workers 0 trains in this process, without Ray: drop --address"),
+    Bad("train --data {data} --workers 0-2", "0-2: MIN must be at least 1 (--workers 0 alone: no "
+                                             "Ray cluster, Ray Train's local mode in this process)"),
+    Bad("train --data {data} --workers 0 --set workers=2", "--workers 0 trains a fixed group (1 "
+                                                           "rank: this process, or torchrun's)"),
+    Bad("train --data {data} --workers 0 --max-failures 2",
+        "--max-failures restarts Ray's worker groups; --workers 0 has none to restart"),
+    Bad("train --data {data} --workers 0 --worker-env NCCL_DEBUG=INFO",
+        "--worker-env sets the environment of Ray's worker processes; with --workers 0"),
+    Bad("train --data {data} --workers 0 --layout auto", "--layout auto plans on the cluster Ray "
+                                                         "reports; with --workers 0 give the layout"),
+    Bad("train --data {data} --workers 0 --use-gpu", "--use-gpu: torch sees 0 CUDA GPUs here, and "
+                                                     "each of this node's 1 rank needs one",
+        env={"CUDA_VISIBLE_DEVICES": ""}),
     # tracking and evaluation (issue 45) ------------------------------------------------------------
     Bad("train --data {data} --track neptune", "--track must be one of mlflow, wandb, got 'neptune'"),
     Bad("train --data {data} --track mlflow", "MLFLOW_TRACKING_URI=mlruns is a local folder, which "

@@ -17,7 +17,6 @@ def assert_clean_error(result, expected: str):
 
 
 @pytest.mark.parametrize("args,expected", [
-    (["--workers", "0"], "--workers must be at least 1"),
     (["--workers", "-3"], "--workers must be at least 1"),
     (["--preset", "huge"], "unknown preset 'huge'"),
     (["--set", "model.n_layers=3"], "unknown key 'model.n_layers'"),

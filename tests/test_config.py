@@ -60,6 +60,25 @@ def test_parse_set_nests():
     assert parse_set_args(["model.n_layer=6", "lr=1"]) == {"model": {"n_layer": "6"}, "lr": "1"}
 
 
+def test_the_gpt_gelu_is_exact_except_in_gpt2s_presets():
+    assert build_config().model.gelu == "exact" and build_config(preset="small").model.gelu == "exact"
+    assert build_config(preset="gpt2").model.gelu == "tanh"
+    assert build_config(preset="gpt2-medium").model.gelu == "tanh"
+    with pytest.raises(UserError, match="model.gelu must be one of exact, tanh"):
+        build_config(sets=["model.gelu=relu"])
+
+
+def test_a_saved_config_from_before_the_gelu_setting_resumes_with_tanh():
+    """Every GPT saved before `model.gelu` existed trained with tanh: its config.json (and a
+    checkpoint's config) without the key resumes, exports and samples with tanh, and a resume
+    of it passes the same-model check."""
+    saved = build_config(preset="small").to_dict()
+    del saved["model"]["gelu"]
+    assert TrainConfig.from_dict(saved).model.gelu == "tanh"
+    assert build_config(base=saved, flags={"max_steps": 10}).model.gelu == "tanh"
+    assert TrainConfig.from_dict({"lr": 1e-3}).model.gelu == "exact"  # no saved model: defaults
+
+
 def test_a_refused_value_is_shown_by_its_start():
     """The message names a refused value by its start (errors.brief): a list that stands for
     10^6 strings (what a YAML alias bomb parses to, cheaply) is refused in a short line at once,

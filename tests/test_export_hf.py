@@ -143,7 +143,10 @@ def test_bias_false_exports_zero_biases_and_conv1d_shapes(trained_here, exported
     assert "lm_head.weight" not in weights  # tied: stored once
     assert weights["transformer.h.0.attn.c_attn.weight"].shape == (64, 192)  # Conv1D: (in, out)
     cfg = json.loads((exported["bpe"] / "config.json").read_text())
-    assert cfg["activation_function"] == "gelu_new" and cfg["layer_norm_epsilon"] == 1e-5
+    assert cfg["activation_function"] == "gelu_new" and cfg["layer_norm_epsilon"] == 1e-5  # tanh
+    byte = json.loads((exported["byte"] / "config.json").read_text())
+    assert run.model.cfg.gelu == "tanh" and trained_here["byte"].model.cfg.gelu == "exact"
+    assert byte["activation_function"] == "gelu"  # transformers' exact GELU, as the model's
     assert cfg["tie_word_embeddings"] is True and cfg["eos_token_id"] == run.tok.eot_id == 0
 
 

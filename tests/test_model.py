@@ -91,3 +91,21 @@ def test_the_vocabulary_comes_from_the_dataset_padded_to_64():
     cfg = preset_config("gpt2")
     fit_model_to_data(cfg, {"vocab_size": 50257})  # GPT-2's BPE
     assert cfg.model.vocab_size == 50304
+
+
+def test_the_mlp_uses_the_configured_gelu():
+    """model.gelu: exact (erf) by default, GPT-2's tanh form where asked; they differ."""
+    import torch.nn.functional as F
+
+    from raytrain_lm.models.gpt.gpt import MLP
+
+    x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(0))
+    outs = {}
+    for gelu in ("exact", "tanh"):
+        torch.manual_seed(0)
+        mlp = MLP(ModelConfig(n_embd=32, gelu=gelu))
+        approximate = "none" if gelu == "exact" else "tanh"
+        expected = mlp.c_proj(F.gelu(mlp.c_fc(x), approximate=approximate))
+        outs[gelu] = mlp(x)
+        assert torch.equal(outs[gelu], expected)
+    assert not torch.equal(outs["exact"], outs["tanh"])

@@ -109,6 +109,32 @@ def test_a_failed_run_is_one_line_and_exit_code_1(monkeypatch, tmp_path):
     assert r.returncode == 1 and r.stderr.strip().splitlines() == [f"error: {line}"]
 
 
+def test_the_rows_sent_with_the_stop_are_kept_and_shown(tmp_path):
+    """The stop's report carries the good rows made since the previous report (earlier_rows):
+    the driver's Follower writes them to metrics.jsonl and shows them, then names the stop."""
+    import time
+
+    from raytrain_lm.config.load import build_config
+    from raytrain_lm.run.follower import Follower
+    from raytrain_lm.store.storage import RunFolder
+
+    cfg = build_config(flags=dict(storage=str(tmp_path), name="r", max_steps=8))
+    shown = []
+    follower = Follower(cfg, RunFolder(str(tmp_path), "r"), time.time(), {}, False, print, shown.append)
+
+    class NoTensorBoard:
+        def add(self, row) -> None:
+            pass
+
+    good = [{"step": s, "loss": 3.0, "step_losses": [3.0], "workers": 1} for s in (2, 4)]
+    follower.take({**good[0]}, NoTensorBoard())
+    follower.take({"step": 6, "event": "nonfinite", "error": "loss became nan at step 5",
+                   "earlier_rows": [good[1]]}, NoTensorBoard())
+    assert [r["step"] for r in shown] == [2, 4]
+    assert step_losses(tmp_path / "r") == {2: 3.0, 4: 3.0}
+    assert follower.stopped(None).startswith("loss became nan at step 5; the last good checkpoint")
+
+
 @pytest.mark.slow
 def test_a_run_whose_loss_becomes_nan_stops_and_its_last_checkpoint_resumes(
         pydoc_data, tmp_path, monkeypatch):

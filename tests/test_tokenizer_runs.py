@@ -131,7 +131,7 @@ def test_gpt2_preset_on_an_8k_bpe_of_the_stdlib_trains_on_2_workers(tmp_path):
     rows = []
     summary = run_local(cfg, on_metrics=rows.append)
     assert summary["status"] == "completed" and summary["steps"] == 4
-    assert cfg.model.vocab_size == 8192 and 90e6 < summary["num_parameters"] < 95e6
+    assert summary["config"]["model"]["vocab_size"] == 8192 and 90e6 < summary["num_parameters"] < 95e6
     assert rows[-1]["loss"] < rows[0]["loss"] and math.log(8192) > rows[-1]["val_loss"]
     assert 0 < summary["final_val_bpb"] < summary["final_val_loss"] / math.log(2)  # > 1 byte/token
     ckpt = tmp_path / "runs" / "gpt2-bpe" / "checkpoint_00000004"

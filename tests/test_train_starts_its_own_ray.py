@@ -1,16 +1,15 @@
 """`train` with no cluster to join, as the README's first command runs on a laptop: the driver
 starts a Ray for itself, trains on it and stops it. The other tests run on the session's cluster
-or on clusters of their own; this one is the cold path, whole, in a process of its own."""
+or on clusters of their own; this one is the cold path, whole, in a process of its own
+(conftest's cold_run)."""
 
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import pytest
 
-from conftest import processes_where, run_cli
+from conftest import processes_where
 
 
 def _actor_classes(ray_tmp: Path) -> list[str]:
@@ -23,33 +22,24 @@ def _actor_classes(ray_tmp: Path) -> list[str]:
 
 
 @pytest.mark.own_cluster  # a Ray of its own: after the session cluster is gone, in the Ray tier
-def test_train_on_a_ray_of_its_own(tmp_path, pydoc_data, monkeypatch):
-    """It trains, its one worker runs as many torch threads as the machine has cores, as the
-    launch line says (Ray's default would be one), it starts no actor it does without (no
+def test_train_on_a_ray_of_its_own(cold_run):
+    """It trains, its launch line says it runs on a local Ray (`--workers 0` says local mode:
+    tests/test_workers_0.py), its one worker runs as many torch threads as the machine has
+    cores, as that line says (Ray's default would be one), it starts no actor it does without (no
     autoscaler runs on a Ray the driver started, so Ray Data's autoscaling coordinator, which Ray
     Train starts to ask one for the workers' resources, would only be one more process beside
     the workers), and when it is done nothing of its Ray is left running."""
-    ray_tmp = Path(tempfile.mkdtemp(prefix="rt-", dir="/tmp"))  # Ray's socket paths must be short
+    r, run_dir, ray_tmp = cold_run.result, cold_run.run_dir, cold_run.ray_tmp
     cores = len(os.sched_getaffinity(0))
-    # A laptop's shell sets no thread count (conftest does, for the other tests' processes); one
-    # that is set is kept, and tests/test_cpus.py checks that.
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    try:
-        r = run_cli("train", "--address", "local", "--workers", "1", "--max-steps", "4",
-                    "--log-every", "2", "--eval-every", "4", "--checkpoint-every", "4",
-                    "--data", str(pydoc_data), "--storage", str(tmp_path / "runs"), "--name", "cold",
-                    env={"RAY_TMPDIR": str(ray_tmp)}, timeout=240)
-        assert r.returncode == 0, r.stderr[-2000:]
-        summary = json.loads((tmp_path / "runs" / "cold" / "summary.json").read_text())
-        assert summary["status"] == "completed" and summary["steps"] == 4
-        assert f"1 worker x {cores} CPU{'s' if cores > 1 else ''} ({cores} torch thread" in r.stdout
-        rows = [json.loads(line) for line in (tmp_path / "runs" / "cold" / "metrics.jsonl").open()]
-        assert [row["threads"] for row in rows] == [cores] * len(rows) and rows
-        saved = json.loads((tmp_path / "runs" / "cold" / "config.json").read_text())
-        assert saved["cpus_per_worker"] is None  # a resume decides again, wherever it runs
-        actors = _actor_classes(ray_tmp)
-        assert actors.count("RayTrainWorker") == 1 and "Controller" in actors, actors
-        assert "_AutoscalingCoordinatorActor" not in actors, actors
-        assert processes_where(lambda entry: str(ray_tmp).encode() in (entry / "cmdline").read_bytes()) == []
-    finally:
-        shutil.rmtree(ray_tmp, ignore_errors=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["steps"] == 4
+    assert f"local Ray: 1 worker x {cores} CPU{'s' if cores > 1 else ''} ({cores} torch thread" in r.stdout
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
+    assert [row["threads"] for row in rows] == [cores] * len(rows) and rows
+    saved = json.loads((run_dir / "config.json").read_text())
+    assert saved["cpus_per_worker"] is None  # a resume decides again, wherever it runs
+    actors = _actor_classes(ray_tmp)
+    assert actors.count("RayTrainWorker") == 1 and "Controller" in actors, actors
+    assert "_AutoscalingCoordinatorActor" not in actors, actors
+    assert processes_where(lambda entry: str(ray_tmp).encode() in (entry / "cmdline").read_bytes()) == []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Optional
@@ -85,7 +86,9 @@ def train(
                                           parser=workers_value,
                                           help="Ray Train workers (one process each): N, or "
                                           "MIN-MAX to start as soon as MIN fit and grow and "
-                                          "shrink with the cluster (elastic) [default: 2]."),
+                                          "shrink with the cluster (elastic); 0: no Ray cluster, "
+                                          "Ray Train's local mode in this process (under "
+                                          "torchrun: its ranks) [default: 2]."),
     force: bool = typer.Option(False, help="Launch even if the memory plan says it will not fit."),
     config: ConfigPath = CONFIG_FILE,
     set_: SetList = SET,
@@ -108,7 +111,12 @@ def train(
     NCCL on GPU)."""
     from raytrain_lm.run.driver import run_training, saved_config
 
-    if workers is not None:  # N is a fixed size: MIN = MAX
+    local = workers is not None and str(workers) == "0"  # Ray Train's local mode (run/in_process.py)
+    if local:  # this process, or torchrun's ranks: a fixed size
+        from raytrain_lm.run.in_process import local_place
+
+        settings["min_workers"] = settings["workers"] = local_place()[1]
+    elif workers is not None:  # N is a fixed size: MIN = MAX
         settings["min_workers"], settings["workers"] = parse_workers(str(workers))
     if arch is not None:
         settings["model"] = {"arch": arch}
@@ -118,16 +126,24 @@ def train(
         base = saved_config(settings["storage"], settings["name"])
     cfg = build_config(config_file=str(config) if config else None, flags=settings, sets=set_,
                        base=base, folder=folder_model(init_from) if init_from else None)
+    worker_env = parse_env(worker_env or [])
+    if local:
+        from raytrain_lm.run.in_process import check_local, run_local
+
+        check_local(cfg, (base or {}).get("max_failures", 0), worker_env)
+        launch = functools.partial(run_local, verbose=verbose)
+    else:
+        launch = functools.partial(run_training, verbose=verbose, worker_env=worker_env)
     say = say_for(quiet, as_json)
     scaled = apply_lr_scaling(cfg, scale_lr)
     if scaled:
         say(scaled)
     show = None if quiet or as_json else lambda row: typer.echo(progress_line(row, cfg.max_steps))
     with only_json_on_stdout(as_json) as stdout:
-        summary = run_training(cfg, resume=resume, init_from=str(init_from) if init_from else None,
-                               verbose=verbose, force=force, say=say, on_metrics=show,
-                               worker_env=parse_env(worker_env or []), track=track,
-                               figure=curves)
+        summary = launch(cfg, resume=resume, init_from=str(init_from) if init_from else None,
+                         force=force, say=say, on_metrics=show, track=track, figure=curves)
+        if summary is None:  # a torchrun rank other than 0: rank 0 prints
+            return
         if as_json:
             typer.echo(json.dumps({k: v for k, v in summary.items() if k != "config"}, indent=2),
                        file=stdout)

@@ -17,9 +17,12 @@ PRESETS: dict[str, dict[str, Any]] = {
                   batch_size=16, seq_len=256, lr=1e-3, warmup_steps=100),
     # GPT-2 (124M) and GPT-2 medium (350M) shapes; the vocabulary comes from the dataset's tokenizer
     # (GPT-2's BPE: 50257, padded to 50304).
-    "gpt2": dict(model=dict(block_size=1024, n_layer=12, n_head=12, n_embd=768, bias=False),
+    # GPT-2's tanh GELU: its published weights (and Hugging Face's GPT-2) are exact with it.
+    "gpt2": dict(model=dict(block_size=1024, n_layer=12, n_head=12, n_embd=768, bias=False,
+                            gelu="tanh"),
                  batch_size=16, seq_len=1024, lr=6e-4, warmup_steps=700, weight_decay=0.1),
-    "gpt2-medium": dict(model=dict(block_size=1024, n_layer=24, n_head=16, n_embd=1024, bias=False),
+    "gpt2-medium": dict(model=dict(block_size=1024, n_layer=24, n_head=16, n_embd=1024, bias=False,
+                                   gelu="tanh"),
                         batch_size=8, seq_len=1024, lr=3e-4, warmup_steps=700),
     # 69.7B parameters in this GPT's shape: for `plan` (what it takes to train one), not for a laptop.
     "gpt-70b": dict(model=dict(block_size=4096, n_layer=86, n_head=64, n_embd=8192, bias=False),

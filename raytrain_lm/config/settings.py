@@ -27,6 +27,11 @@ def default_storage() -> str:
     return env.storage() or "runs"
 
 
+# What a saved model config that lacks a setting meant: every GPT trained before `gelu` existed
+# used GPT-2's tanh GELU, so its runs resume, export and sample with it.
+SAVED_BEFORE: dict[str, Any] = {"gelu": "tanh"}
+
+
 @dataclass
 class TrainConfig:
     preset: str = setting("tiny", help="Model preset: tiny, small, gpt2, gpt2-medium (GPT); "
@@ -151,7 +156,11 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "TrainConfig":
+        """A config as saved (config.json, a checkpoint's, a sweep's base). A saved model without
+        a setting added since means what the code did before it existed (SAVED_BEFORE)."""
         cfg = cls()
+        if isinstance(d.get("model"), dict) and d["model"].get("arch", "gpt") == "gpt":
+            d = {**d, "model": {**SAVED_BEFORE, **d["model"]}}
         apply_overrides(cfg, d, source="config")
         return cfg
 

@@ -38,7 +38,8 @@ def parse_workers(text: str) -> tuple[int, int]:
         raise UserError(f"{text!r} is neither a number of workers nor a range MIN-MAX "
                         f"(e.g. 2-8)") from None
     if lo < 1:
-        raise UserError(f"{text}: MIN must be at least 1")
+        raise UserError(f"{text}: MIN must be at least 1 (--workers 0 alone: no Ray cluster, "
+                        f"Ray Train's local mode in this process)")
     if lo > hi:
         raise UserError(f"{text}: MIN ({lo}) is larger than MAX ({hi})")
     return lo, hi

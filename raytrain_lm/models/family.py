@@ -34,6 +34,9 @@ class ModelConfig:
     n_embd: int = setting(128, help="Width of the residual stream (a multiple of n_head).")
     dropout: float = setting(0.0, help="Dropout probability (attention, residual, embeddings).")
     bias: bool = setting(True, help="Biases in linear layers and LayerNorms (gpt; the Llama has none).")
+    gelu: str = setting("exact", help="gpt: the MLP's GELU: exact (erf), or tanh (GPT-2's "
+                        "approximation: the gpt2 presets, GPT-2's weights). Exported to "
+                        "transformers as activation_function gelu or gelu_new.")
     # The Llama skeleton (models/llama/llama.py) and the families built on it: llama, qwen2,
     # qwen3, mistral. RMSNorm, rotary positions, SwiGLU, grouped-query attention, no biases but
     # Qwen2's q/k/v. Ignored by the GPT (those it cannot compute, it refuses).

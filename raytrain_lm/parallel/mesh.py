@@ -88,7 +88,9 @@ def all_gather_rows(t: torch.Tensor) -> torch.Tensor:
     if not is_distributed():
         return t.unsqueeze(0)
     out = torch.empty(dist.get_world_size() * t.numel(), dtype=t.dtype, device=t.device)
-    dist.all_gather_into_tensor(out, t)  # (gloo takes a flat output only)
+    # torch 2.13's name; the old one warns there on every rank (torch 2.11 has only the old one)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, t)  # (gloo takes a flat output only)
     return out.view(-1, t.numel())
 
 

@@ -1,7 +1,8 @@
 """The trainer every run uses (`train` and each Tune trial): Ray's TorchTrainer, as its parent
 `DataParallelTrainer` with a torch-free backend config (backend.py), run by our controller
 (controller.py) and, for `--workers MIN-MAX`, the scaling policy that keeps the group at the sizes
-config/sizes.py allows (scaling.py).
+config/sizes.py allows (scaling.py); with `ScalingConfig(num_workers=0)` (`--workers 0`), Ray
+Train's local mode as local_controller.py completes it.
 
 Nothing here imports torch: Ray's `TorchTrainer` module does (~2 CPU seconds here), and the driver
 only builds the trainer and follows the run; torch is the workers' business."""
@@ -27,16 +28,28 @@ def train_loop(config: WorkerInputs) -> None:
     train_loop_per_worker(config)
 
 
+def local_train_loop(config: WorkerInputs) -> None:
+    """The training function of Ray Train's local mode: under torchrun every rank trains with
+    rank 0's inputs (the run's name, a resolved --init-from are rank 0's to choose)."""
+    from ray.train.collective import broadcast_from_rank_zero
+
+    from raytrain_lm.worker.loop import train_loop_per_worker
+
+    train_loop_per_worker(broadcast_from_rank_zero(config))
+
+
 class Trainer(DataParallelTrainer):
     """Ray's TorchTrainer (gloo on CPUs, nccl on GPUs), run by our controller; an elastic group
     takes only the sizes of `worker_counts(cfg)`."""
 
     def __init__(self, *args, cfg: TrainConfig, polls: Polls, pg_cleaner: bool = True,
-                 autoscaler: bool = True, **kwargs):
+                 autoscaler: bool = True, local_threads: int = 1, **kwargs):
         """`polls`: see controller.Polls; `pg_cleaner`: see controller.helper_callbacks;
-        `autoscaler`: False on a Ray this process started, where no autoscaler can run."""
+        `autoscaler`: False on a Ray this process started, where no autoscaler can run;
+        `local_threads`: the torch threads of local mode's training function."""
         super().__init__(*args, backend_config=TorchConfig(), **kwargs)
         self.counts = worker_counts(cfg)
+        self.local_threads = local_threads
         self.polls, self.pg_cleaner, self.autoscaler = polls, pg_cleaner, autoscaler
 
     def _create_default_callbacks(self):
@@ -49,3 +62,8 @@ class Trainer(DataParallelTrainer):
         elif not self.autoscaler:
             controller_init_kwargs["scaling_policy"] = FixedPolicyWithoutAutoscaler(self.scaling_config)
         return run_controller(self, self.polls, **controller_init_kwargs)
+
+    def _initialize_and_run_local_controller(self, train_func):
+        from raytrain_lm.ray_compat.local_controller import local_controller
+
+        return local_controller(self.run_config, self.local_threads).run(train_func)

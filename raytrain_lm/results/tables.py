@@ -30,7 +30,8 @@ def progress_line(row: MetricsRow, max_steps: int) -> str:
     eta = (max_steps - step) * row["step_time"]
     parts = [
         f"step {step:>{len(str(max_steps))}}/{max_steps}",
-        f"{row['workers']} workers" if row.get("workers") else None,  # elastic runs resize
+        # the group's size (elastic runs resize)
+        f"{row['workers']} worker{'s' if row['workers'] != 1 else ''}" if row.get("workers") else None,
         f"loss {row['loss']:.4f}",
         f"val {row['val_loss']:.4f}" if row.get("val_loss") is not None else None,
         f"{row['val_bpb']:.3f} bpb" if row.get("val_bpb") is not None else None,

@@ -18,7 +18,7 @@ from raytrain_lm.models import describe
 from raytrain_lm.plan.auto import auto_cluster, choose_layout, cluster_kind, cluster_shape, kind_text
 from raytrain_lm.plan.fit import check_memory
 from raytrain_lm.ray_compat.polls import Polls
-from raytrain_lm.run.cpus import OMP_ENV, decide, idle_line, machine_cores
+from raytrain_lm.run.cpus import OMP_ENV, decide, idle_line, machine_cores, torch_threads
 from raytrain_lm.run.follower import Follower, checkpoint_uri
 from raytrain_lm.run.preflight import (
     check_init_from,
@@ -49,24 +49,26 @@ def build_trainer(cfg: TrainConfig, run: RunFolder, callbacks: Optional[list] = 
                   init_from: Optional[str] = None, fail_at: Optional[str] = None,
                   poll_seconds: Optional[float] = None, force: bool = False,
                   worker_env: Optional[dict[str, str]] = None, pg_cleaner: bool = True,
-                  autoscaler: bool = True):
+                  autoscaler: bool = True, local: bool = False):
     """The TorchTrainer for `cfg`, writing into `run`'s folder. Used by `train` and by each Tune
     trial. `poll_seconds`: the report poll (ray_compat/polls.py). `force`: workers skip their memory check.
     `worker_env`: environment variables of the worker processes (--worker-env). `pg_cleaner`:
-    see controller.helper_callbacks. `autoscaler`: see trainer.Trainer."""
-    from ray.train import CheckpointConfig, RunConfig
+    see controller.helper_callbacks. `autoscaler`: see trainer.Trainer. `local`: Ray Train's
+    local mode (ray_compat/local_controller.py), in this process: `ScalingConfig(num_workers=0)`."""
+    from ray.train import CheckpointConfig, RunConfig, ScalingConfig
 
     from raytrain_lm.ray_compat.scaling import failure_config, scaling_config
-    from raytrain_lm.ray_compat.trainer import Trainer, train_loop
+    from raytrain_lm.ray_compat.trainer import Trainer, local_train_loop, train_loop
 
     return Trainer(
-        train_loop,
+        local_train_loop if local else train_loop,
         cfg=cfg,
+        local_threads=torch_threads(cfg.worker_cpus, env.omp_threads()),
         polls=Polls.for_run(poll_seconds),
         pg_cleaner=pg_cleaner,
         autoscaler=autoscaler,
         train_loop_config=loop_config(cfg, init_from, fail_at, force),
-        scaling_config=scaling_config(cfg),
+        scaling_config=ScalingConfig(num_workers=0) if local else scaling_config(cfg),
         run_config=RunConfig(
             name=cfg.name,
             storage_path=run.storage_uri,

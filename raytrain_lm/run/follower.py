@@ -100,9 +100,12 @@ class Follower:
                 f"{checkpoint or 'none (the run saved none before it)'}")
 
     def take(self, row: MetricsRow, tb) -> None:
+        """One row from the workers (rank 0's) with the rows sent with it: into metrics.jsonl,
+        the progress display, TensorBoard (`tb`), the tracking runs; a restart or resize said and
+        recorded."""
         if row.get("event") == "nonfinite":  # the workers stop after this row (loop.py)
             for earlier in row.pop("earlier_rows", None) or []:  # the good rows before it
-                self._take(earlier, tb)
+                self.take(earlier, tb)
             self.nonfinite = row["error"]
             return
         if row.get("event") == "worker_failure":
@@ -116,18 +119,20 @@ class Follower:
         # the rows made since the previous report; before them, rows Ray may have lost, re-sent
         # after a resume (written again, not shown again)
         fresh = [*(row.pop("earlier_rows", None) or []), row]
-        for r in [*(row.pop("resumed_rows", None) or []), *fresh]:
+        rows = [*(row.pop("resumed_rows", None) or []), *fresh]
+        for r in rows:
             if r.get("checkpoint"):
                 r["checkpoint"] = checkpoint_uri(self.run, r["checkpoint"])
             self.log.add(r)
+        if self.on_metrics:  # shown once kept in metrics.jsonl; TensorBoard's copy is a convenience
+            for r in fresh:
+                self.on_metrics(r)
+        for r in rows:
             tb.add(r)
             if self.tracking is not None:
                 self.tracking.log_row(r, row_values(r, self.groups.restarts, len(self.groups.resizes)))
         if row.get("checkpoint") or resized:
             self.write_summary("running")
-        if self.on_metrics:
-            for r in fresh:
-                self.on_metrics(r)
 
 
 def checkpoint_uri(run: RunFolder, path: str) -> str:

@@ -7,6 +7,8 @@ already written means the run restarted from a checkpoint: a new event file star
 marker at that step, and TensorBoard drops the abandoned points after it, like metrics.jsonl does.
 Writing event files is a convenience: if it fails, training goes on and the user is told once.
 The `tensorboard` package writes them, not torch's SummaryWriter: the driver does not import torch.
+Its modules (protobuf's, ~0.1-0.4 CPU s) are imported with the first row, not before the first
+step: with `--workers 0` the driver's imports are on the way to it.
 """
 
 from __future__ import annotations
@@ -16,10 +18,6 @@ import shutil
 import tempfile
 import time
 from typing import Callable, Optional
-
-from tensorboard.compat.proto.event_pb2 import Event, SessionLog
-from tensorboard.compat.proto.summary_pb2 import Summary
-from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
 from raytrain_lm.store.row import MetricsRow, chart_values
 from raytrain_lm.store.storage import RunFolder
@@ -41,6 +39,9 @@ class TensorBoardLog:
             step = int(row["step"])
             if self.writer is None or (self.last_step is not None and step <= self.last_step):
                 self._open(purge_step=step)
+            from tensorboard.compat.proto.event_pb2 import Event
+            from tensorboard.compat.proto.summary_pb2 import Summary
+
             wall = (row["train_start_unix"] + row["elapsed"]
                     if row.get("train_start_unix") is not None and row.get("elapsed") is not None else None)
             values = [Summary.Value(tag=tag, simple_value=value) for tag, value in chart_values(row).items()]
@@ -53,6 +54,9 @@ class TensorBoardLog:
             self.say(f"warning: TensorBoard event files stopped ({type(e).__name__}: {e})")
 
     def _open(self, purge_step: int) -> None:
+        from tensorboard.compat.proto.event_pb2 import Event, SessionLog
+        from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
         if self.writer is not None:
             self.writer.close()
         os.makedirs(self.dir, exist_ok=True)

@@ -35,15 +35,17 @@ def fault_due(spec: Optional[str], rank: int, step: int, phase: str = "step") ->
 
 def fault_drill(spec: Optional[str], step: int, rank: int, run_name: str, phase: str = "step") -> None:
     """Exit this process if the drill is due, once per run. "Once" is remembered in the cluster's
-    key-value store, so the restarted worker group gets past the step."""
+    key-value store, so the restarted worker group gets past the step. Without a cluster (Ray
+    Train's local mode: nothing restarts) it exits whenever due; a resume is a new command."""
     if not fault_due(spec, rank, step, phase):
         return
     from ray.experimental import internal_kv
 
-    key = f"raytrain_lm:fault:{run_name}:{spec}".encode()
-    if internal_kv._internal_kv_get(key):
-        return
-    internal_kv._internal_kv_put(key, b"1")
+    if internal_kv._internal_kv_initialized():
+        key = f"raytrain_lm:fault:{run_name}:{spec}".encode()
+        if internal_kv._internal_kv_get(key):
+            return
+        internal_kv._internal_kv_put(key, b"1")
     print(f"[fault drill] rank {rank} exiting at step {step} ({phase})", flush=True)
     os._exit(1)  # the process dies: no exception, no cleanup, as on a lost node
 

@@ -14,6 +14,7 @@ LLAMA_ONLY = {"head_size": None, "rope_type": "default", "qkv_bias": False, "qk_
 # sequence parallelism, divided by tp). Sums: 17 without recomputation, 11 selective, 9 op (the
 # block input; the outputs of c_attn, attention and c_fc: parallel/ac.py).
 AC_SPLIT = {"none": (5, 12), "selective": (3, 8), "op": (1, 8)}
+GELUS = ("exact", "tanh")  # the MLP's activation: F.gelu's approximate="none" or "tanh"
 
 
 class GPTFamily(Family):
@@ -31,12 +32,15 @@ class GPTFamily(Family):
         return True
 
     def check(self, m: ModelConfig) -> None:
-        """The Llama skeleton's settings are not the GPT's: set, they would be ignored."""
+        """The Llama skeleton's settings are not the GPT's: set, they would be ignored; the
+        GELU is one of GELUS."""
         for key, default in LLAMA_ONLY.items():
             if getattr(m, key) != default:
                 raise UserError(f"model.{key} is a setting of the Llama-skeleton families (llama, "
                                 f"qwen2, qwen3, mistral), not of the gpt: drop it or choose "
                                 f"--arch")
+        if m.gelu not in GELUS:
+            raise UserError(f"model.gelu must be one of {', '.join(GELUS)}, got {m.gelu!r}")
 
     def counts(self, m: ModelConfig) -> ParamCounts:
         h, V, bias = m.n_embd, m.vocab_size or 256, 1 if m.bias else 0

@@ -1,7 +1,8 @@
 """The GPT (gpt.py) as Hugging Face's GPT2LMHeadModel: its weight names and config.json, and the
-c_attn row order both ways. Our GPT is GPT-2's architecture (pre-LayerNorm, tanh GELU, learned
-positions, tied embeddings, fused qkv), so the weights need only names, the Conv1D transpose and
-the q/k/v row order. No torch import: the tensors' own methods do the work."""
+c_attn row order both ways. Our GPT is GPT-2's architecture (pre-LayerNorm, GELU (exact, or
+GPT-2's tanh form: model.gelu), learned positions, tied embeddings, fused qkv), so the weights need
+only names, the Conv1D transpose and the q/k/v row order; a Hugging Face GPT-2 brought in here
+must keep its tanh GELU (model.gelu=tanh). No torch import: the tensors' own methods do the work."""
 
 from __future__ import annotations
 
@@ -80,7 +81,8 @@ class GPTAdapter(HFAdapter):
             "n_layer": cfg.n_layer,
             "n_head": cfg.n_head,
             "n_inner": None,  # 4 * n_embd, as our MLP
-            "activation_function": "gelu_new",  # GPT-2's tanh GELU = F.gelu(approximate="tanh")
+            # transformers' gelu is F.gelu (exact); gelu_new GPT-2's tanh form, F.gelu(approximate="tanh")
+            "activation_function": "gelu_new" if cfg.gelu == "tanh" else "gelu",
             "layer_norm_epsilon": 1e-5,  # torch.nn.LayerNorm's default, which our model uses
             "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.dropout,
             "scale_attn_weights": True,  # 1/sqrt(head_dim), as scaled_dot_product_attention
