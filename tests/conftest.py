@@ -519,3 +519,24 @@ def save_hf_llama(folder: Path, m, tokenizer_json: bytes, seed: int = 0, tied: b
     model.save_pretrained(folder, safe_serialization=True, max_shard_size=max_shard_size)
     (Path(folder) / "tokenizer.json").write_bytes(tokenizer_json)
     return model
+
+
+class MeteredStep:
+    """What worker/metrics.Meter reads of the step (worker/step.TrainStep's attributes), for
+    Meter's tests without a model: `data_wait` seconds a step waited for data, `moe` a mixture
+    of experts' row keys (None: a dense model)."""
+
+    def __init__(self, data_wait: float = 0.0, moe: Optional[dict] = None):
+        import torch
+
+        self.parts, self.optimizers, self.comm_bytes = [torch.nn.Linear(2, 2)], [], {}
+        self.data_wait, self.moe = data_wait, moe
+
+    def take_bubble(self):
+        return None
+
+    def take_data_wait(self):
+        return self.data_wait
+
+    def moe_metrics(self):
+        return self.moe

@@ -11,24 +11,11 @@ import math
 import pytest
 import torch
 
-from conftest import cli_here, small_config, step_losses
+from conftest import MeteredStep, cli_here, small_config, step_losses
 from raytrain_lm.config.settings import TrainConfig
 from raytrain_lm.errors import RunFailed
 from raytrain_lm.worker.metrics import Meter, first_nonfinite
 from raytrain_lm.worker.step import TrainStep
-
-
-class Step:  # what Meter.row reads of the step
-    parts, optimizers, comm_bytes = [torch.nn.Linear(2, 2)], [], {}
-
-    def take_bubble(self):
-        return None
-
-    def take_data_wait(self):
-        return 0.0
-
-    def moe_metrics(self):  # a dense model's
-        return None
 
 
 def meter(scaler_skips: bool = False) -> Meter:
@@ -54,15 +41,15 @@ def test_the_meter_reads_nothing_per_step_and_finds_the_nan_at_the_report():
     m = meter()
     for step, (loss, norm) in enumerate([(2.0, 1.0), (float("nan"), float("nan")), (3.0, 1.0)], 11):
         m.add_step(torch.tensor(loss), 10, torch.tensor(norm))
-    row = m.row(13, 1e-3, 1.0, Step())
+    row = m.row(13, 1e-3, 1.0, MeteredStep())
     assert m.nonfinite == "loss became nan at step 12" and math.isnan(row["step_losses"][1])
     m.next_interval(exclude_since_row=False)
     m.add_step(torch.tensor(1.0), 10, torch.tensor(float("inf")))
-    m.row(14, 1e-3, 1.0, Step())
+    m.row(14, 1e-3, 1.0, MeteredStep())
     assert m.nonfinite == "the gradient norm became inf at step 14"
     skips = meter(scaler_skips=True)  # fp16: an overflowing gradient is the scaler's to skip
     skips.add_step(torch.tensor(1.0), 10, torch.tensor(float("inf")))
-    skips.row(1, 1e-3, 1.0, Step())
+    skips.row(1, 1e-3, 1.0, MeteredStep())
     assert skips.nonfinite is None
 
 

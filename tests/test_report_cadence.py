@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from conftest import MeteredStep
 from raytrain_lm.config.settings import TrainConfig
 from raytrain_lm.worker.loop import Cadence
 from raytrain_lm.worker.metrics import Meter
@@ -72,25 +73,11 @@ def test_validation_and_the_last_step_still_report():
     assert reported(c, 0.001, 20) == [1, 7, 14, 20]
 
 
-class Layout:  # what Meter reads of the step, as step.TrainStep has it
-    parts = [torch.nn.Linear(2, 2)]
-    optimizers, comm_bytes = [], {}
-
-    def take_bubble(self):
-        return None
-
-    def take_data_wait(self):
-        return 0.25
-
-    def moe_metrics(self):
-        return None
-
-
 def test_meter_gives_the_interval_step_time_for_the_pace():
     meter = Meter(torch.device("cpu"), 1, 1.0, None, 6, 0.0)
     for _ in range(4):
         meter.add_step(torch.tensor(1.0), 10)
-    row = meter.row(4, 1e-3, 1.0, Layout())
+    row = meter.row(4, 1e-3, 1.0, MeteredStep(data_wait=0.25))
     assert meter.slowest_step_time == row["step_time"] > 0
     assert row["step_losses"] == [1.0] * 4 and row["data_wait_frac"] > 0
     assert row["peak_mem_reserved_gb"] is None  # CPU: no caching allocator
@@ -138,7 +125,7 @@ def _keeping_rank(rank: int, store: str, out: str) -> None:
         dist.barrier()  # rank 0 keeps its rows first: a collective in keep() would never match
     for step in (1, 2, 3):
         meter.add_step(torch.tensor(float(step * (rank + 1))), 10, torch.tensor(1.0))
-        meter.keep(step, 1e-3, torch.tensor(1.0), Layout(), tokens=10 * step)
+        meter.keep(step, 1e-3, torch.tensor(1.0), MeteredStep(data_wait=0.25), tokens=10 * step)
         meter.next_interval(exclude_since_row=False)
     if rank == 0:
         dist.barrier()

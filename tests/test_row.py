@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 import raytrain_lm
+from conftest import MeteredStep
 from raytrain_lm.config.inputs import WorkerInputs
 from raytrain_lm.store.row import CHART_NAMES, ROW_KEYS
 from raytrain_lm.worker.metrics import Meter
@@ -39,21 +40,11 @@ def test_every_row_key_the_code_spells_is_declared():
 
 
 def test_the_meters_row_has_only_declared_keys():
-    class Step:  # what Meter.row reads of the step
-        parts, optimizers, comm_bytes = [torch.nn.Linear(2, 2)], [], {}
-
-        def take_bubble(self):
-            return None
-
-        def take_data_wait(self):
-            return 0.0
-
-        def moe_metrics(self):  # a mixture of experts' keys are declared too
-            return {"aux_loss": 1.0, "z_loss": 0.0, "expert_load": [1.2, 1.1]}
-
     meter = Meter(torch.device("cpu"), 1, 1.0, None, 6, 0.0)
     meter.add_step(torch.tensor(1.0), 10)
-    assert set(meter.row(1, 1e-3, 1.0, Step())) <= ROW_KEYS
+    # a mixture of experts' keys are declared too
+    moe = MeteredStep(moe={"aux_loss": 1.0, "z_loss": 0.0, "expert_load": [1.2, 1.1]})
+    assert set(meter.row(1, 1e-3, 1.0, moe)) <= ROW_KEYS
 
 
 def test_the_worker_inputs_pickle_without_torch():

@@ -22,6 +22,7 @@ from typing import Any, Optional
 
 from raytrain_lm.errors import UserError
 from raytrain_lm.models.family import ModelConfig
+from raytrain_lm.models.hf import HFAdapter
 from raytrain_lm.models.llama.hf_llama import LlamaAdapter, config_value
 
 EXPERT_MATRICES = ("gate_proj", "up_proj", "down_proj")  # ours, in the order of each class's names
@@ -177,9 +178,10 @@ class Qwen3MoeAdapter(_MoEFormat):
         return [f"model.{k}" for k in ("qkv_bias", "sliding_window", "shared_ffn_dim") if getattr(m, k)]
 
 
-class MoEAdapter:
+class MoEAdapter(HFAdapter):
     """The family's adapter (models/hf.py's interface): Qwen3-MoE's format for a model with q/k
-    norms, Mixtral's otherwise; a folder's own (`model_fields`) by its model_type."""
+    norms, Mixtral's otherwise; a folder's own (`model_fields`) by its model_type. Whole tensors
+    and slices are the folder's as they are (HFAdapter's defaults)."""
 
     FORMATS = {a.model_type: a for a in (MixtralAdapter(), Qwen3MoeAdapter())}
     IGNORED_SUFFIXES = LlamaAdapter.IGNORED_SUFFIXES
@@ -198,18 +200,6 @@ class MoEAdapter:
 
     def hf_stack(self, name: str, m: ModelConfig) -> Optional[list[str]]:
         return self.of(m).hf_stack(name, m)
-
-    def to_hf_tensor(self, name: str, t, m: ModelConfig):
-        return t
-
-    def from_hf_tensor(self, name: str, t, m: ModelConfig):
-        return t
-
-    def sliceable(self, name: str, m: ModelConfig) -> bool:
-        return True
-
-    def hf_zeros(self, m: ModelConfig) -> dict[str, tuple[int, ...]]:
-        return {}
 
     def hf_shapes(self, m: ModelConfig) -> dict[str, tuple[int, ...]]:
         return self.of(m).hf_shapes(m)
