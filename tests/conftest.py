@@ -304,7 +304,8 @@ TINY_STEPS = 120
 @pytest.fixture(scope="session")
 def tiny_run(ray_address, pydoc_data, tmp_path_factory):
     """One real 2-worker run of the tiny preset, shared by the modules that look at a finished
-    run: (storage, run folder). Validation and checkpoints at steps 60 and 120."""
+    run: (storage, run folder). Validation (on 64 windows: the default 256 cost seconds per
+    validation) and checkpoints at steps 60 and 120."""
     import ray
 
     from raytrain_lm.config.load import build_config
@@ -312,8 +313,8 @@ def tiny_run(ray_address, pydoc_data, tmp_path_factory):
 
     storage = tmp_path_factory.mktemp("runs")
     cfg = build_config(flags=dict(workers=2, max_steps=TINY_STEPS, log_every=10, eval_every=60,
-                                  checkpoint_every=60, data=str(pydoc_data), storage=str(storage),
-                                  name="looked-at"))
+                                  eval_windows=64, checkpoint_every=60, data=str(pydoc_data),
+                                  storage=str(storage), name="looked-at"))
     before = set(ray._private.state.actors())  # every actor the cluster ever had, dead ones too
 
     def look_at_the_controller(row):

@@ -3,7 +3,7 @@ and no Ray: each rank reads only the slices it keeps, shard file by shard file, 
 keeps is the folder's tensor (checked by gathering the shards with DTensor's own full_tensor).
 The folder is a tied, sharded one made by transformers (no lm_head.weight, an index naming
 several files), as Llama 3.2 1B ships. Every layout training from such a folder:
-test_parallel.py (the local harness)."""
+test_parallel_layouts.py (the local harness)."""
 
 from __future__ import annotations
 

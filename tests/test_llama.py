@@ -1,7 +1,7 @@
 """The Llama (llama.py) in one process: the released shapes' parameter counts, the same logits as
 transformers' LlamaForCausalLM on the same weights, the KV cache, the sharded build's
 initialisation, Hugging Face import (--init-from) and the planner's arithmetic. No Ray (the
-layouts: test_parallel.py; export: test_export_hf.py)."""
+layouts: test_parallel_layouts.py; export: test_export_hf.py)."""
 
 import json
 import os
