@@ -74,7 +74,7 @@ MUTANTS = [
     Mutant("pp-unscaled", "raytrain_lm/parallel/pp.py",
            "return cls(pstages[0], layout.microbatches, loss_fn=loss_fn, scale_grads=True)",
            "return cls(pstages[0], layout.microbatches, loss_fn=loss_fn, scale_grads=False)",
-           ("tests/test_parallel.py::test_every_layout_trains_the_one_worker_model -k llama-pp2",),
+           ("tests/test_parallel_layouts.py::test_every_layout_trains_the_one_worker_model -k gpt-pp2-1f1b",),
            "a pipeline that does not divide its gradients by the microbatches", slow=True),
     Mutant("record-outside", "raytrain_lm/store/commit.py",
            "path = untrusted.inside(folder, rel, str(record_path))", "path = folder / rel",
