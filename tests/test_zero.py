@@ -18,6 +18,8 @@ from raytrain_lm.config.load import build_config
 from raytrain_lm.models import build_model
 from raytrain_lm.worker.optim import build_optimizer
 
+pytestmark = pytest.mark.slow  # two spawned ranks (fresh interpreters importing torch): ~9 s
+
 SETS = ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=16",
         "model.vocab_size=64", "model.dropout=0"]
 STEPS = 4
