@@ -7,10 +7,9 @@ from __future__ import annotations
 import pytest
 
 from conftest import step_losses
-from local_mode import run_local
 from raytrain_lm.config.load import build_config
 from raytrain_lm.run.driver import run_training
-from test_parallel_layouts import LAYOUTS, STEPS, hf_llama, layout_config
+from test_parallel_layouts import LAYOUTS, assert_trains_the_one_worker_model, hf_llama, layout_config, run_layout
 
 
 @pytest.fixture(scope="module")
@@ -32,11 +31,7 @@ def one(pydoc_data, storage, request):
     def get(arch):
         if arch not in done:
             init_from = str(request.getfixturevalue("hf_folder")[0]) if arch == "llama" else None
-            rows = []
-            cfg = layout_config(pydoc_data, storage, f"{arch}-one", 1, {}, arch)
-            assert run_local(cfg, init_from=init_from, say=lambda m: None,
-                             on_metrics=rows.append)["status"] == "completed"
-            done[arch] = (step_losses(storage / f"{arch}-one"), rows)
+            done[arch] = run_layout(pydoc_data, storage, f"{arch}-one", 1, {}, arch, init_from)
         return done[arch]
 
     return get
@@ -44,21 +39,12 @@ def one(pydoc_data, storage, request):
 
 def test_a_pipeline_on_ray_workers_trains_the_one_worker_model(ray_address, one, pydoc_data, storage):
     """--pp 2 with the 1F1B schedule on two Ray Train workers: each step's loss and each reported
-    gradient norm within 1e-4 of the harness's one-worker run. (With the Ray runs of other
+    gradient norm within 1e-4 of the harness's one-worker run, and its validation loss. (With the Ray runs of other
     modules, each of DDP, FSDP, FSDP x TP and a pipeline schedule runs on Ray at least once.)"""
-    rows = []
     workers, flags = LAYOUTS["pp2-1f1b"]
-    summary = run_training(layout_config(pydoc_data, storage, "pp2-1f1b-ray", workers, flags),
-                           say=lambda m: None, on_metrics=rows.append)
-    assert summary["status"] == "completed"
-    reference, ref_rows = one("gpt")
-    losses = step_losses(storage / "pp2-1f1b-ray")
-    assert losses.keys() == reference.keys() == set(range(1, STEPS + 1))
-    for step in reference:
-        assert losses[step] == pytest.approx(reference[step], rel=1e-4), step
-    assert [r["step"] for r in rows] == [r["step"] for r in ref_rows]
-    for row, ref in zip(rows, ref_rows):
-        assert row["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4), row["step"]
+    run = run_layout(pydoc_data, storage, "pp2-1f1b-ray", workers, flags, train=run_training)
+    assert_trains_the_one_worker_model(run, one("gpt"))
+    rows = run[1]
     assert 0.0 < rows[-1]["bubble"] < 1.0
 
 

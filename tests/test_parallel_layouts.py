@@ -87,14 +87,21 @@ def runs(pydoc_data, storage, request):
             init_from = str(request.getfixturevalue("hf_folder")[0]) if arch == "llama" else None
             done[arch] = {}
             for name, (workers, flags) in ARCHS[arch][1].items():
-                rows = []
-                cfg = layout_config(pydoc_data, storage, run_name(arch, name), workers, flags, arch)
-                summary = run_local(cfg, init_from=init_from, say=lambda m: None, on_metrics=rows.append)
-                assert summary["status"] == "completed", (arch, name)
-                done[arch][name] = (step_losses(storage / run_name(arch, name)), rows)
+                done[arch][name] = run_layout(pydoc_data, storage, run_name(arch, name), workers, flags,
+                                              arch, init_from)
         return done[arch]
 
     return get
+
+
+def run_layout(data, storage, name, workers, flags, arch="gpt", init_from=None, train=run_local):
+    """One layout's run (on the harness, or with `train=run_training` on Ray): its per-step
+    losses and metrics rows."""
+    rows = []
+    cfg = layout_config(data, storage, name, workers, flags, arch)
+    summary = train(cfg, init_from=init_from, say=lambda m: None, on_metrics=rows.append)
+    assert summary["status"] == "completed", name
+    return step_losses(storage / name), rows
 
 
 @pytest.mark.slow
@@ -104,11 +111,15 @@ def test_every_layout_trains_the_one_worker_model(runs, arch, layout):
     initial weights (built sharded, filled with the values one process would draw, or the same
     Hugging Face weights loaded into each rank's shards), the same windows (sharded by
     data-parallel rank only), the same global gradient norm."""
-    reference, losses = runs(arch)["one"][0], runs(arch)[layout][0]
+    assert_trains_the_one_worker_model(runs(arch)[layout], runs(arch)["one"])
+
+
+def assert_trains_the_one_worker_model(run, one_worker):
+    """`run` and `one_worker`: (per-step losses, metrics rows) of a layout and of one worker."""
+    (losses, rows), (reference, one) = run, one_worker
     assert losses.keys() == reference.keys() == set(range(1, STEPS + 1))
     for step in reference:
         assert losses[step] == pytest.approx(reference[step], rel=1e-4), step
-    rows, one = runs(arch)[layout][1], runs(arch)["one"][1]
     # the norm before clipping, of each reported step: losses alone hide a constant factor on the
     # gradient (AdamW's update ignores it), such as a pipeline that does not divide by its
     # microbatches, or replicated weights' gradients summed over tp ranks
