@@ -214,7 +214,9 @@ def test_sweep_resumes_after_its_driver_dies(ray_address, pydoc_data, tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     assert "resuming sweep resumable" in result.stdout
     summary = json.loads((sweep_dir / "results.json").read_text())
-    assert sorted(t["status"] for t in summary["trials"]) == ["done", "done"]
+    assert sorted(t["status"] for t in summary["trials"]) == ["done", "done"], \
+        [(t["trial"], t["steps"], (sweep_dir / t["dir"] / "result.json").read_text()[-3000:])
+         for t in summary["trials"]]
     assert all(t["steps"] == steps for t in summary["trials"])
     # The finished trial was kept as it was, not trained again ...
     assert (sweep_dir / f"trial_{first}" / "result.json").read_text().splitlines() == first_rows

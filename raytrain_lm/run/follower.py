@@ -17,7 +17,7 @@ from raytrain_lm.store.row import MetricsRow
 from raytrain_lm.store.storage import MetricsLog, RunFolder
 from raytrain_lm.store.summary import build_summary
 
-ROWS_POLL_S = 0.25  # how often the driver takes new rows from the controller (progress lines)
+ROWS_POLL_S = 0.25  # how often a driver (or a sweep's trial) takes new rows from the controller
 
 
 class Follower:
@@ -52,43 +52,16 @@ class Follower:
         return out
 
     def follow(self, trainer):
-        """Run `trainer.fit()` in a thread while taking its rows from the controller (its handle
-        is `trainer.controller` once fit has made it); returns (result, error)."""
-        import ray
-
+        """Run `trainer.fit()` while taking its rows (fit_following); returns (result, error)."""
         from raytrain_lm.run.tensorboard import TensorBoardLog
 
         tb = TensorBoardLog(self.run, self.say)  # event files beside metrics.jsonl
-        outcome: dict[str, Any] = {}
-
-        def fit() -> None:
-            try:
-                outcome["result"] = trainer.fit()
-            except BaseException as e:  # reported by the caller, on the main thread
-                outcome["error"] = e
-
-        thread = threading.Thread(target=fit, name="ray-train-fit", daemon=True)
-        thread.start()
-        running = True
-        while running:
-            running = thread.is_alive()  # after fit returns, one last take: the rest of the rows
-            thread.join(timeout=ROWS_POLL_S)
-            controller = getattr(trainer, "controller", None)
-            if controller is None:
-                continue
-            try:
-                rows = ray.get(controller.take_rows.remote())
-            except Exception:  # the controller is gone: nothing more will come
-                break
-            try:
-                for row in rows:
-                    self.take(row, tb)
-            except UserError as e:  # the run's files cannot be kept (a full disk): it stops here
-                tb.close()
-                return None, e
-        thread.join()
-        tb.close()
-        return outcome.get("result"), outcome.get("error")
+        try:
+            return fit_following(trainer, lambda rows: [self.take(row, tb) for row in rows])
+        except UserError as e:  # the run's files cannot be kept (a full disk): it stops here
+            return None, e
+        finally:
+            tb.close()
 
     def stopped(self, checkpoint: Optional[str]) -> Optional[str]:
         """Why the workers stopped short (their loss became non-finite) with the last good
@@ -133,6 +106,53 @@ class Follower:
                 self.tracking.log_row(r, row_values(r, self.groups.restarts, len(self.groups.resizes)))
         if row.get("checkpoint") or resized:
             self.write_summary("running")
+
+
+def take_rows(controller) -> Optional[list[dict]]:
+    """The rows the run's controller holds (controller.take_rows); None once it is gone."""
+    import ray
+
+    try:
+        return ray.get(controller.take_rows.remote())
+    except ray.exceptions.RayActorError:
+        return None
+
+
+def fit_following(trainer, on_rows: Callable[[list[dict]], Any],
+                  on_controller: Callable[[Any], Any] = lambda controller: None,
+                  take: Callable[[Any], Optional[list[dict]]] = take_rows,
+                  poll_s: float = ROWS_POLL_S) -> tuple[Any, Optional[BaseException]]:
+    """`trainer.fit()` in a thread while this one takes the run's rows from its controller
+    (`take`, every `poll_s`) and hands them to `on_rows`, the last ones after fit has returned;
+    returns (fit's result, fit's error). `on_controller` gets the controller's handle as soon as
+    fit has made it (`trainer.controller`). An error of `on_rows` ends the following and is
+    raised here (fit's thread, a daemon, is left to the caller's process)."""
+    outcome: dict[str, Any] = {}
+
+    def fit() -> None:
+        try:
+            outcome["result"] = trainer.fit()
+        except BaseException as e:  # returned to the caller, on its thread
+            outcome["error"] = e
+
+    thread = threading.Thread(target=fit, name="ray-train-fit", daemon=True)
+    thread.start()
+    seen, running = None, True
+    while running:
+        running = thread.is_alive()  # after fit returns, one last take: the rest of the rows
+        thread.join(timeout=poll_s)
+        controller = getattr(trainer, "controller", None)
+        if controller is None:
+            continue
+        if controller is not seen:
+            on_controller(controller)
+            seen = controller
+        rows = take(controller)
+        if rows is None:  # the controller is gone: nothing more will come
+            break
+        on_rows(rows)
+    thread.join()
+    return outcome.get("result"), outcome.get("error")
 
 
 def checkpoint_uri(run: RunFolder, path: str) -> str:

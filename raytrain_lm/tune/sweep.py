@@ -2,9 +2,9 @@
 
 Each trial is a Tune *function* trainable that builds the same `TorchTrainer` as `train` (through
 `run/driver.build_trainer`) and fits it: Ray's pattern (passing a trainer to `Tuner` is
-deprecated). A `TuneReportCallback` in the trainer's callbacks forwards rank 0's reports to Tune,
-so ASHA sees `step` and `val_loss` as training goes; when ASHA stops a trial, Tune ends the trial
-actor, and the trainer's controller and workers, which it owns, end with it.
+deprecated). The trial reports rank 0's rows to Tune as they come (trial_rows.py), so ASHA sees
+`step` and `val_loss` as training goes; when ASHA stops a trial, Tune ends the trial actor, and
+the trainer's controller and workers, which it owns, end with it.
 
 A sweep's folder `<storage>/<name>/` holds Tune's experiment state (what `--resume` restores), one
 folder per trial (Tune's result.json, the trial's config, its Train run with checkpoints under
@@ -14,7 +14,6 @@ folder per trial (Tune's result.json, the trial's config, its Train run with che
 from __future__ import annotations
 
 import copy
-import math
 import os
 import time
 from dataclasses import asdict
@@ -25,6 +24,7 @@ from raytrain_lm.cluster.connect import connect_ray
 from raytrain_lm.config.checks import validate
 from raytrain_lm.config.settings import TrainConfig, apply_overrides
 from raytrain_lm.errors import UserError
+from raytrain_lm.ray_compat.callbacks import ForwardMetrics, HeldRows
 from raytrain_lm.ray_compat.polls import report_poll_seconds
 from raytrain_lm.run.driver import build_trainer, choose_worker_cpus, say_idle_cpus
 from raytrain_lm.run.preflight import check_resources, default_run_name, prepare_data
@@ -33,54 +33,19 @@ from raytrain_lm.store.files import SWEEP, TRIAL_CONFIG
 from raytrain_lm.store.storage import RunFolder
 from raytrain_lm.track import check_trackers
 from raytrain_lm.tune.space import SearchSpace, nest
-from raytrain_lm.tune.sweep_config import SWEEP_METRICS, SweepSettings
+from raytrain_lm.tune.sweep_config import SweepSettings
+from raytrain_lm.tune.trial_rows import follow_trial
 
 # What the trial function itself asks for. Its workers get their own placement group from Ray Train,
 # so the trial needs next to nothing; Tune refuses a request of exactly zero.
 TRIAL_CPUS = 0.01
-DIVERGED = 1e4  # stands in for a NaN/inf loss: ASHA's cutoffs ignore NaN, so a NaN trial would never stop
 
 
 # ---------------------------------------------------------------- what each trial runs
 
 
-def _forward_to_tune_callback(controllers, trial_id: str):
-    """TuneReportCallback (runs in the trainer's controller actor), plus two things:
-
-    - non-finite losses are reported as DIVERGED: ASHA compares with NaN-ignoring percentiles, so a
-      NaN loss would never be cut; so is the report with which a trial whose loss became
-      non-finite stops (loop.py: it has no loss of its own);
-    - before the first report, the controller's handle goes to the driver (`controllers`, a Ray
-      queue), so that when ASHA stops this trial the driver can abort the run cleanly."""
-    import ray
-    from ray.tune.integration.ray_train import TuneReportCallback
-
-    class ForwardToTune(TuneReportCallback):
-        announced = False
-
-        def after_report(self, run_context, metrics, checkpoint):
-            if not self.announced:
-                self.announced = True
-                controllers.put((trial_id, ray.get_runtime_context().current_actor))
-            fixed = []
-            for m in metrics:
-                m = dict(m)
-                # for `train`'s metrics.jsonl; Tune has its own log (of the reported rows)
-                m.pop("resumed_rows", None)
-                m.pop("earlier_rows", None)
-                if m.get("event") == "nonfinite":
-                    m.update(dict.fromkeys(("loss", *SWEEP_METRICS), DIVERGED), diverged=True)
-                for key in ("loss", *SWEEP_METRICS):
-                    if m.get(key) is not None and not math.isfinite(m[key]):
-                        m[key] = DIVERGED
-                        m["diverged"] = True
-                fixed.append(m)
-            super().after_report(run_context, fixed, checkpoint)
-
-    return ForwardToTune()
-
-
-# Driver side of the above. Module-level, not held by the Tune callback, because Tune pickles its
+# Each trial's controller handle, sent by the trial (run_trial) to the driver, which aborts the run
+# of a trial ASHA stops. Module-level, not held by the Tune callback, because Tune pickles its
 # callbacks into the sweep's state and actor handles do not belong there.
 _CONTROLLERS: dict[str, Any] = {"queue": None, "handles": {}}
 
@@ -139,9 +104,10 @@ def run_trial(params: dict, base: dict, sweep_uri: str, controllers, poll_second
     cfg.storage, cfg.name = f"{sweep_uri}/{trial_dir}", "train"
     RunFolder(sweep_uri, trial_dir).write_json(TRIAL_CONFIG, cfg.to_dict())
     # Same RunConfig(storage, name) as before a driver died: Ray Train resumes from its checkpoints.
-    forward = _forward_to_tune_callback(controllers, tune.get_context().get_trial_id())
-    build_trainer(cfg, RunFolder(cfg.storage, cfg.name), callbacks=[forward],
-                  poll_seconds=poll_seconds).fit()
+    trainer = build_trainer(cfg, RunFolder(cfg.storage, cfg.name),
+                            callbacks=[ForwardMetrics(HeldRows())], poll_seconds=poll_seconds)
+    trial_id = tune.get_context().get_trial_id()
+    follow_trial(trainer, tune.report, announce=lambda controller: controllers.put((trial_id, controller)))
 
 
 # ---------------------------------------------------------------- driver
