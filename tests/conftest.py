@@ -68,11 +68,10 @@ def pytest_collection_modifyitems(config, items):
 RAY_GROUP = "ray"
 _RUNNING: list = [None]  # the test being set up, for ray_address's check
 # The niceness of the tests that run beside the Ray group (and of the processes they start), when
-# the session has a Ray group: that group, on one worker, is the suite's critical path (~800 s
-# against ~400 s of everything else), and Ray starts its workers at niceness 15 (Ray's
-# RAY_worker_niceness), so a harness run at 0 beside them took nearly all of a core they shared
-# (the shared tiny run's steps took 0.55-1.1 s against 0.25 s alone). Below Ray's workers, the
-# tests beside them get what the group leaves; the group's own tests keep niceness 0.
+# the session has a Ray group: that group, on one worker, is the suite's critical path, and Ray
+# starts its workers at niceness 15 (Ray's RAY_worker_niceness), so a harness run at 0 beside
+# them took most of a core they shared (docs/testing.md, Timings). Below Ray's workers, the tests
+# beside them get what the group leaves; the group's own tests keep niceness 0.
 BESIDE_RAY_NICE = 19
 _RAY_GROUP_SELECTED = [False]
 
