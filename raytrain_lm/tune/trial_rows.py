@@ -5,8 +5,8 @@ with `tune.report` from its own thread: one producer, so Tune gets every row, in
 Ray's `TuneReportCallback` instead puts each row into a queue that the trial's Tune session
 drains from another thread, while the function's end is announced through a second queue. When
 a run ends within one fetch of its last report, the session can take the end first: Tune never
-gets the trial's last row, and a trial that trained to the end looks stopped early (CI: a
-sweep's finished trial kept its step-60 checkpoint, but its result.json stopped at step 40)."""
+gets the trial's last row, and a trial that trained to the end looks stopped early; or the
+session blocks and the trial hangs (docs/benchmarks.md, bench/tune_last_row.py)."""
 
 from __future__ import annotations
 
