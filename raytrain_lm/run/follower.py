@@ -114,7 +114,7 @@ def take_rows(controller) -> Optional[list[dict]]:
 
     try:
         return ray.get(controller.take_rows.remote())
-    except ray.exceptions.RayActorError:
+    except ray.exceptions.RayError:  # its actor died, or Ray is going away
         return None
 
 
