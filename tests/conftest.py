@@ -137,7 +137,7 @@ def ray_address():
 
     item = _RUNNING[0]
     if os.environ.get("PYTEST_XDIST_WORKER") and item is not None \
-            and not any(m.args == (RAY_GROUP,) for m in item.iter_markers("xdist_group")):
+            and not in_ray_group(item):
         pytest.fail(f"{item.nodeid} starts the session's Ray outside the Ray group: a second Ray "
                     f"cluster could run beside the group's; see conftest.pytest_collection_modifyitems")
     yield start_session_ray()
