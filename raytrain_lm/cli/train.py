@@ -30,6 +30,7 @@ from raytrain_lm.config.settings import default_storage
 from raytrain_lm.config.sizes import parse_workers
 from raytrain_lm.errors import UserError
 from raytrain_lm.plan.estimate import check_cluster
+from raytrain_lm.plan.goodput import DEFAULT_MTBF_GPU_HOURS, DEFAULT_RESTART_S, RunRisk
 from raytrain_lm.plan.hardware import kind_cluster
 from raytrain_lm.plan.kinds import DEFAULT_KIND, kinds
 from raytrain_lm.plan.printout import plan_command
@@ -258,6 +259,18 @@ def plan(
                                           "ac=full (tp, pp, dp, strategy, ac, sp, schedule, v, b)."),
     top: int = typer.Option(10, help="Layouts shown, fastest first."),
     show_all: bool = typer.Option(False, "--all", help="Show every layout planned."),
+    mtbf: float = typer.Option(DEFAULT_MTBF_GPU_HOURS, help="Goodput: GPU-hours between failures of "
+                               "one GPU (its share of node, NIC and switch failures); the job's MTBF "
+                               "is this over the GPUs [default: Llama 3 405B's, 419 interruptions in "
+                               "54 days on 16,384 H100s]."),
+    storage_gbps: Optional[float] = typer.Option(None, help="Goodput: the checkpoint storage's "
+                                                 "bandwidth in all, GB/s [default: Llama 3's 2 TB/s "
+                                                 "over 16,384 GPUs, times --gpus]."),
+    restart_min: float = typer.Option(DEFAULT_RESTART_S / 60, help="Goodput: minutes from a failure "
+                                      "to training again, before reading the checkpoint (an "
+                                      "assumption: docs/planner.md#goodput)."),
+    tokens: Optional[float] = typer.Option(None, help="Goodput: tokens to train, for the run's "
+                                           "length [default: 20 a parameter, Chinchilla's]."),
     vocab_size: Optional[int] = typer.Option(None, help="The tokenizer's vocabulary, padded "
                                              "[default: the preset's (Llama 2: 32000, Llama 3: "
                                              "128256), else GPT-2's BPE, 50304; the byte "
@@ -275,6 +288,7 @@ def plan(
                            peak_fraction=peak_fraction, gpu=not cpu,
                            precision=settings.get("precision") or "auto")
     check_cluster(cluster)
+    risk = RunRisk(mtbf, storage_gbps, restart_min * 60, tokens)
     folder = folder_model(init_from) if init_from else None
     if init_from and folder is None:
         raise UserError(f"--init-from {init_from} is not a Hugging Face model folder (config.json "
@@ -289,4 +303,5 @@ def plan(
     typer.echo(plan_command(cfg, cluster, tp=tp, pp=pp, strategy=strategy, top=top,
                             show_all=show_all, as_json=as_json, global_batch=global_batch,
                             virtual_stages=virtual_stages, explain=explain, ep=ep,
-                            name=f"the {cfg.model.arch} of {init_from}" if folder else None))
+                            name=f"the {cfg.model.arch} of {init_from}" if folder else None,
+                            risk=risk))

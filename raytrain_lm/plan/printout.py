@@ -10,6 +10,7 @@ from raytrain_lm.errors import UserError
 from raytrain_lm.models import family
 from raytrain_lm.plan import network
 from raytrain_lm.plan.estimate import Estimate, estimate_layout, plan
+from raytrain_lm.plan.goodput import RunRisk, goodput_lines
 from raytrain_lm.plan.hardware import GB, GIB, Cluster
 
 
@@ -94,8 +95,10 @@ def format_table(estimates: list[Estimate], start: int = 1, experts: bool = Fals
 
 
 def describe(name: str, n_params: int, global_batch: int, seq_len: int, cl: Cluster,
-             ranked: list[Estimate], top: int, show_all: bool, active: Optional[int] = None) -> str:
-    """The text `plan` prints (`active`: a mixture of experts' parameters per token)."""
+             ranked: list[Estimate], top: int, show_all: bool, active: Optional[int] = None,
+             risk: Optional[RunRisk] = None) -> str:
+    """The text `plan` prints (`active`: a mixture of experts' parameters per token; `risk`:
+    the failures the recommended layout's goodput is planned for)."""
     fitting = sum(e.fits for e in ranked)
     shown = ranked if show_all else ranked[:top]
     experts = active is not None and active < n_params
@@ -119,6 +122,10 @@ def describe(name: str, n_params: int, global_batch: int, seq_len: int, cl: Clus
         lines.append(f"recommendation: {best.layout.flags()} (~{best.reserved / GIB:.1f} GiB per "
                      f"GPU, ~{best.step_s:.3g} s per step, ~{best.mfu:.0%} MFU)")
         lines.append(f"why: {reason(best, ranked, cl)}")
+        if cl.gpu:
+            risk = risk or RunRisk()
+            gp = risk.plan(cl.gpus, n_params, best.step_s, global_batch * seq_len)
+            lines += goodput_lines(gp, risk, n_params)
     lines.append(fitted_text(cl))
     lines.append("assumptions and comparisons with published runs: docs/planner.md")
     return "\n".join(lines)
@@ -157,14 +164,20 @@ def estimate_json(e: Estimate) -> dict:
 
 
 def report_json(n_params: int, global_batch: int, seq_len: int, cl: Cluster,
-                ranked: list[Estimate], active: Optional[int] = None) -> dict:
+                ranked: list[Estimate], active: Optional[int] = None,
+                risk: Optional[RunRisk] = None) -> dict:
     best = recommendation(ranked)
+    gp = None
+    if best is not None and cl.gpu:
+        gp = (risk or RunRisk()).plan(cl.gpus, n_params, best.step_s, global_batch * seq_len)
     return {"parameters": n_params, "active_parameters": active or n_params,
             "global_batch": global_batch, "seq_len": seq_len,
             "cluster": asdict(cl), "fitted_constants": fitted_json(cl),
             "layouts": [estimate_json(e) for e in ranked],
             "recommendation": None if best is None else estimate_json(best),
-            "reason": None if best is None else reason(best, ranked, cl)}
+            "reason": None if best is None else reason(best, ranked, cl),
+            "goodput": None if gp is None else {**asdict(gp.failures),
+                                                **{k: v for k, v in asdict(gp).items() if k != "failures"}}}
 
 
 def fitted_json(cl: Cluster) -> list[dict]:
@@ -189,11 +202,13 @@ def plan_command(cfg, cl: Cluster, tp: Optional[int] = None, pp: Optional[int] =
                  strategy: Optional[str] = None, top: int = 10, show_all: bool = False,
                  as_json: bool = False, global_batch: Optional[int] = None,
                  virtual_stages: Optional[int] = None, explain: Optional[str] = None,
-                 ep: Optional[int] = None, name: Optional[str] = None) -> str:
+                 ep: Optional[int] = None, name: Optional[str] = None,
+                 risk: Optional[RunRisk] = None) -> str:
     """`plan`: every layout of `cl` for cfg's model, sequence length and global batch
     (--global-batch, else GPUs x --batch-size x --grad-accum: what plain data parallelism would
     train with), as text or JSON; with `explain`, one layout's step time and memory, by part.
-    `name`: what the model is called [default: its preset]."""
+    `name`: what the model is called [default: its preset]; `risk`: the failures the goodput of
+    the recommended layout is planned for [default: RunRisk()'s]."""
     import json
 
     if top < 1:
@@ -209,8 +224,9 @@ def plan_command(cfg, cl: Cluster, tp: Optional[int] = None, pp: Optional[int] =
             return json.dumps({"rank": rank, "layouts": len(ranked), **estimate_json(e)}, indent=2)
         return explain_text(e, rank, ranked, cl)
     if as_json:
-        return json.dumps(report_json(n_params, global_batch, cfg.seq_len, cl, ranked, active), indent=2)
-    return describe(name or cfg.preset, n_params, global_batch, cfg.seq_len, cl, ranked, top, show_all, active)
+        return json.dumps(report_json(n_params, global_batch, cfg.seq_len, cl, ranked, active, risk), indent=2)
+    return describe(name or cfg.preset, n_params, global_batch, cfg.seq_len, cl, ranked, top, show_all, active,
+                    risk)
 
 
 # ---------------------------------------------------------------- plan --explain
