@@ -275,6 +275,40 @@ CASES = [
         "--ep 2 splits a mixture of experts (model.arch moe); model.arch llama has no experts: drop --ep"),
     Bad("plan --preset mixtral-8x7b --gpus 16 --ep 3", "--ep 3 must divide model.n_experts (8)"),
     Bad("plan --preset llama3-8b --gpus 16 --ep 2", "--ep 2 splits a mixture of experts (model.arch moe)"),
+    # fourth round (issue 48): sizes no bound held, numbers past float's range ------------ item 1
+    Bad("plan --init-from mix", "--init-from mix: its config.json: model.n_experts must be at most "
+        "1,048,576, got 1,000,000,000", setup="moe-mixtral-experts", process=True, timeout=30),
+    Bad("train --data {data} --init-from mix", "--init-from mix: its config.json: model.n_experts must "
+        "be at most 1,048,576", setup="moe-mixtral-experts"),
+    Bad("train --data {data} --init-from qmoe", "--init-from qmoe: its config.json: model.n_experts "
+        "must be at most 1,048,576", setup="moe-qwen3-experts"),
+    Bad("train --data {data} --preset moe-tiny --set model.n_experts=1e9",
+        "model.n_experts must be at most 1,048,576, got 1,000,000,000"),
+    Bad("train --data {data} --preset llama-tiny --set model.head_size=1e12",
+        "model.head_size must be at most 16,777,216, got 1,000,000,000,000"),
+    Bad("train --data {data} --preset moe-tiny --set model.shared_ffn_dim=1e12",
+        "model.shared_ffn_dim must be at most 16,777,216, got 1,000,000,000,000"),
+    Bad("plan --preset mixtral-8x7b --set model.n_experts=1e9",
+        "model.n_experts must be at most 1,048,576, got 1,000,000,000"),
+    Bad("train --data {data} --preset moe-tiny --set model.n_experts=100000",
+        "model.n_layer x model.n_experts (4 x 100,000) must be at most 262,144"),
+    Bad("plan --preset llama3-8b --set model.n_layer=100000 --set model.n_embd=1048576",
+        "the model would have about 10^18 parameters"),
+    Bad("train --data {data} --preset llama-tiny --set model.ffn_multiplier=1e30",
+        "the MLP's hidden size (model.ffn_dim) must be at most 16,777,216"),
+    # ------------------------------------------------------------------------------------- item 2
+    Bad("train --data {data} --config llama.yaml --init-from hf", "hf: config.json's rope_theta must "
+        "be a positive number, got 100000000000000000...", setup="hf-rope-theta-huge"),
+    Bad("plan --init-from hf", "hf: config.json's rope_theta must be a positive number",
+        setup="hf-rope-theta-huge"),
+    Bad("train --data {data} --config llama.yaml --init-from hf", "hf: config.json's rms_norm_eps "
+        "must be a positive number", setup="hf-norm-eps-huge"),
+    Bad("plan --init-from hf", "hf: config.json's factor must be a positive number",
+        setup="hf-rope-factor-huge"),
+    Bad("train --data {data} --config llama.yaml --init-from hf", "model.safetensors: the header's "
+        "entry for 'model.norm.weight' is damaged: {{'data_offsets': [", setup="hf-dtype-list"),
+    Bad("train --data {data} --config llama.yaml --init-from hf", "model.safetensors: the header's "
+        "entry for 'model.norm.weight' is damaged", setup="hf-dtype-object"),
 ]
 
 
