@@ -235,6 +235,18 @@ def moe_config(name: str, config: dict):
     return setup
 
 
+def tokenizer_symlink(tmp: Path) -> None:
+    """tok/, a folder whose tokenizer.json is a symlink to a (valid) one outside it."""
+    from raytrain_lm.data.tokenizer import train_bpe
+
+    (tmp / "corp").mkdir()
+    (tmp / "corp" / "a.txt").write_text("some words of text. " * 200)
+    (tmp / "elsewhere").mkdir()
+    (tmp / "elsewhere" / "tokenizer.json").write_bytes(train_bpe(["some words of text. " * 50], 300).raw)
+    (tmp / "tok").mkdir()
+    (tmp / "tok" / "tokenizer.json").symlink_to(tmp / "elsewhere" / "tokenizer.json")
+
+
 def config_symlinks(tmp: Path) -> None:
     """run.yaml, and conf/ (a folder), symlinks in the project to files outside it."""
     (tmp / "elsewhere").mkdir()
@@ -314,6 +326,7 @@ SETUPS = {
                                                            "rope_theta": 10000.0}),
     "hf-dtype-list": hf_header_entry("model.norm.weight", dtype=["F32"]),
     "hf-dtype-object": hf_header_entry("model.norm.weight", dtype={"F32": 4}),
+    "tokenizer-symlink": tokenizer_symlink,
 }
 
 HOLDS = {
@@ -325,4 +338,5 @@ HOLDS = {
     **{k: "hf/ (a Hugging Face folder, crafted)" for k in SETUPS if k.startswith("hf")},
     "moe-mixtral-experts": "mix/ (a Mixtral's config.json: 10^9 experts)",
     "moe-qwen3-experts": "qmoe/ (a Qwen3-MoE's config.json: 10^9 experts)",
+    "tokenizer-symlink": "corp/, tok/tokenizer.json (a symlink to elsewhere/tokenizer.json)",
 }

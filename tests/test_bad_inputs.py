@@ -309,6 +309,11 @@ CASES = [
         "entry for 'model.norm.weight' is damaged: {{'data_offsets': [", setup="hf-dtype-list"),
     Bad("train --data {data} --config llama.yaml --init-from hf", "model.safetensors: the header's "
         "entry for 'model.norm.weight' is damaged", setup="hf-dtype-object"),
+    # ------------------------------------------------------------------------------------- item 6
+    Bad("prepare --input corp --tokenizer tok --out ds", "--tokenizer tok names tokenizer.json, a "
+        "symlink: only the folder's own files are read", setup="tokenizer-symlink"),
+    Bad("prepare --input corp --tokenizer /proc/self/pagemap --out ds", "/proc/self/pagemap yields "
+        "more bytes than its size says: not a regular file", setup="corpus"),
 ]
 
 
