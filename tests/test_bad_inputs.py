@@ -309,6 +309,10 @@ CASES = [
         "entry for 'model.norm.weight' is damaged: {{'data_offsets': [", setup="hf-dtype-list"),
     Bad("train --data {data} --config llama.yaml --init-from hf", "model.safetensors: the header's "
         "entry for 'model.norm.weight' is damaged", setup="hf-dtype-object"),
+    # ------------------------------------------------------------------------------------- item 4
+    Bad("train --data {data} --track mlflow", "MLFLOW_TRACKING_URI=file://***@localhost/mlruns is a "
+        "local folder", env={"MLFLOW_TRACKING_URI": "file://alice:hunter2@localhost/mlruns",
+                             "MLFLOW_ALLOW_FILE_STORE": ""}),
     # ------------------------------------------------------------------------------------- item 6
     Bad("prepare --input corp --tokenizer tok --out ds", "--tokenizer tok names tokenizer.json, a "
         "symlink: only the folder's own files are read", setup="tokenizer-symlink"),
