@@ -313,6 +313,14 @@ CASES = [
     Bad("train --data {data} --track mlflow", "MLFLOW_TRACKING_URI=file://***@localhost/mlruns is a "
         "local folder", env={"MLFLOW_TRACKING_URI": "file://alice:hunter2@localhost/mlruns",
                              "MLFLOW_ALLOW_FILE_STORE": ""}),
+    # ------------------------------------------------------------------------------------- item 5
+    Bad("evaluate hf --tasks hellaswag", "evaluate hf: model.norm.weight in model.safetensors has "
+        "shape [16], its config.json says [32]", setup="hf-weight-shape"),
+    Bad("evaluate hf --tasks hellaswag", "hf/model.safetensors is not a safetensors file (its header "
+        "is not JSON)", setup="hf-header-damaged"),
+    Bad("evaluate mix --tasks hellaswag", "evaluate mix: its config.json: model.n_experts must be at "
+        "most 1,048,576", setup="moe-mixtral-experts"),
+    Bad("evaluate gemma --tasks hellaswag", "evaluate gemma holds a 'gemma' model", setup="hf-gemma"),
     # ------------------------------------------------------------------------------------- item 6
     Bad("prepare --input corp --tokenizer tok --out ds", "--tokenizer tok names tokenizer.json, a "
         "symlink: only the folder's own files are read", setup="tokenizer-symlink"),
