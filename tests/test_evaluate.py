@@ -140,15 +140,3 @@ def test_results_go_next_to_the_run_its_table_and_its_tracking_run(evaluated):
     assert mlflow_run.data.metrics["summary/eval/local_mc/acc"] == out["scores"]["local_mc"]["acc"]
     assert mlflow_run.info.status == "FINISHED"
 
-
-def test_help_and_security_doc_say_a_task_folder_is_code():
-    """--include-path runs the folder's code (lm-eval's `!function`, unsandboxed Jinja): `evaluate
-    --help` and docs/security.md say so where a user decides to pass one."""
-    from conftest import ROOT
-
-    res = cli_here("evaluate", "--help", env={"COLUMNS": "200", "NO_COLOR": "1"})
-    assert res.returncode == 0
-    text = " ".join(res.stdout.replace("│", " ").split())
-    assert "A task folder is code, like a script you run" in text, text
-    security = " ".join((ROOT / "docs" / "security.md").read_text().split())
-    assert "| a task folder (`evaluate --include-path`) | run any code as you" in security
