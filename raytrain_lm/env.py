@@ -109,12 +109,13 @@ def omp_threads() -> Optional[str]:
     return _get(OMP_ENV)
 
 
-def torchrun_place() -> Optional[tuple[int, int, int]]:
-    """(rank, world size, ranks on this node) when this process is a rank of a torchrun (all of
-    torchrun's variables set, as Ray Train's local mode requires), else None."""
-    if any(_get(name) is None for name in TORCHRUN_ENV):
+def torchrun_vars() -> Optional[dict[str, str]]:
+    """torchrun's variables as set (unchecked: run/in_process.local_place checks them) when this
+    process is a rank of a torchrun: every one of them present, as Ray Train's local mode decides
+    it (`has_torchrun_env`); else None."""
+    if any(name not in os.environ for name in TORCHRUN_ENV):
         return None
-    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_WORLD_SIZE"])
+    return {name: os.environ[name] for name in TORCHRUN_ENV}
 
 
 def mlflow_uri() -> Optional[str]:

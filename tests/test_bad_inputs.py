@@ -43,6 +43,12 @@ class Bad:
     timeout: float = 120  # seconds (a process of its own): what hung before fails, not waits
 
 
+def _torchrun(**changes: str) -> dict:
+    """torchrun's variables for rank 0 of 2 on one node, with `changes`."""
+    return {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", **changes}
+
+
 CASES = [
     # numbers that no check before launch caught (`nan <= 0` is False) ---------------- item 10
     Bad("train --data {data} --lr nan", "flags: lr must be a finite number, got nan"),
@@ -309,6 +315,19 @@ CASES = [
         "entry for 'model.norm.weight' is damaged: {{'data_offsets': [", setup="hf-dtype-list"),
     Bad("train --data {data} --config llama.yaml --init-from hf", "model.safetensors: the header's "
         "entry for 'model.norm.weight' is damaged", setup="hf-dtype-object"),
+    # torchrun's environment (--workers 0 under torchrun) -------------------------------- item 3
+    Bad("train --data {data} --workers 0", "torchrun's environment: RANK=3 with WORLD_SIZE=2: the "
+        "ranks are 0 to 1", env=_torchrun(RANK="3", LOCAL_WORLD_SIZE="1")),
+    Bad("train --data {data} --workers 0", "torchrun's environment: RANK='abc' is not a whole number "
+        ">= 0", env=_torchrun(RANK="abc")),
+    Bad("train --data {data} --workers 0", "torchrun's environment: MASTER_PORT=99999 is not a port "
+        "(1 to 65535)", env=_torchrun(MASTER_PORT="99999")),
+    Bad("train --data {data} --workers 0 --set rendezvous_timeout=0.5", "torchrun: rank 1 of 2 did not "
+        "arrive at 127.0.0.1:{port} within 0.5 s (--set rendezvous_timeout=SECONDS); rank 0 gives up",
+        setup="free-port", env=_torchrun(MASTER_PORT="{port}")),
+    Bad("train --data {data} --workers 0 --set rendezvous_timeout=0.5", "torchrun: rank 0 did not "
+        "answer at 127.0.0.1:{port} within 0.5 s", setup="free-port",
+        env=_torchrun(RANK="1", LOCAL_RANK="1", MASTER_PORT="{port}")),
     # ------------------------------------------------------------------------------------- item 4
     Bad("train --data {data} --track mlflow", "MLFLOW_TRACKING_URI=file://***@localhost/mlruns is a "
         "local folder", env={"MLFLOW_TRACKING_URI": "file://alice:hunter2@localhost/mlruns",
@@ -466,6 +485,15 @@ def _silent_port(tmp: Path):
 
 
 @contextlib.contextmanager
+def _free_port(tmp: Path):
+    """A port where nothing listens (for a rendezvous that rank 0 serves, or no one does)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    yield {"port": port}
+
+
+@contextlib.contextmanager
 def _web_port(tmp: Path):
     """A port where a web server answers (HTTP/1.1, not gRPC's HTTP/2): refused at its first
     bytes, with no wait for a silence to end."""
@@ -553,6 +581,7 @@ SETUPS = {
     "hf-qwen": _writer(lambda tmp, data: _hf_config_only(tmp, "qwen")),
     "claimed": lambda tmp, data: _claimed(tmp),
     "web-port": lambda tmp, data: _web_port(tmp),
+    "free-port": lambda tmp, data: _free_port(tmp),
     **{name: _writer(lambda tmp, data, fn=fn: fn(tmp)) for name, fn in crafted.SETUPS.items()},
 }
 
@@ -610,7 +639,8 @@ def test_a_bad_input_is_one_line_exit_2_and_changes_nothing(case, tmp_path, pydo
         before = _tree(tmp_path)
         result = (run_cli if _in_a_process(case) else cli_here)(
             *shlex.split(case.command.format(**fields)), cwd=tmp_path,
-            env={"RAY_ADDRESS": "127.0.0.1:1", **case.env}, timeout=case.timeout)
+            env={"RAY_ADDRESS": "127.0.0.1:1", **{k: v.format(**fields) for k, v in case.env.items()}},
+            timeout=case.timeout)
         assert_clean_error(result, case.message.format(**fields))
         assert _tree(tmp_path) == before
 
