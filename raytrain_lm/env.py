@@ -7,6 +7,7 @@ settings for the processes this one starts, MASTER_ADDR/PORT for torch's rendezv
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Optional
 
@@ -108,12 +109,13 @@ def omp_threads() -> Optional[str]:
     return _get(OMP_ENV)
 
 
-def torchrun_place() -> Optional[tuple[int, int, int]]:
-    """(rank, world size, ranks on this node) when this process is a rank of a torchrun (all of
-    torchrun's variables set, as Ray Train's local mode requires), else None."""
-    if any(_get(name) is None for name in TORCHRUN_ENV):
+def torchrun_vars() -> Optional[dict[str, str]]:
+    """torchrun's variables as set (unchecked: run/in_process.local_place checks them) when this
+    process is a rank of a torchrun: every one of them present, as Ray Train's local mode decides
+    it (`has_torchrun_env`); else None."""
+    if any(name not in os.environ for name in TORCHRUN_ENV):
         return None
-    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_WORLD_SIZE"])
+    return {name: os.environ[name] for name in TORCHRUN_ENV}
 
 
 def mlflow_uri() -> Optional[str]:
@@ -159,3 +161,18 @@ def state_home() -> Path:
 def present(names) -> dict[str, str]:
     """Those of `names` that are set, with their values (what a job forwards to its cluster)."""
     return {k: os.environ[k] for k in names if _get(k)}
+
+
+# Credentials inside a URI (MLFLOW_TRACKING_URI=https://alice:pw@host, https://TOKEN@host,
+# ...?token=...&sig=...): shown and stored only as ***. The URI itself reaches only the process
+# environment it was set in, and a job's environment (`submit`, cluster/jobs.FORWARDED_ENV).
+_USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.-]*://)[^/@\s]+@")
+_SECRET_PARAM = re.compile(r"(?P<key>[?&;][^=&#;\s]*(?:token|key|secret|pass|pwd|sig|auth|credential|"
+                           r"session|code)[^=&#;\s]*=)[^&#;\s]*", re.IGNORECASE)
+
+
+def redacted(text: str) -> str:
+    """`text` (a URI, or a message that holds one) with a URI's user information and the values
+    of its query parameters named like secrets (token, key, secret, password, sig, auth, ...)
+    replaced by ***."""
+    return _SECRET_PARAM.sub(r"\g<key>***", _USERINFO.sub(r"\g<scheme>***@", text))

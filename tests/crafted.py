@@ -183,6 +183,70 @@ def hf_header_damaged(tmp: Path) -> None:
     path.write_bytes(data[:8] + b"[" * 40 + data[48:])
 
 
+def hf_header_entry(name: str, **changes):
+    """model.safetensors with one tensor's header entry changed (the header rewritten whole, its
+    length too: the data offsets count from the header's end)."""
+    def setup(tmp: Path) -> None:
+        path = hf_folder(tmp) / "model.safetensors"
+        data = path.read_bytes()
+        n = int.from_bytes(data[:8], "little")
+        header = json.loads(data[8:8 + n])
+        header[name].update(changes)
+        raw = json.dumps(header).encode()
+        raw += b" " * (-len(raw) % 8)
+        path.write_bytes(len(raw).to_bytes(8, "little") + raw + data[8 + n:])
+    return setup
+
+
+# Mixture-of-experts config.json files as transformers 5 writes them (MixtralConfig(...),
+# Qwen3MoeConfig(...).to_json_string(); the Hub's Qwen3-MoE folders name the count num_experts),
+# with 10^9 experts: 300 bytes that list 6 x 10^9 tensor names if nothing bounds them first.
+MIXTRAL_CONFIG = {
+    "attention_dropout": 0.0, "bos_token_id": 1, "eos_token_id": 2, "head_dim": None,
+    "hidden_act": "silu", "hidden_size": 64, "initializer_range": 0.02, "intermediate_size": 128,
+    "max_position_embeddings": 128, "model_type": "mixtral", "num_attention_heads": 4,
+    "num_experts_per_tok": 2, "num_hidden_layers": 2, "num_key_value_heads": 2,
+    "num_local_experts": 8, "output_router_logits": False, "pad_token_id": None,
+    "rms_norm_eps": 1e-05, "rope_parameters": {"rope_theta": 1000000.0, "rope_type": "default"},
+    "router_aux_loss_coef": 0.001, "router_jitter_noise": 0.0, "sliding_window": None,
+    "tie_word_embeddings": False, "transformers_version": "5.24.0", "use_cache": True,
+    "vocab_size": 256}
+QWEN3_MOE_CONFIG = {
+    "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": None, "decoder_sparse_step": 1,
+    "eos_token_id": None, "head_dim": 16, "hidden_act": "silu", "hidden_size": 64,
+    "initializer_range": 0.02, "intermediate_size": 128, "max_position_embeddings": 128,
+    "mlp_only_layers": [], "model_type": "qwen3_moe", "moe_intermediate_size": 32,
+    "norm_topk_prob": False, "num_attention_heads": 4, "num_experts_per_tok": 8,
+    "num_hidden_layers": 2, "num_key_value_heads": 2, "num_experts": 8,
+    "output_router_logits": False, "pad_token_id": None, "rms_norm_eps": 1e-06,
+    "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
+    "router_aux_loss_coef": 0.001, "sliding_window": None, "tie_word_embeddings": False,
+    "transformers_version": "5.24.0", "use_cache": True, "use_sliding_window": False,
+    "vocab_size": 256}
+
+
+def moe_config(name: str, config: dict):
+    """A folder `name` of a config.json and an (empty) model.safetensors: what is refused is
+    read from config.json, before any weight."""
+    def setup(tmp: Path) -> None:
+        (tmp / name).mkdir()
+        (tmp / name / "config.json").write_text(json.dumps(config, indent=2))
+        (tmp / name / "model.safetensors").write_bytes(b"")
+    return setup
+
+
+def tokenizer_symlink(tmp: Path) -> None:
+    """tok/, a folder whose tokenizer.json is a symlink to a (valid) one outside it."""
+    from raytrain_lm.data.tokenizer import train_bpe
+
+    (tmp / "corp").mkdir()
+    (tmp / "corp" / "a.txt").write_text("some words of text. " * 200)
+    (tmp / "elsewhere").mkdir()
+    (tmp / "elsewhere" / "tokenizer.json").write_bytes(train_bpe(["some words of text. " * 50], 300).raw)
+    (tmp / "tok").mkdir()
+    (tmp / "tok" / "tokenizer.json").symlink_to(tmp / "elsewhere" / "tokenizer.json")
+
+
 def config_symlinks(tmp: Path) -> None:
     """run.yaml, and conf/ (a folder), symlinks in the project to files outside it."""
     (tmp / "elsewhere").mkdir()
@@ -253,6 +317,16 @@ SETUPS = {
                                                            w["model.norm.weight"].clone()})),
     "hf-weight-missing": hf_weights_edit(lambda w: w.pop("lm_head.weight")),
     "hf-header-damaged": hf_header_damaged,
+    # round 4 (issue 48): sizes and numbers past any bound, dtypes that are no name
+    "moe-mixtral-experts": moe_config("mix", {**MIXTRAL_CONFIG, "num_local_experts": 10 ** 9}),
+    "moe-qwen3-experts": moe_config("qmoe", {**QWEN3_MOE_CONFIG, "num_experts": 10 ** 9}),
+    "hf-rope-theta-huge": hf_config_with(rope_parameters={"rope_type": "default", "rope_theta": 10 ** 400}),
+    "hf-norm-eps-huge": hf_config_with(rms_norm_eps=10 ** 400),
+    "hf-rope-factor-huge": hf_config_with(rope_parameters={"rope_type": "linear", "factor": 10 ** 400,
+                                                           "rope_theta": 10000.0}),
+    "hf-dtype-list": hf_header_entry("model.norm.weight", dtype=["F32"]),
+    "hf-dtype-object": hf_header_entry("model.norm.weight", dtype={"F32": 4}),
+    "tokenizer-symlink": tokenizer_symlink,
 }
 
 HOLDS = {
@@ -262,4 +336,7 @@ HOLDS = {
     "preset-list": "preset.yaml",
     **{k: "ck/ (a checkpoint, crafted)" for k in SETUPS if k.startswith("checkpoint-")},
     **{k: "hf/ (a Hugging Face folder, crafted)" for k in SETUPS if k.startswith("hf")},
+    "moe-mixtral-experts": "mix/ (a Mixtral's config.json: 10^9 experts)",
+    "moe-qwen3-experts": "qmoe/ (a Qwen3-MoE's config.json: 10^9 experts)",
+    "tokenizer-symlink": "corp/, tok/tokenizer.json (a symlink to elsewhere/tokenizer.json)",
 }

@@ -43,6 +43,12 @@ class Bad:
     timeout: float = 120  # seconds (a process of its own): what hung before fails, not waits
 
 
+def _torchrun(**changes: str) -> dict:
+    """torchrun's variables for rank 0 of 2 on one node, with `changes`."""
+    return {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", **changes}
+
+
 CASES = [
     # numbers that no check before launch caught (`nan <= 0` is False) ---------------- item 10
     Bad("train --data {data} --lr nan", "flags: lr must be a finite number, got nan"),
@@ -275,6 +281,70 @@ CASES = [
         "--ep 2 splits a mixture of experts (model.arch moe); model.arch llama has no experts: drop --ep"),
     Bad("plan --preset mixtral-8x7b --gpus 16 --ep 3", "--ep 3 must divide model.n_experts (8)"),
     Bad("plan --preset llama3-8b --gpus 16 --ep 2", "--ep 2 splits a mixture of experts (model.arch moe)"),
+    # fourth round (issue 48): sizes no bound held, numbers past float's range ------------ item 1
+    Bad("plan --init-from mix", "--init-from mix: its config.json: model.n_experts must be at most "
+        "1,048,576, got 1,000,000,000", setup="moe-mixtral-experts", process=True, timeout=30),
+    Bad("train --data {data} --init-from mix", "--init-from mix: its config.json: model.n_experts must "
+        "be at most 1,048,576", setup="moe-mixtral-experts"),
+    Bad("train --data {data} --init-from qmoe", "--init-from qmoe: its config.json: model.n_experts "
+        "must be at most 1,048,576", setup="moe-qwen3-experts"),
+    Bad("train --data {data} --preset moe-tiny --set model.n_experts=1e9",
+        "model.n_experts must be at most 1,048,576, got 1,000,000,000"),
+    Bad("train --data {data} --preset llama-tiny --set model.head_size=1e12",
+        "model.head_size must be at most 16,777,216, got 1,000,000,000,000"),
+    Bad("train --data {data} --preset moe-tiny --set model.shared_ffn_dim=1e12",
+        "model.shared_ffn_dim must be at most 16,777,216, got 1,000,000,000,000"),
+    Bad("plan --preset mixtral-8x7b --set model.n_experts=1e9",
+        "model.n_experts must be at most 1,048,576, got 1,000,000,000"),
+    Bad("train --data {data} --preset moe-tiny --set model.n_experts=100000",
+        "model.n_layer x model.n_experts (4 x 100,000) must be at most 262,144"),
+    Bad("plan --preset llama3-8b --set model.n_layer=100000 --set model.n_embd=1048576",
+        "the model would have about 10^18 parameters"),
+    Bad("train --data {data} --preset llama-tiny --set model.ffn_multiplier=1e30",
+        "the MLP's hidden size (model.ffn_dim) must be at most 16,777,216"),
+    # ------------------------------------------------------------------------------------- item 2
+    Bad("train --data {data} --config llama.yaml --init-from hf", "hf: config.json's rope_theta must "
+        "be a positive number, got 100000000000000000...", setup="hf-rope-theta-huge"),
+    Bad("plan --init-from hf", "hf: config.json's rope_theta must be a positive number",
+        setup="hf-rope-theta-huge"),
+    Bad("train --data {data} --config llama.yaml --init-from hf", "hf: config.json's rms_norm_eps "
+        "must be a positive number", setup="hf-norm-eps-huge"),
+    Bad("plan --init-from hf", "hf: config.json's factor must be a positive number",
+        setup="hf-rope-factor-huge"),
+    Bad("train --data {data} --config llama.yaml --init-from hf", "model.safetensors: the header's "
+        "entry for 'model.norm.weight' is damaged: {{'data_offsets': [", setup="hf-dtype-list"),
+    Bad("train --data {data} --config llama.yaml --init-from hf", "model.safetensors: the header's "
+        "entry for 'model.norm.weight' is damaged", setup="hf-dtype-object"),
+    # torchrun's environment (--workers 0 under torchrun) -------------------------------- item 3
+    Bad("train --data {data} --workers 0", "torchrun's environment: RANK=3 with WORLD_SIZE=2: the "
+        "ranks are 0 to 1", env=_torchrun(RANK="3", LOCAL_WORLD_SIZE="1")),
+    Bad("train --data {data} --workers 0", "torchrun's environment: RANK='abc' is not a whole number "
+        ">= 0", env=_torchrun(RANK="abc")),
+    Bad("train --data {data} --workers 0", "torchrun's environment: MASTER_PORT=99999 is not a port "
+        "(1 to 65535)", env=_torchrun(MASTER_PORT="99999")),
+    Bad("train --data {data} --workers 0 --set rendezvous_timeout=0.5", "torchrun: rank 1 of 2 did not "
+        "arrive at 127.0.0.1:{port} within 0.5 s (--set rendezvous_timeout=SECONDS); rank 0 gives up",
+        setup="free-port", env=_torchrun(MASTER_PORT="{port}")),
+    Bad("train --data {data} --workers 0 --set rendezvous_timeout=0.5", "torchrun: rank 0 did not "
+        "answer at 127.0.0.1:{port} within 0.5 s", setup="free-port",
+        env=_torchrun(RANK="1", LOCAL_RANK="1", MASTER_PORT="{port}")),
+    # ------------------------------------------------------------------------------------- item 4
+    Bad("train --data {data} --track mlflow", "MLFLOW_TRACKING_URI=file://***@localhost/mlruns is a "
+        "local folder", env={"MLFLOW_TRACKING_URI": "file://alice:hunter2@localhost/mlruns",
+                             "MLFLOW_ALLOW_FILE_STORE": ""}),
+    # ------------------------------------------------------------------------------------- item 5
+    Bad("evaluate hf --tasks hellaswag", "evaluate hf: model.norm.weight in model.safetensors has "
+        "shape [16], its config.json says [32]", setup="hf-weight-shape"),
+    Bad("evaluate hf --tasks hellaswag", "hf/model.safetensors is not a safetensors file (its header "
+        "is not JSON)", setup="hf-header-damaged"),
+    Bad("evaluate mix --tasks hellaswag", "evaluate mix: its config.json: model.n_experts must be at "
+        "most 1,048,576", setup="moe-mixtral-experts"),
+    Bad("evaluate gemma --tasks hellaswag", "evaluate gemma holds a 'gemma' model", setup="hf-gemma"),
+    # ------------------------------------------------------------------------------------- item 6
+    Bad("prepare --input corp --tokenizer tok --out ds", "--tokenizer tok names tokenizer.json, a "
+        "symlink: only the folder's own files are read", setup="tokenizer-symlink"),
+    Bad("prepare --input corp --tokenizer /proc/self/pagemap --out ds", "/proc/self/pagemap yields "
+        "more bytes than its size says: not a regular file", setup="corpus"),
 ]
 
 
@@ -415,6 +485,15 @@ def _silent_port(tmp: Path):
 
 
 @contextlib.contextmanager
+def _free_port(tmp: Path):
+    """A port where nothing listens (for a rendezvous that rank 0 serves, or no one does)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    yield {"port": port}
+
+
+@contextlib.contextmanager
 def _web_port(tmp: Path):
     """A port where a web server answers (HTTP/1.1, not gRPC's HTTP/2): refused at its first
     bytes, with no wait for a silence to end."""
@@ -502,6 +581,7 @@ SETUPS = {
     "hf-qwen": _writer(lambda tmp, data: _hf_config_only(tmp, "qwen")),
     "claimed": lambda tmp, data: _claimed(tmp),
     "web-port": lambda tmp, data: _web_port(tmp),
+    "free-port": lambda tmp, data: _free_port(tmp),
     **{name: _writer(lambda tmp, data, fn=fn: fn(tmp)) for name, fn in crafted.SETUPS.items()},
 }
 
@@ -559,7 +639,8 @@ def test_a_bad_input_is_one_line_exit_2_and_changes_nothing(case, tmp_path, pydo
         before = _tree(tmp_path)
         result = (run_cli if _in_a_process(case) else cli_here)(
             *shlex.split(case.command.format(**fields)), cwd=tmp_path,
-            env={"RAY_ADDRESS": "127.0.0.1:1", **case.env}, timeout=case.timeout)
+            env={"RAY_ADDRESS": "127.0.0.1:1", **{k: v.format(**fields) for k, v in case.env.items()}},
+            timeout=case.timeout)
         assert_clean_error(result, case.message.format(**fields))
         assert _tree(tmp_path) == before
 

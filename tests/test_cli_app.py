@@ -94,3 +94,16 @@ def test_rays_token_auth_notice_is_dropped_but_not_the_security_warning():
     assert "Token authentication is enabled" in loud  # Ray does print it
     assert "Token authentication is enabled" not in quiet
     assert "Token authentication is disabled" in quiet  # a real warning still gets through
+
+
+def test_help_and_security_doc_say_a_task_folder_is_code():
+    """--include-path runs the folder's code (lm-eval's `!function`, unsandboxed Jinja): `evaluate
+    --help` and docs/security.md say so where a user decides to pass one."""
+    from conftest import ROOT
+
+    res = cli_here("evaluate", "--help", env={"COLUMNS": "200", "NO_COLOR": "1"})
+    assert res.returncode == 0
+    text = " ".join(res.stdout.replace("│", " ").split())
+    assert "A task folder is code, like a script you run" in text, text
+    security = " ".join((ROOT / "docs" / "security.md").read_text().split())
+    assert "| a task folder (`evaluate --include-path`) | run any code as you" in security

@@ -139,3 +139,4 @@ def test_results_go_next_to_the_run_its_table_and_its_tracking_run(evaluated):
             f"{out['step']})"] in [line.split() for line in table.splitlines()]
     assert mlflow_run.data.metrics["summary/eval/local_mc/acc"] == out["scores"]["local_mc"]["acc"]
     assert mlflow_run.info.status == "FINISHED"
+

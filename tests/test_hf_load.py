@@ -172,3 +172,37 @@ def test_a_tensor_of_another_shape_or_kind_is_refused_in_one_line(folder, tmp_pa
     with pytest.raises(UserError, match=r"model.norm.weight in .* has shape \[32\], the model's "
                                         r"ln_f.weight is \[64\]"):
         load_hf_weights(other, [model], model.cfg)
+
+
+def test_a_weight_file_cut_short_while_mapped_is_named_not_a_bus_error(tmp_path):
+    """A weight file cut short after its header was checked and the file mapped (a copy still
+    writing it): touching the mapping past the file's new end would kill the rank with SIGBUS and
+    no message; the read names the file instead. In a forked child, so that the bus error,
+    where it happens, fails this test rather than killing the test process."""
+    import os
+    import signal
+
+    from safetensors.torch import save_file
+
+    from raytrain_lm.store.hf_folder import read_header
+    from raytrain_lm.store.safetensors_io import MappedFile
+
+    path = tmp_path / "x.safetensors"
+    save_file({"a": torch.arange(4.0), "b": torch.ones(256, 1024)}, path)  # b: 1 MiB after a
+    infos = read_header(path)
+    pid = os.fork()
+    if pid == 0:  # the child: map, cut, read
+        code = 3
+        try:
+            with MappedFile(path) as mapped:
+                os.truncate(path, infos["b"].offset + 4096)
+                assert torch.equal(mapped.tensor(infos["a"]), torch.arange(4.0))  # still whole
+                try:
+                    mapped.tensor(infos["b"]).sum()
+                except UserError as e:
+                    code = 0 if str(e).startswith(f"{path} changed while it was read") else 4
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert not os.WIFSIGNALED(status), f"the read died of {signal.Signals(os.WTERMSIG(status)).name}"
+    assert os.WEXITSTATUS(status) == 0, os.WEXITSTATUS(status)

@@ -1,8 +1,8 @@
 """The KubeRay manifests (k8s/raycluster.yaml, k8s/rayjob.yaml) and their image (k8s/Dockerfile),
 checked without a Kubernetes cluster: they parse as KubeRay's kinds, the job's cluster is the
 cluster's, the job's command is one the CLI itself accepts, the pods offer Ray what their limits
-give them, the image installs what cluster.yaml's setup installs, and no credential is written in
-them."""
+give them, the image installs what cluster.yaml's setup installs, no credential is written in
+them, every pod is least-privilege and k8s/networkpolicy.yaml keeps Ray's ports to its pods."""
 
 from __future__ import annotations
 
@@ -94,3 +94,58 @@ def test_the_image_installs_what_cluster_yamls_setup_installs():
     assert f"FROM rayproject/ray:{pyproject_pin('ray')}-py311-gpu" in docker
     image = {c["image"] for c in containers(manifest("raycluster.yaml")["spec"])}
     assert len(image) == 1
+
+
+def pod_specs(doc: dict) -> dict[str, dict]:
+    """Every pod template's spec of a manifest by its role: head, each worker group, a RayJob's
+    submitter."""
+    spec = doc["spec"].get("rayClusterSpec", doc["spec"])
+    pods = {"head": spec["headGroupSpec"]["template"]}
+    pods.update({f"worker {g['groupName']}": g["template"] for g in spec["workerGroupSpecs"]})
+    if doc["kind"] == "RayJob":
+        pods["submitter"] = doc["spec"]["submitterPodTemplate"]
+    return pods
+
+
+def test_every_pod_runs_least_privileged():
+    """Not as root, no privilege escalation, no Linux capability, the runtime's seccomp filter: for
+    every container (KubeRay's autoscaler beside the head too); the service-account token only
+    where something calls the Kubernetes API (the head, whose autoscaler adds and removes pods)."""
+    for name in ("raycluster.yaml", "rayjob.yaml"):
+        doc = manifest(name)
+        spec = doc["spec"].get("rayClusterSpec", doc["spec"])
+        pods = pod_specs(doc)
+        assert set(pods) >= {"head", "worker gpu"}
+        for role, template in pods.items():
+            pod = template["spec"]
+            context = pod["securityContext"]
+            assert context["runAsNonRoot"] is True and context["runAsUser"] > 0, (name, role)
+            assert context["seccompProfile"] == {"type": "RuntimeDefault"}, (name, role)
+            assert pod["automountServiceAccountToken"] is (role == "head"), (name, role)
+            for container in pod["containers"]:
+                own = container["securityContext"]
+                assert own["allowPrivilegeEscalation"] is False and own.get("privileged") is not True
+                assert own["capabilities"]["drop"] == ["ALL"] and not own["capabilities"].get("add")
+                assert own.get("runAsUser", 1) > 0 and own.get("runAsNonRoot", True) is True
+        autoscaler = spec["autoscalerOptions"]["securityContext"]
+        assert autoscaler["allowPrivilegeEscalation"] is False and autoscaler["capabilities"]["drop"] == ["ALL"]
+
+
+def test_rays_ports_answer_only_the_ray_pods():
+    """k8s/networkpolicy.yaml selects every pod of both manifests (by the label each template
+    carries) and lets in only those pods, on any port, and KubeRay's operator on the dashboard's."""
+    policy = manifest("networkpolicy.yaml")
+    assert (policy["apiVersion"], policy["kind"]) == ("networking.k8s.io/v1", "NetworkPolicy")
+    selected = policy["spec"]["podSelector"]["matchLabels"]
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    for name in ("raycluster.yaml", "rayjob.yaml"):
+        for role, template in pod_specs(manifest(name)).items():
+            labels = template["metadata"]["labels"]
+            assert selected.items() <= labels.items(), (name, role)
+    ours, operator = policy["spec"]["ingress"]
+    assert ours == {"from": [{"podSelector": {"matchLabels": selected}}]}  # no ports: all, only these pods
+    [source] = operator["from"]
+    assert set(source) == {"namespaceSelector", "podSelector"}  # both: that operator's pods only
+    assert operator["ports"] == [{"protocol": "TCP", "port": 8265}]
+    head = manifest("raycluster.yaml")["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    assert {"name": "dashboard", "containerPort": 8265} in head["ports"]

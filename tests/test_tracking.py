@@ -195,15 +195,31 @@ def test_wandb_offline_run_holds_every_row_and_a_resume_continues_it(tmp_path, m
 
 
 def test_an_unreachable_tracking_server_is_one_warning_and_the_run_goes_on(tmp_path, monkeypatch):
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:1")  # nothing listens there
+    """The warning names the server without the user, password or token its URI holds."""
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://alice:hunter2@127.0.0.1:1/?token=s3cr3t")  # nothing listens
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     said: list[str] = []
     summary = drive(tmp_path, "u", rows_of(STEPS), ["mlflow"], said=said)
     assert summary["status"] == "completed"
-    assert len(said) == 1 and said[0].startswith("warning: mlflow tracking stopped (http://127.0.0.1:1")
+    assert len(said) == 1 and said[0].startswith("warning: mlflow tracking stopped "
+                                                 "(http://***@127.0.0.1:1/?token=***"), said
+    assert not any(secret in said[0] for secret in ("alice", "hunter2", "s3cr3t"))
     assert "every row is in metrics.jsonl" in said[0]
     assert sorted(jsonl_losses(tmp_path / "u")) == list(STEPS)
     assert not (tmp_path / "u" / "tracking.json").exists()
+
+
+def test_credentials_in_the_tracking_uri_are_not_stored(tmp_path, monkeypatch):
+    """tracking.json, which continues the MLflow run on --resume, keeps where it went without the
+    URI's user and password (MLflow's file store takes a URI with user information too)."""
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"file://alice:hunter2@localhost{tmp_path / 'mlruns'}")
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "tests")
+    said: list[str] = []
+    drive(tmp_path, "c", rows_of(STEPS[:1]), ["mlflow"], said=said)
+    record = json.loads((tmp_path / "c" / "tracking.json").read_text())
+    assert record["mlflow"]["tracking_uri"] == f"file://***@localhost{tmp_path / 'mlruns'}", record
+    assert not said and "hunter2" not in (tmp_path / "c" / "tracking.json").read_text()
 
 
 def test_track_without_its_client_installed_names_the_extra(tmp_path, monkeypatch):

@@ -217,7 +217,10 @@ def evaluate(
     tasks: str = typer.Option(..., help="lm-evaluation-harness tasks, comma-separated (hellaswag,"
                               "arc_easy, ...: their data comes from the Hugging Face Hub)."),
     include_path: Optional[Path] = typer.Option(None, help="A folder of task YAML files of your own "
-                                                "(lm-eval's --include_path): local data, no Hub."),
+                                                "(lm-eval's --include_path): local data, no Hub. "
+                                                "A task folder is code, like a script you run: "
+                                                "its YAML runs Python (!function) and its "
+                                                "templates are not sandboxed; use only your own."),
     limit: Optional[float] = typer.Option(None, help="Examples per task (a fraction if < 1) "
                                           "[default: all]."),
     batch_size: int = typer.Option(8, help="Sequences per forward pass."),

@@ -33,8 +33,10 @@ DEFAULT_JOBS_ADDRESS = f"http://127.0.0.1:{DEFAULT_DASHBOARD_PORT}"
 # The job's cli.py where the package is installed without the project around it.
 CLI_SHIM = "from raytrain_lm.cli import main\n\nif __name__ == \"__main__\":\n    main()\n"
 # Forwarded to a job so that its driver and workers reach the same S3-compatible endpoint, and its
-# driver the same tracking server, project and experiment (`train --track`). No secrets:
-# credentials come from the cluster's own environment, Secrets or instance role.
+# driver the same tracking server, project and experiment (`train --track`). No secrets of their
+# own: credentials come from the cluster's own environment, Secrets or instance role. A tracking
+# URI that holds credentials (https://user:password@host) reaches the job only as this, its
+# environment; the job shows and stores it redacted (env.redacted), never in its arguments.
 FORWARDED_ENV = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_REGION", "AWS_DEFAULT_REGION",
                  "MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_EXPERIMENT_ID",
                  "WANDB_PROJECT", "WANDB_ENTITY", "WANDB_BASE_URL")

@@ -4,6 +4,7 @@ flags of `generate` (checked before torch is imported)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from typing import TYPE_CHECKING, Optional
@@ -146,27 +147,80 @@ def validate(cfg: TrainConfig) -> None:
         raise UserError("the exp_range schedule starts at lr * min_lr_ratio, which must be > 0")
     if cfg.ref_batch_tokens is not None and cfg.ref_batch_tokens < 1:
         raise UserError(f"ref_batch_tokens must be at least 1, got {cfg.ref_batch_tokens}")
+    if not cfg.rendezvous_timeout > 0:
+        raise UserError(f"rendezvous_timeout must be positive (seconds), got {cfg.rendezvous_timeout:g}")
 
 
 def check_model(m) -> None:
-    """A ModelConfig's own values (a run's, a checkpoint's): sizes at least 1 and within bounds,
-    the family and its settings."""
+    """A ModelConfig's own values (a run's, a checkpoint's, a Hugging Face folder's): sizes at
+    least 1 and within bounds, each and together (check_size), the family and its settings."""
     for key in ("n_layer", "n_head", "n_embd", "block_size"):
         if getattr(m, key) < 1:
             raise UserError(f"--model.{key.replace('_', '-')} must be at least 1, got {getattr(m, key)}")
-    for key, most in (("n_layer", MAX_COUNT), ("n_head", MAX_COUNT), ("n_kv_head", MAX_COUNT),
-                      ("n_embd", MAX_WIDTH), ("block_size", MAX_WIDTH), ("ffn_dim", MAX_WIDTH),
-                      ("multiple_of", MAX_WIDTH)):
-        value = getattr(m, key, None)
-        if value is not None and value > most:
-            raise UserError(f"model.{key} must be at most {most:,}, got {value:,}")
-    if m.vocab_size is not None and not 1 <= m.vocab_size <= MAX_VOCAB:
-        raise UserError(f"model.vocab_size must be between 1 and {MAX_VOCAB:,}, got {m.vocab_size:,}")
+    check_size(m)
     if not 0.0 <= m.dropout < 1.0:
         raise UserError(f"model.dropout must be in [0, 1), got {m.dropout}")
     if m.n_embd % m.n_head:
         raise UserError(f"model.n_embd ({m.n_embd}) must be divisible by model.n_head ({m.n_head})")
     family(m).check(m)
+    check_parameters(m)
+
+
+# The counts among a model's whole-number settings; every other one (n_embd, head_size, ffn_dim,
+# shared_ffn_dim, block_size, sliding_window, ...: a setting added later too) is a width.
+MODEL_COUNTS = ("n_layer", "n_head", "n_kv_head", "n_experts", "top_k")
+# The most parameters a model may have: 10^14, a hundred times the largest published (~10^12);
+# 400 TB in fp32. Each size within its bound still multiplies into more (2^20 layers of 2^24
+# wide), and the planner, the tensor names of a Hugging Face folder and the model itself are
+# sized by the product.
+MAX_PARAMS = 10 ** 14
+# The most experts of all layers together (n_layer x n_experts): 2^18, ten times Kimi K2's (61 x
+# 384); a Hugging Face folder holds three tensors per expert per layer, each listed by name.
+MAX_LAYER_EXPERTS = 1 << 18
+
+
+def _number(value: int) -> str:
+    """A whole number for a message: 1,048,576, or 10^400 (not its 530 characters)."""
+    return f"{value:,}" if abs(value) < 10 ** 18 else f"about 10^{len(str(abs(value))) - 1}"
+
+
+def check_size(m) -> None:
+    """Every whole-number size of the model within its bound (MAX_COUNT, MAX_WIDTH, MAX_VOCAB),
+    the experts of all layers too (a folder lists 3 tensors per expert per layer), and every
+    number finite: checked before anything is built, counted or listed from them."""
+    for f in dataclasses.fields(m):
+        value = getattr(m, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise UserError(f"model.{f.name} must be a finite number, got {value}")
+        if not isinstance(value, int) or isinstance(value, bool) or f.name == "vocab_size":
+            continue
+        most = MAX_COUNT if f.name in MODEL_COUNTS else MAX_WIDTH
+        if value > most:  # (too small: the family's rules say what each may be)
+            raise UserError(f"model.{f.name} must be at most {most:,}, got {_number(value)}")
+    if m.vocab_size is not None and not 1 <= m.vocab_size <= MAX_VOCAB:
+        raise UserError(f"model.vocab_size must be between 1 and {MAX_VOCAB:,}, got {_number(m.vocab_size)}")
+    if m.n_layer * m.n_experts > MAX_LAYER_EXPERTS:
+        raise UserError(f"model.n_layer x model.n_experts ({m.n_layer:,} x {m.n_experts:,}) must be "
+                        f"at most {MAX_LAYER_EXPERTS:,}: the experts of all layers")
+
+
+def check_parameters(m) -> None:
+    """The model's parameters (its family's count, the vocabulary at least 1) within MAX_PARAMS,
+    and its derived widths (the MLP's hidden size, the head size) within MAX_WIDTH."""
+    for what, value in (("the MLP's hidden size (model.ffn_dim)", m.hidden_dim),
+                        ("the head size (model.head_size)", m.head_dim)):
+        if value > MAX_WIDTH:
+            raise UserError(f"{what} must be at most {MAX_WIDTH:,}, got {_number(value)}")
+    total = family(m).counts(m).total
+    if total > MAX_PARAMS:
+        raise UserError(f"the model would have {_number(total)} parameters ({_bytes(4 * total)} in "
+                        f"fp32), more than the {MAX_PARAMS:.0e} this project builds: lower its sizes")
+
+
+def _bytes(n: int) -> str:
+    """Bytes in decimal units: 400 TB."""
+    unit = next((u for u in ("PB", "TB", "GB", "MB", "KB") if n >= 10 ** (3 * ("KMGTP".index(u[0]) + 1))), "")
+    return f"{n / 10 ** (3 * ('KMGTP'.index(unit[0]) + 1)):,.0f} {unit}" if unit else f"{n} B"
 
 
 def check_bounds(cfg: TrainConfig) -> None:

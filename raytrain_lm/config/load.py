@@ -11,12 +11,13 @@ import json
 from pathlib import Path
 from typing import Any, Optional
 
-from raytrain_lm.config.checks import check_resumable, validate
+from raytrain_lm.config.checks import check_model, check_resumable, validate
 from raytrain_lm.config.presets import PRESETS, preset_config
 from raytrain_lm.config.settings import TrainConfig, apply_overrides
 from raytrain_lm.errors import UserError, brief
 from raytrain_lm.models import FAMILIES
 from raytrain_lm.models.family import ModelConfig
+from raytrain_lm.models.llama.hf_llama import HF_CONFIG
 
 
 def parse_set_args(items: list[str]) -> dict[str, Any]:
@@ -125,6 +126,10 @@ def build_config(
             _check_agrees(f"--preset {name}", {"arch": None, **PRESETS[name].get("model", {})},
                           cfg.model, folder)
         apply_overrides(cfg.model, folder[1], source=folder[0])
+        try:  # the folder's model on its own, before any layer or anything built from it
+            check_model(cfg.model)
+        except UserError as e:
+            raise UserError(f"{folder[0]}: its {HF_CONFIG}: {e}") from None
     else:
         name = asked or "tiny"
         cfg = preset_config(name)

@@ -150,6 +150,10 @@ class TrainConfig:
     gpu_memory_gb: Optional[float] = setting(None, help="Memory per GPU in GiB as cards are sold "
                                              "(80: an 80 GB card), for the pre-launch memory "
                                              "check [default: the GPU's].")
+    # torchrun (`--workers 0` under torchrun; issue 48)
+    rendezvous_timeout: float = setting(300.0, help="--workers 0 under torchrun: seconds each rank "
+                                        "waits for every other to arrive before it gives up, "
+                                        "naming the ranks that did not.")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -24,7 +24,13 @@ import numpy as np
 
 from raytrain_lm.config.checks import MAX_VOCAB
 from raytrain_lm.errors import UserError, last_line
+from raytrain_lm.store import untrusted
 from raytrain_lm.store.files import TOKENIZER as TOKENIZER_FILE  # in a dataset, checkpoint or export
+
+# The largest tokenizer.json read: 128 MiB, four times the largest released (Gemma 3's, ~33 MB of
+# a 262,144-token vocabulary); a file that says more, or yields more than its size says (a /proc
+# file), is no tokenizer.
+MAX_TOKENIZER_BYTES = 128 << 20
 
 EOT = "<|endoftext|>"  # GPT-2's document separator; id assigned by the trainer (0 for ours)
 MIN_BPE_VOCAB = 257  # 256 byte tokens + <|endoftext|>
@@ -149,10 +155,10 @@ class BPETokenizer(Tokenizer):
         if raw is None:
             if not self.path.is_file():
                 raise UserError(f"tokenizer file not found: {self.path}")
-            try:
-                raw = self.path.read_bytes()
-            except OSError as e:
-                raise UserError(f"cannot read tokenizer file {self.path}: {e.strerror}") from None
+            # The file a path names (a user's own symlink is followed; a folder's tokenizer.json
+            # is checked to be its own: make_tokenizer), a regular file of a bounded size.
+            raw = untrusted.read_bytes(self.path.resolve() if self.path.is_symlink() else self.path,
+                                       MAX_TOKENIZER_BYTES)
         self.raw = raw
         self.sha256 = hashlib.sha256(raw).hexdigest()
         if sha256 is not None and self.sha256 != sha256:
@@ -321,7 +327,9 @@ def make_tokenizer(kind: str, sample: Optional[Callable[[], Iterable[str]]] = No
     if kind == "bpe":
         return train_bpe(sample(), vocab_size or DEFAULT_BPE_VOCAB)
     path = Path(kind)
-    return BPETokenizer(path / TOKENIZER_FILE if path.is_dir() else path)
+    if path.is_dir():  # the folder's own tokenizer.json: no symlink out of it
+        path = untrusted.inside(path, TOKENIZER_FILE, f"--tokenizer {kind}")
+    return BPETokenizer(path)
 
 
 def check_spec(spec: dict, folder: Optional[str | Path] = None, verify: bool = False) -> None:

@@ -27,6 +27,8 @@ from __future__ import annotations
 import shutil
 from typing import Any, Optional
 
+from raytrain_lm import env
+from raytrain_lm.errors import UserError, last_line
 from raytrain_lm.store.runs import checkpoint_folders
 
 
@@ -52,16 +54,56 @@ def cuda_devices() -> int:
     return torch.cuda.device_count()
 
 
-def local_controller(run_config, threads: int):
+def join_torchrun(timeout_s: float) -> None:
+    """Start this torchrun rank's process group (gloo on CPUs, nccl on GPUs, as Ray's local mode
+    chooses) once every rank has arrived at rank 0's MASTER_ADDR:MASTER_PORT, waiting at most
+    `timeout_s` (torch's own rendezvous waits 30 minutes without a word); UserError naming the
+    ranks that did not arrive. Nothing if the group is started already. (torchrun's variables:
+    checked by run/in_process.local_place.)"""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    given = env.torchrun_vars()
+    rank, world = int(given["RANK"]), int(given["WORLD_SIZE"])
+    addr, port = given["MASTER_ADDR"], int(given["MASTER_PORT"])
+    timeout, setting = timedelta(seconds=timeout_s), f"{timeout_s:g} s (--set rendezvous_timeout=SECONDS)"
+    try:  # rank 0 serves the store; the others connect to it, retrying until the timeout
+        store = dist.TCPStore(addr, port, world, is_master=rank == 0, timeout=timeout,
+                              wait_for_workers=False)
+    except RuntimeError as e:  # torch's DistStoreError / DistNetworkError
+        if rank == 0:
+            raise UserError(f"torchrun: rank 0 cannot serve the rendezvous at {addr}:{port}: "
+                            f"{last_line(e)} (MASTER_PORT in use?)") from None
+        raise UserError(f"torchrun: rank 0 did not answer at {addr}:{port} within {setting}; "
+                        f"rank {rank} of {world} gives up (is rank 0 started, MASTER_ADDR and "
+                        f"MASTER_PORT its?)") from None
+    store.set(f"raytrain-lm/arrived/{rank}", "1")
+    names = [f"raytrain-lm/arrived/{r}" for r in range(world)]
+    try:
+        store.wait(names, timeout)
+    except RuntimeError:
+        missing = [r for r, name in enumerate(names) if not store.check([name])]
+        shown = ", ".join(map(str, missing[:8])) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        raise UserError(f"torchrun: rank{'s' if len(missing) > 1 else ''} {shown} of {world} did "
+                        f"not arrive at {addr}:{port} within {setting}; rank {rank} gives up") from None
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", store=store,
+                            rank=rank, world_size=world)
+
+
+def local_controller(run_config, threads: int, rendezvous_timeout: float):
     """Ray's LocalTorchController for `run_config` (name, storage_path, callbacks, num_to_keep),
-    completed as this module says; the training function runs on `threads` torch threads."""
+    completed as this module says; the training function runs on `threads` torch threads, its
+    torchrun ranks joined within `rendezvous_timeout` seconds (join_torchrun)."""
     import torch
     import torch.distributed as dist
     from ray.train.v2._internal.execution.local_mode.torch import LocalTorchController
     from ray.train.v2._internal.execution.storage import StorageContext
     from ray.train.v2._internal.execution.train_fn_utils import (
         LocalTrainFnUtils,
-        get_train_fn_utils,
         set_train_fn_utils,
     )
     from ray.train.v2.api.context import LocalTrainContext
@@ -112,16 +154,25 @@ def local_controller(run_config, threads: int):
 
     class Controller(LocalTorchController):
         def _set_train_fn_utils(self) -> None:
-            super()._set_train_fn_utils()  # the process group, under torchrun's variables
-            c = get_train_fn_utils().get_context()
-            place = dict(experiment_name=c.get_experiment_name(), world_size=c.get_world_size(),
-                         world_rank=c.get_world_rank(), local_rank=c.get_local_rank(),
-                         local_world_size=c.get_local_world_size(), node_rank=c.get_node_rank())
+            # Ray's own starts the process group under torchrun's variables with torch's
+            # 30-minute rendezvous, silent while it waits: here the bounded one, and the place
+            # computed as Ray's does.
+            place = dict(experiment_name=self.experiment_name, world_size=1, world_rank=0,
+                         local_rank=0, local_world_size=1, node_rank=0)
+            given = env.torchrun_vars()  # all of them present: Ray's own test (has_torchrun_env)
+            if given is not None:
+                join_torchrun(rendezvous_timeout)
+                rank, local, per_node = (dist.get_rank(), int(given["LOCAL_RANK"]),
+                                         int(given["LOCAL_WORLD_SIZE"]))
+                if torch.cuda.is_available():
+                    torch.cuda.set_device(local)
+                place.update(world_size=dist.get_world_size(), world_rank=rank, local_rank=local,
+                             local_world_size=per_node, node_rank=rank // per_node)
             utils = FnUtils(**place)
             where = utils.broadcast_from_rank_zero((run_config.storage_path, run_config.name))
             utils._context = Context(**{**place, "experiment_name": where[1]})
             utils._context.storage = storage = StorageContext(*where)
-            if c.get_world_rank() == 0:
+            if place["world_rank"] == 0:
                 utils.retention = Retention(storage.storage_filesystem, storage.experiment_fs_path,
                                             run_config.checkpoint_config.num_to_keep)
             set_train_fn_utils(utils)

@@ -49,7 +49,7 @@ class Trainer(DataParallelTrainer):
         `local_threads`: the torch threads of local mode's training function."""
         super().__init__(*args, backend_config=TorchConfig(), **kwargs)
         self.counts = worker_counts(cfg)
-        self.local_threads = local_threads
+        self.local_threads, self.rendezvous_timeout = local_threads, cfg.rendezvous_timeout
         self.polls, self.pg_cleaner, self.autoscaler = polls, pg_cleaner, autoscaler
 
     def _create_default_callbacks(self):
@@ -66,4 +66,4 @@ class Trainer(DataParallelTrainer):
     def _initialize_and_run_local_controller(self, train_func):
         from raytrain_lm.ray_compat.local_controller import local_controller
 
-        return local_controller(self.run_config, self.local_threads).run(train_func)
+        return local_controller(self.run_config, self.local_threads, self.rendezvous_timeout).run(train_func)

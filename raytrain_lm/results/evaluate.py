@@ -5,7 +5,11 @@ scores kept where the run's other results are: `eval/<task>.json` in the run's f
 (tracking.json: the same MLflow / W&B runs `train --track` made).
 
 The harness's own tasks (hellaswag, arc_easy, ...) download their data from the Hugging Face Hub;
-a task of one's own (a YAML file beside a JSONL, `--include-path`) needs nothing from outside.
+a task of one's own (a YAML file beside a JSONL, `--include-path`) needs nothing from outside. A
+task folder is code, as lm-eval designs it: its YAML runs Python (`!function`) and its Jinja
+templates are not sandboxed, so `--include-path` is a script one runs (docs/security.md). A
+Hugging Face folder is not: it is read with the checks of `--init-from` (run/preflight.
+check_hf_folder) before lm-eval loads it, and with transformers' remote code off.
 lm-eval is an optional extra (`pip install 'raytrain-lm[eval]'`), imported only here.
 """
 
@@ -20,6 +24,7 @@ from typing import Any, Callable, Optional
 
 from raytrain_lm import env
 from raytrain_lm.errors import UserError
+from raytrain_lm.run.preflight import check_hf_folder
 from raytrain_lm.store import files
 from raytrain_lm.store.runs import find_checkpoint, is_run, open_run
 from raytrain_lm.store.storage import RunFolder
@@ -77,6 +82,7 @@ def evaluate(model: str, tasks: list[str], *, storage: str, best: bool = False,
         if is_hf_folder(path):
             if best:
                 raise UserError("--best chooses among a run's checkpoints; give the run, not a folder")
+            check_hf_folder(path, f"evaluate {model}")  # as --init-from checks one, before lm-eval
             done, folder = Evaluated(model, None, None), path
         else:
             from raytrain_lm.results.hf_export import export_checkpoint_hf
@@ -116,7 +122,7 @@ def harness(folder: Path, tasks: list[str], include_path: Optional[str], limit: 
         raise UserError(f"unknown lm-eval task{'s' if len(unknown) > 1 else ''}: {', '.join(unknown)} "
                         f"(`lm-eval ls tasks` lists them; a task of your own: --include-path)")
     return simple_evaluate(model="hf", model_args={"pretrained": str(folder), "dtype": "float32",
-                                                   "device": device},
+                                                   "device": device, "trust_remote_code": False},
                            tasks=tasks, task_manager=manager, limit=limit, batch_size=batch_size,
                            num_fewshot=num_fewshot, log_samples=False)
 

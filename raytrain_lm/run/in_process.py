@@ -20,7 +20,7 @@ import warnings
 from typing import Callable, Optional
 
 from raytrain_lm import env
-from raytrain_lm.config.checks import validate
+from raytrain_lm.config.checks import MAX_COUNT, validate
 from raytrain_lm.config.settings import TrainConfig
 from raytrain_lm.config.sizes import is_elastic
 from raytrain_lm.errors import RunFailed, UserError, last_line
@@ -37,8 +37,37 @@ from raytrain_lm.store.storage import RunFolder
 
 
 def local_place() -> tuple[int, int, int]:
-    """(rank, ranks, ranks on this node): torchrun's, else (0, 1, 1)."""
-    return env.torchrun_place() or (0, 1, 1)
+    """(rank, ranks, ranks on this node): torchrun's, checked, else (0, 1, 1). A rank outside the
+    world, a port that is none or a value that is no number would hang in torch's rendezvous or
+    end in its traceback: refused here, one line, before anything starts."""
+    given = env.torchrun_vars()
+    if given is None:
+        return 0, 1, 1
+    where = "torchrun's environment"
+    numbers = {}
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_PORT"):
+        text = given[name].strip()
+        if not (text.isascii() and text.isdigit()) or len(text) > 9:
+            raise UserError(f"{where}: {name}={given[name]!r} is not a whole number >= 0 (torchrun "
+                            f"sets it; a launcher that sets it by hand must too)")
+        numbers[name] = int(text)
+    rank, local, world, local_world, port = (numbers[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE",
+                                                                  "LOCAL_WORLD_SIZE", "MASTER_PORT"))
+    if not 1 <= world <= MAX_COUNT:
+        raise UserError(f"{where}: WORLD_SIZE={world} must be between 1 and {MAX_COUNT:,}")
+    if rank >= world:
+        raise UserError(f"{where}: RANK={rank} with WORLD_SIZE={world}: the ranks are 0 to "
+                        f"{world - 1}; the same WORLD_SIZE for every rank, each its own RANK")
+    if not 1 <= local_world <= world or local >= local_world:
+        raise UserError(f"{where}: LOCAL_RANK={local} and LOCAL_WORLD_SIZE={local_world} with "
+                        f"WORLD_SIZE={world}: a node's ranks are 0 to LOCAL_WORLD_SIZE-1, and it "
+                        f"holds at most WORLD_SIZE of them")
+    if not 1 <= port <= 65535:
+        raise UserError(f"{where}: MASTER_PORT={port} is not a port (1 to 65535)")
+    addr = given["MASTER_ADDR"]
+    if not addr or len(addr) > 253 or any(c.isspace() for c in addr):
+        raise UserError(f"{where}: MASTER_ADDR={addr!r} is not a host name or address (rank 0's)")
+    return rank, world, local_world
 
 
 def check_local(cfg: TrainConfig, saved_max_failures: int, worker_env: dict) -> None:
@@ -131,6 +160,10 @@ def run_local(cfg: TrainConfig, *, resume: bool = False, init_from: Optional[str
     cfg.workers, cfg.min_workers = ranks, None
     validate(cfg)  # the layout at this size: --tp x --pp divides the ranks
     use_gpus(cfg.use_gpu, local_ranks)
+    if ranks > 1:  # every rank here, or the ones that are not named, before anything is written
+        from raytrain_lm.ray_compat.local_controller import join_torchrun
+
+        join_torchrun(cfg.rendezvous_timeout)
     asked = cfg.cpus_per_worker  # None: this launch decides (launch_line); a resume decides again
     line = launch_line(cfg, ranks, local_ranks)
     if rank != 0:  # everything else is rank 0's (inputs, name, files)

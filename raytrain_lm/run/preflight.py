@@ -198,6 +198,32 @@ def check_hf_init_from(folder: str | Path, m: ModelConfig, manifest: dict) -> st
     return str(folder.resolve())
 
 
+def check_hf_folder(folder: str | Path, where: str) -> ModelConfig:
+    """A Hugging Face folder read with the checks of --init-from, where no run and no dataset say
+    what it must be (`evaluate FOLDER`): safetensors weights; a family imports its model_type;
+    its config.json's every field of its type, and the model they make within every bound
+    (config/checks.check_model); its weight files hold exactly that model's tensors, each of its
+    shape (headers only, every file inside the folder). Returns the model."""
+    from raytrain_lm.config.checks import check_model
+    from raytrain_lm.config.settings import apply_overrides
+
+    folder = Path(folder)
+    if not is_hf_folder(folder):
+        raise UserError(f"{where}: {folder} holds no safetensors weights (model.safetensors, or the "
+                        f"files of model.safetensors.index.json); only those are read here")
+    config = read_config(folder)
+    adapter = hf_importer(config.get("model_type"), where)
+    m = ModelConfig()
+    apply_overrides(m, adapter.model_fields(config, where), source=where)
+    try:
+        check_model(m)
+    except UserError as e:
+        raise UserError(f"{where}: its config.json: {e}") from None
+    shapes, optional = adapter.expected_tensors(config, m, where)
+    check_tensors(folder, shapes, optional, adapter.IGNORED_SUFFIXES, where)
+    return m
+
+
 def describe_tokenizer(spec: dict) -> str:
     if spec.get("type") == "bpe":
         return f"a BPE of {spec['vocab_size']} tokens (tokenizer.json sha256 {spec['sha256'][:12]})"

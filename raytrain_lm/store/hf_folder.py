@@ -163,7 +163,8 @@ def _tensor(path: Path, name: str, entry: Any, data_start: int) -> tuple[TensorI
     dtype = entry.get("dtype") if isinstance(entry, dict) else None
     shape = entry.get("shape") if isinstance(entry, dict) else None
     offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
-    if (dtype not in DTYPE_BYTES or not isinstance(shape, list) or not all(map(whole, shape))
+    if (not isinstance(dtype, str) or dtype not in DTYPE_BYTES  # a list or an object is no name
+            or not isinstance(shape, list) or not all(map(whole, shape))
             or not isinstance(offsets, list) or len(offsets) != 2 or not all(map(whole, offsets))):
         raise UserError(f"{path}: the header's entry for {brief(name)} is damaged: {brief(entry)}")
     begin, end = offsets

@@ -21,11 +21,13 @@ from __future__ import annotations
 import json
 import math
 import mmap
+import os
 from pathlib import Path
 from typing import Optional
 
 import torch
 
+from raytrain_lm.errors import UserError
 from raytrain_lm.store.hf_folder import DTYPE_BYTES, TensorInfo
 
 TORCH_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32,
@@ -36,16 +38,38 @@ SAFETENSORS_DTYPES = {v: k for k, v in TORCH_DTYPES.items()}
 
 class MappedFile:
     """A safetensors file mapped read-only for its tensors' bytes (copy-on-write, never written:
-    torch views need a writable buffer). Use as a context manager; no view may outlive it."""
+    torch views need a writable buffer). Use as a context manager; no view may outlive it.
+
+    A page of the mapping past the file's current end is no memory: touching it kills the process
+    with SIGBUS, no message. So each tensor is viewed only after the file is seen (fstat of the
+    mapped file) to still hold all of its bytes: a file cut short since its header was checked
+    (a copy or a download still writing it, a file replaced in place) is named in one line. (A
+    file cut while a tensor is being copied can still end in SIGBUS: the check is per tensor.)"""
 
     def __init__(self, path: str | Path):
-        with open(path, "rb") as f:
-            self.map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        self.path = Path(path)
+        self.file = open(path, "rb")
+        try:
+            self._check(0)
+            self.map = mmap.mmap(self.file.fileno(), 0, access=mmap.ACCESS_COPY)
+        except BaseException:
+            self.file.close()
+            raise
+
+    def _check(self, end: int) -> None:
+        """The file still holds its bytes up to `end` (and some bytes at all: a header)."""
+        size = os.fstat(self.file.fileno()).st_size
+        if size < max(end, 1):
+            raise UserError(f"{self.path} changed while it was read: it is {size:,} bytes now, its "
+                            f"header puts a tensor's bytes up to byte {end:,} (a copy or a download "
+                            f"still writing it?); read it again once it is whole")
 
     def tensor(self, info: TensorInfo) -> torch.Tensor:
-        """The whole tensor, a view of the mapping in the file's dtype (nothing read yet)."""
+        """The whole tensor, a view of the mapping in the file's dtype (nothing read yet), once
+        the file is seen to hold it."""
         if not info.nbytes:
             return torch.empty(info.shape, dtype=TORCH_DTYPES[info.dtype])
+        self._check(info.offset + info.nbytes)
         flat = torch.frombuffer(self.map, dtype=TORCH_DTYPES[info.dtype],
                                 count=math.prod(info.shape), offset=info.offset)
         return flat.view(info.shape)
@@ -65,6 +89,7 @@ class MappedFile:
             self.map.close()
         except BufferError:  # a view still held by an error on its way up: unmapped with it
             pass
+        self.file.close()
 
 
 def block_of(t: torch.Tensor, start: tuple[int, ...], size: tuple[int, ...]) -> torch.Tensor:

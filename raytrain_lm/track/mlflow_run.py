@@ -38,7 +38,7 @@ class Backend:
         from mlflow import MlflowClient
 
         self.client = MlflowClient()
-        self.where = mlflow.get_tracking_uri()
+        self.where = env.redacted(mlflow.get_tracking_uri())  # shown, and kept in tracking.json
         self.run_id: Optional[str] = None
 
     def open(self, name: str, record: Optional[dict], params: dict[str, Any], kind: str,

@@ -71,7 +71,7 @@ def check_mlflow_store() -> None:
                         "(http://host:5000), or `pip install mlflow` for its local SQLite store")
     local_folder = uri.startswith("file:") or (":" not in uri and uri not in ("", "databricks"))
     if local_folder and not env.mlflow_file_store_allowed():
-        raise UserError(f"--track mlflow: MLFLOW_TRACKING_URI={uri} is a local folder, which MLflow "
+        raise UserError(f"--track mlflow: MLFLOW_TRACKING_URI={env.redacted(uri)} is a local folder, which MLflow "
                         f"writes only with MLFLOW_ALLOW_FILE_STORE=true (or use a server, or "
                         f"sqlite:///mlflow.db with `pip install mlflow`)")
 
@@ -183,8 +183,8 @@ class Tracking:
             except Exception as e:  # never let tracking fail a run
                 self.dropped.add(tracker)
                 where = getattr(self.backends.get(tracker), "where", tracker)
-                self.say(f"warning: {tracker} tracking stopped ({where}: {last_line(e)}); the run "
-                         f"goes on, every row is in metrics.jsonl")
+                self.say(env.redacted(f"warning: {tracker} tracking stopped ({where}: {last_line(e)}); "
+                                      f"the run goes on, every row is in metrics.jsonl"))
                 continue
             if method == "open" and result:
                 self.records[tracker] = result

@@ -188,7 +188,7 @@ class LlamaAdapter(HFAdapter):
             "n_embd": width, "n_layer": config_value(c, "num_hidden_layers", "count", where), "n_head": heads,
             "n_kv_head": kv, "head_size": None if head_dim * heads == width else head_dim,
             "ffn_dim": config_value(c, "intermediate_size", "count", where),
-            "norm_eps": float(config_value(c, "rms_norm_eps", "number", where)),
+            "norm_eps": config_value(c, "rms_norm_eps", "number", where),
             "tie_embeddings": config_value(c, "tie_word_embeddings", "bool", where), "bias": False,
             "dropout": 0.0, "qkv_bias": False, "qk_norm": False, "sliding_window": None,
             **self._rope_fields(c, problems, where),
@@ -213,7 +213,7 @@ class LlamaAdapter(HFAdapter):
                             config_value(rope, "type", "str", where, "default"))
         theta = config_value(rope, "rope_theta", "number", where,
                              config_value(c, "rope_theta", "number", where, 10000.0))
-        out = {"rope_theta": float(theta), "rope_type": kind, **_ROPE_DEFAULTS}
+        out = {"rope_theta": theta, "rope_type": kind, **_ROPE_DEFAULTS}
         if kind not in ("default", *ROPE_KEYS):
             problems.append(f"rope_type {brief(kind)} (the rotary embeddings computed here: "
                             f"default, linear, llama3)")
@@ -224,7 +224,7 @@ class LlamaAdapter(HFAdapter):
             elif rope.get(key) is None:
                 problems.append(f"rope_type {brief(kind)} without {key}")
             else:
-                out[ROPE_FIELDS[key]] = float(config_value(rope, key, "number", where))
+                out[ROPE_FIELDS[key]] = config_value(rope, key, "number", where)
         partial = config_value(rope, "partial_rotary_factor", "number", where,
                        config_value(c, "partial_rotary_factor", "number", where, 1.0))
         if partial != 1.0:
@@ -239,7 +239,7 @@ class LlamaAdapter(HFAdapter):
 
 def config_value(config: dict[str, Any], key: str, kind: str, where: str, default: Any = None) -> Any:
     """config[key] checked to be of `kind`: "count" (a whole number >= 1), "number" (positive and
-    finite), "bool", "str" or "object"; `default` where it is absent or null (none: required).
+    finite; returned as a float), "bool", "str" or "object"; `default` where it is absent or null (none: required).
     (How large a count may be is the run's to say: the fields make its checked model.)"""
     value = config.get(key)
     if value is None:
@@ -248,14 +248,23 @@ def config_value(config: dict[str, Any], key: str, kind: str, where: str, defaul
         return default
     ok = {"count": lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1,
           "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
-          and 0 < v < math.inf,
+          and 0 < _float(v) < math.inf,
           "bool": lambda v: isinstance(v, bool), "str": lambda v: isinstance(v, str),
           "object": lambda v: isinstance(v, dict)}[kind](value)
     if not ok:
         what = {"count": "a whole number >= 1", "number": "a positive number",
                 "bool": "true or false", "str": "a string", "object": "a JSON object"}[kind]
         raise UserError(f"{where}: {HF_CONFIG}'s {key} must be {what}, got {brief(value)}")
-    return value
+    return float(value) if kind == "number" else value
+
+
+def _float(value: int | float) -> float:
+    """A JSON number as a float; inf for an integer past float's range (10^400: JSON has no
+    bound on an integer's digits, float() raises OverflowError)."""
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf
 
 
 ADAPTER = LlamaAdapter()
