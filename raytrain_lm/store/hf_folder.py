@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from raytrain_lm.errors import UserError, brief
-from raytrain_lm.models import hf_importer
+from raytrain_lm.models import FAMILIES, hf_importer
+from raytrain_lm.models.family import ModelConfig
 from raytrain_lm.store import untrusted
 from raytrain_lm.store.files import META
 
@@ -209,3 +210,20 @@ def check_tensors(folder: str | Path, shapes: dict[str, tuple[int, ...]], option
                             f"{HF_CONFIG} says {list(shapes[name])}")
         if info.dtype not in FLOAT_DTYPES:
             raise UserError(f"{where}: {name} in {info.file} holds {info.dtype}, not floating point")
+
+
+def check_folder(path: str | Path, where: str) -> dict[str, Any]:
+    """A Hugging Face folder read whole by another program (evaluate's lm-eval), checked as
+    --init-from checks one before that program opens it: config.json a bounded JSON object, every
+    weight file inside the folder with a sound header; where a family here imports its
+    model_type, the model its config.json describes (the family's refusals, each field's type)
+    and exactly its tensors, each of its shape (check_tensors). A folder of another model_type
+    (a GPT-2 export: GPT2LMHeadModel) gets the checks of its files. Returns config.json."""
+    config = read_config(path)
+    tensors(path)  # every file the folder names: inside it, regular, headers sound
+    if any(config.get("model_type") in f.hf_model_types for f in FAMILIES.values()):
+        adapter = hf_importer(config.get("model_type"), where)
+        m = ModelConfig(**adapter.model_fields(config, where))
+        shapes, optional = adapter.expected_tensors(config, m, where)
+        check_tensors(path, shapes, optional, adapter.IGNORED_SUFFIXES, where)
+    return config
