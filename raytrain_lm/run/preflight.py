@@ -21,7 +21,8 @@ from raytrain_lm.plan.auto import cluster_kind
 from raytrain_lm.plan.gpus import label_memory_gb
 from raytrain_lm.store import untrusted
 from raytrain_lm.store.files import TOKENIZER
-from raytrain_lm.store.hf_folder import check_tensors, is_hf_folder, read_config
+from raytrain_lm.store.hf_folder import check_tensors, differing_fields, is_hf_folder, read_config
+from raytrain_lm.store.release import read_release
 
 
 def ensure_dataset(cfg: TrainConfig, say: Callable[[str], None]) -> dict:
@@ -172,8 +173,9 @@ def check_hf_init_from(folder: str | Path, m: ModelConfig, manifest: dict) -> st
     size as given or width / heads, the ffn size by its rule; `train` builds the model from the
     folder, so only a config made otherwise differs), its tokenizer.json is, byte for byte, the
     dataset's, and its weight files hold exactly the tensors of that model, each of its shape
-    (their headers read: no tensor; every file inside the folder: store/hf_folder.py). Before
-    any worker starts. Returns the folder, resolved."""
+    (their headers read: no tensor; every file inside the folder: store/hf_folder.py), and the
+    release files it ships are readable (store/release.py). Before any worker starts. Returns
+    the folder, resolved."""
     from raytrain_lm.data.manifest import tokenizer_sha256
 
     folder = Path(folder)
@@ -181,12 +183,9 @@ def check_hf_init_from(folder: str | Path, m: ModelConfig, manifest: dict) -> st
     config = read_config(folder)
     adapter = hf_importer(config.get("model_type"), where)
     fields = adapter.model_fields(config, where)
-    effective = {"n_kv_head": m.kv_heads, "ffn_dim": m.hidden_dim,
-                 "head_size": None if m.head_dim * m.n_head == m.n_embd else m.head_dim}
-    ours = {k: effective.get(k, getattr(m, k, None)) for k in fields}
-    diff = [k for k in fields if fields[k] != ours[k]]
+    diff = differing_fields(fields, m)
     if diff:
-        theirs = ", ".join(f"{k}: {fields[k]} vs {ours[k]}" for k in diff)
+        theirs = ", ".join(diff)
         raise UserError(f"{where} is another model ({theirs}: the folder's vs this run's); its "
                         f"config.json is the model: leave out --preset and --set model.*")
     path = folder / TOKENIZER
@@ -195,6 +194,7 @@ def check_hf_init_from(folder: str | Path, m: ModelConfig, manifest: dict) -> st
                         f"mean other text; prepare the dataset with `prepare --tokenizer {folder}`")
     shapes, optional = adapter.expected_tensors(config, m, where)
     check_tensors(folder, shapes, optional, adapter.IGNORED_SUFFIXES, where)
+    read_release(folder)  # what the export carries (store/release.py), read as rank 0 will
     return str(folder.resolve())
 
 

@@ -227,3 +227,13 @@ def check_folder(path: str | Path, where: str) -> dict[str, Any]:
         shapes, optional = adapter.expected_tensors(config, m, where)
         check_tensors(path, shapes, optional, adapter.IGNORED_SUFFIXES, where)
     return config
+
+
+def differing_fields(fields: dict[str, Any], m: ModelConfig) -> list[str]:
+    """The fields a folder's config.json fixes (a family's model_fields) that `m` computes
+    otherwise, as "key: folder's vs m's": kv heads as given or n_head, the head size as given or
+    width / heads, the ffn size by its rule."""
+    effective = {"n_kv_head": m.kv_heads, "ffn_dim": m.hidden_dim,
+                 "head_size": None if m.head_dim * m.n_head == m.n_embd else m.head_dim}
+    ours = {k: effective.get(k, getattr(m, k, None)) for k in fields}
+    return [f"{k}: {fields[k]} vs {ours[k]}" for k in fields if fields[k] != ours[k]]
