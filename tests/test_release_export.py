@@ -118,3 +118,68 @@ def test_a_release_whose_files_are_bad_is_refused_in_one_line(releases, tmp_path
     (bad / "generation_config.json").symlink_to(folder / "generation_config.json")
     with pytest.raises(UserError, match="generation_config.json, a symlink"):
         read_release(bad)
+
+
+@pytest.fixture(scope="module")
+def continued(releases, tmp_path_factory):
+    """`train --init-from` the Llama 3.1 Instruct release on a dataset prepared with its
+    tokenizer (2 ranks of the local harness, FSDP, 2 steps), as the user runs it, then
+    `export --format hf --dtype fp32` of the run through the command line."""
+    from conftest import cli_here
+    from local_mode import run_local
+    from raytrain_lm.config.load import build_config
+    from raytrain_lm.data.prepare import prepare_dataset
+    from raytrain_lm.store.hf_folder import folder_model
+
+    folder, _ = releases["llama3.1-instruct"]
+    root = tmp_path_factory.mktemp("continued")
+    prepare_dataset("pydoc", root / "data", tokenizer=str(folder / "tokenizer.json"), block_tokens=1024)
+    flags = dict(workers=2, strategy="fsdp", max_steps=2, batch_size=2, seq_len=48,
+                 checkpoint_every=2, eval_every=2, eval_windows=2, log_every=1,
+                 data=str(root / "data"), storage=str(root / "runs"), name="cont", seed=3)
+    cfg = build_config(flags=flags, folder=folder_model(folder))
+    run_local(cfg, init_from=str(folder), say=lambda m: None)
+    res = cli_here("export", "cont", "--storage", str(root / "runs"), "--format", "hf",
+                   "--dtype", "fp32", "--out", str(root / "out"))
+    assert res.returncode == 0, res.stderr
+    return folder, root
+
+
+@pytest.mark.slow
+def test_a_run_from_a_release_exports_the_release_continued(continued):
+    """Through the run: the checkpoint carries the release's files, the export writes them as
+    shipped (config.json's only change: float32), and transformers' logits on the export are
+    the trained checkpoint's within 1e-4, the weights trained away from the release's."""
+    from raytrain_lm.models import decoder_class
+    from raytrain_lm.store.checkpoint_format import load_checkpoint
+    from raytrain_lm.store.runs import find_checkpoint
+
+    folder, root = continued
+    assert_is_the_release(root / "out", folder, "float32")
+    found = find_checkpoint("cont", str(root / "runs"))
+    state = load_checkpoint(found.path, meta=found.meta)
+    assert set(state["release"]) == {"config.json", *CARRIED} - {"tokenizer.json"}
+    from raytrain_lm.config.settings import TrainConfig
+
+    m = TrainConfig.from_dict(state["config"]).model
+    trained = decoder_class(m).from_state_dict(m, state["model"]).eval()
+    assert logits_gap(trained, root / "out", m.vocab_size) < 1e-4
+    start = ours_from(folder).state_dict()
+    assert any(not torch.equal(t, start[name]) for name, t in trained.state_dict().items())
+
+
+@pytest.mark.slow
+def test_evaluate_scores_a_run_from_a_release_and_the_release_itself(continued, tmp_path):
+    """`evaluate` on the run started from the release (an export made on the fly, with the
+    release's tokenizer settings: lm-eval's prefix is its bos) and on the release's own folder
+    (after --init-from's checks of it), each on a local task: exit 0, a score."""
+    from conftest import cli_here
+    from test_evaluate import write_tasks
+
+    folder, root = continued
+    write_tasks(tmp_path / "tasks")
+    for model in ("cont", str(folder)):
+        res = cli_here("evaluate", model, "--storage", str(root / "runs"), "--tasks", "local_ppl",
+                       "--include-path", str(tmp_path / "tasks"), "--json")
+        assert res.returncode == 0, res.stderr
+        assert json.loads(res.stdout)["scores"]["local_ppl"]["bits_per_byte"] > 0

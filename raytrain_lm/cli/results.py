@@ -201,7 +201,7 @@ def export(
                               indent=2))
     elif not quiet:
         params = f"{config['num_parameters']:,} parameters, " if "num_parameters" in config else ""
-        typer.echo(f"exported step {config['step']} of {found.source} ({params}{config['dtype']}, "
+        typer.echo(f"exported step {config['step']} of {found.source} ({params}{config.get('dtype') or config.get('torch_dtype')}, "
                    f"{format} format) to {out}: {', '.join(Path(f).name for f in files)}")
 
 
