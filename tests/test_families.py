@@ -285,15 +285,17 @@ def test_the_folder_is_the_model(hub, tmp_path):
 
 
 def test_train_names_the_family_and_count_and_plan_plans_the_folder(hub, pydoc_data, tmp_path):
-    """`train --init-from FOLDER` with no --preset or --set: the launch line names the family and
-    the parameter count; `plan --init-from FOLDER` plans that model."""
+    """`train --init-from FOLDER` with no --preset or --set: the launch line names the family,
+    the parameter count and the schedule; `plan --init-from FOLDER` plans that model."""
     folder = hub["qwen2"]
     m = ModelConfig(**folder_model(folder)[1])
     n = family(m).counts(m).total
     assert n == sum(p.numel() for p in ours_from(folder).parameters())
     r = cli_here("train", "--init-from", str(folder), "--data", str(pydoc_data), "--storage",
                  str(tmp_path / "runs"), "--seq-len", "48")
-    assert f"--init-from {folder}: a qwen2 of {n:,} parameters" in r.stdout
+    cfg = build_config(folder=folder_model(folder), flags={"seq_len": 48})
+    assert (f"--init-from {folder}: a qwen2 of {n:,} parameters; lr {cfg.lr:g} after "
+            f"{cfg.warmup_steps} warmup steps, cosine to {cfg.lr * cfg.min_lr_ratio:g}") in r.stdout
     assert_clean_error(r, "no Ray cluster answers")  # cli_here stops the run at the cluster
     r = cli_here("plan", "--init-from", str(folder), "--gpus", "2", "--seq-len", "48")
     assert r.returncode == 0, r.stderr
@@ -358,3 +360,24 @@ def test_a_qwen2_without_biases_exports_zero_biases(tmp_path):
     idx = torch.randint(0, 256, (1, 32), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         assert (ours(idx, targets=idx)[0] - theirs(idx).logits).abs().max().item() < 1e-5
+
+
+def test_a_folder_trains_at_continued_pretraining_defaults(hub, tmp_path):
+    """--init-from a folder without lr or schedule settings: a continued pretraining's peak, a
+    short warmup (5% of the steps, at most 100), cosine to 10% (presets.CONTINUED), not the
+    preset's lr for random weights; each setting a flag, --set or config file gives is kept,
+    the others still the continued defaults; a run from random weights keeps its preset's."""
+    from raytrain_lm.config.presets import CONTINUED, continued_defaults
+
+    folder = folder_model(hub["llama3"])
+    for steps, warmup in ((300, 15), (10_000, 100), (4, 1)):
+        cfg = build_config(folder=folder, flags={"seq_len": 48, "max_steps": steps})
+        assert continued_defaults(steps) == {**CONTINUED, "warmup_steps": warmup}
+        assert {k: getattr(cfg, k) for k in continued_defaults(steps)} == continued_defaults(steps)
+    assert CONTINUED["lr"] < preset_config("tiny").lr / 10
+    cfg = build_config(folder=folder, flags={"seq_len": 48, "lr": 1e-4}, sets=["warmup_steps=7"])
+    assert (cfg.lr, cfg.warmup_steps, cfg.min_lr_ratio) == (1e-4, 7, CONTINUED["min_lr_ratio"])
+    (tmp_path / "c.yaml").write_text("schedule: wsd\nmin_lr_ratio: 0.0\n")
+    cfg = build_config(folder=folder, flags={"seq_len": 48}, config_file=str(tmp_path / "c.yaml"))
+    assert (cfg.schedule, cfg.min_lr_ratio, cfg.lr) == ("wsd", 0.0, CONTINUED["lr"])
+    assert build_config(flags={"seq_len": 48}).lr == preset_config("tiny").lr

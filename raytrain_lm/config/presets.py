@@ -122,6 +122,25 @@ PRESETS.update({
 })
 
 
+# A run that continues a released model (--init-from a Hugging Face folder) trains, unless a config
+# file, flag or --set gives these, at a tenth of the peak learning rates those models were
+# pretrained at (Llama 3 8B and Qwen2.5 7B: 3e-4; Llama 3 70B: 1.5e-4), after a short warmup
+# (5% of the steps, at most 100), cosine down to 10%: re-warming from zero and decaying again is
+# what continued pretraining needs (Gupta et al. 2023, "Continual Pre-Training of Large
+# Language Models: How to (re)warm your model?"; Ibrahim et al. 2024, "Simple and Scalable
+# Strategies to Continually Pre-train Large Language Models"), and a peak well below the
+# original's limits the forgetting of what the model knew, at the cost of adapting more slowly.
+# A preset's lr is one for training from random weights (tiny's 3e-3 wrecks a pretrained model).
+CONTINUED = {"lr": 3e-5, "schedule": "cosine", "min_lr_ratio": 0.1}
+CONTINUED_WARMUP_FRACTION, CONTINUED_WARMUP_MAX = 0.05, 100
+
+
+def continued_defaults(max_steps: int) -> dict:
+    """The schedule of a run continuing a released model of `max_steps` steps (CONTINUED)."""
+    warmup = min(CONTINUED_WARMUP_MAX, max(1, round(CONTINUED_WARMUP_FRACTION * max_steps)))
+    return {**CONTINUED, "warmup_steps": warmup}
+
+
 def preset_config(name: str) -> TrainConfig:
     if name not in PRESETS:
         raise UserError(f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)}")

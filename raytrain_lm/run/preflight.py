@@ -15,7 +15,7 @@ from raytrain_lm.config.layout import Layout
 from raytrain_lm.config.settings import DEFAULT_DATA, TrainConfig
 from raytrain_lm.config.sizes import is_elastic, worker_counts, workers_text
 from raytrain_lm.errors import UserError
-from raytrain_lm.models import hf_importer
+from raytrain_lm.models import describe, hf_importer
 from raytrain_lm.models.family import ModelConfig
 from raytrain_lm.plan.auto import cluster_kind
 from raytrain_lm.plan.gpus import label_memory_gb
@@ -143,6 +143,13 @@ def resume_step(cfg: TrainConfig, run, manifest: dict) -> Optional[int]:
     if meta is not None and "tokenizer" in meta:
         check_same_tokenizer(meta["tokenizer"], manifest, f"run {cfg.name!r}", cfg.data)
     return step
+
+
+def init_line(path: str, cfg: TrainConfig) -> str:
+    """The launch line of --init-from: the model it starts from and the schedule it trains at
+    (a released model's: a continued pretraining's, config/presets.CONTINUED, unless given)."""
+    return (f"--init-from {path}: {describe(cfg.model)}; lr {cfg.lr:g} after {cfg.warmup_steps} "
+            f"warmup steps, {cfg.schedule} to {cfg.lr * cfg.min_lr_ratio:g}")
 
 
 def check_init_from(path: str, cfg: TrainConfig, manifest: dict, say=None) -> str:
