@@ -123,8 +123,8 @@ PRESETS.update({
 
 
 # A run that continues a released model (--init-from a Hugging Face folder) trains, unless a config
-# file, flag or --set gives these, at a tenth of the peak learning rates those models were
-# pretrained at (Llama 3 8B and Qwen2.5 7B: 3e-4; Llama 3 70B: 1.5e-4), after a short warmup
+# file, flag or --set gives these, at a tenth of the peak learning rates such models were
+# pretrained at (Llama 2 7B and Llama 3 8B: 3e-4; Llama 3 70B: 1.5e-4), after a short warmup
 # (5% of the steps, at most 100), cosine down to 10%: re-warming from zero and decaying again is
 # what continued pretraining needs (Gupta et al. 2023, "Continual Pre-Training of Large
 # Language Models: How to (re)warm your model?"; Ibrahim et al. 2024, "Simple and Scalable
