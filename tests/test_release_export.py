@@ -123,8 +123,8 @@ def test_a_release_whose_files_are_bad_is_refused_in_one_line(releases, tmp_path
 @pytest.fixture(scope="module")
 def continued(releases, tmp_path_factory):
     """`train --init-from` the Llama 3.1 Instruct release on a dataset prepared with its
-    tokenizer (2 ranks of the local harness, FSDP, 2 steps), as the user runs it, then
-    `export --format hf --dtype fp32` of the run through the command line."""
+    tokenizer (2 ranks of the local harness, FSDP, 2 steps), resumed for 2 more, as the user
+    runs it, then `export --format hf --dtype fp32` of the run (step 4) through the command line."""
     from conftest import cli_here
     from local_mode import run_local
     from raytrain_lm.config.load import build_config
@@ -139,6 +139,8 @@ def continued(releases, tmp_path_factory):
                  data=str(root / "data"), storage=str(root / "runs"), name="cont", seed=3)
     cfg = build_config(flags=flags, folder=folder_model(folder))
     run_local(cfg, init_from=str(folder), say=lambda m: None)
+    # resumed for 2 more steps: the release comes from the checkpoint it resumes from
+    run_local(build_config(base=cfg.to_dict(), flags={"max_steps": 4}), resume=True, say=lambda m: None)
     res = cli_here("export", "cont", "--storage", str(root / "runs"), "--format", "hf",
                    "--dtype", "fp32", "--out", str(root / "out"))
     assert res.returncode == 0, res.stderr
@@ -147,7 +149,7 @@ def continued(releases, tmp_path_factory):
 
 @pytest.mark.slow
 def test_a_run_from_a_release_exports_the_release_continued(continued):
-    """Through the run: the checkpoint carries the release's files, the export writes them as
+    """Through the run and its resume: the checkpoint carries the release's files, the export writes them as
     shipped (config.json's only change: float32), and transformers' logits on the export are
     the trained checkpoint's within 1e-4, the weights trained away from the release's."""
     from raytrain_lm.models import decoder_class
@@ -157,7 +159,9 @@ def test_a_run_from_a_release_exports_the_release_continued(continued):
     folder, root = continued
     assert_is_the_release(root / "out", folder, "float32")
     found = find_checkpoint("cont", str(root / "runs"))
+    assert found.step == 4  # written after the resume
     state = load_checkpoint(found.path, meta=found.meta)
+    assert state["release"] == read_release(folder)
     assert set(state["release"]) == {"config.json", *CARRIED} - {"tokenizer.json"}
     from raytrain_lm.config.settings import TrainConfig
 
