@@ -187,3 +187,21 @@ def test_evaluate_scores_a_run_from_a_release_and_the_release_itself(continued, 
                        "--include-path", str(tmp_path / "tasks"), "--json")
         assert res.returncode == 0, res.stderr
         assert json.loads(res.stdout)["scores"]["local_ppl"]["bits_per_byte"] > 0
+
+
+@pytest.mark.slow
+def test_a_run_from_that_runs_checkpoint_carries_the_release_on(continued):
+    """`train --init-from RUN` (the run started from the release): its checkpoints carry the
+    release on, read from the checkpoint it started from, so its export is the release too."""
+    from local_mode import run_local
+    from raytrain_lm.config.load import build_config
+    from raytrain_lm.store.checkpoint_format import load_checkpoint
+    from raytrain_lm.store.runs import find_checkpoint
+
+    folder, root = continued
+    first = load_checkpoint(find_checkpoint("cont", str(root / "runs")).path)
+    cfg = build_config(base=first["config"], flags={"name": "cont2", "max_steps": 1,
+                                                     "checkpoint_every": 1, "workers": 1})
+    run_local(cfg, init_from=str(root / "runs" / "cont"), say=lambda m: None)
+    found = find_checkpoint("cont2", str(root / "runs"))
+    assert load_checkpoint(found.path, meta=found.meta)["release"] == read_release(folder)
