@@ -148,8 +148,9 @@ def resume_step(cfg: TrainConfig, run, manifest: dict) -> Optional[int]:
 def init_line(path: str, cfg: TrainConfig) -> str:
     """The launch line of --init-from: the model it starts from and the schedule it trains at
     (a released model's: a continued pretraining's, config/presets.CONTINUED, unless given)."""
-    return (f"--init-from {path}: {describe(cfg.model)}; lr {cfg.lr:g} after {cfg.warmup_steps} "
-            f"warmup steps, {cfg.schedule} to {cfg.lr * cfg.min_lr_ratio:g}")
+    steps = f"{cfg.warmup_steps} warmup step{'' if cfg.warmup_steps == 1 else 's'}"
+    return (f"--init-from {path}: {describe(cfg.model)}; lr {cfg.lr:g} after {steps}, "
+            f"{cfg.schedule} to {cfg.lr * cfg.min_lr_ratio:g}")
 
 
 def check_init_from(path: str, cfg: TrainConfig, manifest: dict, say=None) -> str:
