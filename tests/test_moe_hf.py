@@ -147,12 +147,14 @@ def test_the_routing_fields_are_read_trained_with_and_written_back(hub, case, tm
     the folder (Mixtral's 0.02 as shipped; Qwen3-MoE's left out: the class's 0.001); the balance
     loss a training forward adds is, per layer, the folder's coefficient times transformers' own
     load_balancing_loss_func on the same router logits (one sequence: its batch is ours),
-    averaged over the layers; the export writes the folder's values back."""
+    averaged over the layers; the export writes the folder's values back (a run from the folder:
+    its config.json as shipped)."""
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
     from raytrain_lm.models.decoder import take_aux_losses
     from raytrain_lm.results.hf_export import export_hf
+    from raytrain_lm.store.release import read_release
 
     theirs_cfg = AutoConfig.from_pretrained(hub[case])
     assert theirs_cfg.router_aux_loss_coef == HUB[case].get("router_aux_loss_coef", 0.001)
@@ -175,3 +177,6 @@ def test_the_routing_fields_are_read_trained_with_and_written_back(hub, case, tm
     config = export_hf(ours.state_dict(), m, ByteTokenizer(), tmp_path / "out", dtype="fp32")
     assert config["router_aux_loss_coef"] == theirs_cfg.router_aux_loss_coef
     assert config["num_experts_per_tok"] == theirs_cfg.num_experts_per_tok
+    # a run from the folder: its config.json as shipped (the coefficient left out stays out)
+    export_hf(ours.state_dict(), m, ByteTokenizer(), tmp_path / "release", release=read_release(hub[case]))
+    assert json.loads((tmp_path / "release" / "config.json").read_text()) == HUB[case]
