@@ -49,7 +49,7 @@ import sys, typer
 from raytrain_lm.cli import app, main
 
 @app.command()
-def boom(verbose: bool = typer.Option(False, "--verbose")):
+def boom():  # no --verbose of its own: every command takes the error boundary's
     raise RuntimeError("kaboom\\nsecond line")
 
 sys.argv = ["cli.py", "boom", *sys.argv[1:]]
@@ -73,6 +73,27 @@ def test_unexpected_error_shows_the_traceback_with_verbose():
     res = _boom("--verbose")
     assert res.returncode == 1
     assert "Traceback (most recent call last)" in res.stderr and "RuntimeError: kaboom" in res.stderr
+
+
+def leaf_paths() -> list[tuple[str, ...]]:
+    """Every command that runs something, as typed after cli.py (groups' commands too), walked
+    from the app itself: a command added later is in the list."""
+    from raytrain_lm.cli import command
+
+    def walk(cmd, path):
+        subs = getattr(cmd, "commands", None)
+        return [p for name, sub in subs.items() for p in walk(sub, (*path, name))] if subs else [path]
+    return walk(command(), ())
+
+
+@pytest.mark.parametrize("path", leaf_paths(), ids=" ".join)
+def test_every_command_accepts_verbose(path):
+    """Any command can print "rerun with --verbose" (the error boundary's line for an unexpected
+    error), so every command takes --verbose and -v."""
+    for flag in ("--verbose", "-v"):
+        res = cli_here(*path, flag, "--help")
+        assert res.returncode == 0, res.stderr
+        assert "-v, --verbose" in res.stdout
 
 
 RAY_NOTICES = """

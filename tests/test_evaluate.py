@@ -71,8 +71,11 @@ def expected_scores(run) -> dict:
     of questions whose right choice is the likeliest continuation (acc) and the likeliest per
     character (acc_norm); a choice continues the question after a space (the harness's target
     delimiter), its tokens split from the context's as the harness splits them."""
-    enc, eot = (lambda text: [int(i) for i in run.tok.encode(text)]), run.tok.eot_id
-    ll = sum(log_probs(run, [eot, *enc(t)]).sum().item() for t in TEXTS)
+    enc = lambda text: [int(i) for i in run.tok.encode(text)]  # noqa: E731
+    # before each text: the end-of-text token, or where the tokenizer has none (bytes) the last
+    # token of the "\n\n" its datasets put between documents
+    first = run.tok.eot_id if run.tok.eot_id is not None else enc("\n\n")[-1]
+    ll = sum(log_probs(run, [first, *enc(t)]).sum().item() for t in TEXTS)
     nbytes = sum(len(t.encode()) for t in TEXTS)
     acc = acc_norm = 0
     for question, choices, gold in QUESTIONS:
@@ -140,3 +143,17 @@ def test_results_go_next_to_the_run_its_table_and_its_tracking_run(evaluated):
     assert mlflow_run.data.metrics["summary/eval/local_mc/acc"] == out["scores"]["local_mc"]["acc"]
     assert mlflow_run.info.status == "FINISHED"
 
+
+def test_a_byte_run_is_scored_with_the_separator_before_each_text(trained_here, tmp_path):
+    """The byte tokenizer has no bos or eos, which lm-eval puts before a text scored from its
+    start (it failed decoding None: "'None' is not an instance of 'Sequence'" for every task);
+    evaluate gives it the token the model saw before every document, the last of "\n\n"."""
+    run = trained_here["byte"]
+    write_tasks(tmp_path / "tasks")
+    res = cli_here("evaluate", str(run.ckpt), "--tasks", "local_ppl,local_mc", "--include-path",
+                   str(tmp_path / "tasks"), "--json", "--storage", str(tmp_path / "runs"))
+    assert res.returncode == 0, res.stderr
+    out, expected = json.loads(res.stdout), expected_scores(run)
+    assert out["scores"]["local_ppl"]["bits_per_byte"] == pytest.approx(
+        expected["local_ppl"]["bits_per_byte"], rel=1e-5)
+    assert out["scores"]["local_mc"]["acc"] == expected["local_mc"]["acc"]

@@ -30,25 +30,33 @@ os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
 
 SMALL = {"vocab_size": 320, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128,
-         "hidden_act": "silu", "torch_dtype": "bfloat16"}
-# config.json as the Hub's folders spell it, small: Llama 3.2 (rope_scaling llama3, tied; an
-# original context of 16 under the sequence of 48), an older Llama's linear scaling ("type"),
+         "hidden_act": "silu", "torch_dtype": "bfloat16", "initializer_range": 0.02,
+         "use_cache": True, "attention_dropout": 0.0, "transformers_version": "4.45.0"}
+# config.json as the Hub's folders spell it, every field they ship, small: Llama 3.2 (rope_scaling
+# llama3, tied, Llama 3.1's list of eos ids; an original context of 16 under the sequence of 48),
+# an older Llama's linear scaling ("type"),
 # Qwen2.5 (tied, sliding_window set but use_sliding_window false, as Qwen's files are), Qwen3
 # (a head size of 32 on a width of 64 with 4 heads), Mistral 7B v0.1 (a window of 16 under 48).
 HUB = {
     "llama3": {**SMALL, "architectures": ["LlamaForCausalLM"], "model_type": "llama",
                "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": True,
+               "attention_bias": False, "mlp_bias": False, "pretraining_tp": 1,
+               "bos_token_id": 256, "eos_token_id": [257, 258, 259],
                "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
                                 "original_max_position_embeddings": 16, "rope_type": "llama3"}},
     "llama-linear": {**SMALL, "architectures": ["LlamaForCausalLM"], "model_type": "llama",
                      "rope_theta": 10000.0, "rope_scaling": {"type": "linear", "factor": 4.0}},
     "qwen2": {**SMALL, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
               "rope_theta": 1000000.0, "tie_word_embeddings": True, "use_sliding_window": False,
-              "sliding_window": 32768, "max_window_layers": 2},
+              "sliding_window": 32768, "max_window_layers": 2, "bos_token_id": 300,
+              "eos_token_id": 300, "rms_norm_eps": 1e-6},
     "qwen3": {**SMALL, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "head_dim": 32,
-              "rope_theta": 1000000.0, "tie_word_embeddings": False, "attention_bias": False},
+              "rope_theta": 1000000.0, "tie_word_embeddings": False, "attention_bias": False,
+              "rope_scaling": None, "sliding_window": None, "use_sliding_window": False,
+              "max_window_layers": 2, "bos_token_id": 300, "eos_token_id": 300, "rms_norm_eps": 1e-6},
     "mistral": {**SMALL, "architectures": ["MistralForCausalLM"], "model_type": "mistral",
-                "rope_theta": 10000.0, "sliding_window": 16},
+                "rope_theta": 10000.0, "sliding_window": 16, "bos_token_id": 1, "eos_token_id": 2,
+                "rms_norm_eps": 1e-5},
 }
 SEQ = 48
 
@@ -285,15 +293,17 @@ def test_the_folder_is_the_model(hub, tmp_path):
 
 
 def test_train_names_the_family_and_count_and_plan_plans_the_folder(hub, pydoc_data, tmp_path):
-    """`train --init-from FOLDER` with no --preset or --set: the launch line names the family and
-    the parameter count; `plan --init-from FOLDER` plans that model."""
+    """`train --init-from FOLDER` with no --preset or --set: the launch line names the family,
+    the parameter count and the schedule; `plan --init-from FOLDER` plans that model."""
     folder = hub["qwen2"]
     m = ModelConfig(**folder_model(folder)[1])
     n = family(m).counts(m).total
     assert n == sum(p.numel() for p in ours_from(folder).parameters())
     r = cli_here("train", "--init-from", str(folder), "--data", str(pydoc_data), "--storage",
                  str(tmp_path / "runs"), "--seq-len", "48")
-    assert f"--init-from {folder}: a qwen2 of {n:,} parameters" in r.stdout
+    cfg = build_config(folder=folder_model(folder), flags={"seq_len": 48})
+    assert (f"--init-from {folder}: a qwen2 of {n:,} parameters; lr {cfg.lr:g} after "
+            f"{cfg.warmup_steps} warmup steps, cosine to {cfg.lr * cfg.min_lr_ratio:g}") in r.stdout
     assert_clean_error(r, "no Ray cluster answers")  # cli_here stops the run at the cluster
     r = cli_here("plan", "--init-from", str(folder), "--gpus", "2", "--seq-len", "48")
     assert r.returncode == 0, r.stderr
@@ -358,3 +368,42 @@ def test_a_qwen2_without_biases_exports_zero_biases(tmp_path):
     idx = torch.randint(0, 256, (1, 32), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         assert (ours(idx, targets=idx)[0] - theirs(idx).logits).abs().max().item() < 1e-5
+
+
+def test_a_folder_trains_at_continued_pretraining_defaults(hub, tmp_path):
+    """--init-from a folder without lr or schedule settings: a continued pretraining's peak, a
+    short warmup (5% of the steps, at most 100), cosine to 10% (presets.CONTINUED), not the
+    preset's lr for random weights; each setting a flag, --set or config file gives is kept,
+    the others still the continued defaults; a run from random weights keeps its preset's."""
+    from raytrain_lm.config.presets import CONTINUED, continued_defaults
+
+    folder = folder_model(hub["llama3"])
+    for steps, warmup in ((300, 15), (10_000, 100), (4, 1)):
+        cfg = build_config(folder=folder, flags={"seq_len": 48, "max_steps": steps})
+        assert continued_defaults(steps) == {**CONTINUED, "warmup_steps": warmup}
+        assert {k: getattr(cfg, k) for k in continued_defaults(steps)} == continued_defaults(steps)
+    assert CONTINUED["lr"] < preset_config("tiny").lr / 10
+    cfg = build_config(folder=folder, flags={"seq_len": 48, "lr": 1e-4}, sets=["warmup_steps=7"])
+    assert (cfg.lr, cfg.warmup_steps, cfg.min_lr_ratio) == (1e-4, 7, CONTINUED["min_lr_ratio"])
+    (tmp_path / "c.yaml").write_text("schedule: wsd\nmin_lr_ratio: 0.0\n")
+    cfg = build_config(folder=folder, flags={"seq_len": 48}, config_file=str(tmp_path / "c.yaml"))
+    assert (cfg.schedule, cfg.min_lr_ratio, cfg.lr) == ("wsd", 0.0, CONTINUED["lr"])
+    assert build_config(flags={"seq_len": 48}).lr == preset_config("tiny").lr
+
+
+def test_evaluate_checks_a_folder_as_init_from_does(hub, tmp_path):
+    """`evaluate FOLDER` checks the folder with --init-from's checks before lm-eval opens it:
+    a config.json that does not describe the weights (another ffn size), or a model the family
+    does not compute, is one line and exit code 2."""
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(hub["qwen3"], bad)
+    config = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**config, "intermediate_size": 128}))
+    r = cli_here("evaluate", str(bad), "--tasks", "local_ppl")
+    assert_clean_error(r, f"evaluate {bad}: model.layers.0.mlp.")
+    assert "its config.json says [128, 64]" in r.stderr or "its config.json says [64, 128]" in r.stderr
+    (bad / "config.json").write_text(json.dumps({**config, "hidden_act": "gelu"}))
+    assert_clean_error(cli_here("evaluate", str(bad), "--tasks", "local_ppl"),
+                       "is a Qwen3ForCausalLM this project cannot compute: hidden_act 'gelu'")

@@ -399,3 +399,26 @@ def test_llama_py_stays_free_of_torch_distributed_and_the_driver_of_torch(hf_lla
                          env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+def test_rotary_tables_hold_the_runs_positions_not_the_releases_context():
+    """A release's context (Mistral-Nemo: 1,024,000 positions, about 1 GB of tables at its head
+    size) is what the model may attend to, not what it computes: the model as a run builds it
+    (parallelize) has tables for the run's sequence, a longer forward grows them to the next
+    power of two, and the logits are those of tables built for the whole context (rows of the
+    same products)."""
+    from raytrain_lm.models.llama.llama import rotary_tables
+    from raytrain_lm.parallel import parallelize
+
+    big = ModelConfig(**{**vars(SMALL), "block_size": 1_024_000, "rope_theta": 1e6})
+    cfg = preset_config("llama-tiny")
+    cfg.model, cfg.seq_len = big, 48
+    model = parallelize(cfg, torch.device("cpu"), ddp_wrap=lambda m: m).parts[0].eval()
+    assert model.rope.cos.shape == (48, big.head_dim)
+    idx = torch.randint(0, 320, (1, 100), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        logits = model(idx, targets=idx)[0]
+        assert model.rope.cos.shape == (128, big.head_dim)
+        cos, sin = rotary_tables(big, 4096)  # a context's tables, cut to the rows used
+        model.rope.cos, model.rope.sin = cos, sin
+        assert torch.equal(model(idx, targets=idx)[0], logits)

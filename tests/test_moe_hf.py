@@ -139,3 +139,44 @@ def test_an_moe_with_a_shared_expert_has_no_hugging_face_class(tmp_path):
     with pytest.raises(UserError, match="model.shared_ffn_dim has no Hugging Face class"):
         export_hf(build_model(m, seed=0).state_dict(), m, ByteTokenizer(), tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("case", HUB)
+def test_the_routing_fields_are_read_trained_with_and_written_back(hub, case, tmp_path):
+    """router_aux_loss_coef, num_experts_per_tok and the renormalisation as transformers reads
+    the folder (Mixtral's 0.02 as shipped; Qwen3-MoE's left out: the class's 0.001); the balance
+    loss a training forward adds is, per layer, the folder's coefficient times transformers' own
+    load_balancing_loss_func on the same router logits (one sequence: its batch is ours),
+    averaged over the layers; the export writes the folder's values back (a run from the folder:
+    its config.json as shipped)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    from raytrain_lm.models.decoder import take_aux_losses
+    from raytrain_lm.results.hf_export import export_hf
+    from raytrain_lm.store.release import read_release
+
+    theirs_cfg = AutoConfig.from_pretrained(hub[case])
+    assert theirs_cfg.router_aux_loss_coef == HUB[case].get("router_aux_loss_coef", 0.001)
+    ours = ours_from(hub[case])
+    m = ours.cfg
+    assert m.top_k == theirs_cfg.num_experts_per_tok
+    assert m.norm_top_k == getattr(theirs_cfg, "norm_topk_prob", True)
+    theirs = AutoModelForCausalLM.from_pretrained(hub[case], dtype=torch.float32).eval()
+    idx = torch.randint(0, 320, (1, SEQ), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        router_logits = theirs(idx, output_router_logits=True).router_logits
+        ours.train()
+        x = ours.embed(idx)
+        for block in ours.h:
+            x, _ = block(x)
+        aux = take_aux_losses(ours.h).item()
+    per_layer = [load_balancing_loss_func((r,), m.n_experts, m.top_k).item() for r in router_logits]
+    want = theirs_cfg.router_aux_loss_coef * sum(per_layer) / len(per_layer)
+    assert aux == pytest.approx(want, rel=1e-5)
+    config = export_hf(ours.state_dict(), m, ByteTokenizer(), tmp_path / "out", dtype="fp32")
+    assert config["router_aux_loss_coef"] == theirs_cfg.router_aux_loss_coef
+    assert config["num_experts_per_tok"] == theirs_cfg.num_experts_per_tok
+    # a run from the folder: its config.json as shipped (the coefficient left out stays out)
+    export_hf(ours.state_dict(), m, ByteTokenizer(), tmp_path / "release", release=read_release(hub[case]))
+    assert json.loads((tmp_path / "release" / "config.json").read_text()) == HUB[case]

@@ -15,7 +15,7 @@ import sys
 import typer
 
 from raytrain_lm.cli import data, train, results, tune, cluster  # isort: skip  (in --help's order)
-from raytrain_lm.cli.app import app
+from raytrain_lm.cli.app import app, command
 from raytrain_lm.cluster.connect import quiet_ray_logging
 from raytrain_lm.console import paint
 from raytrain_lm.errors import RunFailed, UserError
@@ -33,7 +33,7 @@ def main() -> None:
         typer.echo(paint("error:", "red", sys.stderr) + " " + m, err=True)
 
     try:
-        code = app(standalone_mode=False)
+        code = command()(standalone_mode=False)
     except typer.TyperException as e:  # bad usage, from Typer's (vendored) click
         if type(e).__name__ == "NoArgsIsHelpError":
             e.show()  # `cli.py` or `cli.py COMMAND` alone: the help itself

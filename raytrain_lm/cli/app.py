@@ -21,3 +21,31 @@ app = typer.Typer(
 def examples(*lines: str) -> str:
     """A command's epilog: its examples, one per paragraph (Typer joins single newlines)."""
     return "Examples:\n\n" + "\n\n".join(f"  {line}" for line in lines)
+
+
+def command():
+    """The app as click runs it, every command accepting `--verbose` / `-v`: main's error
+    boundary reads it from the arguments (full tracebacks; Ray's logs kept) and tells the user
+    to rerun with it after any unexpected error, whatever the command. A command that declares
+    its own (train, prepare, tune, lr-find) also receives it; the others take it without a
+    parameter of their own (the boundary's flag alone)."""
+    import copy
+
+    import typer.main
+
+    group = typer.main.get_command(app)
+    declared = next(p for p in group.commands["train"].params if p.name == "verbose")
+    for cmd in leaf_commands(group):
+        if not any("--verbose" in p.opts for p in cmd.params):
+            flag = copy.copy(declared)
+            flag.expose_value = False
+            cmd.params.append(flag)
+    return group
+
+
+def leaf_commands(group) -> list:
+    """Every command under `group` that runs something (its subgroups' commands too)."""
+    subs = getattr(group, "commands", None)
+    if not subs:
+        return [group]
+    return [leaf for sub in subs.values() for leaf in leaf_commands(sub)]

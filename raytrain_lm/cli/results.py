@@ -201,7 +201,8 @@ def export(
                               indent=2))
     elif not quiet:
         params = f"{config['num_parameters']:,} parameters, " if "num_parameters" in config else ""
-        typer.echo(f"exported step {config['step']} of {found.source} ({params}{config['dtype']}, "
+        dtype = config.get("dtype") or config.get("torch_dtype")  # a release's config.json: the latter
+        typer.echo(f"exported step {config['step']} of {found.source} ({params}{dtype}, "
                    f"{format} format) to {out}: {', '.join(Path(f).name for f in files)}")
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from raytrain_lm.config.checks import check_model, check_resumable, validate
-from raytrain_lm.config.presets import PRESETS, preset_config
+from raytrain_lm.config.presets import PRESETS, continued_defaults, preset_config
 from raytrain_lm.config.settings import TrainConfig, apply_overrides
 from raytrain_lm.errors import UserError, brief
 from raytrain_lm.models import FAMILIES
@@ -142,6 +142,11 @@ def build_config(
     if folder is not None:
         for data, source in reversed(layers):  # the last layer that sets a field is its value's
             _check_agrees(source, data.get("model") or {}, cfg.model, folder)
+        if base is None:  # a released model, continued: its schedule unless one is given
+            given = {key for data, _ in layers for key in data}
+            for key, value in continued_defaults(cfg.max_steps).items():
+                if key not in given:
+                    setattr(cfg, key, value)
     if base is not None:
         check_resumable(TrainConfig.from_dict(base), cfg, name)
     cfg.preset = name
@@ -150,10 +155,11 @@ def build_config(
 
 
 def _preset_of(fields: dict[str, Any]) -> Optional[str]:
-    """The preset whose model is the one these fields describe, if any."""
+    """The preset whose model is the one these fields describe, if any (its shape: the balance
+    loss's weight, which the folder gives whatever the preset says, aside)."""
     for name in PRESETS:
         m = preset_config(name).model
-        if all(getattr(m, k) == v for k, v in fields.items()):
+        if all(getattr(m, k) == v for k, v in fields.items() if k != "aux_loss_coef"):
             return name
     return None
 

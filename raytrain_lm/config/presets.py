@@ -109,15 +109,36 @@ PRESETS.update({
     # intermediate size (Qwen3's moe_intermediate_size). Counts (tests/test_moe.py): Mixtral 8x7B
     # 46,702,792,704 with 12,879,925,248 active (Mistral's 46.7B / 12.9B), 8x22B 140,630,071,296 with
     # 39,161,468,928 (141B / 39B); Qwen3 30.5B / 3.3B and 235B / 22B as Qwen publishes them.
+    # aux_loss_coef: config.json's router_aux_loss_coef x top_k (models/moe/hf_moe.py): Mixtral 8x7B
+    # ships 0.02, Qwen3-30B-A3B 0.001 (a folder's own value is what a run from it trains with).
     "mixtral-8x7b": _hub("moe", 32000, 32768, 32, 32, 8, 4096, 14336, 1000000.0, 1e-5, 4096,
-                         n_experts=8, top_k=2),
+                         n_experts=8, top_k=2, aux_loss_coef=0.04),
     "mixtral-8x22b": _hub("moe", 32768, 65536, 56, 48, 8, 6144, 16384, 1000000.0, 1e-5, 4096,
                           n_experts=8, top_k=2),
     "qwen3-30b-a3b": _hub("moe", 151936, 40960, 48, 32, 4, 2048, 768, 1000000.0, 1e-6, 4096,
-                          head_size=128, qk_norm=True, n_experts=128, top_k=8),
+                          head_size=128, qk_norm=True, n_experts=128, top_k=8, aux_loss_coef=0.008),
     "qwen3-235b-a22b": _hub("moe", 151936, 40960, 94, 64, 4, 4096, 1536, 1000000.0, 1e-6, 4096,
                             head_size=128, qk_norm=True, n_experts=128, top_k=8),
 })
+
+
+# A run that continues a released model (--init-from a Hugging Face folder) trains, unless a config
+# file, flag or --set gives these, at a tenth of the peak learning rates such models were
+# pretrained at (Llama 2 7B and Llama 3 8B: 3e-4; Llama 3 70B: 1.5e-4), after a short warmup
+# (5% of the steps, at most 100), cosine down to 10%: re-warming from zero and decaying again is
+# what continued pretraining needs (Gupta et al. 2023, "Continual Pre-Training of Large
+# Language Models: How to (re)warm your model?"; Ibrahim et al. 2024, "Simple and Scalable
+# Strategies to Continually Pre-train Large Language Models"), and a peak well below the
+# original's limits the forgetting of what the model knew, at the cost of adapting more slowly.
+# A preset's lr is one for training from random weights (tiny's 3e-3 wrecks a pretrained model).
+CONTINUED = {"lr": 3e-5, "schedule": "cosine", "min_lr_ratio": 0.1}
+CONTINUED_WARMUP_FRACTION, CONTINUED_WARMUP_MAX = 0.05, 100
+
+
+def continued_defaults(max_steps: int) -> dict:
+    """The schedule of a run continuing a released model of `max_steps` steps (CONTINUED)."""
+    warmup = min(CONTINUED_WARMUP_MAX, max(1, round(CONTINUED_WARMUP_FRACTION * max_steps)))
+    return {**CONTINUED, "warmup_steps": warmup}
 
 
 def preset_config(name: str) -> TrainConfig:

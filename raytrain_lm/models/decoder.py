@@ -155,6 +155,14 @@ def attach_aux_loss(x: torch.Tensor, aux: Optional[torch.Tensor]) -> torch.Tenso
     return x if aux is None else _AuxGradient.apply(x, aux)
 
 
+def fit_positions_(model: nn.Module, n: int) -> None:
+    """Size what a model keeps per position (Llama's rotary tables) to sequences of `n` tokens,
+    the run's, before it is compiled or wrapped (a longer forward grows them: generation)."""
+    for module in model.modules():
+        if hasattr(module, "fit_positions"):
+            module.fit_positions(n)
+
+
 def fill_buffers_(model: nn.Module) -> None:
     """Compute the buffers a state dict does not hold (non-persistent: Llama's rotary tables),
     after a meta-device build or `to_empty`."""

@@ -84,7 +84,9 @@ class ModelConfig:
     norm_top_k: bool = setting(True, help="moe: rescale each token's top-k routing weights to sum "
                                "to 1 (Mixtral; Qwen3-MoE's norm_topk_prob).")
     aux_loss_coef: float = setting(0.01, help="moe: weight of the load-balancing loss (Switch / "
-                                   "Mixtral form, 1.0 when balanced) added to the training loss.")
+                                   "Mixtral form, 1.0 when balanced) added to the training loss; a "
+                                   "Hugging Face folder's is its router_aux_loss_coef x top_k "
+                                   "(transformers' loss is top_k when balanced).")
     z_loss_coef: float = setting(0.0, help="moe: weight of the router z-loss (ST-MoE: 0.001; 0: off).")
 
     @property

@@ -32,6 +32,7 @@ import torch.nn as nn
 from raytrain_lm.config.layout import Coords, Layout
 from raytrain_lm.config.settings import TrainConfig
 from raytrain_lm.models import build_model, family
+from raytrain_lm.models.decoder import fit_positions_
 from raytrain_lm.parallel import ddp, ep, fsdp
 from raytrain_lm.parallel.ac import apply_activation_checkpointing
 from raytrain_lm.parallel.mesh import build_mesh, dim_mesh, is_distributed
@@ -77,6 +78,7 @@ class Built:
         if self.replicated:
             with torch.device(device):  # built and initialised on the device (model.init_device)
                 model = build_model(cfg.model, seed=cfg.seed)
+            fit_positions_(model, cfg.seq_len)  # before compile: the tables the run reads
             apply_activation_checkpointing(model, cfg.activation_checkpointing)
             self.parts, self.modules = [model], [ddp.replicate(model, cfg.compile, ddp_wrap)]
         else:
@@ -111,6 +113,7 @@ class Built:
                           pipelined=self.pp_on, force=self.force_fsdp,
                           edp_mesh=self.mesh["edp"] if experts else None)
             materialize_(part, cfg.model, cfg.seed, self.device, init=self.init)
+            fit_positions_(part, cfg.seq_len)  # before the first (compiled) forward
         return [part for _, part in self.stages]
 
     def _build_pipeline(self) -> None:

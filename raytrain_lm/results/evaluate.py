@@ -8,8 +8,8 @@ The harness's own tasks (hellaswag, arc_easy, ...) download their data from the 
 a task of one's own (a YAML file beside a JSONL, `--include-path`) needs nothing from outside. A
 task folder is code, as lm-eval designs it: its YAML runs Python (`!function`) and its Jinja
 templates are not sandboxed, so `--include-path` is a script one runs (docs/security.md). A
-Hugging Face folder is not: it is read with the checks of `--init-from` (run/preflight.
-check_hf_folder) before lm-eval loads it, and with transformers' remote code off.
+Hugging Face folder is not: it is read with the checks of `--init-from`
+(store/hf_folder.check_folder) before lm-eval loads it, and with transformers' remote code off.
 lm-eval is an optional extra (`pip install 'raytrain-lm[eval]'`), imported only here.
 """
 
@@ -24,14 +24,17 @@ from typing import Any, Callable, Optional
 
 from raytrain_lm import env
 from raytrain_lm.errors import UserError
-from raytrain_lm.run.preflight import check_hf_folder
 from raytrain_lm.store import files
+from raytrain_lm.store.hf_folder import HF_CONFIG, check_folder, is_hf_folder
 from raytrain_lm.store.runs import find_checkpoint, is_run, open_run
 from raytrain_lm.store.storage import RunFolder
 from raytrain_lm.track.tracking import installed
 
 EXTRA = "pip install 'raytrain-lm[eval]'"
-HF_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+PICKLED_WEIGHTS = "pytorch_model.bin"
+# What a dataset puts between documents where its tokenizer has no end-of-text token (as text:
+# data/prepare.py), so what a model of such a tokenizer saw before every document.
+TEXT_SEPARATOR = "\n\n"
 
 
 @dataclass
@@ -42,11 +45,6 @@ class Evaluated:
     run: Optional[RunFolder]  # the run it belongs to, where the results go
     scores: dict[str, dict[str, float]] = field(default_factory=dict)  # task -> metric -> value
     written: list[str] = field(default_factory=list)
-
-
-def is_hf_folder(path: Path) -> bool:
-    return path.is_dir() and (path / "config.json").is_file() and not (path / files.META).exists() \
-        and any((path / w).is_file() for w in HF_WEIGHTS)
 
 
 def run_of_checkpoint(path: Path) -> Optional[RunFolder]:
@@ -82,8 +80,11 @@ def evaluate(model: str, tasks: list[str], *, storage: str, best: bool = False,
         if is_hf_folder(path):
             if best:
                 raise UserError("--best chooses among a run's checkpoints; give the run, not a folder")
-            check_hf_folder(path, f"evaluate {model}")  # as --init-from checks one, before lm-eval
+            check_folder(path, f"evaluate {path}")  # what --init-from checks, before lm-eval reads it
             done, folder = Evaluated(model, None, None), path
+        elif (path / HF_CONFIG).is_file() and (path / PICKLED_WEIGHTS).is_file():
+            raise UserError(f"{path} holds {PICKLED_WEIGHTS} (pickled weights, which can run code "
+                            f"when loaded): evaluate reads safetensors folders")
         else:
             from raytrain_lm.results.hf_export import export_checkpoint_hf
 
@@ -121,10 +122,27 @@ def harness(folder: Path, tasks: list[str], include_path: Optional[str], limit: 
     if unknown:
         raise UserError(f"unknown lm-eval task{'s' if len(unknown) > 1 else ''}: {', '.join(unknown)} "
                         f"(`lm-eval ls tasks` lists them; a task of your own: --include-path)")
-    return simple_evaluate(model="hf", model_args={"pretrained": str(folder), "dtype": "float32",
-                                                   "device": device, "trust_remote_code": False},
+    args = {"pretrained": str(folder), "dtype": "float32", "device": device, "trust_remote_code": False}
+    prefix = prefix_token(folder)
+    if prefix is not None:
+        args["prefix_token_id"] = prefix
+    return simple_evaluate(model="hf", model_args=args,
                            tasks=tasks, task_manager=manager, limit=limit, batch_size=batch_size,
                            num_fewshot=num_fewshot, log_samples=False)
+
+
+def prefix_token(folder: Path) -> Optional[int]:
+    """The token lm-eval puts before a text scored from its start (a rolling loglikelihood, an
+    empty context): None where the folder's tokenizer has a bos or eos (lm-eval takes it). A
+    tokenizer with neither (the byte tokenizer) leaves lm-eval nothing to put there (it fails
+    decoding None); its datasets join documents with TEXT_SEPARATOR as text, so the token before
+    every document its model saw is that separator's last token."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    if tok.bos_token_id is not None or tok.eos_token_id is not None:
+        return None
+    return tok.encode(TEXT_SEPARATOR, add_special_tokens=False)[-1]
 
 
 def scores(metrics: dict[str, Any]) -> dict[str, float]:

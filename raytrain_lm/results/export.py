@@ -24,6 +24,7 @@ from raytrain_lm.errors import UserError
 from raytrain_lm.models import family
 from raytrain_lm.store.files import TOKENIZER
 from raytrain_lm.store.hf_folder import HF_CONFIG, HF_WEIGHTS
+from raytrain_lm.store.release import RELEASE_FILES
 from raytrain_lm.store.storage import is_remote, staged_folder
 
 # What every export's safetensors metadata says as its source (export --force replaces only a
@@ -115,7 +116,7 @@ def export_checkpoint(folder: Path, out: Path, source: str, force: bool = False,
 # Every file an export may hold (native or hf): these, and hf's weight shards.
 EXPORT_FILES = frozenset({"model.safetensors", "config.json", "tokenizer.json",
                           "generation_config.json", "tokenizer_config.json",
-                          "model.safetensors.index.json"})
+                          "model.safetensors.index.json", *RELEASE_FILES})
 SHARD_FILE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 
 

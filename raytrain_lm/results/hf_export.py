@@ -6,6 +6,13 @@ lm-evaluation-harness) load without this project, written at any size.
     model.safetensors.index.json             shards and the index naming each tensor's file
     tokenizer.json, tokenizer_config.json  the dataset's tokenizer, byte for byte
 
+A run started from a Hugging Face folder (--init-from) exports the release, continued: the
+release files its checkpoints carry (store/release.py) are written as they shipped
+(tokenizer_config.json with its chat_template, generation_config.json with its eos list and
+sampling defaults, special_tokens_map.json, chat_template.jinja), config.json is the release's
+with only the weights' dtype changed (the model is the folder's, checked field by field), and
+the vocabulary keeps every row of the release's embedding (Qwen pads it past its tokenizer).
+
 The weights stream: the model's tensors are planned first on the meta device (each one's
 Hugging Face name, shape and shard, from the family's adapter, models/hf.py), then read
 from the checkpoint one at a time (store/checkpoint_format.read_model_tensor gathers a tensor
@@ -26,7 +33,7 @@ import torch
 from raytrain_lm.config.settings import TrainConfig
 from raytrain_lm.data.tokenizer import EOT, Tokenizer, byte_tokenizer_json, tokenizer_from_spec
 from raytrain_lm.errors import UserError
-from raytrain_lm.models import build_model, hf_adapter
+from raytrain_lm.models import build_model, hf_adapter, hf_importer
 from raytrain_lm.models.family import ModelConfig
 from raytrain_lm.models.hf import VOCAB_ROWS
 from raytrain_lm.results.export import (
@@ -38,7 +45,8 @@ from raytrain_lm.results.export import (
     umask,
 )
 from raytrain_lm.store.files import STATE, TOKENIZER
-from raytrain_lm.store.hf_folder import HF_CONFIG, HF_INDEX, HF_WEIGHTS
+from raytrain_lm.store.hf_folder import HF_CONFIG, HF_INDEX, HF_WEIGHTS, differing_fields
+from raytrain_lm.store.release import Release, check_release, parse
 from raytrain_lm.store.safetensors_io import SafetensorsWriter
 from raytrain_lm.store.storage import staged_folder
 
@@ -138,11 +146,13 @@ def split(entries: list[Entry], max_shard: int) -> list[list[Entry]]:
 
 def write_hf(out: Path, read: Reader, m: ModelConfig, tok: Tokenizer, dtype: str = "bf16",
              max_shard_size: str | int = DEFAULT_MAX_SHARD, force: bool = False,
-             say: Optional[Callable[[str], None]] = None) -> dict[str, Any]:
+             say: Optional[Callable[[str], None]] = None,
+             release: Optional[Release] = None) -> dict[str, Any]:
     """Write `out` as a Hugging Face model folder of the model `m` whose tensors `read` gives by
     our names; returns config.json's content. The vocabulary is the tokenizer's (the model's
     padding rows are dropped), so every id of the exported model is a token and the real tokens'
-    logits are unchanged."""
+    logits are unchanged; with the `release` the run started from, the release's (its
+    config.json, every row, its tokenizer and generation files: `release_config`)."""
     check_out(out, force)
     torch_dtype = check_dtype(dtype)
     max_shard = max_shard_size if isinstance(max_shard_size, int) else parse_size(max_shard_size)
@@ -155,6 +165,8 @@ def write_hf(out: Path, read: Reader, m: ModelConfig, tok: Tokenizer, dtype: str
     # first: hf_config refuses a model its class cannot hold, before any tensor is named
     config = {**adapter.hf_config(m, vocab, eos), "bos_token_id": bos, "eos_token_id": eos,
               "dtype": str(torch_dtype).removeprefix("torch.")}
+    if release and HF_CONFIG in release:
+        config, vocab = release_config(release, m, torch_dtype), m.vocab_size
     tensors = plan(m, vocab, torch_dtype)
     shards = split([entry for _, entry in tensors], max_shard)
     files = [HF_WEIGHTS] if len(shards) == 1 else [SHARD_NAME.format(i + 1, len(shards))
@@ -195,7 +207,26 @@ def write_hf(out: Path, read: Reader, m: ModelConfig, tok: Tokenizer, dtype: str
                      "weight_map": {e[0]: f for f, entries in zip(files, shards) for e in entries}}
             Path(tmp, HF_INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
         _write_tokenizer_files(Path(tmp), config, tok, m.block_size, bos, eos)
+        for name, text in (release or {}).items():  # as the release has them
+            if name != HF_CONFIG:
+                Path(tmp, name).write_text(text, encoding="utf-8")
     return {**config, "files": files}
+
+
+def release_config(release: Release, m: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
+    """The release's config.json, every field as it shipped but the weights' dtype (torch_dtype
+    and/or dtype, whichever it spells): the run's model is the release's (train --init-from
+    makes it so), checked here again field by field so that the file describes the weights."""
+    config = parse(release[HF_CONFIG], f"the release's {HF_CONFIG}")
+    where = f"the {HF_CONFIG} the run started from"
+    diff = differing_fields(hf_importer(config.get("model_type"), where).model_fields(config, where), m)
+    if diff:
+        raise UserError(f"the checkpoint's model is not the one of the release it started from "
+                        f"({', '.join(diff)}: the release's vs the model's), so the release's "
+                        f"config.json would not describe its weights")
+    name = str(dtype).removeprefix("torch.")
+    spelled = [k for k in ("torch_dtype", "dtype") if k in config] or ["dtype"]
+    return {**config, **{k: name for k in spelled}}
 
 
 def _nbytes(entry: Entry) -> int:
@@ -206,8 +237,10 @@ def _nbytes(entry: Entry) -> int:
 def _write_tokenizer_files(tmp: Path, config: dict, tok: Tokenizer, block_size: int,
                            bos: Optional[int], eos: Optional[int]) -> None:
     (tmp / HF_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
-    (tmp / HF_GENERATION_CONFIG).write_text(json.dumps({"bos_token_id": bos, "eos_token_id": eos},
-                                                       indent=2) + "\n")
+    # config.json's ids: the tokenizer's, or a release's own (replaced by its own file if it has one)
+    (tmp / HF_GENERATION_CONFIG).write_text(json.dumps(
+        {"bos_token_id": config.get("bos_token_id"), "eos_token_id": config.get("eos_token_id")},
+        indent=2) + "\n")
     # PreTrainedTokenizerFast (transformers' tokenizer.json-as-is class): without a
     # tokenizer_config.json AutoTokenizer would pick GPT2Tokenizer from config.json, which
     # rebuilds the pipeline from vocab and merges with its own pre-tokenizer settings.
@@ -227,9 +260,11 @@ def _write_tokenizer_files(tmp: Path, config: dict, tok: Tokenizer, block_size: 
 
 
 def export_hf(state_dict: dict, cfg: ModelConfig, tok: Tokenizer, out: Path, force: bool = False,
-              dtype: str = "bf16", max_shard_size: str | int = DEFAULT_MAX_SHARD) -> dict[str, Any]:
+              dtype: str = "bf16", max_shard_size: str | int = DEFAULT_MAX_SHARD,
+              release: Optional[Release] = None) -> dict[str, Any]:
     """A model in memory (its state dict, under our names) as a Hugging Face folder."""
-    return write_hf(out, state_dict.__getitem__, cfg, tok, dtype, max_shard_size, force)
+    return write_hf(out, state_dict.__getitem__, cfg, tok, dtype, max_shard_size, force,
+                    release=release)
 
 
 def export_checkpoint_hf(folder: Path, out: Path, force: bool = False, meta: Optional[dict] = None,
@@ -254,5 +289,6 @@ def export_checkpoint_hf(folder: Path, out: Path, force: bool = False, meta: Opt
             if name not in specs:
                 raise UserError(f"{folder} holds no {name}: not a checkpoint of this model")
             return ckpt_io.read_model_tensor(folder, name, *specs[name])
-    config = write_hf(out, read, cfg.model, tok, dtype, max_shard_size, force, say)
+    release = check_release(state.get("release"), str(folder))
+    config = write_hf(out, read, cfg.model, tok, dtype, max_shard_size, force, say, release)
     return {**config, "step": state["step"]}

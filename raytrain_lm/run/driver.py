@@ -14,7 +14,6 @@ from raytrain_lm.config.inputs import WorkerInputs
 from raytrain_lm.config.settings import TrainConfig
 from raytrain_lm.config.sizes import is_elastic, sizes_line
 from raytrain_lm.errors import RunFailed, UserError, last_line
-from raytrain_lm.models import describe
 from raytrain_lm.plan.auto import auto_cluster, choose_layout, cluster_kind, cluster_shape, kind_text
 from raytrain_lm.plan.fit import check_memory
 from raytrain_lm.ray_compat.polls import Polls
@@ -25,6 +24,7 @@ from raytrain_lm.run.preflight import (
     check_resources,
     configured_memory_gb,
     default_run_name,
+    init_line,
     prepare_data,
     resume_step,
     worker_memory_gb,
@@ -107,7 +107,7 @@ def run_training(
         say(f"resuming {cfg.name} from its newest checkpoint, step {step}")
     if init_from:
         init_from = check_init_from(init_from, cfg, manifest, say)
-        say(f"--init-from {init_from}: {describe(cfg.model)}")
+        say(init_line(init_from, cfg))
     previous = previous_summary(run) if resume else {}
     known = configured_memory_gb(cfg)
     if not force and cfg.layout != "auto":  # before Ray starts when --gpu-memory-gb tells it

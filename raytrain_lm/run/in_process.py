@@ -28,7 +28,13 @@ from raytrain_lm.plan.fit import check_memory
 from raytrain_lm.run.cpus import decide, machine_cores
 from raytrain_lm.run.driver import build_trainer, previous_summary, run_folder
 from raytrain_lm.run.follower import Follower, checkpoint_uri
-from raytrain_lm.run.preflight import check_init_from, configured_memory_gb, prepare_data, resume_step
+from raytrain_lm.run.preflight import (
+    check_init_from,
+    configured_memory_gb,
+    init_line,
+    prepare_data,
+    resume_step,
+)
 from raytrain_lm.run.tracked import Figure, close_tracking, open_tracking, trackers_of
 from raytrain_lm.store import files
 from raytrain_lm.store.claims import RunClaim
@@ -177,6 +183,7 @@ def run_local(cfg: TrainConfig, *, resume: bool = False, init_from: Optional[str
         say(f"resuming {cfg.name} from its newest checkpoint, step {step}")
     if init_from:
         init_from = check_init_from(init_from, cfg, manifest, say)
+        say(init_line(init_from, cfg))
     previous = previous_summary(run) if resume else {}
     if not force:  # on the kind this process's GPU is, as a Ray run on its workers' label
         memory = configured_memory_gb(cfg)

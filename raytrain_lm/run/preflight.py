@@ -15,13 +15,14 @@ from raytrain_lm.config.layout import Layout
 from raytrain_lm.config.settings import DEFAULT_DATA, TrainConfig
 from raytrain_lm.config.sizes import is_elastic, worker_counts, workers_text
 from raytrain_lm.errors import UserError
-from raytrain_lm.models import hf_importer
+from raytrain_lm.models import describe, hf_importer
 from raytrain_lm.models.family import ModelConfig
 from raytrain_lm.plan.auto import cluster_kind
 from raytrain_lm.plan.gpus import label_memory_gb
 from raytrain_lm.store import untrusted
 from raytrain_lm.store.files import TOKENIZER
-from raytrain_lm.store.hf_folder import check_tensors, is_hf_folder, read_config
+from raytrain_lm.store.hf_folder import check_tensors, differing_fields, is_hf_folder, read_config
+from raytrain_lm.store.release import read_release
 
 
 def ensure_dataset(cfg: TrainConfig, say: Callable[[str], None]) -> dict:
@@ -144,6 +145,14 @@ def resume_step(cfg: TrainConfig, run, manifest: dict) -> Optional[int]:
     return step
 
 
+def init_line(path: str, cfg: TrainConfig) -> str:
+    """The launch line of --init-from: the model it starts from and the schedule it trains at
+    (a released model's: a continued pretraining's, config/presets.CONTINUED, unless given)."""
+    steps = f"{cfg.warmup_steps} warmup step{'' if cfg.warmup_steps == 1 else 's'}"
+    return (f"--init-from {path}: {describe(cfg.model)}; lr {cfg.lr:g} after {steps}, "
+            f"{cfg.schedule} to {cfg.lr * cfg.min_lr_ratio:g}")
+
+
 def check_init_from(path: str, cfg: TrainConfig, manifest: dict, say=None) -> str:
     """Validate --init-from against the model and dataset before any worker starts; returns the
     checkpoint folder to load (a run's best checkpoint, else its latest), or a Hugging Face
@@ -172,8 +181,9 @@ def check_hf_init_from(folder: str | Path, m: ModelConfig, manifest: dict) -> st
     size as given or width / heads, the ffn size by its rule; `train` builds the model from the
     folder, so only a config made otherwise differs), its tokenizer.json is, byte for byte, the
     dataset's, and its weight files hold exactly the tensors of that model, each of its shape
-    (their headers read: no tensor; every file inside the folder: store/hf_folder.py). Before
-    any worker starts. Returns the folder, resolved."""
+    (their headers read: no tensor; every file inside the folder: store/hf_folder.py), and the
+    release files it ships are readable (store/release.py). Before any worker starts. Returns
+    the folder, resolved."""
     from raytrain_lm.data.manifest import tokenizer_sha256
 
     folder = Path(folder)
@@ -181,12 +191,9 @@ def check_hf_init_from(folder: str | Path, m: ModelConfig, manifest: dict) -> st
     config = read_config(folder)
     adapter = hf_importer(config.get("model_type"), where)
     fields = adapter.model_fields(config, where)
-    effective = {"n_kv_head": m.kv_heads, "ffn_dim": m.hidden_dim,
-                 "head_size": None if m.head_dim * m.n_head == m.n_embd else m.head_dim}
-    ours = {k: effective.get(k, getattr(m, k, None)) for k in fields}
-    diff = [k for k in fields if fields[k] != ours[k]]
+    diff = differing_fields(fields, m)
     if diff:
-        theirs = ", ".join(f"{k}: {fields[k]} vs {ours[k]}" for k in diff)
+        theirs = ", ".join(diff)
         raise UserError(f"{where} is another model ({theirs}: the folder's vs this run's); its "
                         f"config.json is the model: leave out --preset and --set model.*")
     path = folder / TOKENIZER
@@ -195,33 +202,8 @@ def check_hf_init_from(folder: str | Path, m: ModelConfig, manifest: dict) -> st
                         f"mean other text; prepare the dataset with `prepare --tokenizer {folder}`")
     shapes, optional = adapter.expected_tensors(config, m, where)
     check_tensors(folder, shapes, optional, adapter.IGNORED_SUFFIXES, where)
+    read_release(folder)  # what the export carries (store/release.py), read as rank 0 will
     return str(folder.resolve())
-
-
-def check_hf_folder(folder: str | Path, where: str) -> ModelConfig:
-    """A Hugging Face folder read with the checks of --init-from, where no run and no dataset say
-    what it must be (`evaluate FOLDER`): safetensors weights; a family imports its model_type;
-    its config.json's every field of its type, and the model they make within every bound
-    (config/checks.check_model); its weight files hold exactly that model's tensors, each of its
-    shape (headers only, every file inside the folder). Returns the model."""
-    from raytrain_lm.config.checks import check_model
-    from raytrain_lm.config.settings import apply_overrides
-
-    folder = Path(folder)
-    if not is_hf_folder(folder):
-        raise UserError(f"{where}: {folder} holds no safetensors weights (model.safetensors, or the "
-                        f"files of model.safetensors.index.json); only those are read here")
-    config = read_config(folder)
-    adapter = hf_importer(config.get("model_type"), where)
-    m = ModelConfig()
-    apply_overrides(m, adapter.model_fields(config, where), source=where)
-    try:
-        check_model(m)
-    except UserError as e:
-        raise UserError(f"{where}: its config.json: {e}") from None
-    shapes, optional = adapter.expected_tensors(config, m, where)
-    check_tensors(folder, shapes, optional, adapter.IGNORED_SUFFIXES, where)
-    return m
 
 
 def describe_tokenizer(spec: dict) -> str:

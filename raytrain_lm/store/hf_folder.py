@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from raytrain_lm.errors import UserError, brief
-from raytrain_lm.models import hf_importer
+from raytrain_lm.models import FAMILIES, hf_importer
+from raytrain_lm.models.family import ModelConfig
 from raytrain_lm.store import untrusted
 from raytrain_lm.store.files import META
 
@@ -210,3 +211,30 @@ def check_tensors(folder: str | Path, shapes: dict[str, tuple[int, ...]], option
                             f"{HF_CONFIG} says {list(shapes[name])}")
         if info.dtype not in FLOAT_DTYPES:
             raise UserError(f"{where}: {name} in {info.file} holds {info.dtype}, not floating point")
+
+
+def check_folder(path: str | Path, where: str) -> dict[str, Any]:
+    """A Hugging Face folder read whole by another program (evaluate's lm-eval), checked as
+    --init-from checks one before that program opens it: config.json a bounded JSON object, every
+    weight file inside the folder with a sound header; where a family here imports its
+    model_type, the model its config.json describes (the family's refusals, each field's type)
+    and exactly its tensors, each of its shape (check_tensors). A folder of another model_type
+    (a GPT-2 export: GPT2LMHeadModel) gets the checks of its files. Returns config.json."""
+    config = read_config(path)
+    tensors(path)  # every file the folder names: inside it, regular, headers sound
+    if any(config.get("model_type") in f.hf_model_types for f in FAMILIES.values()):
+        adapter = hf_importer(config.get("model_type"), where)
+        m = ModelConfig(**adapter.model_fields(config, where))
+        shapes, optional = adapter.expected_tensors(config, m, where)
+        check_tensors(path, shapes, optional, adapter.IGNORED_SUFFIXES, where)
+    return config
+
+
+def differing_fields(fields: dict[str, Any], m: ModelConfig) -> list[str]:
+    """The fields a folder's config.json fixes (a family's model_fields) that `m` computes
+    otherwise, as "key: folder's vs m's": kv heads as given or n_head, the head size as given or
+    width / heads, the ffn size by its rule."""
+    effective = {"n_kv_head": m.kv_heads, "ffn_dim": m.hidden_dim,
+                 "head_size": None if m.head_dim * m.n_head == m.n_embd else m.head_dim}
+    ours = {k: effective.get(k, getattr(m, k, None)) for k in fields}
+    return [f"{k}: {fields[k]} vs {ours[k]}" for k in fields if fields[k] != ours[k]]

@@ -29,8 +29,9 @@ from ray.train import CheckpointUploadMode
 from raytrain_lm.config.settings import TrainConfig
 from raytrain_lm.data.tokenizer import Tokenizer
 from raytrain_lm.store import checkpoint_format as ckpt_io
-from raytrain_lm.store.files import checkpoint_name
+from raytrain_lm.store.files import STATE, checkpoint_name
 from raytrain_lm.store.hf_folder import is_hf_folder
+from raytrain_lm.store.release import Release, check_release, read_release
 from raytrain_lm.store.row import MetricsRow
 from raytrain_lm.store.runs import FoundCheckpoint, latest_checkpoint
 from raytrain_lm.worker.drills import fault_drill
@@ -64,6 +65,10 @@ class Checkpointer:
         self.recent: deque[list[MetricsRow]] = deque(maxlen=RECENT_REPORTS)
         self.resent: Optional[list[MetricsRow]] = None  # rows to send again with the first report
         self.resumed_from: Optional[int] = None
+        # what the release the run started from ships beside its weights (store/release.py), kept
+        # in every checkpoint's state for export: --init-from's folder or checkpoint, or the
+        # checkpoint resumed from
+        self.release: Optional[Release] = None
 
     def find_latest(self) -> Optional[FoundCheckpoint]:
         say = (lambda m: print(f"[checkpoint] {m}", flush=True)) if self.rank == 0 else None
@@ -79,6 +84,7 @@ class Checkpointer:
         step_fn.load_scaler_state(state["scaler"])  # none saved: fp16 starts here, a fresh scale
         stream.load_state_dict(state["data"])
         self.resumed_from = state["step"]
+        self.release = state.get("release")
         # The last rows reported before this checkpoint, itself included: the driver may not have
         # received them (its own death or a worker's, while they were in flight in Ray), so they
         # go to it again with the first report.
@@ -112,7 +118,8 @@ class Checkpointer:
                      "data": stream.state_dict(), "world_size": self.world,
                      "val_loss": row.get("val_loss"),
                      "recent_metrics": [r for sent in self.recent for r in sent],
-                     "config": self.cfg.to_dict(), "tokenizer": self.tokenizer.spec()}
+                     "config": self.cfg.to_dict(), "tokenizer": self.tokenizer.spec(),
+                     **({"release": self.release} if self.release else {})}
         started = time.perf_counter()
         tmp = tempfile.mkdtemp(prefix="raytrain-lm-ckpt-")  # Ray deletes it once uploaded
         ckpt_io.save_checkpoint(Path(tmp), self.rank, step_fn, state=state,
@@ -157,10 +164,15 @@ class Checkpointer:
                               "train_start_unix": train_start_unix, "resumed_rows": self.resent[:-1]})
 
 
-def load_init_from(path: str, step_fn, rank: int = 0) -> None:
+def load_init_from(path: str, step_fn, rank: int = 0) -> Optional[Release]:
     """--init-from: the weights of a checkpoint of ours, or of a Hugging Face folder (each rank
     reading only the slices it keeps: hf_load.py), into this rank's parts; the optimizer starts
-    fresh."""
+    fresh. Returns, on rank 0, the release files the folder ships, or those the checkpoint's run
+    carried from its own (store/release.py); None elsewhere and for a run from random weights."""
+    release = None
+    if rank == 0:
+        release = read_release(path) if is_hf_folder(path) else check_release(
+            ckpt_io.safe_load(Path(path) / STATE).get("release"), path)
     if is_hf_folder(path):
         say = (lambda m: print(m, flush=True)) if rank == 0 else None
         stats = load_hf_weights(path, step_fn.parts, step_fn.cfg.model, say=say)
@@ -169,6 +181,7 @@ def load_init_from(path: str, step_fn, rank: int = 0) -> None:
                 f"read by rank 0 in {stats.seconds:.1f} s")
     else:
         ckpt_io.load_weights(Path(path), ckpt_io.read_meta(Path(path)), step_fn)
+    return release
 
 
 def restore_rng(rng: Optional[dict], seed: int, stream: int) -> None:

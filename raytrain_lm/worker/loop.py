@@ -69,7 +69,7 @@ def train_loop_per_worker(inputs: WorkerInputs) -> None:
     else:
         step, tokens = 0, 0
         if inputs.init_from:  # a checkpoint, or a Hugging Face folder
-            load_init_from(inputs.init_from, step_fn, rank)
+            checkpointer.release = load_init_from(inputs.init_from, step_fn, rank)
     restore_rng(rng, cfg.seed, rank // cfg.tp)  # the saved RNG states, else a dropout stream per rank
 
     n_params = family(cfg.model).counts(cfg.model).total

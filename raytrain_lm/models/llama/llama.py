@@ -20,10 +20,14 @@ Choices that matter outside this file:
 * Rotary embeddings in Hugging Face's convention (rotate_half: the head dimension's two halves
   are the pairs), so `LlamaForCausalLM` weights load without permuting q and k. (Meta's
   checkpoints pair adjacent dimensions; transformers' conversion script permutes them once.)
-* One `Rotary` module holds the cos/sin tables for positions 0..block_size-1 (buffers, not
-  saved). Every attention holds a reference to it, so a pipeline stage that takes some blocks
-  takes the tables with them; a KV-cached step reads the rows of its positions from the same
-  tables (the cache's length is where the new tokens start).
+* One `Rotary` module holds the cos/sin tables (buffers, not saved) for the positions the model
+  has been asked for: the run's sequence length (`fit_positions`, before the model is
+  compiled or wrapped), else grown to the next power of two, up to block_size, by the first
+  forward that needs more (generation). A release's context (Mistral-Nemo: 1,024,000
+  positions, 1 GB of tables at head size 128) is what it may attend to, not what a run of 4,096
+  tokens needs. Every attention holds a reference to the module, so a pipeline stage that
+  takes some blocks takes the tables with them; a KV-cached step reads the rows of its
+  positions from the same tables (the cache's length is where the new tokens start).
 * A sliding window needs no mask while every query's keys fit in it (the causal kernel is then
   exact); past it, an explicit (queries x keys) mask (`window_mask`).
 """
@@ -79,35 +83,49 @@ def inverse_frequencies(cfg: ModelConfig) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-def rotary_tables(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin, (block_size, head_dim) in fp32 on the CPU: position p, dimension j holds
+def rotary_tables(cfg: ModelConfig, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin, (rows, head_dim) in fp32 on the CPU: position p, dimension j holds
     p * inv_freq[j mod head_dim/2], the same products transformers computes."""
     inv_freq = inverse_frequencies(cfg)
-    positions = torch.arange(cfg.block_size, dtype=torch.int64, device="cpu").float()
+    positions = torch.arange(rows, dtype=torch.int64, device="cpu").float()
     freqs = positions[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos(), emb.sin()
 
 
 class Rotary(nn.Module):
-    """The rotary tables (buffers, recomputed rather than saved: `reset_buffers`)."""
+    """The rotary tables (buffers, recomputed rather than saved: `reset_buffers`), for the
+    positions asked for so far (the module docstring)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        self.register_buffer("cos", torch.empty(cfg.block_size, cfg.head_dim), persistent=False)
-        self.register_buffer("sin", torch.empty(cfg.block_size, cfg.head_dim), persistent=False)
-        if not self.cos.is_meta:
-            self.reset_buffers()
+        self.register_buffer("cos", torch.empty(0, cfg.head_dim), persistent=False)
+        self.register_buffer("sin", torch.empty(0, cfg.head_dim), persistent=False)
 
     @torch.no_grad()
     def reset_buffers(self) -> None:
-        cos, sin = rotary_tables(self.cfg)
-        if self.cos.is_meta:  # built on the meta device and loaded from a state dict
-            self.cos, self.sin = cos, sin
-        else:
-            self.cos.copy_(cos)
-            self.sin.copy_(sin)
+        """The tables recomputed at their size (after a meta-device build: on the CPU)."""
+        self._fill(self.cos.size(0), torch.device("cpu") if self.cos.is_meta else self.cos.device)
+
+    def fit_positions(self, n: int) -> None:
+        """Tables for positions 0..n-1 (n at most block_size), exactly: the run's sequence."""
+        if n != self.cos.size(0):
+            self._fill(min(n, self.cfg.block_size), self.cos.device)
+
+    def rows(self, start: int, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of positions start..start+T-1, the tables grown first where they end
+        before (to the next power of two, at most block_size: a generation grows them a few
+        times, not once per token)."""
+        end = start + T
+        if end > self.cos.size(0):
+            self._fill(min(1 << (end - 1).bit_length(), self.cfg.block_size), self.cos.device)
+        return self.cos[start:end], self.sin[start:end]
+
+    @torch.no_grad()
+    def _fill(self, rows: int, device: torch.device) -> None:
+        cos, sin = rotary_tables(self.cfg, rows)
+        self.cos, self.sin = cos.to(device), sin.to(device)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -144,7 +162,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, T, head_dim)
         start = 0 if cache is None else cache[0].size(2)
-        cos, sin = self.rope.cos[start:start + T], self.rope.sin[start:start + T]
+        cos, sin = self.rope.rows(start, T)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if cache is not None:  # generation: the cache holds rotated keys, one per kv head
             k, v = torch.cat([cache[0], k], dim=2), torch.cat([cache[1], v], dim=2)

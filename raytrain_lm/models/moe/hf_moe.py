@@ -110,15 +110,30 @@ class _MoEFormat(LlamaAdapter):
         config = super().hf_config(m, vocab_size, eot)
         for key in ("attention_bias", "mlp_bias"):
             config.pop(key, None)
-        return {**config, "num_experts_per_tok": m.top_k, "router_aux_loss_coef": m.aux_loss_coef,
+        return {**config, "num_experts_per_tok": m.top_k, "router_aux_loss_coef": _aux_coef(m),
                 "output_router_logits": False, **self._moe_config(m)}
 
     def _moe_config(self, m: ModelConfig) -> dict[str, Any]:
         raise NotImplementedError
 
     def _moe_fields(self, c: dict[str, Any], problems: list[str], where: str) -> dict[str, Any]:
-        """n_experts and top_k, which every class names alike but the experts' count."""
-        return {"top_k": config_value(c, "num_experts_per_tok", "count", where)}
+        """top_k and the balance loss's weight, which every class names alike (the experts'
+        count it does not). transformers' balance loss (load_balancing_loss_func) counts each
+        token's k routed slots as k tokens: E x sum_e F_e P_e with sum_e F_e = top_k, top_k when
+        balanced; ours (models/moe/moe.py) is the share of slots, 1 when balanced, so the same
+        pressure on the router is router_aux_loss_coef x top_k here (divided back on export:
+        `_aux_coef`). So a folder trains with its own weight (Mixtral 8x7B ships 0.02,
+        Qwen3-30B-A3B 0.001); 0 turns it off."""
+        coef = c["router_aux_loss_coef"]
+        if coef != 0 or isinstance(coef, bool):
+            coef = config_value(c, "router_aux_loss_coef", "number", where)
+        top_k = config_value(c, "num_experts_per_tok", "count", where)
+        return {"top_k": top_k, "aux_loss_coef": float(coef) * top_k}
+
+
+def _aux_coef(m: ModelConfig) -> float:
+    """config.json's router_aux_loss_coef of our aux_loss_coef (`_moe_fields`)."""
+    return m.aux_loss_coef / m.top_k
 
 
 class MixtralAdapter(_MoEFormat):
@@ -128,7 +143,8 @@ class MixtralAdapter(_MoEFormat):
     experts = ("w1", "w3", "w2")
     defaults = {"num_key_value_heads": 8, "head_dim": None, "max_position_embeddings": 131072,
                 "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "sliding_window": None,
-                "num_local_experts": 8, "num_experts_per_tok": 2, "router_jitter_noise": 0.0}
+                "num_local_experts": 8, "num_experts_per_tok": 2, "router_jitter_noise": 0.0,
+                "router_aux_loss_coef": 0.001}
 
     def _own_fields(self, c: dict[str, Any], problems: list[str], where: str) -> dict[str, Any]:
         if c.get("router_jitter_noise") not in (None, 0, 0.0):
@@ -155,7 +171,7 @@ class Qwen3MoeAdapter(_MoEFormat):
     defaults = {"num_key_value_heads": 4, "head_dim": 128, "max_position_embeddings": 32768,
                 "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "num_experts": 128,
                 "num_experts_per_tok": 8, "norm_topk_prob": False, "decoder_sparse_step": 1,
-                "mlp_only_layers": []}
+                "mlp_only_layers": [], "router_aux_loss_coef": 0.001}
 
     def _own_fields(self, c: dict[str, Any], problems: list[str], where: str) -> dict[str, Any]:
         if config_value(c, "attention_bias", "bool", where, False):
