@@ -219,12 +219,22 @@ def check_folder(path: str | Path, where: str) -> dict[str, Any]:
     weight file inside the folder with a sound header; where a family here imports its
     model_type, the model its config.json describes (the family's refusals, each field's type)
     and exactly its tensors, each of its shape (check_tensors). A folder of another model_type
-    (a GPT-2 export: GPT2LMHeadModel) gets the checks of its files. Returns config.json."""
+    (a GPT-2 export: GPT2LMHeadModel) gets the checks of its files. The model is checked within
+    every bound (config/checks.check_model) before its tensors are listed: a 300-byte config.json
+    can ask for 10^9 experts. Returns config.json."""
+    from raytrain_lm.config.checks import check_model
+
     config = read_config(path)
-    tensors(path)  # every file the folder names: inside it, regular, headers sound
+    adapter = None
     if any(config.get("model_type") in f.hf_model_types for f in FAMILIES.values()):
         adapter = hf_importer(config.get("model_type"), where)
         m = ModelConfig(**adapter.model_fields(config, where))
+        try:
+            check_model(m)
+        except UserError as e:
+            raise UserError(f"{where}: its config.json: {e}") from None
+    tensors(path)  # every file the folder names: inside it, regular, headers sound
+    if adapter is not None:
         shapes, optional = adapter.expected_tensors(config, m, where)
         check_tensors(path, shapes, optional, adapter.IGNORED_SUFFIXES, where)
     return config
