@@ -556,27 +556,43 @@ def drain(cluster, node_id: str, seconds: int) -> float:
     return deadline
 
 
-SPOT_STEPS = 500
+def held(proc: subprocess.Popen, run_dir: Path, step: int, world: int, timeout: float = 180) -> None:
+    """Wait until a worker group of `world` workers is held before `step` (the hold drill)."""
+    marker, limit = run_dir / f"hold-{step}.waiting", time.monotonic() + timeout
+    while not (marker.exists() and json.loads(marker.read_text())["world"] == world):
+        if proc.poll() is not None or time.monotonic() > limit:
+            proc.kill()
+            pytest.fail(f"no group of {world} held before step {step}: {proc.stderr.read()[-3000:]}\n"
+                        f"controller:\n{controller_decisions()}")
+        time.sleep(0.2)
+
+
+SPOT_STEPS = 30
+SPOT_NOTICE_S = 10  # the drained node's deadline: the checkpoint must land before it
 
 
 def test_a_preempted_node_checkpoints_before_its_deadline_and_the_run_resumes_there(
         cluster, small_data, tmp_path):
     ensure_worker_nodes(cluster, 2)
     run_dir = tmp_path / "spot"
-    # 2 workers take 40-60 steps a second here: 500 steps outlast the 6 s notice (250-360 steps by
-    # the deadline; a run that ends first never resizes; the group of 1 that finishes them takes
-    # ~10 a second). No checkpoint but the final one, so the only one to resume from is the
-    # preemption's.
+    # Held (the hold drill) where the test wants the run, not raced: the group of 2 before step 5
+    # until Ray tells it of the preemption (it asks at every step up to step 11, so the notice is
+    # taken at step 5), then before step 6 until released, so that it still runs at the deadline
+    # (a run that ends first is never resized) and the group of 1 that follows is seen to start.
+    # No checkpoint but the final one, so the only one to resume from is the preemption's.
     proc = start_train(cluster, "spot", tmp_path, "--workers", "1-2", "--data", str(small_data),
                        "--max-steps", str(SPOT_STEPS), "--log-every", "5", "--eval-every", "10000",
-                       "--checkpoint-every", "0", "--max-failures", "0", "--resize-interval", "1")
-    wait_for(proc, run_dir, lambda r: r.get("workers") == 2 and r["step"] >= 10)
+                       "--checkpoint-every", "0", "--max-failures", "0", "--resize-interval", "1",
+                       env={"RAYTRAIN_LM_HOLD_AT": "5:preemption,6"})
     node = worker_nodes(cluster)[-1]
     try:
-        deadline = drain(cluster, node.node_id, 6)
-        notice = wait_for(proc, run_dir, lambda r: r.get("preemption"), timeout=60)
+        held(proc, run_dir, 5, world=2)
+        deadline = drain(cluster, node.node_id, SPOT_NOTICE_S)
         # The drained node lingers (nothing reclaims it here): the group must not grow back
         # onto it (it did, and timed out starting there, again and again: scaling.py).
+        held(proc, run_dir, 6, world=1)
+        (run_dir / "hold-6.release").touch()
+        notice = wait_for(proc, run_dir, lambda r: r.get("preemption"))
         resumed = wait_for(proc, run_dir, lambda r: r.get("workers") == 1)
         summary = finish(proc)
     finally:
@@ -584,6 +600,7 @@ def test_a_preempted_node_checkpoints_before_its_deadline_and_the_run_resumes_th
         cluster.remove_node(node)  # what the cloud does at the deadline
 
     saved = run_dir / f"checkpoint_{notice['step']:08d}"
+    assert notice["step"] == 5
     assert notice["checkpoint"] == str(saved) and notice["preemption"]["seconds_left"] > 0
     assert (saved / "meta.json").stat().st_mtime < deadline  # landed before the node's deadline
     assert resumed["resumed_from_step"] == notice["step"]  # from that step, not an older one
