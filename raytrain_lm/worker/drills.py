@@ -63,6 +63,8 @@ HOLD_POLL_S = 0.1  # how often a held rank looks again
 def hold_drill(spec: Optional[str], step: int, rank: int, world: int, fs, run_path: str) -> None:
     """Before step `step` (1-based): if the drill `spec` holds the run there, wait (every rank
     alike) until it is released (module docstring). `fs`, `run_path`: the run's storage."""
+    if not spec:
+        return
     import pyarrow.fs as pafs
 
     holds = dict(item.partition(":")[::2] for item in (spec or "").split(",") if item)
