@@ -6,13 +6,18 @@ inputs: test_bad_inputs.py)."""
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 
 from conftest import cli_here
 from raytrain_lm.config.presets import preset_config
 from raytrain_lm.models import build_model, family
 from raytrain_lm.models.family import ModelConfig
 from raytrain_lm.models.moe.moe import MoELayer, expert_ffn, grouped_mm_suits
+from raytrain_lm.parallel.ep import apply_ep
 
 # 2 layers, 4 experts of 48 units, 2 per token, a shared expert of 32.
 SMALL = ModelConfig(arch="moe", bias=False, vocab_size=96, block_size=32, n_layer=2, n_head=4,
@@ -154,12 +159,7 @@ def _ep_case():
 
 
 def _ep_grads(rank, store, out):
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor
-
-    from raytrain_lm.parallel.ep import apply_ep
-
+    """One ep rank (forked: the modules above are imported already, so a rank costs no imports)."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     model, idx = _ep_case()
@@ -178,7 +178,7 @@ def _ep_grads(rank, store, out):
     dist.destroy_process_group()
 
 
-@pytest.mark.slow  # two forked gloo ranks: seconds
+@pytest.mark.slow  # two forked gloo ranks: 4-6 s of CPU at load 17 (the harness's ep runs: minutes)
 def test_expert_parallelism_gives_every_gradient_of_one_process(tmp_path):
     """ep 2 on two gloo ranks, each with half the batch: with the experts' gradients as the
     all-to-all's backward leaves them and the rest averaged as data parallelism does, every
@@ -189,8 +189,6 @@ def test_expert_parallelism_gives_every_gradient_of_one_process(tmp_path):
     caught it only by 1.1-3.5x its tolerance). In float64, so the two differ only by the order
     of float64 sums (<= 512 routed rows a matmul: at most 512 * 2**-53 = 6e-14 of the terms'
     sizes): 1e-10 of each tensor's largest entry leaves room for cancellation."""
-    import torch.multiprocessing as mp
-
     mp.start_processes(_ep_grads, args=(tmp_path / "store", tmp_path / "grads.pt"), nprocs=2,
                        start_method="fork")
     model, idx = _ep_case()
