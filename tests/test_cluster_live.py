@@ -474,29 +474,37 @@ def finish(proc: subprocess.Popen, timeout: float = 300) -> dict:
     return json.loads(out)
 
 
-ELASTIC_STEPS = 300  # both resizes are over by step ~150 here
+ELASTIC_STEPS = 60
 
 
 @pytest.fixture(scope="module")
 def elastic_run(cluster, small_data, tmp_path_factory):
     """`--workers 1-3` on two nodes; a node added once it trains, one removed once it grew.
 
-    One failure allowed, for the one node lost (docs/checkpoints.md: one per node)."""
+    Held (the hold drill) where each change must find it, not raced: before step 21 (after
+    checkpoint 20) until the group of 3 that the added node makes is there, before step 41 until
+    the group of 2 that the lost node leaves is there. One failure allowed, for the one node lost
+    (docs/checkpoints.md: one per node)."""
     storage = tmp_path_factory.mktemp("elastic")
     run_dir = storage / "elastic"
     ensure_worker_nodes(cluster, 2)
     proc = start_train(cluster, "elastic", storage, "--workers", "1-3", "--data", str(small_data),
                        "--max-steps", str(ELASTIC_STEPS), "--log-every", "5", "--eval-every", "10000",
                        "--checkpoint-every", "10", "--max-failures", "1", "--resize-interval", "1",
-                       env={"RAYTRAIN_LM_LOG_WINDOWS": "1"})
-    wait_for(proc, run_dir, lambda r: r.get("workers") == 2 and r["step"] >= 20)
-    helpers = actor_nodes(cluster.address)
-    cluster.add_node(num_cpus=1)
-    grown = wait_for(proc, run_dir, lambda r: r.get("workers") == 3)
-    wait_for(proc, run_dir, lambda r: r.get("workers") == 3 and r["step"] >= grown["step"] + 10)
-    cluster.remove_node(worker_nodes(cluster)[0])  # its raylet and worker processes die
-    wait_for(proc, run_dir, lambda r: r.get("workers") == 2 and r["step"] > grown["step"])
-    return finish(proc), run_dir, helpers
+                       env={"RAYTRAIN_LM_LOG_WINDOWS": "1", "RAYTRAIN_LM_HOLD_AT": "21,41"})
+    try:
+        held(proc, run_dir, 21, world=2)
+        helpers = actor_nodes(cluster.address)
+        cluster.add_node(num_cpus=1)
+        held(proc, run_dir, 21, world=3)
+        (run_dir / "hold-21.release").touch()
+        held(proc, run_dir, 41, world=3)
+        cluster.remove_node(worker_nodes(cluster)[0])  # its raylet and worker processes die
+        held(proc, run_dir, 41, world=2)
+        (run_dir / "hold-41.release").touch()
+        return finish(proc), run_dir, helpers
+    finally:
+        proc.kill()
 
 
 def test_the_runs_own_actors_live_on_the_drivers_node(cluster, elastic_run):
@@ -514,7 +522,7 @@ def test_the_run_grows_and_shrinks_with_the_cluster_and_completes(elastic_run):
     grew, shrank = summary["resizes"]
     assert (grew["from"], grew["to"], grew["why"]) == (2, 3, "the cluster grew")
     assert (shrank["from"], shrank["to"]) == (3, 2) and shrank["why"].startswith("worker failure")
-    assert grew["step"] < shrank["step"] and summary["restarts"] >= 2
+    assert (grew["step"], shrank["step"]) == (20, 40) and summary["restarts"] >= 2
     # Each group resumed from a checkpoint: it reports the step it started from.
     rows = rows_of(run_dir)
     sizes = [r["workers"] for r in rows]
