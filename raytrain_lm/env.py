@@ -18,6 +18,7 @@ CACHE_GB_ENV = "RAYTRAIN_LM_CACHE_GB"  # that cache's bound
 FAULT_ENV = "RAYTRAIN_LM_FAIL_AT"  # the fault drill (worker/drills.py)
 WINDOWS_ENV = "RAYTRAIN_LM_LOG_WINDOWS"  # the window log drill (worker/drills.py)
 NAN_ENV = "RAYTRAIN_LM_NAN_AT"  # the non-finite loss drill (worker/drills.py)
+HOLD_ENV = "RAYTRAIN_LM_HOLD_AT"  # the hold drill (worker/drills.py)
 # Ray's and others' that we read too
 RAY_ADDRESS_ENV = "RAY_ADDRESS"
 RAY_API_SERVER_ENV = "RAY_API_SERVER_ADDRESS"
@@ -67,6 +68,22 @@ def nan_at() -> Optional[int]:
     None when off."""
     value = _get(NAN_ENV)
     return int(value) if value else None
+
+
+def hold_at() -> Optional[str]:
+    """$RAYTRAIN_LM_HOLD_AT: the hold drill's spec (worker/drills.py), None when off."""
+    return _get(HOLD_ENV)
+
+
+def drills() -> dict[str, str]:
+    """The drill variables set here, to hand on to a process that builds a run's workers' inputs
+    (a Tune trial runs in a process of the cluster, which does not inherit this environment)."""
+    return {k: v for k in (FAULT_ENV, WINDOWS_ENV, NAN_ENV, HOLD_ENV) if (v := _get(k))}
+
+
+def set_drills(values: dict[str, str]) -> None:
+    """Set the drill variables `values` (drills()'s, from another process) for this one."""
+    os.environ.update({k: v for k, v in values.items() if k in (FAULT_ENV, WINDOWS_ENV, NAN_ENV, HOLD_ENV)})
 
 
 def log_windows() -> bool:

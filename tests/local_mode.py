@@ -63,12 +63,18 @@ def _context():
 
 
 def _rank_main(rank: int, world: int, port: int, cfg, kwargs: dict, ours: dict, out,
-               kill_after: Optional[int]) -> None:
+               kill_after: Optional[int], default_dtype: Optional[str] = None) -> None:
     """One rank of a torchrun of `train --workers 0`: torchrun's variables and the test's own
     (`ours`: the RAYTRAIN_LM_* drills as the test process has them now; the fork server's
-    environment is the one it started with), then the product."""
+    environment is the one it started with), then the product. `default_dtype`: torch's default
+    dtype in the rank ("float64": the model, its gradients and optimizer states in float64)."""
+    import torch
+
     from raytrain_lm.errors import RunFailed, UserError
     from raytrain_lm.run.in_process import run_local
+
+    if default_dtype:
+        torch.set_default_dtype(getattr(torch, default_dtype))
 
     if kill_after is not None:
         _exit_after_report(kill_after, out)
@@ -113,11 +119,12 @@ def _exit_after_report(step: int, out) -> None:
 def run_local(cfg, *, resume: bool = False, init_from: Optional[str] = None, force: bool = False,
               on_metrics: Optional[Callable[[dict], None]] = None,
               say: Callable[[str], None] = lambda m: None, timeout: float = 300,
-              kill_after: Optional[int] = None) -> dict:
+              kill_after: Optional[int] = None, default_dtype: Optional[str] = None) -> dict:
     """`train --workers 0` of `cfg` under a torchrun of cfg.workers ranks. Returns rank 0's summary
     (also in summary.json); a rank's failure raises with its traceback. `kill_after`: every rank
     exits right after reporting that step (a lost job, its checkpoints as far as they got) and
-    `Killed` is raised: resume the run's folder with resume=True."""
+    `Killed` is raised: resume the run's folder with resume=True. `default_dtype`: see _rank_main
+    (a float64 run, for comparisons that must differ only by the order of float64 sums)."""
     from raytrain_lm.cluster.connect import free_port
 
     assert isinstance(cfg.workers, int), "an elastic run needs Ray"
@@ -125,7 +132,8 @@ def run_local(cfg, *, resume: bool = False, init_from: Optional[str] = None, for
     out = ctx.Queue()
     kwargs = dict(resume=resume, init_from=init_from, force=force)
     ours = {k: v for k, v in os.environ.items() if k.startswith(PROJECT_ENV)}
-    ranks = [ctx.Process(target=_rank_main, args=(r, world, port, cfg, kwargs, ours, out, kill_after))
+    ranks = [ctx.Process(target=_rank_main, args=(r, world, port, cfg, kwargs, ours, out, kill_after,
+                                                  default_dtype))
              for r in range(world)]
     for p in ranks:
         p.start()

@@ -474,29 +474,37 @@ def finish(proc: subprocess.Popen, timeout: float = 300) -> dict:
     return json.loads(out)
 
 
-ELASTIC_STEPS = 300  # both resizes are over by step ~150 here
+ELASTIC_STEPS = 60
 
 
 @pytest.fixture(scope="module")
 def elastic_run(cluster, small_data, tmp_path_factory):
     """`--workers 1-3` on two nodes; a node added once it trains, one removed once it grew.
 
-    One failure allowed, for the one node lost (docs/checkpoints.md: one per node)."""
+    Held (the hold drill) where each change must find it, not raced: before step 21 (after
+    checkpoint 20) until the group of 3 that the added node makes is there, before step 41 until
+    the group of 2 that the lost node leaves is there. One failure allowed, for the one node lost
+    (docs/checkpoints.md: one per node)."""
     storage = tmp_path_factory.mktemp("elastic")
     run_dir = storage / "elastic"
     ensure_worker_nodes(cluster, 2)
     proc = start_train(cluster, "elastic", storage, "--workers", "1-3", "--data", str(small_data),
                        "--max-steps", str(ELASTIC_STEPS), "--log-every", "5", "--eval-every", "10000",
                        "--checkpoint-every", "10", "--max-failures", "1", "--resize-interval", "1",
-                       env={"RAYTRAIN_LM_LOG_WINDOWS": "1"})
-    wait_for(proc, run_dir, lambda r: r.get("workers") == 2 and r["step"] >= 20)
-    helpers = actor_nodes(cluster.address)
-    cluster.add_node(num_cpus=1)
-    grown = wait_for(proc, run_dir, lambda r: r.get("workers") == 3)
-    wait_for(proc, run_dir, lambda r: r.get("workers") == 3 and r["step"] >= grown["step"] + 10)
-    cluster.remove_node(worker_nodes(cluster)[0])  # its raylet and worker processes die
-    wait_for(proc, run_dir, lambda r: r.get("workers") == 2 and r["step"] > grown["step"])
-    return finish(proc), run_dir, helpers
+                       env={"RAYTRAIN_LM_LOG_WINDOWS": "1", "RAYTRAIN_LM_HOLD_AT": "21,41"})
+    try:
+        held(proc, run_dir, 21, world=2)
+        helpers = actor_nodes(cluster.address)
+        cluster.add_node(num_cpus=1)
+        held(proc, run_dir, 21, world=3)
+        (run_dir / "hold-21.release").touch()
+        held(proc, run_dir, 41, world=3)
+        cluster.remove_node(worker_nodes(cluster)[0])  # its raylet and worker processes die
+        held(proc, run_dir, 41, world=2)
+        (run_dir / "hold-41.release").touch()
+        return finish(proc), run_dir, helpers
+    finally:
+        proc.kill()
 
 
 def test_the_runs_own_actors_live_on_the_drivers_node(cluster, elastic_run):
@@ -514,7 +522,7 @@ def test_the_run_grows_and_shrinks_with_the_cluster_and_completes(elastic_run):
     grew, shrank = summary["resizes"]
     assert (grew["from"], grew["to"], grew["why"]) == (2, 3, "the cluster grew")
     assert (shrank["from"], shrank["to"]) == (3, 2) and shrank["why"].startswith("worker failure")
-    assert grew["step"] < shrank["step"] and summary["restarts"] >= 2
+    assert (grew["step"], shrank["step"]) == (20, 40) and summary["restarts"] >= 2
     # Each group resumed from a checkpoint: it reports the step it started from.
     rows = rows_of(run_dir)
     sizes = [r["workers"] for r in rows]
@@ -556,27 +564,43 @@ def drain(cluster, node_id: str, seconds: int) -> float:
     return deadline
 
 
-SPOT_STEPS = 500
+def held(proc: subprocess.Popen, run_dir: Path, step: int, world: int, timeout: float = 180) -> None:
+    """Wait until a worker group of `world` workers is held before `step` (the hold drill)."""
+    marker, limit = run_dir / f"hold-{step}.waiting", time.monotonic() + timeout
+    while not (marker.exists() and json.loads(marker.read_text())["world"] == world):
+        if proc.poll() is not None or time.monotonic() > limit:
+            proc.kill()
+            pytest.fail(f"no group of {world} held before step {step}: {proc.stderr.read()[-3000:]}\n"
+                        f"controller:\n{controller_decisions()}")
+        time.sleep(0.2)
+
+
+SPOT_STEPS = 30
+SPOT_NOTICE_S = 10  # the drained node's deadline: the checkpoint must land before it
 
 
 def test_a_preempted_node_checkpoints_before_its_deadline_and_the_run_resumes_there(
         cluster, small_data, tmp_path):
     ensure_worker_nodes(cluster, 2)
     run_dir = tmp_path / "spot"
-    # 2 workers take 40-60 steps a second here: 500 steps outlast the 6 s notice (250-360 steps by
-    # the deadline; a run that ends first never resizes; the group of 1 that finishes them takes
-    # ~10 a second). No checkpoint but the final one, so the only one to resume from is the
-    # preemption's.
+    # Held (the hold drill) where the test wants the run, not raced: the group of 2 before step 5
+    # until Ray tells it of the preemption (it asks at every step up to step 11, so the notice is
+    # taken at step 5), then before step 6 until released, so that it still runs at the deadline
+    # (a run that ends first is never resized) and the group of 1 that follows is seen to start.
+    # No checkpoint but the final one, so the only one to resume from is the preemption's.
     proc = start_train(cluster, "spot", tmp_path, "--workers", "1-2", "--data", str(small_data),
                        "--max-steps", str(SPOT_STEPS), "--log-every", "5", "--eval-every", "10000",
-                       "--checkpoint-every", "0", "--max-failures", "0", "--resize-interval", "1")
-    wait_for(proc, run_dir, lambda r: r.get("workers") == 2 and r["step"] >= 10)
+                       "--checkpoint-every", "0", "--max-failures", "0", "--resize-interval", "1",
+                       env={"RAYTRAIN_LM_HOLD_AT": "5:preemption,6"})
     node = worker_nodes(cluster)[-1]
     try:
-        deadline = drain(cluster, node.node_id, 6)
-        notice = wait_for(proc, run_dir, lambda r: r.get("preemption"), timeout=60)
+        held(proc, run_dir, 5, world=2)
+        deadline = drain(cluster, node.node_id, SPOT_NOTICE_S)
         # The drained node lingers (nothing reclaims it here): the group must not grow back
         # onto it (it did, and timed out starting there, again and again: scaling.py).
+        held(proc, run_dir, 6, world=1)
+        (run_dir / "hold-6.release").touch()
+        notice = wait_for(proc, run_dir, lambda r: r.get("preemption"))
         resumed = wait_for(proc, run_dir, lambda r: r.get("workers") == 1)
         summary = finish(proc)
     finally:
@@ -584,6 +608,7 @@ def test_a_preempted_node_checkpoints_before_its_deadline_and_the_run_resumes_th
         cluster.remove_node(node)  # what the cloud does at the deadline
 
     saved = run_dir / f"checkpoint_{notice['step']:08d}"
+    assert notice["step"] == 5
     assert notice["checkpoint"] == str(saved) and notice["preemption"]["seconds_left"] > 0
     assert (saved / "meta.json").stat().st_mtime < deadline  # landed before the node's deadline
     assert resumed["resumed_from_step"] == notice["step"]  # from that step, not an older one

@@ -264,6 +264,22 @@ def test_a_resumed_stream_reads_the_batches_it_would_have(pydoc_data):
         assert torch.equal(resumed.next()[0], reference[n + i])
 
 
+@pytest.mark.parametrize("windows", [96, 101])  # 4 steps of 24 an epoch: none left over, 5
+def test_a_stream_resumed_at_any_step_of_an_epoch_reads_what_it_would_have(windows):
+    """Resumed after every step of two epochs (with one step left in the epoch, with none), on
+    each of 2 ranks: the next steps read the windows the unbroken stream reads. The epoch ends
+    when less than a global batch is left, not when exactly one is."""
+    plans = [BatchPlan(6, 2, r, 2) for r in range(2)]  # a global batch of 24
+    for plan in plans:
+        unbroken = read_steps(index_stream(windows, plan), 10)
+        for steps in range(1, 8):
+            first = index_stream(windows, plan)
+            read_steps(first, steps)
+            resumed = index_stream(windows, plan)
+            resumed.load_state_dict(first.state_dict())
+            assert read_steps(resumed, 2) == unbroken[steps:steps + 2], (plan.dp_rank, steps)
+
+
 def test_too_few_windows_for_one_global_batch():
     with pytest.raises(UserError, match="fewer than one global batch"):
         index_stream(20, BatchPlan(8, 1, 0, 3))

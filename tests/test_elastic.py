@@ -147,6 +147,16 @@ def test_worker_groups_count_restarts_and_say_why_a_size_changed():
         {"step": 37, "from": 2, "to": 1, "why": "preemption of 1 node"}]
 
 
+def test_a_preemption_told_on_a_groups_first_row_is_why_the_next_group_is_smaller():
+    """A notice that comes with the first row a group reports (its first row is the step of the
+    just-in-time checkpoint) is still the reason of the resize that follows: it was taken, then
+    cleared as the reason of that first group's own start."""
+    groups = WorkerGroups()
+    groups.row({"train_start_unix": 1.0, "workers": 2, "step": 5, "preemption": {"nodes": ["n1"]}})
+    assert groups.row({"train_start_unix": 2.0, "workers": 1, "resumed_from_step": 5}) == \
+        "resized from 2 to 1 workers at step 5: preemption of 1 node"
+
+
 def test_a_checkpoint_is_committed_data_first_record_then_meta(tmp_path):
     """The order uploads copy a rank's files in: a copy cut short has no record and is skipped."""
     from raytrain_lm.models.gpt.gpt import GPT

@@ -353,6 +353,29 @@ def test_an_export_its_class_cannot_hold_is_refused(arch, setting, expected):
         hf_adapter(m).hf_config(m, 256, None)
 
 
+def test_a_qwen2_without_biases_writes_every_q_k_v_bias_as_zeros(tmp_path):
+    """The exported file itself (no transformers load, which fills a missing tensor with its own
+    initial values): every layer's q, k and v biases, at the q and k/v widths, all zero; only
+    q/k/v have them."""
+    from safetensors import safe_open
+
+    from raytrain_lm.results.hf_export import export_hf
+
+    m = ModelConfig(arch="qwen2", bias=False, qkv_bias=False, vocab_size=256, n_layer=3, n_head=4,
+                    n_kv_head=2, n_embd=64, block_size=64)
+    export_hf(build_model(m, seed=1).state_dict(), m, ByteTokenizer(), tmp_path / "out", dtype="fp32")
+    tensors = {}
+    for path in (tmp_path / "out").glob("*.safetensors"):
+        with safe_open(str(path), "pt") as f:
+            tensors.update({k: f.get_tensor(k) for k in f.keys() if k.endswith(".bias")})
+    q, kv = m.n_head * m.head_dim, m.kv_heads * m.head_dim
+    assert (q, kv) == (64, 32)
+    assert {k: tuple(t.shape) for k, t in tensors.items()} == {
+        f"model.layers.{i}.self_attn.{p}_proj.bias": (q if p == "q" else kv,)
+        for i in range(3) for p in "qkv"}
+    assert not any(t.any() for t in tensors.values())
+
+
 def test_a_qwen2_without_biases_exports_zero_biases(tmp_path):
     """Qwen2's class always has q/k/v biases: a qwen2 trained without them exports zeros, and
     computes the same."""

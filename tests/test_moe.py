@@ -6,13 +6,18 @@ inputs: test_bad_inputs.py)."""
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 
 from conftest import cli_here
 from raytrain_lm.config.presets import preset_config
 from raytrain_lm.models import build_model, family
 from raytrain_lm.models.family import ModelConfig
 from raytrain_lm.models.moe.moe import MoELayer, expert_ffn, grouped_mm_suits
+from raytrain_lm.parallel.ep import apply_ep
 
 # 2 layers, 4 experts of 48 units, 2 per token, a shared expert of 32.
 SMALL = ModelConfig(arch="moe", bias=False, vocab_size=96, block_size=32, n_layer=2, n_head=4,
@@ -27,12 +32,13 @@ def swiglu(x, gate, up, down):
 def test_the_layer_sends_each_token_to_its_top_k_experts(norm_top_k):
     """Dropless dispatch sorted by expert, the loop over experts and the combine give, for every
     token, the sum over its k likeliest experts of weight x SwiGLU_e(x) plus the shared expert,
-    computed token by token (fp32, 1e-6)."""
+    computed token by token. In float64: the two differ by the order of their sums (matrices of
+    many rows against one), at most 48 terms, 48 * 2**-53 = 5e-15 of the terms' sizes; 1e-12."""
     torch.manual_seed(0)
     cfg = ModelConfig(**{**vars(SMALL), "norm_top_k": norm_top_k})
-    model = build_model(cfg, seed=3)
+    model = build_model(cfg, seed=3).double()
     layer: MoELayer = model.h[0].mlp
-    x = torch.randn(3, 10, cfg.n_embd)
+    x = torch.randn(3, 10, cfg.n_embd, dtype=torch.float64)
     y = layer(x)
     ex = layer.experts
     expected = torch.empty_like(x)
@@ -47,7 +53,8 @@ def test_the_layer_sends_each_token_to_its_top_k_experts(norm_top_k):
                                  for j in range(cfg.top_k))
             expected[b, t] += swiglu(xt, layer.shared.gate_proj.weight, layer.shared.up_proj.weight,
                                      layer.shared.down_proj.weight)
-    torch.testing.assert_close(y, expected, rtol=1e-6, atol=1e-6)
+    assert y.dtype == torch.float64
+    torch.testing.assert_close(y, expected, rtol=1e-12, atol=1e-12)
 
 
 def test_the_grouped_matmul_equals_the_loop_in_bf16():
@@ -87,12 +94,13 @@ def test_the_balance_loss_is_one_when_balanced_and_the_same_for_any_split_of_the
     router that gives every expert the same probability, about 2 under one that gives expert 0
     nearly all of it (each token's first pick); computed per sequence, so a batch's loss is the
     mean of its halves' (the data-parallel ranks' and micro-batches' losses average to the one
-    worker's)."""
+    worker's). The split in float64 (a mean of 8 sequences' against two of 4: they differ by the
+    order of float64 sums, ~1e-16; 1e-12)."""
     torch.manual_seed(0)
-    layer = build_model(SMALL, seed=3).h[0].mlp
-    x = torch.randn(8, 16, SMALL.n_embd)
+    layer = build_model(SMALL, seed=3).h[0].mlp.double()
+    x = torch.randn(8, 16, SMALL.n_embd, dtype=torch.float64)
     halves = (balance(layer, x[:4]) + balance(layer, x[4:])) / 2
-    assert balance(layer, x).item() == pytest.approx(halves.item(), rel=1e-6)
+    assert balance(layer, x).item() == pytest.approx(halves.item(), rel=1e-12)
     with torch.no_grad():
         layer.router.weight.zero_()
     assert balance(layer, x).item() == pytest.approx(1.0, rel=1e-6)
@@ -124,6 +132,73 @@ def test_the_aux_loss_is_trained_on_but_not_reported():
     assert losses[0.0] == losses[0.5]
     assert not torch.equal(grads[0.0]["h.0.mlp.router.weight"], grads[0.5]["h.0.mlp.router.weight"])
     torch.testing.assert_close(grads[0.0]["lm_head.weight"], grads[0.5]["lm_head.weight"], rtol=0, atol=0)
+
+
+def test_the_aux_losses_trained_on_are_the_coefficients_times_their_mean_over_layers():
+    """What the decoder adds to the loss (take_aux_losses, the sum of the layers' terms) is
+    aux_loss_coef times the mean over the layers of their balance losses, plus z_loss_coef times
+    the mean of their z-losses: each layer weighs its own by coef / n_layer. A layer weighing by
+    the whole coefficient makes them n_layer (here 4) times too strong, and the metrics (the
+    layers' statistics, the plain losses) do not show it. fp32: a sum of 4 terms, 1e-6."""
+    from raytrain_lm.models.decoder import take_aux_losses
+
+    cfg = ModelConfig(**{**vars(SMALL), "n_layer": 4, "aux_loss_coef": 0.3, "z_loss_coef": 0.02})
+    model = build_model(cfg, seed=3).train()
+    x = torch.randn(4, 16, cfg.n_embd, generator=torch.Generator().manual_seed(0))
+    for block in model.h:
+        block.mlp(x)
+    stats = torch.stack([block.mlp.stats for block in model.h])  # per layer: ..., balance, z, 1
+    expected = 0.3 * stats[:, -3].mean() + 0.02 * stats[:, -2].mean()
+    assert take_aux_losses(model).item() == pytest.approx(expected.item(), rel=1e-6)
+
+
+def _ep_case():
+    """SMALL in float64, and a batch of 8 sequences (each ep rank reads 4)."""
+    model = build_model(SMALL, seed=3).double().train()
+    return model, torch.randint(0, SMALL.vocab_size, (8, 16), generator=torch.Generator().manual_seed(1))
+
+
+def _ep_grads(rank, store, out):
+    """One ep rank (forked: the modules above are imported already, so a rank costs no imports)."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    model, idx = _ep_case()
+    apply_ep(model, init_device_mesh("cpu", (2,), mesh_dim_names=("ep",))["ep"], list(model.h))
+    mine = idx[4 * rank:4 * rank + 4]
+    model(mine, mine)[1].backward()
+    grads = {}
+    for name, p in model.named_parameters():
+        if isinstance(p.grad, DTensor):  # an expert's: the group's mean already (ep.py)
+            grads[name] = p.grad.full_tensor()
+        else:  # the rest: data parallelism's mean over the ranks
+            dist.all_reduce(p.grad)
+            grads[name] = p.grad / 2
+    if rank == 0:
+        torch.save(grads, out)
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow  # two forked gloo ranks: 4-6 s of CPU at load 17 (the harness's ep runs: minutes)
+def test_expert_parallelism_gives_every_gradient_of_one_process(tmp_path):
+    """ep 2 on two gloo ranks, each with half the batch: with the experts' gradients as the
+    all-to-all's backward leaves them and the rest averaged as data parallelism does, every
+    parameter's gradient is one process's on the whole batch. The outputs must come back to
+    their tokens (the inverse permutation) and the experts' gradients be scaled by 1/ep and
+    their inputs' by ep: a wrong permutation changes the loss, a wrong scale doubles or halves
+    gradients, which AdamW's steps hardly show in the losses (the harness test of the ep2 layout
+    caught it only by 1.1-3.5x its tolerance). In float64, so the two differ only by the order
+    of float64 sums (<= 512 routed rows a matmul: at most 512 * 2**-53 = 6e-14 of the terms'
+    sizes): 1e-10 of each tensor's largest entry leaves room for cancellation."""
+    mp.start_processes(_ep_grads, args=(tmp_path / "store", tmp_path / "grads.pt"), nprocs=2,
+                       start_method="fork")
+    model, idx = _ep_case()
+    model(idx, idx)[1].backward()
+    grads = torch.load(tmp_path / "grads.pt")
+    assert grads.keys() == dict(model.named_parameters()).keys()
+    for name, p in model.named_parameters():
+        assert grads[name].dtype == torch.float64
+        torch.testing.assert_close(grads[name], p.grad, rtol=0, atol=1e-10 * p.grad.abs().max().item(),
+                                   msg=lambda m, name=name: f"{name}: {m}")
 
 
 def test_moe_tiny_and_the_counts():

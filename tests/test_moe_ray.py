@@ -14,20 +14,29 @@ from test_moe_parallel import LAYOUTS, STEPS, assert_trains_the_one_worker_model
 def test_a_killed_ep_run_on_ray_trains_the_one_worker_model_and_resumes_exactly(
         ray_address, pydoc_data, tmp_path, monkeypatch):
     """The ep2 layout (ZeRO-1) on two Ray Train workers, rank 1 killed after step 8, the user
-    told, and the group restarted from step 5's checkpoint: the steps it trains twice (6 and 7, and 8 where its row
-    got out) give the same loss and gradient norm bit for bit, and every step equals the one-worker
-    run's (on the harness) within 1e-5, with the same tokens per expert."""
+    told, and the group restarted from step 5's checkpoint: the steps it trains twice (6 and 7)
+    give the same loss and gradient norm bit for bit, and every step equals the one-worker run's
+    (on the harness) within 1e-5, with the same tokens per expert."""
     one = []
     run_local(moe_config(pydoc_data, tmp_path, "one", *LAYOUTS["one"]), on_metrics=one.append)
-    # Every row its own report (a step takes longer than log_seconds): Ray takes a worker's
-    # report only once its previous one was polled, so step 6's row has reached the driver when
-    # step 8 ends. With time-paced sends, rows 6-7 could wait on the worker and die with it.
+    # Every row its own report (a step takes longer than log_seconds). Step 7's row is in flight
+    # in Ray (a worker holds it until the controller's poll) when the drill kills rank 1 after
+    # step 8: whether it reaches the driver first was a race. So the run is held before step 8
+    # until this driver has it (the hold drill); the kill comes after.
+    run_dir = tmp_path / "ep2-killed"
     monkeypatch.setenv("RAYTRAIN_LM_FAIL_AT", "1:8")
+    monkeypatch.setenv("RAYTRAIN_LM_HOLD_AT", "8")
     rows = []
+
+    def on_metrics(row: dict) -> None:
+        rows.append(row)
+        if row.get("step") == 7:
+            (run_dir / "hold-8.release").touch()
+
     cfg = moe_config(pydoc_data, tmp_path, "ep2-killed", *LAYOUTS["ep2"], max_failures=1,
                      checkpoint_every=5, log_seconds=1e-3)
     messages = []
-    summary = run_training(cfg, say=messages.append, on_metrics=rows.append)
+    summary = run_training(cfg, say=messages.append, on_metrics=on_metrics)
     assert summary["restarts"] == 1 and summary["resumed_from_step"] == 5
     assert any(m.startswith("worker failure") for m in messages), messages  # the user is told
     rows = [r for r in rows if "step" in r]

@@ -141,10 +141,11 @@ def wandb_records(run_file: Path) -> list:
     return records
 
 
-def wandb_run(folder: Path, wait: float = 20.0) -> dict:
+def wandb_run(folder: Path, wait: float = 120.0) -> dict:
     """What an offline run folder holds: run id, group, config, history {step: {key: value}},
     summary, exit code. W&B's service may still be writing the file when `finish()` has
-    returned: read until it ends with the run's exit record."""
+    returned: read until it ends with the run's exit record (`wait`: a bound for a run that never
+    ends; a loaded machine's service takes longer)."""
     deadline = time.time() + wait
     while (out := _wandb_run(folder))["exit_code"] is None and time.time() < deadline:
         time.sleep(0.2)

@@ -17,3 +17,4 @@ class WorkerInputs:
     force: bool = False  # --force: past the memory check
     log_windows: bool = False  # the window log drill (worker/drills.py)
     nan_at: Optional[int] = None  # the non-finite loss drill (worker/drills.py)
+    hold_at: Optional[str] = None  # the hold drill (worker/drills.py)

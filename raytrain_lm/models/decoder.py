@@ -107,7 +107,10 @@ class Decoder(nn.Module):
         logits = self.head(x)
         # Under tensor parallelism with loss parallelism, logits is a DTensor sharded over the
         # vocabulary; cross_entropy then runs on the shards inside `loss_parallel()`.
-        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.reshape(-1))
+        # at least float32 (bf16/fp16 logits go up; a float64 model, as the tests' references
+        # run, keeps float64)
+        loss = F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32))
+                               .flatten(0, 1), targets.reshape(-1))
         # trained on, not reported: the loss's value stays the cross-entropy
         return logits, attach_aux_loss(loss, aux)
 

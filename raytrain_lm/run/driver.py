@@ -42,7 +42,7 @@ def loop_config(cfg: TrainConfig, init_from: Optional[str] = None, fail_at: Opti
     """What every worker's `train_loop_per_worker` is given (see build_trainer)."""
     return WorkerInputs(train=cfg.to_dict(), run_name=cfg.name, init_from=init_from,
                         fail_at=fail_at, force=force, log_windows=env.log_windows(),
-                        nan_at=env.nan_at())
+                        nan_at=env.nan_at(), hold_at=env.hold_at())
 
 
 def build_trainer(cfg: TrainConfig, run: RunFolder, callbacks: Optional[list] = None,

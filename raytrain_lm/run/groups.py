@@ -32,8 +32,15 @@ class WorkerGroups:
 
     def row(self, row: dict) -> Optional[str]:
         """Take a row a group reported; returns what to tell the user when it shows a resize."""
+        said = self._group(row)
+        # why the next group starts, told by whichever row of this one (its first, too: after
+        # that row's own group is reckoned, which clears the reason it started for)
         if row.get("preemption"):
             self.preemption(row["preemption"])
+        return said
+
+    def _group(self, row: dict) -> Optional[str]:
+        """A new group (a restart, perhaps a resize) if the row is its first."""
         group = row.get("train_start_unix")
         if group is None or group == self.group:
             return None

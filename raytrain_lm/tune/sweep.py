@@ -20,6 +20,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from raytrain_lm import env
 from raytrain_lm.cluster.connect import connect_ray
 from raytrain_lm.config.checks import validate
 from raytrain_lm.config.settings import TrainConfig, apply_overrides
@@ -95,10 +96,14 @@ def trial_config(base: dict, params: dict) -> TrainConfig:
     return cfg
 
 
-def run_trial(params: dict, base: dict, sweep_uri: str, controllers, poll_seconds: float) -> None:
-    """The Tune function trainable: one full distributed training."""
+def run_trial(params: dict, base: dict, sweep_uri: str, controllers, poll_seconds: float,
+              drills: Optional[dict[str, str]] = None) -> None:
+    """The Tune function trainable: one full distributed training. `drills`: the sweep driver's
+    drill variables (env.drills), set here, in the trial's own process, as a train's driver
+    hands them to its workers."""
     from ray import tune
 
+    env.set_drills(drills or {})
     cfg = trial_config(base, params)
     trial_dir = os.path.basename(tune.get_context().get_trial_dir().rstrip("/"))
     cfg.storage, cfg.name = f"{sweep_uri}/{trial_dir}", "train"
@@ -163,7 +168,7 @@ def _trainable(cfg: TrainConfig, sweep_uri: str):
     # The trial runs in its own process: the driver's poll setting travels with it.
     fn = tune.with_parameters(run_trial, base=cfg.to_dict(), sweep_uri=sweep_uri,
                               controllers=_CONTROLLERS["queue"],
-                              poll_seconds=report_poll_seconds())
+                              poll_seconds=report_poll_seconds(), drills=env.drills())
     return tune.with_resources(fn, {"cpu": TRIAL_CPUS})
 
 

@@ -10,6 +10,13 @@ environment; off, they cost one `if` where they hook in.
 - Window log, RAYTRAIN_LM_LOG_WINDOWS=1: every rank appends the window indices of each micro-batch
   it reads, with the data position of the step they belong to, to `<run>/windows/` (local storage
   only): what shows that a run, across restarts and resizes, used every window of an epoch once.
+- Hold, RAYTRAIN_LM_HOLD_AT=STEP[:preemption][,...]: before that step every rank waits, so that a
+  test makes the run stand where it wants it instead of racing it (local storage only). Rank 0
+  first writes `hold-STEP.waiting` into the run's folder, JSON {step, world}: where the run
+  stands. STEP: until the file `hold-STEP.release` appears there. STEP:preemption: until Ray tells
+  of a node of the run being preempted (for a step up to PreemptionWatch's PACING_STEPS, where the
+  loop asks Ray at every step: the notice is then taken at that step). Every worker group of every
+  run it is set for (a resumed group past the step is not held again).
 """
 
 from __future__ import annotations
@@ -48,6 +55,37 @@ def fault_drill(spec: Optional[str], step: int, rank: int, run_name: str, phase:
         internal_kv._internal_kv_put(key, b"1")
     print(f"[fault drill] rank {rank} exiting at step {step} ({phase})", flush=True)
     os._exit(1)  # the process dies: no exception, no cleanup, as on a lost node
+
+
+HOLD_POLL_S = 0.1  # how often a held rank looks again
+
+
+def hold_drill(spec: Optional[str], step: int, rank: int, world: int, fs, run_path: str) -> None:
+    """Before step `step` (1-based): if the drill `spec` holds the run there, wait (every rank
+    alike) until it is released (module docstring). `fs`, `run_path`: the run's storage."""
+    if not spec:
+        return
+    import pyarrow.fs as pafs
+
+    holds = dict(item.partition(":")[::2] for item in (spec or "").split(",") if item)
+    if str(step) not in holds:
+        return
+    if not isinstance(fs, pafs.LocalFileSystem):
+        raise RuntimeError(f"the hold drill needs a local --storage, not {type(fs).__name__}")
+    folder = Path(run_path)
+    if rank == 0:
+        waiting = folder / f"hold-{step}.waiting"
+        waiting.with_suffix(".tmp").write_text(json.dumps({"step": step, "world": world}))
+        waiting.with_suffix(".tmp").replace(waiting)  # whole or absent to a reader
+    if holds[str(step)] == "preemption":
+        import ray.train
+
+        # a barrier that hands rank 0's answer to every rank: all ranks ask equally often
+        while ray.train.get_preemption_info() is None:
+            time.sleep(HOLD_POLL_S)
+        return
+    while not (folder / f"hold-{step}.release").exists():
+        time.sleep(HOLD_POLL_S)
 
 
 def nan_drill(at: Optional[int], step: int, step_fn) -> None:

@@ -28,7 +28,7 @@ from raytrain_lm.errors import UserError
 from raytrain_lm.models import family, flops_per_token
 from raytrain_lm.store import checkpoint_format as ckpt_io
 from raytrain_lm.worker.checkpointer import Checkpointer, load_init_from, restore_rng
-from raytrain_lm.worker.drills import WindowLog, fault_drill, nan_drill
+from raytrain_lm.worker.drills import WindowLog, fault_drill, hold_drill, nan_drill
 from raytrain_lm.worker.metrics import Meter, check_device_memory, gpu_peak_tflops, peak_memory_gb
 from raytrain_lm.worker.optim import lr_at
 from raytrain_lm.worker.preemption import PreemptionWatch
@@ -83,6 +83,7 @@ def train_loop_per_worker(inputs: WorkerInputs) -> None:
     while step < cfg.max_steps:
         lr = lr_at(step, cfg)
         nan_drill(inputs.nan_at, step + 1, step_fn)
+        hold_drill(inputs.hold_at, step + 1, rank, world, checkpointer.fs, checkpointer.run_path)
         loss, grad_norm = step_fn(batches, lr)
         step, tokens = step + 1, tokens + step_tokens
         meter.add_step(loss, step_tokens, grad_norm)

@@ -126,10 +126,11 @@ class MoELayer(nn.Module):
         return aux
 
     def route(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(logits, weights, experts): the router's fp32 logits (N, E), each token's top-k
+        """(logits, weights, experts): the router's logits (N, E; at least fp32), each token's top-k
         weights and experts (N, k)."""
+        dtype = torch.promote_types(flat.dtype, torch.float32)  # a float64 model stays float64
         with torch.autocast(flat.device.type, enabled=False):
-            logits = F.linear(flat.float(), local(self.router.weight).float())
+            logits = F.linear(flat.to(dtype), local(self.router.weight).to(dtype))
         weights, chosen = logits.softmax(-1).topk(self.top_k, dim=-1)
         if self.norm_top_k:
             weights = weights / weights.sum(-1, keepdim=True)
@@ -144,7 +145,7 @@ class MoELayer(nn.Module):
         order = pairs.argsort(stable=True)
         out = self.dispatch(flat[order // self.top_k], counts, self.experts)
         out = torch.zeros_like(out).index_copy(0, order, out)  # back to (token, slot) order
-        y = (out.view(-1, self.top_k, D).float() * weights.unsqueeze(-1)).sum(1).to(x.dtype)
+        y = (out.view(-1, self.top_k, D).to(weights.dtype) * weights.unsqueeze(-1)).sum(1).to(x.dtype)
         y = y.view(B, T, D)
         if self.shared is not None:
             y = y + self.shared(x)
