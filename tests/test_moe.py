@@ -148,9 +148,9 @@ def test_expert_major_order():
 
     by_rank = torch.tensor([[2, 1], [0, 3]])  # rank 0 sends 2 rows to expert 0, 1 to expert 1...
     # rows: r0e0 r0e0 r0e1 r1e1 r1e1 r1e1 -> e0: 0, 1; e1: 2 (rank 0), 3, 4, 5 (rank 1)
-    assert expert_major(by_rank).tolist() == [0, 1, 2, 3, 4, 5]
+    assert expert_major(by_rank, 6).tolist() == [0, 1, 2, 3, 4, 5]
     by_rank = torch.tensor([[1, 2], [3, 0]])  # r0e0 r0e1 r0e1 r1e0 r1e0 r1e0
-    assert expert_major(by_rank).tolist() == [0, 3, 4, 5, 1, 2]
+    assert expert_major(by_rank, 6).tolist() == [0, 3, 4, 5, 1, 2]
 
 
 def test_the_experts_initialise_by_rows_as_any_shard_does():
@@ -235,3 +235,83 @@ def test_plan_prints_total_and_active_parameters_and_ranks_ep_layouts():
     assert best.layout.ep == 8 and "EP 8 inside a node" in why
     best.layout.apply(cfg)
     assert cfg.ep == 8 and "--ep 8" in best.layout.flags()
+
+
+class HostReads:
+    """Counts what would make a CUDA step wait for the device (a sync), on any device: the ops
+    that read a tensor's values on the host (item, nonzero, bincount: its CUDA kernel reads the
+    min and max, repeat_interleave without output_size: the total), seen by a dispatch mode,
+    and tensors turned into Python lists (tolist reads below the dispatcher, so it is wrapped)."""
+
+    READS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default,
+             torch.ops.aten.bincount.default, torch.ops.aten.masked_select.default}
+
+    def __init__(self, monkeypatch):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        self.reads = []
+        counter = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                if func in HostReads.READS or (func is torch.ops.aten.repeat_interleave.Tensor
+                                               and kwargs.get("output_size") is None):
+                    counter.reads.append(str(func))
+                return func(*args, **kwargs)
+
+        tolist = torch.Tensor.tolist
+
+        def counted_tolist(t):
+            counter.reads.append("tolist")
+            return tolist(t)
+
+        monkeypatch.setattr(torch.Tensor, "tolist", counted_tolist)
+        self.mode = Mode()
+
+    def __enter__(self):
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.mode.__exit__(*exc)
+
+
+@pytest.mark.parametrize("ep", [False, True])
+def test_the_moe_step_reads_the_device_once_per_layer_at_most(monkeypatch, ep):
+    """A bf16 training step of the MoE layers (forward and backward, grouped matmul) makes no
+    host read of device values with every expert here, and one per layer through the
+    expert-parallel all-to-all (its split sizes are host ints): here on a one-rank gloo group,
+    counted by HostReads (CUDA's sync debug mode needs CUDA). Counting with bincount read the
+    device twice per layer on CUDA, repeat_interleave without output_size once more."""
+    import torch.distributed as dist
+
+    from raytrain_lm.parallel.ep import AllToAllDispatch
+
+    model = build_model(SMALL, seed=0).train()
+    x = torch.randn(2, 8, SMALL.n_embd, requires_grad=True)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        layers = [block.mlp for block in model.h]
+        if ep:
+            for layer in layers:
+                layer.dispatch = AllToAllDispatch(dist.group.WORLD)
+        with torch.autocast("cpu", dtype=torch.bfloat16), HostReads(monkeypatch) as counted:
+            y = x
+            for layer in layers:
+                y = layer(y)
+            (y.float().square().sum() + sum(layer.take_aux_loss() for layer in layers)).backward()
+    finally:
+        dist.destroy_process_group()
+    assert x.grad is not None and all(layer.experts.gate_proj.grad is not None for layer in layers)
+    assert counted.reads == (["tolist"] * len(layers) if ep else []), counted.reads
+
+
+def test_blackwell_takes_the_loop_until_its_grouped_matmul_zeroes_idle_experts():
+    """The grouped matmul on CUDA from sm80 (Ampere, Hopper) but not on compute capability 10.x
+    (B200/GB200), whose grouped matmul gives experts without tokens non-zero gradients."""
+    from raytrain_lm.models.moe.moe import grouped_mm_capable
+
+    assert grouped_mm_capable((8, 0)) and grouped_mm_capable((9, 0)) and grouped_mm_capable((12, 0))
+    assert not grouped_mm_capable((7, 5)) and not grouped_mm_capable((10, 0))
+    assert not grouped_mm_capable((10, 3))

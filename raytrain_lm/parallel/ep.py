@@ -74,26 +74,29 @@ class AllToAllDispatch:
             received = torch.empty_like(counts)
             dist.all_to_all_single(received, counts, group=self.group)
         by_rank = received.view(P, e)  # (source rank, my expert)
-        send = counts.view(P, e).sum(1).tolist()
-        recv = by_rank.sum(1).tolist()
+        # The all-to-all takes its split sizes as host ints: this one read of both (a sync per
+        # layer, its backward reuses them) is the floor; everything else stays on the device.
+        send, recv = torch.stack([counts.view(P, e).sum(1), by_rank.sum(1)]).tolist()
         x = all_to_all_single_autograd(routed, recv, send, self.group)  # rank-major
-        order = expert_major(by_rank)
+        order = expert_major(by_rank, sum(recv))
         y = _GradScale.apply(experts(_GradScale.apply(x[order], P), by_rank.sum(0)), 1.0 / P)
         y = torch.zeros_like(y).index_copy(0, order, y)  # back to rank-major
         return all_to_all_single_autograd(y, send, recv, self.group)
 
 
-def expert_major(by_rank: torch.Tensor) -> torch.Tensor:
+def expert_major(by_rank: torch.Tensor, total: int) -> torch.Tensor:
     """The rows of a rank-major block (rank r's rows for expert j at position
     sum(by_rank[:r]) + sum(by_rank[r, :j])) in expert-major order: expert 0's rows from rank 0,
-    1, ..., then expert 1's, as the experts' grouped rows want them."""
+    1, ..., then expert 1's, as the experts' grouped rows want them. `total`: by_rank's sum, a
+    host int (repeat_interleave would read it from the device otherwise)."""
     P, e = by_rank.shape
     flat = by_rank.reshape(-1)
     starts = (flat.cumsum(0) - flat).view(P, e).t().reshape(-1)  # each (expert, rank) segment's start
     lengths = by_rank.t().reshape(-1)
-    segment = torch.repeat_interleave(torch.arange(lengths.numel(), device=flat.device), lengths)
+    segment = torch.repeat_interleave(torch.arange(lengths.numel(), device=flat.device), lengths,
+                                      output_size=total)
     offsets = lengths.cumsum(0) - lengths
-    return starts[segment] + torch.arange(segment.numel(), device=flat.device) - offsets[segment]
+    return starts[segment] + torch.arange(total, device=flat.device) - offsets[segment]
 
 
 class _GradScale(torch.autograd.Function):

@@ -55,16 +55,23 @@ def local(w: torch.Tensor) -> torch.Tensor:
 
 
 def grouped_mm_suits(x: torch.Tensor, hidden: int) -> bool:
-    """Whether `expert_ffn` runs a grouped matmul: torch has one for bf16 (on CUDA from sm80, and
-    on the CPU); fp32 and fp16 take the loop."""
+    """Whether `expert_ffn` runs a grouped matmul: torch has one for bf16 (on CUDA where
+    `grouped_mm_capable` says so, and on the CPU); fp32 and fp16 take the loop."""
     dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) \
         else x.dtype
     if dtype != torch.bfloat16 or not hasattr(F, "grouped_mm"):
         return False
     if x.device.type == "cuda":
-        return torch.cuda.get_device_capability(x.device) >= (8, 0) and \
+        return grouped_mm_capable(torch.cuda.get_device_capability(x.device)) and \
             x.shape[-1] % GROUPED_ALIGN == 0 and hidden % GROUPED_ALIGN == 0
     return x.device.type == "cpu"
+
+
+def grouped_mm_capable(capability: tuple[int, int]) -> bool:
+    """Whether a GPU of this compute capability takes the grouped matmul: from sm80, except
+    Blackwell's 10.x, where torch's grouped matmul gives non-zero gradients to experts that got
+    no tokens (an open PyTorch issue; Hopper's are zero): those take the loop until it is fixed."""
+    return tuple(capability) >= (8, 0) and capability[0] != 10
 
 
 def expert_ffn(x: torch.Tensor, counts: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
@@ -79,6 +86,7 @@ def expert_ffn(x: torch.Tensor, counts: torch.Tensor, gate: torch.Tensor, up: to
             F.grouped_mm(a, u.transpose(-2, -1), offs=offsets)
         return F.grouped_mm(h, d.transpose(-2, -1), offs=offsets).to(x.dtype)
     # Every expert runs, even on no rows: each weight is then used in every step (DDP expects it).
+    # (The split sizes are host ints: this path reads the counts on the host, a sync per call.)
     outs = [F.linear(F.silu(F.linear(rows, gate[i])) * F.linear(rows, up[i]), down[i])
             for i, rows in enumerate(x.split(counts.tolist()))]
     return torch.cat(outs)
@@ -101,6 +109,14 @@ class Experts(nn.Module):
 def local_dispatch(routed: torch.Tensor, counts: torch.Tensor, experts: Experts) -> torch.Tensor:
     """Every expert is here: compute the rows grouped by expert where they are."""
     return experts(routed, counts)
+
+
+def expert_counts(pairs: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """How many of `pairs` (expert indices) chose each expert, counted on the device: CUDA's
+    bincount reads the smallest and the largest index on the host (two syncs) even with
+    minlength; scatter_add_ reads nothing."""
+    return torch.zeros(n_experts, dtype=torch.long, device=pairs.device).scatter_add_(
+        0, pairs, torch.ones_like(pairs))
 
 
 class MoELayer(nn.Module):
@@ -140,7 +156,7 @@ class MoELayer(nn.Module):
         flat = x.reshape(-1, D)
         logits, weights, chosen = self.route(flat)
         pairs = chosen.reshape(-1)  # (N*k,): token t's slot j at t*k + j
-        counts = torch.bincount(pairs, minlength=self.n_experts)
+        counts = expert_counts(pairs, self.n_experts)
         order = pairs.argsort(stable=True)
         out = self.dispatch(flat[order // self.top_k], counts, self.experts)
         out = torch.zeros_like(out).index_copy(0, order, out)  # back to (token, slot) order
