@@ -315,3 +315,74 @@ def test_blackwell_takes_the_loop_until_its_grouped_matmul_zeroes_idle_experts()
     assert grouped_mm_capable((8, 0)) and grouped_mm_capable((9, 0)) and grouped_mm_capable((12, 0))
     assert not grouped_mm_capable((7, 5)) and not grouped_mm_capable((10, 0))
     assert not grouped_mm_capable((10, 3))
+
+
+def _moe_step():
+    """A TrainStep of a small MoE (the module itself, no DDP wrapper)."""
+    from raytrain_lm.config.settings import TrainConfig
+    from raytrain_lm.worker.step import TrainStep
+
+    cfg = TrainConfig()
+    for k, v in vars(SMALL).items():
+        setattr(cfg.model, k, v)
+    cfg.batch_size, cfg.seq_len, cfg.warmup_steps = 2, 8, 0
+    return TrainStep(cfg, torch.device("cpu"), ddp_wrap=lambda m: m)
+
+
+class _Batches:
+    def __init__(self):
+        self.g = torch.Generator().manual_seed(0)
+
+    def next(self):
+        t = torch.randint(0, SMALL.vocab_size, (2, 9), generator=self.g)
+        return t[:, :-1], t[:, 1:]
+
+
+def test_moe_metrics_ride_in_the_sends_one_gather():
+    """The mixture of experts' row keys (aux_loss, z_loss, expert_load) are made global in the
+    one all-gather of a send with the rows' other values: three rows kept, then sent, make one
+    collective (two per kept row before: a width and a table all-reduce). Each row's values are
+    those of its own interval's statistics (here in one process: the layers' own)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from raytrain_lm.parallel.ep import moe_layers
+    from raytrain_lm.worker.metrics import Meter
+
+    step = _moe_step()
+    meter = Meter(torch.device("cpu"), 1, 1.0, None, 1, 0.0)  # values: no process group
+    batches, expected = _Batches(), []
+    for s in (1, 2, 3):
+        for _ in range(s):  # intervals of 1, 2 and 3 steps
+            meter.add_step(step(batches, 1e-3)[0], 16)
+        table = torch.stack([layer.stats for _, layer in moe_layers(step.parts[0])])
+        expected.append(((table[:, -3] / table[:, -1]).mean().item(),
+                         (table[:, :-3].max(1).values / table[:, :-3].mean(1)).tolist()))
+        meter.keep(s, 1e-3, torch.tensor(1.0), step)
+        meter.next_interval(exclude_since_row=False)
+    rows = meter.rows()
+    assert [(r["aux_loss"], r["expert_load"]) for r in rows] == expected
+    assert all(r["z_loss"] > 0 for r in rows)
+
+    calls = []
+
+    class Collectives(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.namespace in ("c10d", "_c10d_functional"):
+                calls.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        meter = Meter(torch.device("cpu"), 2, 1.0, None, 1, 0.0)  # collectives: two fake ranks
+        for s in (1, 2, 3):
+            meter.add_step(step(batches, 1e-3)[0], 16)
+            with Collectives():
+                meter.keep(s, 1e-3, torch.tensor(1.0), step)
+            meter.next_interval(exclude_since_row=False)
+        with Collectives():
+            rows = meter.rows()
+    finally:
+        dist.destroy_process_group()
+    assert len(rows) == 3 and len(calls) == 1, calls

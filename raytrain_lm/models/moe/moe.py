@@ -19,7 +19,7 @@ A layer, for N tokens of width D, E experts, top k:
 
 Training adds two losses (`take_aux_loss`, which the decoder or a pipeline stage adds to the
 loss, models/decoder.py) and keeps statistics (`stats`, read and reset by
-parallel/ep.moe_metrics):
+parallel/ep.moe_stats):
 
 * load balancing (Switch Transformer eq. 4, Mixtral's `load_balancing_loss_func`):
   E * sum_e f_e P_e, f_e the share of routed slots that chose expert e, P_e the mean router
@@ -130,7 +130,7 @@ class MoELayer(nn.Module):
         self.shared = SwiGLU(cfg, cfg.shared_ffn_dim) if cfg.shared_ffn_dim else None
         self.dispatch = local_dispatch  # (routed, counts, experts) -> outputs in the same order
         self.aux_weight, self.z_weight = cfg.aux_loss_coef / cfg.n_layer, cfg.z_loss_coef / cfg.n_layer
-        # Training statistics since the last read (parallel/ep.moe_metrics): tokens per expert,
+        # Training statistics since the last read (parallel/ep.moe_stats): tokens per expert,
         # then the sums over forwards of the balance loss and the z-loss, and the forwards. A
         # plain attribute, not a buffer: DDP would broadcast rank 0's over every rank's.
         self.stats: Optional[torch.Tensor] = None
