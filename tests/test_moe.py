@@ -386,3 +386,34 @@ def test_moe_metrics_ride_in_the_sends_one_gather():
     finally:
         dist.destroy_process_group()
     assert len(rows) == 3 and len(calls) == 1, calls
+
+
+@pytest.mark.parametrize("rank", [0, 5, 9])
+def test_the_tied_group_joins_the_end_stages_under_ep_and_tp(rank):
+    """A tied embedding at --pp 3 --ep 2 --tp 2 (12 workers, a 4-D mesh pp, edp, ep, tp): each
+    rank of the first or last stage is grouped with the rank of the other end stage at the same
+    (edp, ep, tp) coordinates, 8 ranks apart (the group computation raised on 4-D meshes);
+    a middle stage's rank joins none. On fake ranks: the groups' members, not their traffic."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from raytrain_lm.config.layout import Layout
+    from raytrain_lm.config.settings import TrainConfig
+    from raytrain_lm.parallel.mesh import build_mesh
+    from raytrain_lm.parallel.pp import tied_group
+
+    cfg = TrainConfig()
+    for k, v in vars(SMALL).items():
+        setattr(cfg.model, k, v)
+    cfg.pp, cfg.ep, cfg.tp, cfg.strategy, cfg.batch_size = 3, 2, 2, "fsdp", 12
+    layout = Layout.of(cfg, 12)
+    assert layout.mesh_shape == {"pp": 3, "edp": 1, "ep": 2, "tp": 2}
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=12)
+    try:
+        group = tied_group(build_mesh(torch.device("cpu"), layout))
+        members = None if group is None else dist.get_process_group_ranks(group)
+    finally:
+        dist.destroy_process_group()
+    per_stage = 12 // 3
+    stage, within = divmod(rank, per_stage)
+    assert members == (None if stage == 1 else [within, within + 2 * per_stage])
