@@ -314,10 +314,10 @@ def run_attention(name: str, settings: dict, kind: str, device: torch.device) ->
     attention.to(dtype)
 
     def step():
+        x.grad = None  # (a refused kernel may have stopped the step before this)
+        attention.zero_grad(set_to_none=True)
         out = attention(x, **kwargs)
         (out[0] if isinstance(out, tuple) else out).float().square().mean().backward()
-        x.grad = None
-        attention.zero_grad(set_to_none=True)
 
     ops = []
 

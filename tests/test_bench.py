@@ -303,7 +303,9 @@ def test_gpu_check_smoke_runs_every_layout_on_cpu_with_torch_alone(tmp_path):
         assert r["step_time"] > 0 and r["tokens_per_second"] > 0 and r["data_wait_frac"] >= 0
         assert ("pp" in r["force"]) == (r["bubble"] is not None), name
         assert r.get("dcp") == ("ok" if r["force"] else None), name  # sharded: a round trip
-        assert r["held_at_start_gb"] >= 0, name  # what earlier rows left, after gc.collect()
+        # what earlier rows left, after gc.collect(): less than one of the smoke model's
+        # 32 x 32 fp32 weight matrices (a layout left behind holds all of them)
+        assert r["held_at_start_gb"] * 1e9 < 32 * 32 * 4, name
     # the mixture of experts: bf16 and fp32, DDP and FSDP, the all-to-all dispatch on one rank
     moe = {name: r for name, r in rows.items() if r["arch"] == "moe"}
     assert {(r["precision"], r["force"] == ["fsdp"], r["all_to_all"]) for r in moe.values()} == {
