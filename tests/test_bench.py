@@ -278,6 +278,7 @@ def test_gpu_check_keeps_every_finished_row_when_killed(tmp_path):
 
 
 @pytest.mark.slow  # every layout on the CPU, the compiled ones in processes of their own (minutes)
+@pytest.mark.timeout(1500)  # its subprocess's own limit (a loaded machine compiles for minutes)
 def test_gpu_check_smoke_runs_every_layout_on_cpu_with_torch_alone(tmp_path):
     """bench/gpu_check.py, prepared for one GPU, runs the same code here on the CPU, in the
     environment of the GPU host (no Ray, pyarrow, typer, yaml or tokenizers)."""
