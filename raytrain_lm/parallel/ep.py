@@ -73,12 +73,15 @@ class AllToAllDispatch:
             received = torch.empty_like(counts)
             dist.all_to_all_single(received, counts, group=self.group)
         by_rank = received.view(P, e)  # (source rank, my expert)
-        # The all-to-all takes its split sizes as host ints: this one read of both (a sync per
-        # layer, its backward reuses them) is the floor; everything else stays on the device.
-        send, recv = torch.stack([counts.view(P, e).sum(1), by_rank.sum(1)]).tolist()
+        # The all-to-all takes its split sizes as host ints: this one read of them (a sync per
+        # layer, its backward reuses them) is the floor; it brings my experts' row counts too
+        # (the loop over experts wants them), everything else stays on the device.
+        mine = by_rank.sum(0)
+        sizes = torch.cat([counts.view(P, e).sum(1), by_rank.sum(1), mine]).tolist()
+        send, recv, host_mine = sizes[:P], sizes[P:2 * P], sizes[2 * P:]
         x = all_to_all_single_autograd(routed, recv, send, self.group)  # rank-major
         order = expert_major(by_rank, sum(recv))
-        y = _GradScale.apply(experts(_GradScale.apply(x[order], P), by_rank.sum(0)), 1.0 / P)
+        y = _GradScale.apply(experts(_GradScale.apply(x[order], P), mine, host_mine), 1.0 / P)
         y = torch.zeros_like(y).index_copy(0, order, y)  # back to rank-major
         return all_to_all_single_autograd(y, send, recv, self.group)
 

@@ -75,10 +75,11 @@ def grouped_mm_capable(capability: tuple[int, int]) -> bool:
 
 
 def expert_ffn(x: torch.Tensor, counts: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
-               down: torch.Tensor) -> torch.Tensor:
+               down: torch.Tensor, host_counts: Optional[list[int]] = None) -> torch.Tensor:
     """SwiGLU expert i on rows counts[:i].sum() .. counts[:i+1].sum() of `x` (rows grouped by
     expert): down_i(silu(gate_i x) * up_i x). gate, up: (experts, hidden, D); down: (experts, D,
-    hidden), as nn.Linear stores its weight."""
+    hidden), as nn.Linear stores its weight. `host_counts`: `counts` as host ints where the
+    caller has read them already (the loop needs them; the grouped matmul does not)."""
     if grouped_mm_suits(x, gate.shape[1]):
         offsets = counts.cumsum(0).to(torch.int32)
         a, g, u, d = (t.to(torch.bfloat16) for t in (x, gate, up, down))
@@ -86,9 +87,9 @@ def expert_ffn(x: torch.Tensor, counts: torch.Tensor, gate: torch.Tensor, up: to
             F.grouped_mm(a, u.transpose(-2, -1), offs=offsets)
         return F.grouped_mm(h, d.transpose(-2, -1), offs=offsets).to(x.dtype)
     # Every expert runs, even on no rows: each weight is then used in every step (DDP expects it).
-    # (The split sizes are host ints: this path reads the counts on the host, a sync per call.)
+    # (The split sizes are host ints: unless given, this path reads them, a sync per call.)
     outs = [F.linear(F.silu(F.linear(rows, gate[i])) * F.linear(rows, up[i]), down[i])
-            for i, rows in enumerate(x.split(counts.tolist()))]
+            for i, rows in enumerate(x.split(counts.tolist() if host_counts is None else host_counts))]
     return torch.cat(outs)
 
 
@@ -101,9 +102,12 @@ class Experts(nn.Module):
         self.up_proj = nn.Parameter(torch.empty(n, hidden, dim))
         self.down_proj = nn.Parameter(torch.empty(n, dim, hidden))
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """x: rows grouped by this rank's experts, counts[i] of them for its i-th."""
-        return expert_ffn(x, counts, local(self.gate_proj), local(self.up_proj), local(self.down_proj))
+    def forward(self, x: torch.Tensor, counts: torch.Tensor,
+                host_counts: Optional[list[int]] = None) -> torch.Tensor:
+        """x: rows grouped by this rank's experts, counts[i] of them for its i-th (`host_counts`:
+        the same as host ints, where already read)."""
+        return expert_ffn(x, counts, local(self.gate_proj), local(self.up_proj), local(self.down_proj),
+                          host_counts)
 
 
 def local_dispatch(routed: torch.Tensor, counts: torch.Tensor, experts: Experts) -> torch.Tensor:
