@@ -292,7 +292,7 @@ def test_gpu_check_smoke_runs_every_layout_on_cpu_with_torch_alone(tmp_path):
         names = [name for name, _, _ in gpu_check.LAYOUTS]
     rows = {r["layout"]: r for r in result["layouts"]}
     attention = {name: rows.pop(name) for name in list(rows) if name.startswith("attention")}
-    assert sorted(rows) + sorted(attention) == sorted(names)
+    assert sorted([*rows, *attention]) == sorted(names)
     assert all(r["status"] == "ok" for r in rows.values()), rows
     assert result["gpt_layouts_start_equal"] is True and result["machine"]["torch"]
     # every process: no Ray, and no project module outside what the fast test imports
