@@ -8,7 +8,13 @@ non_blocking=True as the loader does on a GPU (so `take_data_wait` reads CUDA ev
 step, tokens/s, MFU, data wait, the pipeline bubble through CUDA events, bytes per mesh dim,
 max_memory_allocated); `TrainStep.evaluate` runs a validation with padding rows; sharded layouts
 save a checkpoint (`store/checkpoint_format`: DCP) from the device, overwrite every weight and
-AdamW state, load it back and compare. Imports nothing outside torch, numpy and the project's
+AdamW state, load it back and compare. A row forced on "ep" (expert parallelism on one rank)
+runs every MoE layer's all-to-all dispatch over the one-rank group. Every row starts after a
+`gc.collect()` (FSDP and pipeline layouts leave reference cycles: without it their memory
+stays allocated into the next rows' peaks) and records what was still allocated
+(`held_at_start_gb`). Attention rows (`run_attention`) step the model's own attention module
+alone, per attention path, and record which SDPA kernel ran and which fused kernels take the
+path. Imports nothing outside torch, numpy and the project's
 worker side (`MODULES`: a fast test imports them all with Ray, pyarrow, typer, yaml and
 tokenizers unimportable)."""
 
@@ -27,12 +33,20 @@ MODULES = ("raytrain_lm.worker.step", "raytrain_lm.worker.metrics", "raytrain_lm
            "raytrain_lm.parallel.fsdp", "raytrain_lm.store.checkpoint_format",
            "raytrain_lm.config.layout", "raytrain_lm.config.presets", "raytrain_lm.plan.estimate",
            "raytrain_lm.plan.hardware", "raytrain_lm.models", "raytrain_lm.models.gpt.gpt",
-           "raytrain_lm.models.llama.llama", "raytrain_lm.parallel.tp", "raytrain_lm.parallel.init")
+           "raytrain_lm.models.llama.llama", "raytrain_lm.models.moe.moe", "raytrain_lm.parallel.ep",
+           "raytrain_lm.parallel.tp", "raytrain_lm.parallel.init")
 
 # The model of every row but gpt2's: big enough on a GPU that a step is GPU work, not launches.
 MODEL = {"gpu": dict(vocab_size=50304, block_size=512, n_layer=4, n_head=8, n_embd=512),
          "smoke": dict(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=32)}
 BATCH = {"gpu": (8, 512), "smoke": (4, 32)}  # (sequences, tokens each)
+# The attention rows' module: Mistral-like heads (GQA 4:1, head size 128) at a long context,
+# the window shorter than it (the masked path); two sequences keep the math kernel's
+# (sequences x heads x T x T) scores within a few GB.
+ATTENTION = {"gpu": dict(model=dict(n_embd=2048, n_head=16, n_kv_head=4, block_size=4096),
+                         batch=(2, 4096), window=1024, iters=10),
+             "smoke": dict(model=dict(n_embd=32, n_head=4, n_kv_head=2, block_size=64),
+                           batch=(2, 64), window=16, iters=2)}
 GPT2_BATCH = {"gpu": (16, 1024), "smoke": (2, 64)}
 WARMUP = 2  # untimed: compilation and allocation, then the step that counts bytes (CommCounter)
 
@@ -90,7 +104,7 @@ def config(kind: str, settings: dict):
             setattr(cfg.model, k.split(".", 1)[1], v)
         elif k != "model":
             setattr(cfg, k, v)
-    if cfg.model.arch == "llama":
+    if cfg.model.arch in ("llama", "moe"):
         cfg.model.bias, cfg.model.multiple_of = False, 32
     return cfg
 
@@ -147,9 +161,41 @@ def dcp_round_trip(step) -> dict:
     return {"dcp": "ok" if same else "differs", "dcp_save_s": t1 - t0, "dcp_load_s": t2 - t1}
 
 
+def release(device: torch.device) -> None:
+    """Free what earlier rows left: their reference cycles first (FSDP's and the pipeline's
+    modules hold themselves through hooks and schedules), then the allocator's cache."""
+    import gc
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def allocated_bytes(device: torch.device) -> int:
+    """Bytes of tensors now allocated on `device`: the CUDA allocator's count; on the CPU (which
+    keeps no such count) the storages of every live tensor the garbage collector tracks."""
+    import gc
+
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device)
+    seen, total = set(), 0
+    for obj in gc.get_objects():
+        if issubclass(type(obj), torch.Tensor) and obj.device == device and not obj.is_meta:
+            t = obj._local_tensor if hasattr(obj, "_local_tensor") else obj
+            try:
+                storage = t.untyped_storage()
+            except (RuntimeError, NotImplementedError):  # a wrapper without storage
+                continue
+            if storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
+    return total
+
+
 def run_layout(name: str, settings: dict, force: tuple, kind: str, device: torch.device,
                steps: int) -> dict:
-    """The layout's row: what was built, the timed steps' metrics row, validation, DCP."""
+    """The layout's row: what was built, the timed steps' metrics row, validation, DCP (or an
+    attention row: `run_attention`)."""
     from torch.nn.parallel import DistributedDataParallel
 
     from raytrain_lm.models import family, flops_per_token
@@ -158,10 +204,16 @@ def run_layout(name: str, settings: dict, force: tuple, kind: str, device: torch
     from raytrain_lm.worker.metrics import Meter, gpu_peak_tflops, peak_memory_gb
     from raytrain_lm.worker.step import TrainStep
 
-    cfg = config(kind, settings)
-    row = {"layout": name, "settings": settings, "force": list(force), "status": "ok",
-           "batch": [cfg.batch_size, cfg.seq_len]}
     torch._dynamo.reset()
+    release(device)
+    if "attention" in settings:
+        return run_attention(name, settings, kind, device)
+    cfg = config(kind, settings)
+    ep = "ep" in force  # the MoE layers' all-to-all over this one rank (no mesh: DDP)
+    force = tuple(d for d in force if d != "ep")
+    row = {"layout": name, "settings": settings, "force": list(force), "all_to_all": ep,
+           "status": "ok", "batch": [cfg.batch_size, cfg.seq_len],
+           "held_at_start_gb": allocated_bytes(device) / 1e9}
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     torch.manual_seed(cfg.seed)
@@ -171,6 +223,14 @@ def run_layout(name: str, settings: dict, force: tuple, kind: str, device: torch
         m, device_ids=[device] if cuda else None, **DDP_KWARGS))
     baseline = peak_memory_gb(device)
     step = TrainStep(cfg, device, force=frozenset(force), ddp_wrap=wrap)
+    if ep:
+        import torch.distributed as dist
+
+        from raytrain_lm.parallel.ep import AllToAllDispatch, moe_layers
+
+        for part in step.parts:
+            for _, layer in moe_layers(part):
+                layer.dispatch = AllToAllDispatch(dist.group.WORLD)
     row.update(precision=step.precision, fsdp_mixed=step.model.mixed_by_fsdp, arch=cfg.model.arch,
                parameters=family(cfg.model).counts(cfg.model).total,
                init_sums=weights_sums(step.parts))
@@ -206,6 +266,101 @@ def run_layout(name: str, settings: dict, force: tuple, kind: str, device: torch
     if step.model.mesh is not None:  # a sharded layout: its checkpoint's round trip
         row.update(dcp_round_trip(step))
     row["status"] = verdict(row, losses)
+    return row
+
+
+# SDPA's kernels by the op each dispatches to (the math kernel is none of these: plain ops)
+KERNEL_OPS = (("flash", "flash"), ("efficient", "efficient"), ("cudnn", "cudnn"), ("flex", "flex"))
+
+
+def document_mask_argument(attention) -> str | None:
+    """The keyword through which the model's attention takes document boundaries, where it
+    does (the context-parallel issue adds document masking); None where it does not yet."""
+    import inspect
+
+    params = inspect.signature(attention.forward).parameters
+    return next((p for p in ("document_ids", "doc_ids", "documents") if p in params), None)
+
+
+def run_attention(name: str, settings: dict, kind: str, device: torch.device) -> dict:
+    """An attention row: the model's own attention module (a one-block Llama's, the path of
+    settings["attention"]: causal, a sliding window shorter than the sequence, or documents),
+    forward and backward on random activations in bf16 on a GPU (fp32 on the CPU): which SDPA
+    kernel ran (the op it dispatched to), which fused kernels take this path (each tried alone
+    under sdpa_kernel), the milliseconds of one forward and backward, the peak memory."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from raytrain_lm.models import build_model
+    from raytrain_lm.models.family import ModelConfig
+
+    spec, path = ATTENTION[kind], settings["attention"]
+    B, T = spec["batch"]
+    m = ModelConfig(arch="llama", bias=False, vocab_size=256, n_layer=1, multiple_of=32,
+                    sliding_window=spec["window"] if path == "sliding-window" else None, **spec["model"])
+    row = {"layout": name, "settings": settings, "force": [], "attention": path, "batch": [B, T],
+           "held_at_start_gb": allocated_bytes(device) / 1e9}
+    with torch.device(device):
+        attention = next(mod for mod in build_model(m, seed=0).modules()
+                         if type(mod).__name__ == "Attention")
+    kwargs = {}
+    if path == "documents":
+        arg = document_mask_argument(attention)
+        if arg is None:
+            return {**row, "status": "not available: the model's attention takes no document "
+                                     "boundaries yet (the context-parallel issue adds them)"}
+        kwargs[arg] = (torch.arange(T, device=device) >= T // 2).long().expand(B, T)  # 2 per row
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    x = torch.randn(B, T, m.n_embd, device=device, dtype=dtype, requires_grad=True)
+    attention.to(dtype)
+
+    def step():
+        x.grad = None  # (a refused kernel may have stopped the step before this)
+        attention.zero_grad(set_to_none=True)
+        out = attention(x, **kwargs)
+        (out[0] if isinstance(out, tuple) else out).float().square().mean().backward()
+
+    ops = []
+
+    class Seen(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if "attention" in func.__name__ or "flex" in func.__name__:
+                ops.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    with Seen():
+        step()
+    row["sdpa_ops"] = sorted(set(ops))
+    row["kernel"] = next((k for k, word in KERNEL_OPS if any(word in op for op in ops)), "math")
+    row["fused_kernels"] = []
+    for label, backend in (("flash", SDPBackend.FLASH_ATTENTION),
+                           ("efficient", SDPBackend.EFFICIENT_ATTENTION),
+                           ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+        try:
+            with sdpa_kernel([backend]):
+                step()
+            row["fused_kernels"].append(label)
+        except RuntimeError:  # "No available kernel": this backend refuses the path
+            pass
+    release(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    for _ in range(WARMUP):
+        step()
+    times = []
+    for _ in range(spec["iters"]):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    row.update(step_time=times[len(times) // 2], step_time_min=times[0], step_time_max=times[-1],
+               peak_mem_gb=torch.cuda.max_memory_allocated(device) / 1e9
+               if device.type == "cuda" else None, precision=str(dtype).replace("torch.", ""),
+               status="ok")
     return row
 
 

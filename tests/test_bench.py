@@ -206,6 +206,44 @@ def test_gpu_check_imports_everything_with_torch_alone(tmp_path):
     assert not set(GPU_HOST_LACKS) & set(loaded)
 
 
+def test_gpu_check_frees_a_cyclic_layout_before_the_next_row():
+    """FSDP's and the pipeline's modules hold themselves in reference cycles: after one of their
+    rows, the check's `release` (gc.collect, then the allocator's cache) brings the memory its
+    tracker counts (gpu_check_layout.allocated_bytes: CUDA's allocated bytes, on the CPU every
+    live tensor's storage) back to what it was before the row, so the next row's peak is its
+    own. The automatic collector is off: whether it happens to run between two rows decides
+    nothing. Less than the layout's smallest parameter may differ (a leaked layout holds all of
+    them)."""
+    import gc
+
+    import torch
+    import torch.distributed as dist
+
+    with bench_module("gpu_check_layout") as layout:
+        from raytrain_lm.worker.step import TrainStep
+
+        cpu = torch.device("cpu")
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        gc.collect()
+        gc.disable()
+        try:
+            for settings, force in (({"strategy": "fsdp"}, ("fsdp",)), ({}, ("pp",))):
+                before = layout.allocated_bytes(cpu)
+                cfg = layout.config("smoke", settings)
+                step = TrainStep(cfg, cpu, force=frozenset(force))
+                step.train()
+                step(layout.PinnedBatches(cfg.model.vocab_size, cfg.batch_size, cfg.seq_len, cpu), 1e-3)
+                smallest = min(p.numel() * p.element_size() for p in step.model.params())
+                held = layout.allocated_bytes(cpu)
+                del step
+                layout.release(cpu)
+                after = layout.allocated_bytes(cpu)
+                assert held - before > smallest and after - before < smallest, (force, before, held, after)
+        finally:
+            gc.enable()
+            dist.destroy_process_group()
+
+
 @pytest.mark.slow  # two layouts on the CPU, then the whole process group killed (~15 s)
 def test_gpu_check_keeps_every_finished_row_when_killed(tmp_path):
     """A killed check (the outer timeout, a watchdog abort) leaves each row it finished: here
@@ -240,6 +278,7 @@ def test_gpu_check_keeps_every_finished_row_when_killed(tmp_path):
 
 
 @pytest.mark.slow  # every layout on the CPU, the compiled ones in processes of their own (minutes)
+@pytest.mark.timeout(1500)  # its subprocess's own limit (a loaded machine compiles for minutes)
 def test_gpu_check_smoke_runs_every_layout_on_cpu_with_torch_alone(tmp_path):
     """bench/gpu_check.py, prepared for one GPU, runs the same code here on the CPU, in the
     environment of the GPU host (no Ray, pyarrow, typer, yaml or tokenizers)."""
@@ -252,10 +291,12 @@ def test_gpu_check_smoke_runs_every_layout_on_cpu_with_torch_alone(tmp_path):
     with bench_module("gpu_check") as gpu_check:
         names = [name for name, _, _ in gpu_check.LAYOUTS]
     rows = {r["layout"]: r for r in result["layouts"]}
-    assert sorted(rows) == sorted(names) and all(r["status"] == "ok" for r in rows.values()), rows
+    attention = {name: rows.pop(name) for name in list(rows) if name.startswith("attention")}
+    assert sorted([*rows, *attention]) == sorted(names)
+    assert all(r["status"] == "ok" for r in rows.values()), rows
     assert result["gpt_layouts_start_equal"] is True and result["machine"]["torch"]
     # every process: no Ray, and no project module outside what the fast test imports
-    assert len(result["modules"]) == 5  # the eager layouts' process and 4 compiled ones
+    assert len(result["modules"]) == 4  # the eager layouts' process and 3 compiled ones
     for m in result["modules"]:
         assert m["ray_imported"] is False and set(m["loaded"]) <= set(m["imported"])
     assert rows["fsdp"]["fsdp_mixed"] is False and rows["ddp fp16+scaler"]["precision"] == "fp16"
@@ -263,8 +304,40 @@ def test_gpu_check_smoke_runs_every_layout_on_cpu_with_torch_alone(tmp_path):
         assert r["step_time"] > 0 and r["tokens_per_second"] > 0 and r["data_wait_frac"] >= 0
         assert ("pp" in r["force"]) == (r["bubble"] is not None), name
         assert r.get("dcp") == ("ok" if r["force"] else None), name  # sharded: a round trip
+        # what earlier rows left, after gc.collect(): less than one of the smoke model's
+        # 32 x 32 fp32 weight matrices (a layout left behind holds all of them)
+        assert r["held_at_start_gb"] * 1e9 < 32 * 32 * 4, name
+    # the mixture of experts: bf16 and fp32, DDP and FSDP, the all-to-all dispatch on one rank
+    moe = {name: r for name, r in rows.items() if r["arch"] == "moe"}
+    assert {(r["precision"], r["force"] == ["fsdp"], r["all_to_all"]) for r in moe.values()} == {
+        ("bf16", False, False), ("fp32", False, False), ("bf16", True, False), ("fp32", True, False),
+        ("bf16", False, True)}
+    # attention, per path: the kernel that ran (the CPU's flash kernel here) and the fused
+    # kernels that take the path alone (neither CUDA one on a CPU); documents where the model
+    # has them
+    for path in ("causal", "sliding-window"):
+        r = attention[f"attention {path}"]
+        assert r["status"] == "ok" and r["step_time"] > 0, r
+        assert r["kernel"] == "flash" and r["fused_kernels"] == ["flash"], r
+        assert any("flash_attention_for_cpu" in op for op in r["sdpa_ops"]), r
+    assert attention["attention documents"]["status"] == "ok" or \
+        attention["attention documents"]["status"].startswith("not available")
     assert [(r["mode"], r["status"]) for r in result["gpt2"]["results"]] == [("eager", "ok")] * 2
     assert len(result["memory_plan"]) == 4 and "written:" in proc.stdout
+
+
+def test_gpu_check_expects_every_row_within_its_budget():
+    """Each row of bench/gpu_check.py has its expected seconds on an H100; with the process
+    starts and gpu_throughput's run they fit the default --budget, so every row runs within the
+    8 minutes of `timeout 480`."""
+    with bench_module("gpu_check") as gpu_check:
+        names = [name for name, _, _ in gpu_check.LAYOUTS]
+        assert set(gpu_check.EXPECTED_S) == set(names)
+        total = gpu_check.expected_seconds(names)
+        rows = sum(gpu_check.EXPECTED_S.values())
+        compiled = sum(bool(s.get("compile")) for _, s, _ in gpu_check.LAYOUTS)
+    assert total == rows + gpu_check.PROCESS_START_S * (1 + compiled) + gpu_check.THROUGHPUT_S
+    assert total <= gpu_check.BUDGET_S < 480
 
 
 def test_every_planted_bug_still_applies_and_names_tests_that_exist():

@@ -343,6 +343,18 @@ def test_masking_the_padding_targets_leaves_the_inputs_alone():
     assert Validation.targets(y, real=3) is y  # a full batch is left as it is
 
 
+def test_a_batch_is_contiguous_before_the_loader_pins_it():
+    """Inputs and targets leave the collate function contiguous: pinning keeps a view's strides,
+    and a strided pinned tensor's non_blocking copy to the GPU is staged through pageable memory
+    (synchronous)."""
+    from raytrain_lm.data.windows import collate_windows
+
+    batch = torch.arange(12).reshape(3, 4)
+    x, y = collate_windows(batch)
+    assert x.is_contiguous() and y.is_contiguous()
+    assert torch.equal(x, batch[:, :-1]) and torch.equal(y, batch[:, 1:])
+
+
 def test_tokenizing_here_in_threads_keeps_the_units_order():
     """Without Ray, `prepare` tokenizes `--cpus` units at once in threads of its process (a BPE
     releases the GIL: 1.76x one thread on 2 cores, bench/prepare.py) and takes them in order."""

@@ -223,9 +223,9 @@ def test_expert_major_order():
 
     by_rank = torch.tensor([[2, 1], [0, 3]])  # rank 0 sends 2 rows to expert 0, 1 to expert 1...
     # rows: r0e0 r0e0 r0e1 r1e1 r1e1 r1e1 -> e0: 0, 1; e1: 2 (rank 0), 3, 4, 5 (rank 1)
-    assert expert_major(by_rank).tolist() == [0, 1, 2, 3, 4, 5]
+    assert expert_major(by_rank, 6).tolist() == [0, 1, 2, 3, 4, 5]
     by_rank = torch.tensor([[1, 2], [3, 0]])  # r0e0 r0e1 r0e1 r1e0 r1e0 r1e0
-    assert expert_major(by_rank).tolist() == [0, 3, 4, 5, 1, 2]
+    assert expert_major(by_rank, 6).tolist() == [0, 3, 4, 5, 1, 2]
 
 
 def test_the_experts_initialise_by_rows_as_any_shard_does():
@@ -310,3 +310,189 @@ def test_plan_prints_total_and_active_parameters_and_ranks_ep_layouts():
     assert best.layout.ep == 8 and "EP 8 inside a node" in why
     best.layout.apply(cfg)
     assert cfg.ep == 8 and "--ep 8" in best.layout.flags()
+
+
+class HostReads:
+    """Counts what would make a CUDA step wait for the device (a sync), on any device: the ops
+    that read a tensor's values on the host (item, nonzero, bincount: its CUDA kernel reads the
+    min and max, repeat_interleave without output_size: the total), seen by a dispatch mode,
+    and tensors turned into Python lists (tolist reads below the dispatcher, so it is wrapped)."""
+
+    READS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default,
+             torch.ops.aten.bincount.default, torch.ops.aten.masked_select.default}
+
+    def __init__(self, monkeypatch):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        self.reads = []
+        counter = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                if func in HostReads.READS or (func is torch.ops.aten.repeat_interleave.Tensor
+                                               and kwargs.get("output_size") is None):
+                    counter.reads.append(str(func))
+                return func(*args, **kwargs)
+
+        tolist = torch.Tensor.tolist
+
+        def counted_tolist(t):
+            counter.reads.append("tolist")
+            return tolist(t)
+
+        monkeypatch.setattr(torch.Tensor, "tolist", counted_tolist)
+        self.mode = Mode()
+
+    def __enter__(self):
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.mode.__exit__(*exc)
+
+
+@pytest.mark.parametrize("ep", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_moe_step_reads_the_device_once_per_layer_at_most(monkeypatch, ep, dtype):
+    """A training step of the MoE layers (forward and backward) reads device values on the host
+    once per layer at most: never with every expert here in bf16 (the grouped matmul), once
+    for the loop's split sizes in fp32, once through the expert-parallel all-to-all (its split
+    sizes, the loop's with them): here on a one-rank gloo group, counted by HostReads (CUDA's
+    sync debug mode needs CUDA). Counting with bincount read the device twice per layer on
+    CUDA, repeat_interleave without output_size once more."""
+    import torch.distributed as dist
+
+    from raytrain_lm.parallel.ep import AllToAllDispatch
+
+    model = build_model(SMALL, seed=0).train()
+    x = torch.randn(2, 8, SMALL.n_embd, requires_grad=True)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        layers = [block.mlp for block in model.h]
+        if ep:
+            for layer in layers:
+                layer.dispatch = AllToAllDispatch(dist.group.WORLD)
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32), \
+                HostReads(monkeypatch) as counted:
+            y = x
+            for layer in layers:
+                y = layer(y)
+            (y.float().square().sum() + sum(layer.take_aux_loss() for layer in layers)).backward()
+    finally:
+        dist.destroy_process_group()
+    assert x.grad is not None and all(layer.experts.gate_proj.grad is not None for layer in layers)
+    grouped_here = dtype == torch.bfloat16 and not ep
+    assert counted.reads == ([] if grouped_here else ["tolist"] * len(layers)), counted.reads
+
+
+def test_blackwell_takes_the_loop_until_its_grouped_matmul_zeroes_idle_experts():
+    """The grouped matmul on CUDA from sm80 (Ampere, Hopper) but not on compute capability 10.x
+    (B200/GB200), whose grouped matmul gives experts without tokens non-zero gradients."""
+    from raytrain_lm.models.moe.moe import grouped_mm_capable
+
+    assert grouped_mm_capable((8, 0)) and grouped_mm_capable((9, 0)) and grouped_mm_capable((12, 0))
+    assert not grouped_mm_capable((7, 5)) and not grouped_mm_capable((10, 0))
+    assert not grouped_mm_capable((10, 3))
+
+
+def _moe_step():
+    """A TrainStep of a small MoE (the module itself, no DDP wrapper)."""
+    from raytrain_lm.config.settings import TrainConfig
+    from raytrain_lm.worker.step import TrainStep
+
+    cfg = TrainConfig()
+    for k, v in vars(SMALL).items():
+        setattr(cfg.model, k, v)
+    cfg.batch_size, cfg.seq_len, cfg.warmup_steps = 2, 8, 0
+    return TrainStep(cfg, torch.device("cpu"), ddp_wrap=lambda m: m)
+
+
+class _Batches:
+    def __init__(self):
+        self.g = torch.Generator().manual_seed(0)
+
+    def next(self):
+        t = torch.randint(0, SMALL.vocab_size, (2, 9), generator=self.g)
+        return t[:, :-1], t[:, 1:]
+
+
+def test_moe_metrics_ride_in_the_sends_one_gather():
+    """The mixture of experts' row keys (aux_loss, z_loss, expert_load) are made global in the
+    one all-gather of a send with the rows' other values: three rows kept, then sent, make one
+    collective (two per kept row before: a width and a table all-reduce). Each row's values are
+    those of its own interval's statistics (here in one process: the layers' own)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from raytrain_lm.parallel.ep import moe_layers
+    from raytrain_lm.worker.metrics import Meter
+
+    step = _moe_step()
+    meter = Meter(torch.device("cpu"), 1, 1.0, None, 1, 0.0)  # values: no process group
+    batches, expected = _Batches(), []
+    for s in (1, 2, 3):
+        for _ in range(s):  # intervals of 1, 2 and 3 steps
+            meter.add_step(step(batches, 1e-3)[0], 16)
+        table = torch.stack([layer.stats for _, layer in moe_layers(step.parts[0])])
+        expected.append(((table[:, -3] / table[:, -1]).mean().item(),
+                         (table[:, :-3].max(1).values / table[:, :-3].mean(1)).tolist()))
+        meter.keep(s, 1e-3, torch.tensor(1.0), step)
+        meter.next_interval(exclude_since_row=False)
+    rows = meter.rows()
+    assert [(r["aux_loss"], r["expert_load"]) for r in rows] == expected
+    assert all(r["z_loss"] > 0 for r in rows)
+
+    calls = []
+
+    class Collectives(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.namespace in ("c10d", "_c10d_functional"):
+                calls.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        meter = Meter(torch.device("cpu"), 2, 1.0, None, 1, 0.0)  # collectives: two fake ranks
+        for s in (1, 2, 3):
+            meter.add_step(step(batches, 1e-3)[0], 16)
+            with Collectives():
+                meter.keep(s, 1e-3, torch.tensor(1.0), step)
+            meter.next_interval(exclude_since_row=False)
+        with Collectives():
+            rows = meter.rows()
+    finally:
+        dist.destroy_process_group()
+    assert len(rows) == 3 and len(calls) == 1, calls
+
+
+@pytest.mark.parametrize("rank", [0, 5, 9])
+def test_the_tied_group_joins_the_end_stages_under_ep_and_tp(rank):
+    """A tied embedding at --pp 3 --ep 2 --tp 2 (12 workers, a 4-D mesh pp, edp, ep, tp): each
+    rank of the first or last stage is grouped with the rank of the other end stage at the same
+    (edp, ep, tp) coordinates, 8 ranks apart (the group computation raised on 4-D meshes);
+    a middle stage's rank joins none. On fake ranks: the groups' members, not their traffic."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from raytrain_lm.config.layout import Layout
+    from raytrain_lm.config.settings import TrainConfig
+    from raytrain_lm.parallel.mesh import build_mesh
+    from raytrain_lm.parallel.pp import tied_group
+
+    cfg = TrainConfig()
+    for k, v in vars(SMALL).items():
+        setattr(cfg.model, k, v)
+    cfg.pp, cfg.ep, cfg.tp, cfg.strategy, cfg.batch_size = 3, 2, 2, "fsdp", 12
+    layout = Layout.of(cfg, 12)
+    assert layout.mesh_shape == {"pp": 3, "edp": 1, "ep": 2, "tp": 2}
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=12)
+    try:
+        group = tied_group(build_mesh(torch.device("cpu"), layout))
+        members = None if group is None else dist.get_process_group_ranks(group)
+    finally:
+        dist.destroy_process_group()
+    per_stage = 12 // 3
+    stage, within = divmod(rank, per_stage)
+    assert members == (None if stage == 1 else [within, within + 2 * per_stage])

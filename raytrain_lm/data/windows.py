@@ -86,7 +86,9 @@ class TokenWindows(Dataset):
 
 
 def collate_windows(batch):
-    """`__getitems__` already returns the stacked batch; split it into inputs and targets."""
+    """`__getitems__` already returns the stacked batch; split it into inputs and targets, each
+    contiguous: pinning keeps a view's strides, and a non-contiguous pinned tensor's
+    non_blocking copy to the GPU goes through a pageable staging copy (synchronous)."""
     if isinstance(batch, list):
         batch = torch.stack(batch)
-    return batch[:, :-1], batch[:, 1:]
+    return batch[:, :-1].contiguous(), batch[:, 1:].contiguous()

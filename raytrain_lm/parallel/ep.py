@@ -30,7 +30,6 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from raytrain_lm.models import family
-from raytrain_lm.parallel.mesh import all_reduce, is_distributed
 
 
 def experts_of(part: nn.Module, blocks: list[nn.Module]) -> list[nn.Module]:
@@ -74,26 +73,32 @@ class AllToAllDispatch:
             received = torch.empty_like(counts)
             dist.all_to_all_single(received, counts, group=self.group)
         by_rank = received.view(P, e)  # (source rank, my expert)
-        send = counts.view(P, e).sum(1).tolist()
-        recv = by_rank.sum(1).tolist()
+        # The all-to-all takes its split sizes as host ints: this one read of them (a sync per
+        # layer, its backward reuses them) is the floor; it brings my experts' row counts too
+        # (the loop over experts wants them), everything else stays on the device.
+        mine = by_rank.sum(0)
+        sizes = torch.cat([counts.view(P, e).sum(1), by_rank.sum(1), mine]).tolist()
+        send, recv, host_mine = sizes[:P], sizes[P:2 * P], sizes[2 * P:]
         x = all_to_all_single_autograd(routed, recv, send, self.group)  # rank-major
-        order = expert_major(by_rank)
-        y = _GradScale.apply(experts(_GradScale.apply(x[order], P), by_rank.sum(0)), 1.0 / P)
+        order = expert_major(by_rank, sum(recv))
+        y = _GradScale.apply(experts(_GradScale.apply(x[order], P), mine, host_mine), 1.0 / P)
         y = torch.zeros_like(y).index_copy(0, order, y)  # back to rank-major
         return all_to_all_single_autograd(y, send, recv, self.group)
 
 
-def expert_major(by_rank: torch.Tensor) -> torch.Tensor:
+def expert_major(by_rank: torch.Tensor, total: int) -> torch.Tensor:
     """The rows of a rank-major block (rank r's rows for expert j at position
     sum(by_rank[:r]) + sum(by_rank[r, :j])) in expert-major order: expert 0's rows from rank 0,
-    1, ..., then expert 1's, as the experts' grouped rows want them."""
+    1, ..., then expert 1's, as the experts' grouped rows want them. `total`: by_rank's sum, a
+    host int (repeat_interleave would read it from the device otherwise)."""
     P, e = by_rank.shape
     flat = by_rank.reshape(-1)
     starts = (flat.cumsum(0) - flat).view(P, e).t().reshape(-1)  # each (expert, rank) segment's start
     lengths = by_rank.t().reshape(-1)
-    segment = torch.repeat_interleave(torch.arange(lengths.numel(), device=flat.device), lengths)
+    segment = torch.repeat_interleave(torch.arange(lengths.numel(), device=flat.device), lengths,
+                                      output_size=total)
     offsets = lengths.cumsum(0) - lengths
-    return starts[segment] + torch.arange(segment.numel(), device=flat.device) - offsets[segment]
+    return starts[segment] + torch.arange(total, device=flat.device) - offsets[segment]
 
 
 class _GradScale(torch.autograd.Function):
@@ -110,26 +115,30 @@ class _GradScale(torch.autograd.Function):
 
 
 @torch.no_grad()
-def moe_metrics(parts: list[nn.Module], n_layer: int, counts_here: bool) -> Optional[dict]:
-    """The mixture of experts' training metrics since the last call, over every rank (a
-    collective; None for a dense model, on every rank alike): `aux_loss` and `z_loss` (the mean
-    over layers and forwards of the balance loss, 1.0 when balanced, and of the router z-loss)
-    and `expert_load`, each MoE layer's max / mean tokens per expert (1.0: balanced). Resets the
-    layers' statistics. `counts_here`: this rank's statistics count (not a tp peer's copy)."""
-    layers = [(i, layer) for part in parts for i, layer in moe_layers(part)]
+def moe_stats(parts: list[nn.Module], n_layer: int, n_experts: int, counts_here: bool) -> torch.Tensor:
+    """This rank's mixture-of-experts statistics since the last call, to be summed over every
+    rank (by the caller's one gather: worker/metrics.Meter) and read by `moe_summary`: a flat
+    float64 (n_layer x (n_experts + 3)) table, row i layer i's tokens per expert, then its sums
+    of the balance loss and the z-loss, and its forwards; zeros for the layers this rank does not
+    hold (a pipeline stage). Resets the layers' statistics; no collective. `counts_here`: this
+    rank's statistics count (not a tp peer's copy)."""
     device = next((p.device for part in parts for p in part.parameters()), torch.device("cpu"))
-    width = next((layer.n_experts + 3 for _, layer in layers), 0)
-    if is_distributed():  # a stage without MoE layers still joins the collective
-        width = int(all_reduce(torch.tensor([width], device=device), "max").item())
-    if width == 0:
-        return None
-    table = torch.zeros(n_layer, width, dtype=torch.float64, device=device)
-    for i, layer in layers:
-        if layer.stats is not None:
-            if counts_here:
-                table[i] = layer.stats.to(table)
-            layer.stats.zero_()
-    all_reduce(table)
+    table = torch.zeros(n_layer, n_experts + 3, dtype=torch.float64, device=device)
+    for part in parts:
+        for i, layer in moe_layers(part):
+            if layer.stats is not None:
+                if counts_here:
+                    table[i] = layer.stats.to(table)
+                layer.stats.zero_()
+    return table.reshape(-1)
+
+
+def moe_summary(summed: torch.Tensor, n_layer: int) -> Optional[dict]:
+    """The mixture of experts' training metrics from `moe_stats`' tables summed over every rank:
+    `aux_loss` and `z_loss` (the mean over layers and forwards of the balance loss, 1.0 when
+    balanced, and of the router z-loss) and `expert_load`, each MoE layer's max / mean tokens per
+    expert (1.0: balanced); None where no layer ran a training forward."""
+    table = summed.view(n_layer, -1)
     used = table[:, -1] > 0
     if not used.any():
         return None

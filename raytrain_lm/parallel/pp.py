@@ -167,15 +167,20 @@ def tied_group(mesh: DeviceMesh) -> dist.ProcessGroup | None:
         return None
     if pp == 2:
         return mesh["pp"].get_group()
-    grid = mesh.mesh  # (pp, dp, tp) global ranks
     mine = None
-    for d in range(grid.shape[1]):
-        for t in range(grid.shape[2]):
-            ranks = [int(grid[0, d, t]), int(grid[-1, d, t])]
-            g = dist.new_group(ranks, timeout=world_timeout())
-            if dist.get_rank() in ranks:
-                mine = g
+    for ranks in tied_pairs(mesh.mesh):
+        g = dist.new_group(ranks, timeout=world_timeout())
+        if dist.get_rank() in ranks:
+            mine = g
     return mine
+
+
+def tied_pairs(grid: torch.Tensor) -> list[list[int]]:
+    """For a mesh's global ranks (pp first, then dp, tp; with expert parallelism edp, ep, tp),
+    each pair [first stage's rank, last stage's rank] with the same coordinates on the other
+    dims, in the mesh's order."""
+    ends = grid.reshape(grid.shape[0], -1)[[0, -1]]  # (2, every other coordinate)
+    return ends.t().tolist()
 
 
 def tied_params(stage_modules: list[nn.Module]) -> list[nn.Parameter]:

@@ -34,7 +34,7 @@ class MetricsRow(TypedDict, total=False):
     train_start_unix: float
     first_step_unix: Optional[float]
     num_parameters: int
-    # a mixture of experts' (parallel/ep.moe_metrics), over the interval's training forwards
+    # a mixture of experts' (parallel/ep.moe_summary), over the interval's training forwards
     aux_loss: float  # load-balancing loss, mean over MoE layers; 1.0 when balanced
     z_loss: float  # router z-loss, mean over MoE layers
     expert_load: list[float]  # each MoE layer's max / mean tokens per expert; 1.0 when balanced

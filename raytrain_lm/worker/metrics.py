@@ -123,6 +123,8 @@ class Meter:
         self._row_done = 0.0
         self.slowest_step_time = 0.0  # seconds per step of the last reported interval, max over ranks
         self.kept: list = []  # this rank's rows since the last `rows` (keep)
+        # each kept row's mixture-of-experts statistics (None: dense) and what reads them summed
+        self.kept_moe: list = []
         self.first_bad: Optional[int] = None  # the index in `rows`' answer of nonfinite's row
 
     def add_step(self, loss: torch.Tensor, tokens: int,
@@ -166,10 +168,10 @@ class Meter:
             "train_start_unix": self.start_unix,
             "first_step_unix": self.first_step_unix,
             "num_parameters": self.num_parameters,
-            **(step_fn.moe_metrics() or {}),  # aux_loss, z_loss, expert_load (a mixture of experts)
             **fields,
         }
         self.kept.append((row, mine, norms, grad_norm, elapsed))
+        self.kept_moe.append((step_fn.moe_stats(), step_fn.moe_summary))
         self._row_done = time.perf_counter()
 
     def rows(self) -> list[MetricsRow]:
@@ -180,10 +182,18 @@ class Meter:
         `first_bad` (the index of the first row with such a step), and `slowest_step_time` (the
         last row's)."""
         kept, self.kept = self.kept, []
+        moe, self.kept_moe = self.kept_moe, []
         self.nonfinite, self.first_bad = None, None
-        every = all_gather_rows(torch.cat([mine for _, mine, *_ in kept]))
+        # a mixture of experts' statistics ride in the same gather, after every row's own part
+        every = all_gather_rows(torch.cat([mine for _, mine, *_ in kept] +
+                                          [stats for stats, _ in moe if stats is not None]))
         out, at = [], 0
+        moe_at = sum(mine.numel() for _, mine, *_ in kept)
         for i, (row, mine, norms, grad_norm, elapsed) in enumerate(kept):
+            stats, summary = moe[i]
+            if stats is not None:  # aux_loss, z_loss, expert_load: summed over every rank
+                row.update(summary(every[:, moe_at:moe_at + stats.numel()].sum(0)) or {})
+                moe_at += stats.numel()
             part, at = every[:, at:at + mine.numel()], at + mine.numel()
             n = len(norms)
             sums = part[:, :2 * n + 1].sum(0)

@@ -25,7 +25,7 @@ from raytrain_lm.config.settings import TrainConfig
 from raytrain_lm.data.tokenizer import bits_per_byte
 from raytrain_lm.models import family
 from raytrain_lm.parallel import ddp, grad, parallelize, pp
-from raytrain_lm.parallel.ep import moe_metrics
+from raytrain_lm.parallel.ep import moe_stats, moe_summary
 from raytrain_lm.parallel.mesh import all_reduce
 from raytrain_lm.parallel.traffic import CommCounter, PipelineTimer, clock_for
 from raytrain_lm.worker.optim import build_optimizer
@@ -100,12 +100,18 @@ class TrainStep:
         without a pipeline)."""
         return self.timer.take() if self.timer is not None else None
 
-    def moe_metrics(self) -> Optional[dict]:
-        """A mixture of experts' balance since the last call, over every rank (a collective):
-        parallel/ep.moe_metrics; None for a dense model."""
+    def moe_stats(self) -> Optional[torch.Tensor]:
+        """A mixture of experts' statistics since the last call, this rank's, for Meter to sum
+        over the ranks in its one gather (parallel/ep.moe_stats; no collective); None for a
+        dense model."""
         if family(self.cfg.model).experts is None:
             return None
-        return moe_metrics(self.parts, self.cfg.model.n_layer, counts_here=self.model.coords.tp == 0)
+        m = self.cfg.model
+        return moe_stats(self.parts, m.n_layer, m.n_experts, counts_here=self.model.coords.tp == 0)
+
+    def moe_summary(self, summed: torch.Tensor) -> Optional[dict]:
+        """aux_loss, z_loss and expert_load from `moe_stats`' tables summed over every rank."""
+        return moe_summary(summed, self.cfg.model.n_layer)
 
     def take_data_wait(self) -> float:
         """Seconds this rank waited for batches since the last call. On CPU, host time in

@@ -19,7 +19,7 @@ A layer, for N tokens of width D, E experts, top k:
 
 Training adds two losses (`take_aux_loss`, which the decoder or a pipeline stage adds to the
 loss, models/decoder.py) and keeps statistics (`stats`, read and reset by
-parallel/ep.moe_metrics):
+parallel/ep.moe_stats):
 
 * load balancing (Switch Transformer eq. 4, Mixtral's `load_balancing_loss_func`):
   E * sum_e f_e P_e, f_e the share of routed slots that chose expert e, P_e the mean router
@@ -55,23 +55,31 @@ def local(w: torch.Tensor) -> torch.Tensor:
 
 
 def grouped_mm_suits(x: torch.Tensor, hidden: int) -> bool:
-    """Whether `expert_ffn` runs a grouped matmul: torch has one for bf16 (on CUDA from sm80, and
-    on the CPU); fp32 and fp16 take the loop."""
+    """Whether `expert_ffn` runs a grouped matmul: torch has one for bf16 (on CUDA where
+    `grouped_mm_capable` says so, and on the CPU); fp32 and fp16 take the loop."""
     dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) \
         else x.dtype
     if dtype != torch.bfloat16 or not hasattr(F, "grouped_mm"):
         return False
     if x.device.type == "cuda":
-        return torch.cuda.get_device_capability(x.device) >= (8, 0) and \
+        return grouped_mm_capable(torch.cuda.get_device_capability(x.device)) and \
             x.shape[-1] % GROUPED_ALIGN == 0 and hidden % GROUPED_ALIGN == 0
     return x.device.type == "cpu"
 
 
+def grouped_mm_capable(capability: tuple[int, int]) -> bool:
+    """Whether a GPU of this compute capability takes the grouped matmul: from sm80, except
+    Blackwell's 10.x, where torch's grouped matmul gives non-zero gradients to experts that got
+    no tokens (an open PyTorch issue; Hopper's are zero): those take the loop until it is fixed."""
+    return tuple(capability) >= (8, 0) and capability[0] != 10
+
+
 def expert_ffn(x: torch.Tensor, counts: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
-               down: torch.Tensor) -> torch.Tensor:
+               down: torch.Tensor, host_counts: Optional[list[int]] = None) -> torch.Tensor:
     """SwiGLU expert i on rows counts[:i].sum() .. counts[:i+1].sum() of `x` (rows grouped by
     expert): down_i(silu(gate_i x) * up_i x). gate, up: (experts, hidden, D); down: (experts, D,
-    hidden), as nn.Linear stores its weight."""
+    hidden), as nn.Linear stores its weight. `host_counts`: `counts` as host ints where the
+    caller has read them already (the loop needs them; the grouped matmul does not)."""
     if grouped_mm_suits(x, gate.shape[1]):
         offsets = counts.cumsum(0).to(torch.int32)
         a, g, u, d = (t.to(torch.bfloat16) for t in (x, gate, up, down))
@@ -79,8 +87,9 @@ def expert_ffn(x: torch.Tensor, counts: torch.Tensor, gate: torch.Tensor, up: to
             F.grouped_mm(a, u.transpose(-2, -1), offs=offsets)
         return F.grouped_mm(h, d.transpose(-2, -1), offs=offsets).to(x.dtype)
     # Every expert runs, even on no rows: each weight is then used in every step (DDP expects it).
+    # (The split sizes are host ints: unless given, this path reads them, a sync per call.)
     outs = [F.linear(F.silu(F.linear(rows, gate[i])) * F.linear(rows, up[i]), down[i])
-            for i, rows in enumerate(x.split(counts.tolist()))]
+            for i, rows in enumerate(x.split(counts.tolist() if host_counts is None else host_counts))]
     return torch.cat(outs)
 
 
@@ -93,14 +102,25 @@ class Experts(nn.Module):
         self.up_proj = nn.Parameter(torch.empty(n, hidden, dim))
         self.down_proj = nn.Parameter(torch.empty(n, dim, hidden))
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """x: rows grouped by this rank's experts, counts[i] of them for its i-th."""
-        return expert_ffn(x, counts, local(self.gate_proj), local(self.up_proj), local(self.down_proj))
+    def forward(self, x: torch.Tensor, counts: torch.Tensor,
+                host_counts: Optional[list[int]] = None) -> torch.Tensor:
+        """x: rows grouped by this rank's experts, counts[i] of them for its i-th (`host_counts`:
+        the same as host ints, where already read)."""
+        return expert_ffn(x, counts, local(self.gate_proj), local(self.up_proj), local(self.down_proj),
+                          host_counts)
 
 
 def local_dispatch(routed: torch.Tensor, counts: torch.Tensor, experts: Experts) -> torch.Tensor:
     """Every expert is here: compute the rows grouped by expert where they are."""
     return experts(routed, counts)
+
+
+def expert_counts(pairs: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """How many of `pairs` (expert indices) chose each expert, counted on the device: CUDA's
+    bincount reads the smallest and the largest index on the host (two syncs) even with
+    minlength; scatter_add_ reads nothing."""
+    return torch.zeros(n_experts, dtype=torch.long, device=pairs.device).scatter_add_(
+        0, pairs, torch.ones_like(pairs))
 
 
 class MoELayer(nn.Module):
@@ -114,7 +134,7 @@ class MoELayer(nn.Module):
         self.shared = SwiGLU(cfg, cfg.shared_ffn_dim) if cfg.shared_ffn_dim else None
         self.dispatch = local_dispatch  # (routed, counts, experts) -> outputs in the same order
         self.aux_weight, self.z_weight = cfg.aux_loss_coef / cfg.n_layer, cfg.z_loss_coef / cfg.n_layer
-        # Training statistics since the last read (parallel/ep.moe_metrics): tokens per expert,
+        # Training statistics since the last read (parallel/ep.moe_stats): tokens per expert,
         # then the sums over forwards of the balance loss and the z-loss, and the forwards. A
         # plain attribute, not a buffer: DDP would broadcast rank 0's over every rank's.
         self.stats: Optional[torch.Tensor] = None
@@ -141,7 +161,7 @@ class MoELayer(nn.Module):
         flat = x.reshape(-1, D)
         logits, weights, chosen = self.route(flat)
         pairs = chosen.reshape(-1)  # (N*k,): token t's slot j at t*k + j
-        counts = torch.bincount(pairs, minlength=self.n_experts)
+        counts = expert_counts(pairs, self.n_experts)
         order = pairs.argsort(stable=True)
         out = self.dispatch(flat[order // self.top_k], counts, self.experts)
         out = torch.zeros_like(out).index_copy(0, order, out)  # back to (token, slot) order
