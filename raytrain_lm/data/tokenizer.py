@@ -1,13 +1,18 @@
-"""Tokenizers: UTF-8 bytes (the default), or a byte-level BPE backed by Hugging Face `tokenizers`,
-either trained on the corpus or read from an existing GPT-2-format tokenizer.json.
+"""Tokenizers: UTF-8 bytes (the default), or a BPE backed by Hugging Face `tokenizers`, either a
+byte-level one trained on the corpus or any BPE tokenizer.json a model family ships (GPT-2's
+format; Qwen's with its NFC normalizer; Llama 3's and tekken's; the SentencePiece-era Llama 2 /
+Mistral ones with their Prepend/Replace normalizer or Metaspace pre-tokenizer and byte fallback).
 
 A tokenizer is described by a small dict (`spec()`) stored in the dataset manifest and in every
 checkpoint, so training, resuming and generation can never disagree about what a token means. A
 BPE's vocabulary lives in a tokenizer.json beside the manifest (and, byte for byte, in every
 checkpoint and export); the spec carries its sha256, and loading refuses a file that differs.
 
-Both kinds are byte-level: every token stands for a fixed byte string, so any text round-trips
-exactly and "bytes of text per token" is well defined (what bits-per-byte needs).
+Every token stands for a fixed byte string (a byte-level token's bytes, a SentencePiece piece with
+"▁" read as a space, a byte-fallback token's byte). Where the tokenizer encodes the text exactly as
+given (no normalizer, no prefix space) those bytes, summed, are the document's bytes; where it
+rewrites the text first (`exact` is False) they are not, and the dataset records each token's
+share of the document's bytes as read instead (data/prepare.py), so bits per byte stays honest.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 from abc import ABC, abstractmethod
 from functools import lru_cache
 from pathlib import Path
@@ -23,6 +29,7 @@ from typing import Callable, Iterable, Optional
 import numpy as np
 
 from raytrain_lm.config.checks import MAX_VOCAB
+from raytrain_lm.data.wrap import document_wrap
 from raytrain_lm.errors import UserError, last_line
 from raytrain_lm.store.files import TOKENIZER as TOKENIZER_FILE  # in a dataset, checkpoint or export
 
@@ -31,9 +38,10 @@ MIN_BPE_VOCAB = 257  # 256 byte tokens + <|endoftext|>
 DEFAULT_BPE_VOCAB = 8192
 DEFAULT_SAMPLE_MB = 100.0
 
-# Encoding a probe must give it back unchanged: catches a loaded tokenizer.json with a normalizer,
-# add_prefix_space, or an incomplete byte alphabet. Runs of spaces/newlines, CRLF, NUL, a zero-width
-# space, astral-plane emoji and the literal EOT string (which must stay text, not become the token).
+# Encoding a probe must give it back (a prefix space aside): catches a tokenizer.json that loses or
+# rewrites text (an incomplete byte alphabet, lowercasing, stripping). Runs of spaces/newlines, CRLF,
+# NUL, a zero-width space, astral-plane emoji and the literal EOT string (which must stay text, not
+# become the token). Unchanged by NFC and NFKC, which rewrite only other text.
 _PROBE = ("Hello,  world!\n\n\tTabs\r\nand  runs   of spaces  \n  \u00fcn\u00efc\u00f6d\u00e9 "
           "\u65e5\u672c\u8a9e \U0001F642\u200b\x00 " + EOT + "\n")
 
@@ -77,6 +85,13 @@ class Tokenizer(ABC):
     # The tokenizer.json that travels with the data, its checkpoints and exports, byte for byte
     # (None: nothing to ship).
     raw: Optional[bytes] = None
+    # Whether the tokens' bytes, summed, are the encoded text's own bytes (no normalizer, no
+    # prefix space); else a dataset counts each token's share of the bytes as read (raw_bytes).
+    exact: bool = True
+    # The token ids every document is wrapped in, as the family pretrained on them (read from
+    # its folder: data/wrap.py); empty: documents are joined by `separator()` alone.
+    doc_begin: tuple[int, ...] = ()
+    doc_end: tuple[int, ...] = ()
 
     @property
     def dtype(self):
@@ -102,10 +117,18 @@ class Tokenizer(ABC):
         return b"".join(self.token_bytes(int(i)) for i in ids).decode("utf-8", errors="replace")
 
     def separator(self) -> np.ndarray:
-        """Token ids placed between two documents of one stream."""
+        """Token ids placed between two documents of one stream: the end of one and the start
+        of the next where the family wraps its documents, else <|endoftext|> or a blank line."""
+        if self.doc_begin or self.doc_end:
+            return np.array(self.doc_end + self.doc_begin, dtype=self.dtype)
         if self.eot_id is not None:
             return np.array([self.eot_id], dtype=self.dtype)
         return self.encode("\n\n")
+
+    def encode_counted(self, text: str) -> tuple[np.ndarray, Optional[np.ndarray]]:
+        """(token ids, each token's share of the text's UTF-8 bytes as given, or None where the
+        tokenizer is exact and `text_byte_lengths` already says it)."""
+        return self.encode(text), None
 
     @abstractmethod
     def spec(self) -> dict: ...
@@ -135,8 +158,10 @@ class ByteTokenizer(Tokenizer):
 
 
 class BPETokenizer(Tokenizer):
-    """A byte-level BPE read from a tokenizer.json (GPT-2's format: ByteLevel pre-tokenizer and
-    decoder, no normalizer). Documents are separated by <|endoftext|> when the vocabulary has it."""
+    """A BPE read from a tokenizer.json: byte-level (GPT-2's format, Qwen's, Llama 3's, tekken's)
+    or SentencePiece-style with byte fallback (Llama 2, Mistral). Normalizers and prefix spaces
+    are taken as the family ships them (`exact` says whether there are any). Documents are
+    separated by <|endoftext|> when the vocabulary has it, unless a family wrap is set."""
 
     name = "bpe"
 
@@ -165,7 +190,7 @@ class BPETokenizer(Tokenizer):
             self._tok = HFTokenizer.from_str(raw.decode("utf-8"))
         except Exception as e:  # json, UTF-8 and the Rust parser's own exception
             raise UserError(f"{self.path} is not a valid tokenizer.json: {last_line(e)}") from None
-        _check_byte_level(config, self.path)
+        style = _token_style(config, self.path)
         # tokenizers matches special tokens' text inside ordinary input by default, so a document
         # quoting "<|endoftext|>" would get a document break in the middle. Only the dataset
         # writer may place that token. (A runtime flag: tokenizer.json does not store it.)
@@ -178,26 +203,42 @@ class BPETokenizer(Tokenizer):
                             f"below {MAX_VOCAB:,} (the most tokens a vocabulary may have)")
         self.vocab_size = max(vocab.values()) + 1
         self.eot_id = vocab.get(EOT)
+        model = config.get("model") or {}
+        unk = model.get("unk_token")
+        self.unk_id = vocab.get(unk) if isinstance(unk, str) else None
+        self.exact = style == "byte-level" and not config.get("normalizer") and \
+            not _adds_prefix_space(config.get("pre_tokenizer"))
         special = {i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
-        decoder = {c: b for b, c in bytes_to_unicode().items()}
         self._bytes: list[bytes] = [b""] * self.vocab_size
         self._lengths = np.zeros(self.vocab_size, dtype=np.int64)
+        byte_of = _byte_level_decoder() if style == "byte-level" else \
+            _piece_decoder(bool(model.get("byte_fallback")))
         for token, i in vocab.items():
-            if i in special or any(c not in decoder for c in token):
+            text_bytes = None if i in special or i == self.unk_id else byte_of(token)
+            if text_bytes is None:
                 # special (or added, not byte-level) tokens stand for their literal text on
                 # display, and for no bytes of the corpus
                 self._bytes[i] = token.encode("utf-8")
             else:
-                self._bytes[i] = bytes(decoder[c] for c in token)
-                self._lengths[i] = len(self._bytes[i])
-        present = set(self._bytes)
-        missing = [b for b in range(256) if bytes([b]) not in present]
-        if missing:
-            raise UserError(f"{self.path}: the vocabulary lacks {len(missing)} of the 256 byte "
-                            f"tokens, so some text cannot be encoded")
-        if self.decode(self.encode(_PROBE)) != _PROBE:
-            raise UserError(f"{self.path} does not give text back exactly (a normalizer or "
-                            f"add_prefix_space?); only lossless byte-level BPE is supported")
+                self._bytes[i] = text_bytes
+                self._lengths[i] = len(text_bytes)
+        # Can every text be written? Only with all 256 byte tokens (a byte-level vocabulary's
+        # alphabet, a SentencePiece model's byte fallback). Without them a character outside
+        # the vocabulary becomes <unk>, which `encode_counted` refuses where the corpus has one.
+        present = {b for i, b in enumerate(self._bytes) if self._lengths[i] == 1}
+        self.complete = (style == "byte-level" or bool(model.get("byte_fallback"))) and \
+            all(bytes([b]) in present for b in range(256))
+        if self.complete:
+            back = self.decode(self.encode(_PROBE))
+            prefixed = _adds_prefix_space(config.get("pre_tokenizer")) or any(
+                n.get("type") == "Prepend" for n in _nodes(config.get("normalizer")))
+            if back != _PROBE and not (prefixed and back == " " + _PROBE):
+                raise UserError(f"{self.path} does not give text back (encoded then decoded, a "
+                                f"probe of spaces, tabs, CRLF and non-Latin text changes beyond a "
+                                f"prefix space), so it would train on other text than the corpus")
+        elif self.unk_id is None:
+            raise UserError(f"{self.path}: its vocabulary lacks some of the 256 byte tokens and it "
+                            f"has no unknown token, so text outside its vocabulary would vanish unseen")
 
     def encode(self, text: str) -> np.ndarray:
         # A batch of one: the fast path computes no offsets (25-35% faster here than the
@@ -209,10 +250,39 @@ class BPETokenizer(Tokenizer):
         encs = self._tok.encode_batch_fast(texts, add_special_tokens=False)
         return [np.array(e.ids, dtype=self.dtype) for e in encs]
 
+    def encode_counted(self, text: str) -> tuple[np.ndarray, Optional[np.ndarray]]:
+        if self.exact and self.complete:
+            return self.encode(text), None
+        enc = self._tok.encode_batch([text], add_special_tokens=False)[0]
+        ids = np.array(enc.ids, dtype=self.dtype)
+        if self.unk_id is not None and not self.complete and (ids == self.unk_id).any():
+            at = int(np.argmax(ids == self.unk_id))
+            s, e = enc.offsets[at]
+            raise UserError(f"{self.path} cannot encode this corpus: {text[s:e]!r} becomes its "
+                            f"unknown token (it has no byte fallback or byte tokens); use a "
+                            f"tokenizer that can write every character, or --tokenizer bpe")
+        if self.exact:
+            return ids, None
+        return ids, raw_byte_shares(text, [o[1] for o in enc.offsets])
+
+    def vocabulary(self) -> dict[str, int]:
+        """Every token's text -> its id, added tokens included."""
+        return self._tok.get_vocab(with_added_tokens=True)
+
+    def id_to_token(self, token_id: int) -> str:
+        return self._tok.id_to_token(token_id)
+
     def token_bytes(self, token_id: int) -> bytes:
         # Our own table, not tokenizers' decode(): that one skips special tokens by default and
         # cannot decode one token of a multi-byte character on its own (streaming needs that).
         return self._bytes[token_id]
+
+    def decode(self, ids) -> str:
+        if self.exact:
+            return super().decode(ids)
+        # the family's own decoder: it strips the prefix space its pre-tokenizer added and
+        # joins byte-fallback bytes (a normalized text comes back normalized)
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
     def text_byte_lengths(self) -> np.ndarray:
         return self._lengths
@@ -222,29 +292,81 @@ class BPETokenizer(Tokenizer):
                 "sha256": self.sha256, "eot_id": self.eot_id}
 
 
-def _check_byte_level(config: dict, path: Path) -> None:
-    """Refuse tokenizer.json files whose tokens are not byte strings (SentencePiece/Metaspace,
-    WordPiece) or that rewrite text (normalizers): bits per byte, exact round trips and streaming
-    all rest on every token being a fixed byte string."""
+def raw_byte_shares(text: str, ends: list[int]) -> np.ndarray:
+    """Each token's share of `text`'s UTF-8 bytes, given where (in characters of `text` as read)
+    each token's text ends: token i counts the bytes from the furthest end before it to its own,
+    the last one up to the end of the text. The shares add up to len(text.encode()) exactly,
+    whatever a normalizer did (several byte-fallback tokens of one character: the first counts
+    it; a character a normalizer dropped: the next token counts it)."""
+    if not ends:
+        return np.zeros(0, dtype=np.int64)
+    cps = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
+    widths = 1 + (cps >= 0x80) + (cps >= 0x800) + (cps >= 0x10000)
+    at = np.concatenate([[0], np.cumsum(widths, dtype=np.int64)])  # byte offset of each char
+    reach = np.maximum.accumulate(at[np.asarray(ends, dtype=np.int64)])
+    reach[-1] = at[-1]
+    return np.diff(np.concatenate([[0], reach]))
 
-    def has_byte_level(node) -> bool:
-        if not node:
-            return False
-        if node.get("type") == "ByteLevel":
-            return True
-        return any(has_byte_level(n) for n in node.get("pretokenizers", node.get("decoders", [])))
 
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _byte_level_decoder() -> Callable[[str], Optional[bytes]]:
+    table = {c: b for b, c in bytes_to_unicode().items()}
+
+    def byte_of(token: str) -> Optional[bytes]:
+        if any(c not in table for c in token):
+            return None  # an added token that is not byte-level
+        return bytes(table[c] for c in token)
+    return byte_of
+
+
+def _piece_decoder(byte_fallback: bool) -> Callable[[str], Optional[bytes]]:
+    """SentencePiece pieces: "▁" is a space, "<0xNN>" the byte NN where the model falls back to
+    bytes."""
+
+    def byte_of(token: str) -> Optional[bytes]:
+        m = _BYTE_TOKEN.fullmatch(token) if byte_fallback else None
+        if m:
+            return bytes([int(m.group(1), 16)])
+        return token.replace("\u2581", " ").encode("utf-8")
+    return byte_of
+
+
+def _nodes(node) -> list[dict]:
+    """A normalizer/pre-tokenizer/decoder and the ones a Sequence of them holds."""
+    if not isinstance(node, dict):
+        return []
+    found = [node]
+    for key in ("normalizers", "pretokenizers", "decoders", "processors"):
+        for n in node.get(key) or []:
+            found += _nodes(n)
+    return found
+
+
+def _adds_prefix_space(pre_tokenizer) -> bool:
+    return any(n.get("add_prefix_space") or
+               (n.get("type") == "Metaspace" and n.get("prepend_scheme", "always") != "never")
+               for n in _nodes(pre_tokenizer))
+
+
+def _token_style(config: dict, path: Path) -> str:
+    """How the vocabulary writes bytes: "byte-level" (GPT-2's byte alphabet) or "pieces"
+    (SentencePiece's "▁" pieces, with or without byte fallback). Refuses what is neither, with
+    the reason: every token must stand for a fixed byte string (bits per byte, streaming)."""
     model = config.get("model") or {}
-    problems = []
     if model.get("type") != "BPE":
-        problems.append(f"model {model.get('type')!r} is not BPE")
-    if config.get("normalizer"):
-        problems.append(f"it has a {config['normalizer'].get('type')} normalizer")
-    if not has_byte_level(config.get("pre_tokenizer")) or not has_byte_level(config.get("decoder")):
-        problems.append("its pre-tokenizer and decoder are not ByteLevel")
-    if problems:
-        raise UserError(f"{path} is not a byte-level BPE tokenizer ({'; '.join(problems)}); use "
-                        f"GPT-2's tokenizer.json format")
+        raise UserError(f"{path}: its model is {model.get('type')!r}, not BPE; the tokenizers "
+                        f"taken are BPEs (byte-level, or SentencePiece-style with byte fallback)")
+    types = {n.get("type") for key in ("pre_tokenizer", "decoder") for n in _nodes(config.get(key))}
+    if "ByteLevel" in types:
+        return "byte-level"
+    if types & {"Metaspace", "ByteFallback"} or any(
+            n.get("type") in ("Prepend", "Replace") for n in _nodes(config.get("normalizer"))):
+        return "pieces"
+    raise UserError(f"{path}: neither a byte-level BPE (ByteLevel pre-tokenizer or decoder) nor a "
+                    f"SentencePiece-style one (Metaspace, byte fallback), so its tokens are not "
+                    f"known byte strings")
 
 
 # ---------------------------------------------------------------- training
@@ -312,8 +434,8 @@ def make_tokenizer(kind: str, sample: Optional[Callable[[], Iterable[str]]] = No
     - "byte": UTF-8 bytes;
     - "bpe": a byte-level BPE of `vocab_size` trained on the texts of `sample()` (called only
       then: reading a sample of a large corpus takes a while);
-    - a path to a tokenizer.json (or a folder holding one: a dataset, checkpoint or export):
-      checked, and used byte for byte.
+    - a path to a tokenizer.json (or a folder holding one: a release, dataset, checkpoint or
+      export): checked, and used byte for byte; documents wrapped as the folder says (data/wrap.py).
     The caller writes `raw` (None for bytes) into the dataset as tokenizer.json."""
     check_choice(kind, vocab_size, DEFAULT_SAMPLE_MB)
     if kind == "byte":
@@ -321,7 +443,12 @@ def make_tokenizer(kind: str, sample: Optional[Callable[[], Iterable[str]]] = No
     if kind == "bpe":
         return train_bpe(sample(), vocab_size or DEFAULT_BPE_VOCAB)
     path = Path(kind)
-    return BPETokenizer(path / TOKENIZER_FILE if path.is_dir() else path)
+    tok = BPETokenizer(path / TOKENIZER_FILE if path.is_dir() else path)
+    wrap = document_wrap(path if path.is_dir() else None, json.loads(tok.raw),
+                         tok.vocabulary(), tok.eot_id)
+    if wrap is not None:
+        tok.doc_begin, tok.doc_end = wrap.begin, wrap.end
+    return tok
 
 
 def check_spec(spec: dict, folder: Optional[str | Path] = None, verify: bool = False) -> None:
