@@ -124,6 +124,24 @@ def test_bits_per_byte_counts_the_documents_bytes_as_read(name, corpus, tmp_path
     assert sum(Validation(cfg, r, 2, tok.text_byte_lengths()).text_bytes for r in range(2)) == expected
 
 
+@pytest.mark.parametrize("name", ["llama2", "mistral"])
+def test_a_large_file_read_in_pieces_gives_the_whole_documents_tokens(name, tmp_path):
+    """A text file larger than a unit is one document read in pieces cut after a newline; a
+    tokenizer that puts a space before the text it encodes (Llama 2's Prepend, Mistral's
+    Metaspace) must not put one where a piece starts inside the document: the stream is the
+    whole file's encoding, wrapped once, and its bytes are the file's."""
+    text = "\n".join(corpus_documents(4))
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "book.txt").write_text(text)
+    manifest = prepare_dataset(str(tmp_path / "in"), tmp_path / "data", tokenizer=str(family_folder(name)),
+                               block_tokens=128, val_every=VAL_EVERY, cpus=1, piece_bytes=2048)
+    assert len(text.encode()) > 4 * 2048  # several pieces
+    ref = reference(name)
+    begin, end = ([ref.convert_tokens_to_ids(t) for t in side] for side in DOC_WRAP[name])
+    assert stream(tmp_path / "data").tolist() == begin + ref.encode(text, add_special_tokens=False) + end
+    assert manifest["train"]["bytes"] + manifest["val"]["bytes"] == len(text.encode())
+
+
 def test_a_tokenizer_that_cannot_encode_the_corpus_is_refused(tmp_path, corpus):
     """A SentencePiece model trained without byte fallback (converted by transformers'
     LlamaConverter, as an older release would be) encodes text made of its characters, and is
@@ -187,3 +205,37 @@ def test_document_wrap_without_a_tokenizer_config_and_with_a_broken_one(tmp_path
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [10 ** 6]}))
     with pytest.raises(UserError, match="generation_config.json: eos_token_id"):
         make_tokenizer(str(folder))
+
+
+@pytest.mark.slow  # the local harness: one rank trains, validates and checkpoints
+def test_a_run_trains_on_a_llama2_dataset_and_counts_bits_per_byte_as_read(tmp_path):
+    """A dataset prepared with Llama 2's tokenizer folder (SentencePiece, Prepend/Replace
+    normalizer, byte fallback, <s> ... </s>) trains: its loss falls, and each validation's val_bpb
+    is its val_loss per byte of the documents as read, the bytes summed from the shards' column
+    here over every validation window (to 1e-9), not the tokens' own bytes (which count the
+    space the normalizer puts before each document)."""
+    from conftest import small_config
+    from local_mode import run_local
+
+    data = tmp_path / "data"
+    corpus = write_corpus(tmp_path / "corpus", corpus_documents(12))
+    prepare_dataset(str(corpus), data, tokenizer=str(family_folder("llama2")), cpus=1,
+                    block_tokens=256, val_every=4)
+    val, ids = shards(data, "val", "bytes"), shards(data, "val", "tokens")
+    n = (len(ids) - 1) // 64  # one shard: every window of the split
+    nbytes = sum(int(val[64 * i + 1: 64 * i + 65].sum()) for i in range(n))
+    lengths = make_tokenizer(str(data)).text_byte_lengths()
+    own = sum(int(lengths[ids[64 * i + 1: 64 * i + 65]].sum()) for i in range(n))
+    assert own != nbytes  # a document starts in the validation split: the case that matters
+    rows = []
+    summary = run_local(small_config(data, tmp_path / "runs", "llama2", workers=1, max_steps=8,
+                                     log_every=4, eval_every=4, checkpoint_every=8,
+                                     sets=["model.n_layer=2", "model.n_embd=64", "model.n_head=2",
+                                           "batch_size=8", "seq_len=64", "eval_windows=0"]),
+                        on_metrics=rows.append)
+    assert summary["status"] == "completed"
+    evals = [r for r in rows if r.get("val_loss") is not None]
+    assert len(evals) == 2 and rows[-1]["loss"] < rows[0]["loss"]
+    for r in evals:
+        expected = r["val_loss"] * (n * 64) / nbytes / math.log(2)
+        assert abs(r["val_bpb"] - expected) < 1e-9 * expected

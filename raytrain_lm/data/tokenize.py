@@ -49,7 +49,7 @@ def tokenize_unit(unit: Unit, tok: Tokenizer) -> Tokens:
         if i:
             parts.append(sep)
             shares.append(np.zeros(len(sep), dtype=np.int64))
-        ids, counts = tok.encode_counted(text)
+        ids, counts = tok.encode_counted(text, continued=i == 0 and not unit.opens_document)
         parts.append(ids)
         if counts is not None:
             shares.append(counts)

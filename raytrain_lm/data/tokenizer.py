@@ -125,9 +125,11 @@ class Tokenizer(ABC):
             return np.array([self.eot_id], dtype=self.dtype)
         return self.encode("\n\n")
 
-    def encode_counted(self, text: str) -> tuple[np.ndarray, Optional[np.ndarray]]:
+    def encode_counted(self, text: str, continued: bool = False) -> tuple[np.ndarray, Optional[np.ndarray]]:
         """(token ids, each token's share of the text's UTF-8 bytes as given, or None where the
-        tokenizer is exact and `text_byte_lengths` already says it)."""
+        tokenizer is exact and `text_byte_lengths` already says it). `continued`: `text` goes on
+        a document after a newline (a later piece of a large file: data/sources.py), so it gets
+        the tokens it has inside the whole document."""
         return self.encode(text), None
 
     @abstractmethod
@@ -206,8 +208,10 @@ class BPETokenizer(Tokenizer):
         model = config.get("model") or {}
         unk = model.get("unk_token")
         self.unk_id = vocab.get(unk) if isinstance(unk, str) else None
-        self.exact = style == "byte-level" and not config.get("normalizer") and \
-            not _adds_prefix_space(config.get("pre_tokenizer"))
+        # whether it puts a space before the text it encodes (Llama 2's Prepend, Metaspace)
+        self.prefixed = _adds_prefix_space(config.get("pre_tokenizer")) or any(
+            n.get("type") == "Prepend" for n in _nodes(config.get("normalizer")))
+        self.exact = style == "byte-level" and not config.get("normalizer") and not self.prefixed
         special = {i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
         self._bytes: list[bytes] = [b""] * self.vocab_size
         self._lengths = np.zeros(self.vocab_size, dtype=np.int64)
@@ -230,9 +234,7 @@ class BPETokenizer(Tokenizer):
             all(bytes([b]) in present for b in range(256))
         if self.complete:
             back = self.decode(self.encode(_PROBE))
-            prefixed = _adds_prefix_space(config.get("pre_tokenizer")) or any(
-                n.get("type") == "Prepend" for n in _nodes(config.get("normalizer")))
-            if back != _PROBE and not (prefixed and back == " " + _PROBE):
+            if back != _PROBE and not (self.prefixed and back == " " + _PROBE):
                 raise UserError(f"{self.path} does not give text back (encoded then decoded, a "
                                 f"probe of spaces, tabs, CRLF and non-Latin text changes beyond a "
                                 f"prefix space), so it would train on other text than the corpus")
@@ -250,20 +252,28 @@ class BPETokenizer(Tokenizer):
         encs = self._tok.encode_batch_fast(texts, add_special_tokens=False)
         return [np.array(e.ids, dtype=self.dtype) for e in encs]
 
-    def encode_counted(self, text: str) -> tuple[np.ndarray, Optional[np.ndarray]]:
+    def encode_counted(self, text: str, continued: bool = False) -> tuple[np.ndarray, Optional[np.ndarray]]:
         if self.exact and self.complete:
             return self.encode(text), None
-        enc = self._tok.encode_batch([text], add_special_tokens=False)[0]
-        ids = np.array(enc.ids, dtype=self.dtype)
+        # A tokenizer that puts a space before the text would put one where a piece of a large
+        # file starts, inside a document: encode the piece after the newline it follows, and
+        # keep the tokens of the piece (the newline is a token of its own: files are cut only
+        # between a newline and a printable ASCII character).
+        lead = "\n" if continued and self.prefixed else ""
+        enc = self._tok.encode_batch([lead + text], add_special_tokens=False)[0]
+        keep = [k for k, (s, e) in enumerate(enc.offsets) if e > len(lead)] if lead else None
+        ids = np.array(enc.ids if keep is None else [enc.ids[k] for k in keep], dtype=self.dtype)
+        ends = [e - len(lead) for s, e in (enc.offsets if keep is None else [enc.offsets[k] for k in keep])]
         if self.unk_id is not None and not self.complete and (ids == self.unk_id).any():
             at = int(np.argmax(ids == self.unk_id))
-            s, e = enc.offsets[at]
+            e = ends[at]
+            s = max(0, e - 1) if at == 0 else ends[at - 1]
             raise UserError(f"{self.path} cannot encode this corpus: {text[s:e]!r} becomes its "
                             f"unknown token (it has no byte fallback or byte tokens); use a "
                             f"tokenizer that can write every character, or --tokenizer bpe")
         if self.exact:
             return ids, None
-        return ids, raw_byte_shares(text, [o[1] for o in enc.offsets])
+        return ids, raw_byte_shares(text, ends)
 
     def vocabulary(self) -> dict[str, int]:
         """Every token's text -> its id, added tokens included."""
