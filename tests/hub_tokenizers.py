@@ -124,7 +124,7 @@ def _byte_level_ranks(pattern: str) -> dict[bytes, int]:
     (a byte-level BPE trained with `tokenizers` on the pydoc slice, split by `pattern`)."""
     from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
 
-    from raytrain_lm.data.tokenizer import bytes_to_unicode
+    from raytrain_lm.data.vocab import bytes_to_unicode
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence([
@@ -171,7 +171,7 @@ def _qwen2(folder: Path, instruct: bool = False) -> None:
     from tokenizers import AddedToken
     from transformers import Qwen2Tokenizer
 
-    from raytrain_lm.data.tokenizer import bytes_to_unicode
+    from raytrain_lm.data.vocab import bytes_to_unicode
 
     ranks = _byte_level_ranks(QWEN_PATTERN)
     table = bytes_to_unicode()

@@ -20,15 +20,22 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import re
 from abc import ABC, abstractmethod
-from functools import lru_cache
 from pathlib import Path
 from typing import Callable, Iterable, Optional
 
 import numpy as np
 
 from raytrain_lm.config.checks import MAX_VOCAB
+from raytrain_lm.data.vocab import (  # noqa: F401 (their old home)
+    byte_tokenizer_json,
+    bytes_to_unicode,
+    dtype_for_vocab,
+    prefixes_text,
+    raw_byte_shares,
+    token_style,
+    token_table,
+)
 from raytrain_lm.data.wrap import document_wrap
 from raytrain_lm.errors import UserError, last_line
 from raytrain_lm.store.files import TOKENIZER as TOKENIZER_FILE  # in a dataset, checkpoint or export
@@ -44,34 +51,6 @@ DEFAULT_SAMPLE_MB = 100.0
 # become the token). Unchanged by NFC and NFKC, which rewrite only other text.
 _PROBE = ("Hello,  world!\n\n\tTabs\r\nand  runs   of spaces  \n  \u00fcn\u00efc\u00f6d\u00e9 "
           "\u65e5\u672c\u8a9e \U0001F642\u200b\x00 " + EOT + "\n")
-
-
-def dtype_for_vocab(vocab_size: int):
-    """The smallest unsigned dtype that holds every token id (shards are stored in it)."""
-    if vocab_size <= 1 << 8:
-        return np.uint8
-    if vocab_size <= 1 << 16:
-        return np.uint16
-    if vocab_size <= 1 << 32:
-        return np.uint32
-    raise UserError(f"a vocabulary of {vocab_size} tokens does not fit in uint32")
-
-
-@lru_cache(maxsize=1)
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable character table, which ByteLevel pre-tokenizers and tokenizer.json
-    vocabularies are written in: printable Latin-1 bytes map to themselves, the other 68 bytes
-    to U+0100 onwards."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("\u00a1"), ord("\u00ac") + 1)) + \
-        list(range(ord("\u00ae"), ord("\u00ff") + 1))
-    table, extra = {}, 0
-    for b in range(256):
-        if b in keep:
-            table[b] = chr(b)
-        else:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return table
 
 
 class Tokenizer(ABC):
@@ -192,7 +171,7 @@ class BPETokenizer(Tokenizer):
             self._tok = HFTokenizer.from_str(raw.decode("utf-8"))
         except Exception as e:  # json, UTF-8 and the Rust parser's own exception
             raise UserError(f"{self.path} is not a valid tokenizer.json: {last_line(e)}") from None
-        style = _token_style(config, self.path)
+        style = token_style(config, self.path)
         # tokenizers matches special tokens' text inside ordinary input by default, so a document
         # quoting "<|endoftext|>" would get a document break in the middle. Only the dataset
         # writer may place that token. (A runtime flag: tokenizer.json does not store it.)
@@ -208,24 +187,13 @@ class BPETokenizer(Tokenizer):
         model = config.get("model") or {}
         unk = model.get("unk_token")
         self.unk_id = vocab.get(unk) if isinstance(unk, str) else None
-        # whether it puts a space before the text it encodes (Llama 2's Prepend, Metaspace)
-        self.prefixed = _adds_prefix_space(config.get("pre_tokenizer")) or any(
-            n.get("type") == "Prepend" for n in _nodes(config.get("normalizer")))
+        self.prefixed = prefixes_text(config)  # Llama 2's Prepend, Metaspace, add_prefix_space
         self.exact = style == "byte-level" and not config.get("normalizer") and not self.prefixed
         special = {i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
-        self._bytes: list[bytes] = [b""] * self.vocab_size
-        self._lengths = np.zeros(self.vocab_size, dtype=np.int64)
-        byte_of = _byte_level_decoder() if style == "byte-level" else \
-            _piece_decoder(bool(model.get("byte_fallback")))
-        for token, i in vocab.items():
-            text_bytes = None if i in special or i == self.unk_id else byte_of(token)
-            if text_bytes is None:
-                # special (or added, not byte-level) tokens stand for their literal text on
-                # display, and for no bytes of the corpus
-                self._bytes[i] = token.encode("utf-8")
-            else:
-                self._bytes[i] = text_bytes
-                self._lengths[i] = len(text_bytes)
+        # special tokens (and the unknown one) stand for their literal text on display, and for
+        # no bytes of the corpus
+        self._bytes, self._lengths = token_table(vocab, self.vocab_size, special | {self.unk_id}, style,
+                                                 bool(model.get("byte_fallback")))
         # Can every text be written? Only with all 256 byte tokens (a byte-level vocabulary's
         # alphabet, a SentencePiece model's byte fallback). Without them a character outside
         # the vocabulary becomes <unk>, which `encode_counted` refuses where the corpus has one.
@@ -279,9 +247,6 @@ class BPETokenizer(Tokenizer):
         """Every token's text -> its id, added tokens included."""
         return self._tok.get_vocab(with_added_tokens=True)
 
-    def id_to_token(self, token_id: int) -> str:
-        return self._tok.id_to_token(token_id)
-
     def token_bytes(self, token_id: int) -> bytes:
         # Our own table, not tokenizers' decode(): that one skips special tokens by default and
         # cannot decode one token of a multi-byte character on its own (streaming needs that).
@@ -300,83 +265,6 @@ class BPETokenizer(Tokenizer):
     def spec(self) -> dict:
         return {"type": self.name, "vocab_size": self.vocab_size, "file": TOKENIZER_FILE,
                 "sha256": self.sha256, "eot_id": self.eot_id}
-
-
-def raw_byte_shares(text: str, ends: list[int]) -> np.ndarray:
-    """Each token's share of `text`'s UTF-8 bytes, given where (in characters of `text` as read)
-    each token's text ends: token i counts the bytes from the furthest end before it to its own,
-    the last one up to the end of the text. The shares add up to len(text.encode()) exactly,
-    whatever a normalizer did (several byte-fallback tokens of one character: the first counts
-    it; a character a normalizer dropped: the next token counts it)."""
-    if not ends:
-        return np.zeros(0, dtype=np.int64)
-    cps = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
-    widths = 1 + (cps >= 0x80) + (cps >= 0x800) + (cps >= 0x10000)
-    at = np.concatenate([[0], np.cumsum(widths, dtype=np.int64)])  # byte offset of each char
-    reach = np.maximum.accumulate(at[np.asarray(ends, dtype=np.int64)])
-    reach[-1] = at[-1]
-    return np.diff(np.concatenate([[0], reach]))
-
-
-_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
-
-
-def _byte_level_decoder() -> Callable[[str], Optional[bytes]]:
-    table = {c: b for b, c in bytes_to_unicode().items()}
-
-    def byte_of(token: str) -> Optional[bytes]:
-        if any(c not in table for c in token):
-            return None  # an added token that is not byte-level
-        return bytes(table[c] for c in token)
-    return byte_of
-
-
-def _piece_decoder(byte_fallback: bool) -> Callable[[str], Optional[bytes]]:
-    """SentencePiece pieces: "▁" is a space, "<0xNN>" the byte NN where the model falls back to
-    bytes."""
-
-    def byte_of(token: str) -> Optional[bytes]:
-        m = _BYTE_TOKEN.fullmatch(token) if byte_fallback else None
-        if m:
-            return bytes([int(m.group(1), 16)])
-        return token.replace("\u2581", " ").encode("utf-8")
-    return byte_of
-
-
-def _nodes(node) -> list[dict]:
-    """A normalizer/pre-tokenizer/decoder and the ones a Sequence of them holds."""
-    if not isinstance(node, dict):
-        return []
-    found = [node]
-    for key in ("normalizers", "pretokenizers", "decoders", "processors"):
-        for n in node.get(key) or []:
-            found += _nodes(n)
-    return found
-
-
-def _adds_prefix_space(pre_tokenizer) -> bool:
-    return any(n.get("add_prefix_space") or
-               (n.get("type") == "Metaspace" and n.get("prepend_scheme", "always") != "never")
-               for n in _nodes(pre_tokenizer))
-
-
-def _token_style(config: dict, path: Path) -> str:
-    """How the vocabulary writes bytes: "byte-level" (GPT-2's byte alphabet) or "pieces"
-    (SentencePiece's "▁" pieces, with or without byte fallback). Refuses what is neither, with
-    the reason: every token must stand for a fixed byte string (bits per byte, streaming)."""
-    model = config.get("model") or {}
-    if model.get("type") != "BPE":
-        raise UserError(f"{path}: its model is {model.get('type')!r}, not BPE; the tokenizers "
-                        f"taken are BPEs (byte-level, or SentencePiece-style with byte fallback)")
-    types = {n.get("type") for key in ("pre_tokenizer", "decoder") for n in _nodes(config.get(key))}
-    if "ByteLevel" in types:
-        return "byte-level"
-    if types & {"Metaspace", "ByteFallback"} or any(
-            n.get("type") in ("Prepend", "Replace") for n in _nodes(config.get("normalizer"))):
-        return "pieces"
-    raise UserError(f"{path}: neither a byte-level BPE (ByteLevel pre-tokenizer or decoder) nor a "
-                    f"SentencePiece-style one (Metaspace, byte fallback), so its tokens are not "
-                    f"known byte strings")
 
 
 # ---------------------------------------------------------------- training
@@ -497,20 +385,6 @@ def tokenizer_from_spec(spec: dict, folder: Optional[str | Path] = None) -> Toke
 
 
 # ---------------------------------------------------------------- Hugging Face interop
-
-
-def byte_tokenizer_json() -> str:
-    """A tokenizer.json equivalent to ByteTokenizer, for exports: id i is byte i. A BPE with an
-    empty merge list over GPT-2's byte alphabet splits every text into single bytes; use_regex=False
-    since there is nothing to keep merges from crossing."""
-    from tokenizers import Tokenizer as HFTokenizer
-    from tokenizers import decoders, models, pre_tokenizers
-
-    vocab = {ch: b for b, ch in bytes_to_unicode().items()}
-    tok = HFTokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    return tok.to_str(pretty=True)
 
 
 def bits_per_byte(loss_nats_per_token: float, tokens: float, nbytes: float) -> float:

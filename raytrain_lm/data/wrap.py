@@ -33,10 +33,6 @@ class Wrap:
     begin: tuple[int, ...] = ()
     end: tuple[int, ...] = ()
 
-    def describe(self, id_to_token) -> dict:
-        """What a dataset's manifest records: the tokens by name and id."""
-        return {"begin": [id_to_token(i) for i in self.begin], "begin_ids": list(self.begin),
-                "end": [id_to_token(i) for i in self.end], "end_ids": list(self.end)}
 
 
 def document_wrap(folder: Optional[Path], tokenizer_json: dict, vocab: dict[str, int],
