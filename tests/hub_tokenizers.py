@@ -249,6 +249,11 @@ def _mistral(folder: Path) -> None:
     tok = LlamaTokenizer.from_pretrained(src, add_bos_token=True, add_eos_token=False, legacy=False)
     tok.chat_template = MISTRAL_CHAT
     tok.save_pretrained(folder, save_jinja_files=False)
+    # from_pretrained's own loading options, which save_pretrained writes back: not a release's
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    for key in ("is_local", "local_files_only"):
+        config.pop(key, None)
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
     (folder / "tokenizer.model").write_bytes(_sentencepiece_model())
     _write_generation_config(folder, bos_token_id=1, eos_token_id=2)
 

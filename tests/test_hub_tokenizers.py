@@ -180,6 +180,7 @@ def test_a_tokenizer_that_cannot_encode_the_corpus_is_refused(tmp_path, corpus):
     ok = cli_here("prepare", "--input", str(fits), "--tokenizer", str(folder), "--out",
                   str(tmp_path / "ok"), "--no-ray")
     assert ok.returncode == 0, ok.stderr
+    assert "each document: <s> ... </s>" in ok.stdout  # the wrap read from the folder, said
     bad = cli_here("prepare", "--input", str(corpus), "--tokenizer", str(folder), "--out",
                    str(tmp_path / "bad"), "--no-ray")
     assert bad.returncode == 2, bad.stderr
@@ -239,3 +240,20 @@ def test_a_run_trains_on_a_llama2_dataset_and_counts_bits_per_byte_as_read(tmp_p
     for r in evals:
         expected = r["val_loss"] * (n * 64) / nbytes / math.log(2)
         assert abs(r["val_bpb"] - expected) < 1e-9 * expected
+
+
+def test_prepare_on_ray_wraps_and_counts_as_threads_do(ray_address, tmp_path):
+    """Ray tasks rebuild the tokenizer from what they are sent: a Llama 2 folder's dataset made by
+    2 Ray tasks at a time (documents wrapped in <s> ... </s>, a file read in pieces, the bytes
+    column) is byte for byte the one made in this process."""
+    text = "\n".join(corpus_documents(4))
+    src = write_corpus(tmp_path / "in", documents())
+    (src / "book.txt").write_text(text)
+    made = {}
+    for name, kw in {"here": dict(use_ray=False, cpus=1), "ray": dict(use_ray=True, cpus=2)}.items():
+        made[name] = prepare_dataset(str(src), tmp_path / name, tokenizer=str(family_folder("llama2")),
+                                     block_tokens=128, val_every=VAL_EVERY, piece_bytes=2048, **kw)
+        made[name].pop("created")
+    assert made["here"] == made["ray"] and made["ray"]["documents"]["begin"] == ["<s>"]
+    for s in made["here"]["train"]["shards"] + made["here"]["val"]["shards"]:
+        assert (tmp_path / "here" / s["file"]).read_bytes() == (tmp_path / "ray" / s["file"]).read_bytes()
