@@ -42,7 +42,6 @@ def main() -> None:
     os.environ.setdefault("RAYON_NUM_THREADS", "1")
 
     from hub_tokenizers import family_folder
-
     from raytrain_lm.data.sources import _pydoc_topics
     from raytrain_lm.data.tokenizer import make_tokenizer
 
