@@ -20,9 +20,11 @@ vocabulary trained here on CPython's documentation (no download):
   (Mistral-Nemo's path): control tokens first (<unk> <s> </s> [INST] ...), byte-level, no
   normalizer, "<s> $A".
 
-`tokenizer_config.json` is what `save_pretrained` writes (added_tokens_decoder, bos/eos/pad, the
-chat_template where the release has one); generation_config.json is written as the releases ship
-it. Folders are built once per process (`family_folder`) and copied per test (`copy_family`).
+`tokenizer_config.json` is what `save_pretrained` writes (bos/eos/pad, the chat_template where the
+release has one, in the file as 4.x wrote it), with what 4.x also wrote and the releases carry
+(added_tokens_decoder, add_bos_token/add_eos_token: `_as_shipped`); generation_config.json is
+written as the releases ship it. Folders are built once per process (`family_folder`) and copied
+per test (`copy_family`).
 
 API (for other tests):
     FAMILIES                         the names below
@@ -162,6 +164,22 @@ def _sentencepiece_model() -> bytes:
 # ---------------------------------------------------------------- families
 
 
+def _as_shipped(folder: Path, **fields) -> None:
+    """tokenizer_config.json as the releases carry it: transformers 4.x's save_pretrained wrote
+    `added_tokens_decoder` (every added token, from tokenizer.json's added_tokens) and the
+    family's add_bos_token/add_eos_token; 5.x writes neither. `fields`: the release's own."""
+    path = folder / "tokenizer_config.json"
+    config = json.loads(path.read_text())
+    for key in ("is_local", "local_files_only"):  # from_pretrained's options, written back by 5.x
+        config.pop(key, None)
+    added = json.loads((folder / "tokenizer.json").read_text())["added_tokens"]
+    config["added_tokens_decoder"] = {
+        str(t["id"]): {k: t[k] for k in ("content", "lstrip", "normalized", "rstrip", "single_word", "special")}
+        for t in added}
+    config.update(fields)
+    path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+
+
 def _write_generation_config(folder: Path, **fields) -> None:
     (folder / "generation_config.json").write_text(
         json.dumps({**fields, "transformers_version": "4.45.0"}, indent=2) + "\n")
@@ -191,6 +209,7 @@ def _qwen2(folder: Path, instruct: bool = False) -> None:
     if instruct:
         tok.eos_token = "<|im_end|>"
     tok.save_pretrained(folder, save_jinja_files=False)
+    _as_shipped(folder)
     ids = tok.convert_tokens_to_ids
     if instruct:
         _write_generation_config(folder, bos_token_id=ids("<|endoftext|>"), pad_token_id=ids("<|endoftext|>"),
@@ -237,6 +256,7 @@ def _llama2(folder: Path) -> None:
                          unk_token="<unk>", add_bos_token=True, add_eos_token=False, legacy=True,
                          pad_token=None, clean_up_tokenization_spaces=False)
     tok.save_pretrained(folder, save_jinja_files=False)
+    _as_shipped(folder, add_bos_token=True, add_eos_token=False, legacy=True)
     _write_generation_config(folder, bos_token_id=1, eos_token_id=2, pad_token_id=0, do_sample=True,
                              temperature=0.6, top_p=0.9, max_length=4096)
 
@@ -249,11 +269,7 @@ def _mistral(folder: Path) -> None:
     tok = LlamaTokenizer.from_pretrained(src, add_bos_token=True, add_eos_token=False, legacy=False)
     tok.chat_template = MISTRAL_CHAT
     tok.save_pretrained(folder, save_jinja_files=False)
-    # from_pretrained's own loading options, which save_pretrained writes back: not a release's
-    config = json.loads((folder / "tokenizer_config.json").read_text())
-    for key in ("is_local", "local_files_only"):
-        config.pop(key, None)
-    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+    _as_shipped(folder, add_bos_token=True, add_eos_token=False, legacy=False)
     (folder / "tokenizer.model").write_bytes(_sentencepiece_model())
     _write_generation_config(folder, bos_token_id=1, eos_token_id=2)
 
@@ -284,6 +300,7 @@ def _llama3(folder: Path, instruct: bool = False) -> None:
     if instruct:
         tok.chat_template = LLAMA3_CHAT
     tok.save_pretrained(folder, save_jinja_files=False)
+    _as_shipped(folder)
     ids = {s: n + i for i, s in enumerate(specials)}
     if instruct:
         _write_generation_config(folder, bos_token_id=ids["<|begin_of_text|>"], do_sample=True,
@@ -318,6 +335,7 @@ def _nemo(folder: Path) -> None:
                                   unk_token="<unk>", add_bos_token=True, add_eos_token=False,
                                   model_max_length=1024000, clean_up_tokenization_spaces=False)
     tok.save_pretrained(folder, save_jinja_files=False)
+    _as_shipped(folder, add_bos_token=True, add_eos_token=False)
     _write_generation_config(folder, bos_token_id=1, eos_token_id=2)
 
 
