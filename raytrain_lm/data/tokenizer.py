@@ -229,9 +229,12 @@ class BPETokenizer(Tokenizer):
         # between a newline and a printable ASCII character).
         lead = "\n" if continued and self.prefixed else ""
         enc = self._tok.encode_batch([lead + text], add_special_tokens=False)[0]
-        keep = [k for k, (s, e) in enumerate(enc.offsets) if e > len(lead)] if lead else None
-        ids = np.array(enc.ids if keep is None else [enc.ids[k] for k in keep], dtype=self.dtype)
-        ends = [e - len(lead) for s, e in (enc.offsets if keep is None else [enc.offsets[k] for k in keep])]
+        ids, offsets = enc.ids, enc.offsets  # each access builds a new list: once
+        if lead:  # the newline's tokens end within it
+            first = next((k for k, (_, e) in enumerate(offsets) if e > len(lead)), len(ids))
+            ids, offsets = ids[first:], offsets[first:]
+        ends = [e - len(lead) for _, e in offsets]
+        ids = np.array(ids, dtype=self.dtype)
         if self.unk_id is not None and not self.complete and (ids == self.unk_id).any():
             at = int(np.argmax(ids == self.unk_id))
             e = ends[at]
