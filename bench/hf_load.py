@@ -77,7 +77,8 @@ def train_config(args):
 def synthetic_tokenizer(vocab: int) -> bytes:
     """A byte-level BPE tokenizer.json of `vocab` ids (the 256 bytes, <|endoftext|>, filler
     tokens no merge reaches): what export needs to keep every row of the embedding."""
-    from raytrain_lm.data.tokenizer import EOT, bytes_to_unicode
+    from raytrain_lm.data.tokenizer import EOT
+    from raytrain_lm.data.vocab import bytes_to_unicode
 
     table = {c: i for i, c in enumerate(bytes_to_unicode().values())}
     table.update({f"t{i}": i for i in range(257, vocab)})

@@ -65,7 +65,7 @@ def _tokenize_batch(batch: dict, raw_ref: list) -> dict:
     plain task `prepare` submits does it."""
     from raytrain_lm.data.tokenize import _tokenize_task
 
-    tokens, opens = zip(*(_tokenize_task(unit, raw_ref) for unit in batch["unit"]))
+    tokens, _, opens = zip(*(_tokenize_task(unit, raw_ref) for unit in batch["unit"]))
     return {"tokens": np.array(tokens, dtype=object), "opens": np.array(opens, dtype=bool)}
 
 
@@ -86,13 +86,13 @@ def tokenize_on_ray_data(units, tok, cpus=None):
     ctx.op_resource_reservation_enabled = False  # with it on, one of 2 CPUs sat idle
     logging.getLogger("ray.data").setLevel(logging.ERROR)
     tasks = tasks_at_once(cpus, len(units))
-    raw_ref = [ray.put(tok.raw)]
+    raw_ref = [ray.put((tok.raw, tok.doc_begin, tok.doc_end))]
     ds = ray.data.from_items([{"unit": u.to_json()} for u in units], override_num_blocks=len(units))
     ds = ds.map_batches(_tokenize_batch, fn_kwargs={"raw_ref": raw_ref}, batch_size=1, num_cpus=1,
                         compute=ray.data.TaskPoolStrategy(size=tasks))
     for batch in ds.iter_batches(batch_size=None, batch_format="numpy"):
         for data, opens in zip(batch["tokens"], batch["opens"]):
-            yield np.frombuffer(data, dtype=tok.dtype), bool(opens)
+            yield np.frombuffer(data, dtype=tok.dtype), None, bool(opens)
 
 
 class _ThreadedTokenizer:
@@ -110,7 +110,7 @@ class _ThreadedTokenizer:
 
         with self._lock:
             tok = task_tokenizer(raw_ref)
-        ids, opens = tokenize_unit(Unit.from_json(unit_json), tok)
+        ids, _, opens = tokenize_unit(Unit.from_json(unit_json), tok)
         return ids.tobytes(), opens
 
 
@@ -122,12 +122,12 @@ def tokenize_on_ray_actor(units, tok, cpus=None):
     from raytrain_lm.data.tokenize import results_in_order, tasks_at_once
 
     threads = tasks_at_once(cpus, len(units))
-    raw_ref = [ray.put(tok.raw)]
+    raw_ref = [ray.put((tok.raw, tok.doc_begin, tok.doc_end))]
     actor = ray.remote(num_cpus=threads, max_concurrency=threads)(_ThreadedTokenizer).remote()
     try:
         for data, opens in results_in_order(lambda i: actor.tokenize.remote(units[i].to_json(), raw_ref),
                                             len(units), threads):
-            yield np.frombuffer(data, dtype=tok.dtype), opens
+            yield np.frombuffer(data, dtype=tok.dtype), None, opens
     finally:
         ray.kill(actor)
 

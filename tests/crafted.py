@@ -125,7 +125,7 @@ def _write_hf_folder(folder: Path) -> None:
     from safetensors.torch import save_file
 
     from raytrain_lm.config.load import build_config
-    from raytrain_lm.data.tokenizer import byte_tokenizer_json
+    from raytrain_lm.data.vocab import byte_tokenizer_json
     from raytrain_lm.models import build_model
     from raytrain_lm.models.llama import hf_llama
 

@@ -415,7 +415,8 @@ def _hf_folder(tmp: Path, data: Path, damage: str) -> None:
     from conftest import save_hf_llama
     from raytrain_lm.config.load import build_config
     from raytrain_lm.data.manifest import load_manifest
-    from raytrain_lm.data.tokenizer import byte_tokenizer_json, train_bpe
+    from raytrain_lm.data.tokenizer import train_bpe
+    from raytrain_lm.data.vocab import byte_tokenizer_json
     from raytrain_lm.run.preflight import fit_model_to_data
 
     cfg = build_config(flags={"preset": "llama-tiny", "data": str(data)})

@@ -374,8 +374,8 @@ def test_tokenizing_here_in_threads_keeps_the_units_order():
             return super().encode(text)
 
     units = plan_units(["pydoc"], "text", 1 << 14)
-    one = [(ids.tobytes(), opens) for ids, opens in tokenize_here(units, ByteTokenizer())]
+    one = [(ids.tobytes(), opens) for ids, _, opens in tokenize_here(units, ByteTokenizer())]
     tok = Recording()
-    two = [(ids.tobytes(), opens) for ids, opens in tokenize_here(units, tok, threads=2)]
+    two = [(ids.tobytes(), opens) for ids, _, opens in tokenize_here(units, tok, threads=2)]
     assert len(units) > 4 and two == one
     assert len(tok.threads) == 2 and threading.get_ident() not in tok.threads

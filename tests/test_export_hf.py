@@ -298,7 +298,8 @@ def test_bos_and_eos_come_from_the_tokenizer_file():
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import decoders, models, pre_tokenizers, processors
 
-    from raytrain_lm.data.tokenizer import BPETokenizer, ByteTokenizer, bytes_to_unicode
+    from raytrain_lm.data.tokenizer import BPETokenizer, ByteTokenizer
+    from raytrain_lm.data.vocab import bytes_to_unicode
     from raytrain_lm.results.hf_export import special_tokens
 
     def file(specials, post_processor):

@@ -16,7 +16,8 @@ import torch
 from conftest import cli_here
 from raytrain_lm.config.load import build_config
 from raytrain_lm.config.presets import preset_config
-from raytrain_lm.data.tokenizer import ByteTokenizer, byte_tokenizer_json
+from raytrain_lm.data.tokenizer import ByteTokenizer
+from raytrain_lm.data.vocab import byte_tokenizer_json
 from raytrain_lm.errors import UserError
 from raytrain_lm.models import build_model, family, hf_adapter, hf_importer
 from raytrain_lm.models.family import ModelConfig

@@ -36,7 +36,7 @@ def config(**flags):
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
     """(folder, {our name: transformers' tensor}): tied and in 9 shards of at most 20 kB."""
-    from raytrain_lm.data.tokenizer import byte_tokenizer_json
+    from raytrain_lm.data.vocab import byte_tokenizer_json
     from raytrain_lm.models.llama.hf_llama import ADAPTER
 
     out = tmp_path_factory.mktemp("hf-tied")

@@ -240,7 +240,7 @@ def test_a_tied_hf_llama_gives_transformers_logits(tmp_path):
     head is refused."""
     from safetensors import safe_open
 
-    from raytrain_lm.data.tokenizer import byte_tokenizer_json
+    from raytrain_lm.data.vocab import byte_tokenizer_json
     from raytrain_lm.run.preflight import check_hf_init_from
     from raytrain_lm.worker.hf_load import load_hf_weights
 

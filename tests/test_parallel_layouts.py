@@ -64,7 +64,7 @@ def hf_llama(folder, data, storage):
     """A Hugging Face Llama of the Llama runs' shape, with the byte tokenizer, saved in `folder`
     by transformers: (folder, model)."""
     from raytrain_lm.data.manifest import load_manifest
-    from raytrain_lm.data.tokenizer import byte_tokenizer_json
+    from raytrain_lm.data.vocab import byte_tokenizer_json
     from raytrain_lm.run.preflight import fit_model_to_data
 
     cfg = layout_config(data, storage, "shape", 1, {}, arch="llama")

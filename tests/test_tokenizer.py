@@ -147,31 +147,56 @@ def test_clear_errors(bpe_pydoc, tmp_path, pydoc_docs):
     print("\n" + "\n".join(msgs))
 
 
-def test_non_byte_level_tokenizer_json_refused(tmp_path):
-    """tokenizer.json files whose tokens are not byte strings, or that rewrite text."""
+def test_tokenizers_that_rewrite_text_are_taken_and_lossy_ones_refused(tmp_path):
+    """A normalizer (NFKC), a prefix space and a Metaspace BPE without byte fallback are taken
+    (`exact` False: their datasets count bytes as read); a WordPiece (tokens are not byte strings),
+    a byte-level BPE that lowercases (text does not come back) and one with no way to write an
+    unknown character are refused, each with its reason."""
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
     corpus = ["Hello world, caf\u00e9 \u65e5\u672c"] * 50
-    # a SentencePiece-style Metaspace BPE
     t = Tokenizer(models.BPE(unk_token="<unk>"))
     t.pre_tokenizer, t.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
     t.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>"]))
     t.save(str(tmp_path / "metaspace.json"))
-    one_line_user_error(lambda: BPETokenizer(tmp_path / "metaspace.json"), "not a byte-level BPE")
-    # byte level, but with an NFKC normalizer (\ufb01 -> "fi"): text would not come back
+    metaspace = BPETokenizer(tmp_path / "metaspace.json")
+    assert not metaspace.exact and not metaspace.complete
+    ids, shares = metaspace.encode_counted(corpus[0])
+    assert shares.sum() == len(corpus[0].encode())
+    one_line_user_error(lambda: metaspace.encode_counted("caf\u00e9 \u00df"), "cannot encode",
+                        "'\u00df'", "byte fallback")
+
     t = Tokenizer(models.BPE())
     t.normalizer = normalizers.NFKC()
     t.pre_tokenizer, t.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
     t.train_from_iterator(corpus, trainers.BpeTrainer(
         vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     t.save(str(tmp_path / "nfkc.json"))
-    one_line_user_error(lambda: BPETokenizer(tmp_path / "nfkc.json"), "NFKC normalizer")
-    # byte level with add_prefix_space=True (the ByteLevel default): caught by the round-trip probe
+    nfkc = BPETokenizer(tmp_path / "nfkc.json")
+    assert not nfkc.exact and nfkc.decode(nfkc.encode("\ufb01")) == "fi"  # what NFKC does
+    ids, shares = nfkc.encode_counted("\ufb01 x")
+    assert shares.sum() == len("\ufb01 x".encode())  # the ligature's 3 bytes as read, not "fi"'s 2
+
     cfg = json.loads((tmp_path / "nfkc.json").read_text())
     cfg["normalizer"] = None
     cfg["pre_tokenizer"]["add_prefix_space"] = True
     (tmp_path / "prefix.json").write_text(json.dumps(cfg))
-    one_line_user_error(lambda: BPETokenizer(tmp_path / "prefix.json"), "does not give text back")
+    assert not BPETokenizer(tmp_path / "prefix.json").exact
+
+    cfg["normalizer"] = {"type": "Lowercase"}
+    (tmp_path / "lower.json").write_text(json.dumps(cfg))
+    one_line_user_error(lambda: BPETokenizer(tmp_path / "lower.json"), "does not give text back")
+
+    cfg = json.loads((tmp_path / "metaspace.json").read_text())
+    cfg["model"]["unk_token"] = None
+    (tmp_path / "no-unk.json").write_text(json.dumps(cfg))
+    one_line_user_error(lambda: BPETokenizer(tmp_path / "no-unk.json"), "would vanish")
+
+    t = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    t.pre_tokenizer = pre_tokenizers.Whitespace()
+    t.train_from_iterator(corpus, trainers.WordPieceTrainer(vocab_size=100, special_tokens=["[UNK]"]))
+    t.save(str(tmp_path / "wordpiece.json"))
+    one_line_user_error(lambda: BPETokenizer(tmp_path / "wordpiece.json"), "WordPiece", "not BPE")
 
 
 def test_gpt2_format_tokenizer_json_by_path(tmp_path, pydoc_docs):

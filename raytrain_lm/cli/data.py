@@ -36,7 +36,8 @@ def prepare(
                                      "it straight to shared storage [default: data/<corpus>]."),
     tokenizer: str = typer.Option("byte", help="byte (UTF-8 bytes, vocab 256), bpe (a byte-level "
                                   "BPE trained here on the corpus), or the path of a "
-                                  "tokenizer.json (GPT-2's, your own; or a folder holding one)."),
+                                  "tokenizer.json (GPT-2's, your own; or a folder holding one: "
+                                  "a release's, whose documents get its own special tokens)."),
     vocab_size: Optional[int] = typer.Option(None, help="--tokenizer bpe: tokens in the "
                                              "vocabulary, at least 257 [default: 8192]."),
     tokenizer_sample_mb: float = typer.Option(100.0, help="--tokenizer bpe: train it on at most "
@@ -102,4 +103,7 @@ def prepare(
                    f"{manifest['val']['tokens']:,} validation tokens ({tok['type']} tokenizer, "
                    f"vocab {manifest['vocab_size']}, "
                    f"{manifest['train']['bytes'] / manifest['train']['tokens']:.2f} bytes/token)")
+        if "documents" in manifest:  # a release's wrap, read from its folder
+            wrap = manifest["documents"]
+            typer.echo(f"each document: {' '.join(wrap['begin'] + ['...'] + wrap['end'])}")
 

@@ -39,9 +39,11 @@ class Validation:
 
     For bits per byte it also counts, once, the bytes of text that this rank's real windows'
     targets stand for (`byte_lengths[token]`: 1 per byte token; a BPE token's length, 0 for
-    <|endoftext|>); padding windows count for nothing, as their targets are ignored. Summed over
-    the data-parallel ranks these are the bytes of exactly the targets evaluated, so val_bpb is
-    the loss of exactly the evaluated text per byte of it, not a split-wide approximation."""
+    <|endoftext|>; where the tokenizer rewrites text, the shares of the documents' bytes as read
+    that the shards store, TokenWindows.target_bytes); padding windows count for nothing, as
+    their targets are ignored. Summed over the data-parallel ranks these are the bytes of exactly
+    the targets evaluated, so val_bpb is the loss of exactly the evaluated text per byte of it,
+    not a split-wide approximation."""
 
     IGNORE = -100  # F.cross_entropy's ignore_index
 
@@ -53,7 +55,7 @@ class Validation:
         self.real = [n for _, n in batches]
         self.indices = [idx for idx, _ in batches]
         mine = [i for idx, real in batches for i in idx[:real]]  # not the padding
-        self.text_bytes = sum(int(byte_lengths[self.dataset.window(i)[1:]].sum()) for i in mine)
+        self.text_bytes = sum(self.dataset.target_bytes(i, byte_lengths) for i in mine)
 
     def __iter__(self):
         """(inputs, targets) of this rank's batches."""

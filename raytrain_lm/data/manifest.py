@@ -3,8 +3,9 @@
     manifest.json           tokenizer spec (a BPE's with the sha256 of its file), vocab, dtype,
                             source, token and text-byte counts, sha256 of every shard
     tokenizer.json          a BPE's vocabulary and merges (none for the byte tokenizer)
-    train-00000.arrow ...   one uint8/uint16/uint32 column `tokens`, one record batch per file
-    val-00000.arrow ...
+    train-00000.arrow ...   one uint8/uint16/uint32 column `tokens`, one record batch per file,
+    val-00000.arrow ...     and where the tokenizer rewrites text (a normalizer, a prefix space)
+                            a column `bytes`: each token's share of the documents' bytes as read
 
 One reader for a dataset folder on this machine and one on shared storage (s3://, gs://), with
 the same checks: the format, the tokenizer, and every listed file present.
@@ -20,7 +21,8 @@ from typing import Callable
 import pyarrow.fs as pafs
 
 from raytrain_lm.config.checks import MAX_VOCAB, is_plain_name
-from raytrain_lm.data.tokenizer import byte_tokenizer_json, check_spec, tokenizer_from_spec
+from raytrain_lm.data.tokenizer import check_spec, tokenizer_from_spec
+from raytrain_lm.data.vocab import byte_tokenizer_json
 from raytrain_lm.errors import UserError
 from raytrain_lm.store import untrusted
 from raytrain_lm.store.digest import sha256_file
@@ -30,6 +32,7 @@ from raytrain_lm.store.storage import is_remote, open_uri
 TOKENS_FORMAT = "raytrain-lm-tokens/1"
 MAX_MANIFEST_BYTES = 64 << 20  # ~150 bytes a shard: 400,000 shards
 SPLITS = ("train", "val")
+BYTES_COLUMN = "bytes"  # a shard's second column, where there is one (data/prepare.py)
 
 
 def shard_files(manifest: dict) -> list[dict]:

@@ -22,7 +22,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.fs as pafs
 
-from raytrain_lm.data.manifest import TOKENS_FORMAT, check_manifest, dataset_files
+from raytrain_lm.data.manifest import BYTES_COLUMN, TOKENS_FORMAT, check_manifest, dataset_files
 from raytrain_lm.data.sources import PIECE_BYTES, check_source, plan_units, read_unit, sample_units
 from raytrain_lm.data.tokenizer import DEFAULT_SAMPLE_MB, Tokenizer, check_choice, make_tokenizer
 from raytrain_lm.errors import UserError
@@ -41,43 +41,56 @@ DEFAULT_SHARD_TOKENS = 1 << 24
 class _ShardWriter:
     """Buffers tokens of one split and writes fixed-size Arrow IPC shards into a folder of any
     pyarrow filesystem, hashing each as it is written. Counts, per shard and in all, the UTF-8
-    bytes of text the tokens stand for (`byte_lengths[token]`): bits per byte needs them."""
+    bytes of text the tokens stand for, which bits per byte needs: `byte_lengths[token]` for an
+    exact tokenizer; for one that rewrites the text first (a normalizer, a prefix space), each
+    token's share of the documents' bytes as read, which the shard also stores as a second
+    column `bytes` (validation sums it over the windows it evaluates)."""
 
     def __init__(self, fs: pafs.FileSystem, root: str, split: str, dtype, shard_tokens: int,
-                 byte_lengths: np.ndarray):
+                 byte_lengths: np.ndarray, counted: bool):
         self.fs, self.root, self.split, self.dtype = fs, root, split, dtype
-        self.shard_tokens, self.byte_lengths = shard_tokens, byte_lengths
+        self.shard_tokens, self.byte_lengths, self.counted = shard_tokens, byte_lengths, counted
         self.buf: list[np.ndarray] = []
+        self.shares: list[np.ndarray] = []
         self.buffered = 0
         self.shards: list[dict] = []
         self.tokens = 0
         self.bytes = 0
 
-    def add(self, tokens: np.ndarray) -> None:
+    def add(self, tokens: np.ndarray, shares: Optional[np.ndarray] = None) -> None:
         self.buf.append(tokens)
+        if self.counted:
+            self.shares.append(shares)
         self.buffered += len(tokens)
         while self.buffered >= self.shard_tokens:
             joined = np.concatenate(self.buf)
-            self._write(joined[: self.shard_tokens])
+            counts = np.concatenate(self.shares) if self.counted else None
+            self._write(joined[: self.shard_tokens], None if counts is None else counts[: self.shard_tokens])
             rest = joined[self.shard_tokens:]
             self.buf, self.buffered = ([rest] if len(rest) else []), len(rest)
+            if self.counted:
+                self.shares = [counts[self.shard_tokens:]] if len(rest) else []
 
     def close(self) -> dict:
         if self.buffered:
-            self._write(np.concatenate(self.buf))
-            self.buf, self.buffered = [], 0
+            self._write(np.concatenate(self.buf), np.concatenate(self.shares) if self.counted else None)
+            self.buf, self.shares, self.buffered = [], [], 0
         return {"tokens": self.tokens, "bytes": self.bytes, "shards": self.shards}
 
-    def _write(self, tokens: np.ndarray) -> None:
+    def _write(self, tokens: np.ndarray, shares: Optional[np.ndarray]) -> None:
         name = f"{self.split}-{len(self.shards):05d}.arrow"
-        table = pa.table({"tokens": pa.array(tokens.astype(self.dtype, copy=False))})
+        columns = {"tokens": pa.array(tokens.astype(self.dtype, copy=False))}
+        if shares is not None:  # the smallest type that holds the largest share
+            columns[BYTES_COLUMN] = pa.array(shares.astype(np.uint16 if shares.max(initial=0) < 1 << 16
+                                                           else np.uint32))
+        table = pa.table(columns)
         sink = pa.BufferOutputStream()
         with pa.ipc.new_file(sink, table.schema) as writer:
             writer.write_table(table, max_chunksize=len(tokens))  # one batch: zero-copy mmap reads
         data = sink.getvalue()
         with self.fs.open_output_stream(f"{self.root}/{name}") as out:
             out.write(data)
-        nbytes = int(self.byte_lengths[tokens].sum())
+        nbytes = int(shares.sum()) if shares is not None else int(self.byte_lengths[tokens].sum())
         self.shards.append({"file": name, "tokens": int(len(tokens)), "bytes": nbytes,
                             "sha256": hashlib.sha256(data).hexdigest()})
         self.tokens += int(len(tokens))
@@ -105,8 +118,9 @@ def prepare_dataset(
     `out_dir` (a folder, or s3://... / gs://...); returns the manifest.
 
     `tokenizer`: "byte", "bpe" (trained here on a `tokenizer_sample_mb` MB sample, `vocab_size`
-    tokens) or a tokenizer.json path (stored in the dataset byte for byte). Documents are joined
-    by the tokenizer's separator: "\\n\\n" for bytes, <|endoftext|> for a BPE that has it.
+    tokens) or a tokenizer.json path or a release's folder (stored in the dataset byte for
+    byte). Each document is wrapped in the family's special tokens where its folder says them
+    (data/wrap.py); else documents are joined by "\\n\\n" for bytes, <|endoftext|> for a BPE.
     `use_ray`: tokenize in parallel Ray tasks (`cpus` at once; Ray must be initialized),
     each a unit of about `piece_bytes` of the corpus; else in `cpus` threads here (default: one
     per CPU of this machine).
@@ -223,33 +237,51 @@ def _written_in_place(fs: pafs.FileSystem, root: str, uri: str):
         raise
 
 
-def _write_dataset(stream: Iterator[tuple[np.ndarray, bool]], tok: Tokenizer, fs: pafs.FileSystem,
-                   root: str, *, sources: list[str], val_every: int, block_tokens: int,
-                   shard_tokens: int, progress: Optional[Callable[[int], None]]) -> dict:
-    writers = {s: _ShardWriter(fs, root, s, tok.dtype, shard_tokens, tok.text_byte_lengths())
+def _write_dataset(stream: Iterator[tuple[np.ndarray, Optional[np.ndarray], bool]], tok: Tokenizer,
+                   fs: pafs.FileSystem, root: str, *, sources: list[str], val_every: int,
+                   block_tokens: int, shard_tokens: int,
+                   progress: Optional[Callable[[int], None]]) -> dict:
+    counted = not tok.exact
+    writers = {s: _ShardWriter(fs, root, s, tok.dtype, shard_tokens, tok.text_byte_lengths(), counted)
                for s in ("train", "val")}
     pending = np.empty(0, dtype=tok.dtype)
+    shares = np.empty(0, dtype=np.int64)  # each pending token's bytes as read (counted only)
     block_idx, total, started = 0, 0, False
-    sep = tok.separator()
+    sep, begin = tok.separator(), np.array(tok.doc_begin, dtype=tok.dtype)
 
-    def route(block: np.ndarray) -> None:
+    def route(block: np.ndarray, block_shares: np.ndarray) -> None:
         nonlocal block_idx
-        writers["val" if block_idx % val_every == 1 else "train"].add(block)
+        writers["val" if block_idx % val_every == 1 else "train"].add(block, block_shares)
         block_idx += 1
 
+    def extend(*parts: tuple[np.ndarray, Optional[np.ndarray]]) -> None:
+        nonlocal pending, shares
+        pending = np.concatenate([pending] + [ids for ids, _ in parts])
+        if counted:  # wrap tokens count for no bytes of the text
+            shares = np.concatenate([shares] + [np.zeros(len(ids), np.int64) if c is None else c
+                                                for ids, c in parts])
+
+    def flush(final: bool) -> None:
+        nonlocal pending, shares
+        while len(pending) >= block_tokens or (final and len(pending)):
+            route(pending[:block_tokens], shares[:block_tokens] if counted else None)
+            pending = pending[block_tokens:]
+            shares = shares[block_tokens:] if counted else shares
+
     try:
-        for ids, opens in stream:
-            parts = [pending, sep, ids] if opens and started else [pending, ids]
+        for ids, counts, opens in stream:
+            if opens:
+                extend((sep if started else begin, None), (ids, counts))
+            else:
+                extend((ids, counts))
             started = started or opens
-            pending = np.concatenate(parts)
             total += len(ids)
-            while len(pending) >= block_tokens:
-                route(pending[:block_tokens])
-                pending = pending[block_tokens:]
+            flush(final=False)
             if progress:
                 progress(total)
-        if len(pending):
-            route(pending)
+        if started:
+            extend((np.array(tok.doc_end, dtype=tok.dtype), None))
+        flush(final=True)
         splits = {s: w.close() for s, w in writers.items()}
     except OSError as e:
         raise path_error(root, e) from None
@@ -262,12 +294,22 @@ def _write_dataset(stream: Iterator[tuple[np.ndarray, bool]], tok: Tokenizer, fs
         "tokenizer": tok.spec(),
         "vocab_size": tok.vocab_size,
         "dtype": np.dtype(tok.dtype).name,
-        "separator": "eot" if tok.eot_id is not None else "\n\n",
+        "separator": "wrap" if tok.doc_begin or tok.doc_end else
+                     "eot" if tok.eot_id is not None else "\n\n",
         "split": {"block_tokens": block_tokens, "val_every": val_every},
         "train": splits["train"],
         "val": splits["val"],
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
     }
+    if tok.doc_begin or tok.doc_end:
+        manifest["documents"] = {
+            "begin": [tok.token_bytes(i).decode("utf-8", "replace") for i in tok.doc_begin],
+            "begin_ids": list(tok.doc_begin),
+            "end": [tok.token_bytes(i).decode("utf-8", "replace") for i in tok.doc_end],
+            "end_ids": list(tok.doc_end)}
+    # "bytes" of splits and shards: the documents' bytes as read, counted per token (a column of
+    # every shard) where the tokenizer rewrites text, else the tokens' own bytes (the same thing)
+    manifest["bytes_counted"] = "as read, per token" if counted else "token bytes"
     if tok.raw is not None:  # the BPE's own file, byte for byte: its sha256 is in the spec
         with fs.open_output_stream(f"{root}/{TOKENIZER}") as out:
             out.write(tok.raw)

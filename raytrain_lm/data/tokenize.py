@@ -30,26 +30,37 @@ if TYPE_CHECKING:
     import ray
 
 
-def tokenize_unit(unit: Unit, tok: Tokenizer) -> tuple[np.ndarray, bool]:
-    """(token ids of the unit, whether it opens a document). Documents inside a unit are joined
-    by the tokenizer's separator; the writer puts one before a unit that opens a document when
-    something came before it.
+Tokens = tuple[np.ndarray, Optional[np.ndarray], bool]
+
+
+def tokenize_unit(unit: Unit, tok: Tokenizer) -> Tokens:
+    """(token ids of the unit, each token's share of the text's bytes as read or None where the
+    tokenizer is exact, whether the unit opens a document). Documents inside a unit are joined by
+    the tokenizer's separator (which counts for no bytes); the writer puts one before a unit that
+    opens a document when something came before it.
 
     One text at a time on purpose: a BPE's encode_batch would spread over Rust threads, and in a
     Ray task (1 CPU each) those threads only compete with the other tasks."""
     texts = read_unit(unit)
     sep = tok.separator()
     parts: list[np.ndarray] = []
+    shares: list[np.ndarray] = []
     for i, text in enumerate(texts):
         if i:
             parts.append(sep)
-        parts.append(tok.encode(text))
+            shares.append(np.zeros(len(sep), dtype=np.int64))
+        ids, counts = tok.encode_counted(text, continued=i == 0 and not unit.opens_document)
+        parts.append(ids)
+        if counts is not None:
+            shares.append(counts)
     ids = np.concatenate(parts).astype(tok.dtype, copy=False) if parts else np.empty(0, tok.dtype)
-    return ids, unit.opens_document and bool(texts)
+    counts = None
+    if not tok.exact:
+        counts = np.concatenate(shares) if shares else np.empty(0, np.int64)
+    return ids, counts, unit.opens_document and bool(texts)
 
 
-def tokenize_here(units: list[Unit], tok: Tokenizer,
-                  threads: int = 1) -> Iterator[tuple[np.ndarray, bool]]:
+def tokenize_here(units: list[Unit], tok: Tokenizer, threads: int = 1) -> Iterator[Tokens]:
     """The units tokenized in this process, `threads` at once (a BPE's encode releases the GIL),
     taken in the units' order; at most 2 x `threads` units' tokens are held here."""
     if threads <= 1:
@@ -74,26 +85,29 @@ _TOKENIZERS: dict[str, Tokenizer] = {}
 
 
 def task_tokenizer(raw_ref: list) -> Tokenizer:
-    """The tokenizer whose JSON is behind `raw_ref` ([ObjectRef]; None for bytes), built once
-    per worker process."""
+    """The tokenizer behind `raw_ref` ([ObjectRef] of (its JSON, None for bytes; its documents'
+    begin ids; their end ids)), built once per worker process."""
     import ray
 
     key = raw_ref[0].hex()
     if key not in _TOKENIZERS:
-        raw = ray.get(raw_ref[0])
+        raw, begin, end = ray.get(raw_ref[0])
         _TOKENIZERS.clear()  # one prepare at a time per process: keep only the current one
-        _TOKENIZERS[key] = ByteTokenizer() if raw is None else BPETokenizer(TOKENIZER, raw=raw)
+        tok = ByteTokenizer() if raw is None else BPETokenizer(TOKENIZER, raw=raw)
+        tok.doc_begin, tok.doc_end = begin, end
+        _TOKENIZERS[key] = tok
     return _TOKENIZERS[key]
 
 
-def _tokenize_task(unit_json: str, raw_ref: list) -> tuple[bytes, bool]:
-    """A Ray task: one unit -> (its tokens as bytes, whether it opens a document)."""
-    ids, opens = tokenize_unit(Unit.from_json(unit_json), task_tokenizer(raw_ref))
-    return ids.tobytes(), opens
+def _tokenize_task(unit_json: str, raw_ref: list) -> tuple[bytes, Optional[bytes], bool]:
+    """A Ray task: one unit -> (its tokens as bytes, their byte shares as int64 bytes or None,
+    whether it opens a document)."""
+    ids, counts, opens = tokenize_unit(Unit.from_json(unit_json), task_tokenizer(raw_ref))
+    return ids.tobytes(), None if counts is None else counts.tobytes(), opens
 
 
 def tokenize_on_ray(units: list[Unit], tok: Tokenizer,
-                    cpus: Optional[int] = None) -> Iterator[tuple[np.ndarray, bool]]:
+                    cpus: Optional[int] = None) -> Iterator[Tokens]:
     """The same results as tokenize_here, from Ray tasks of one CPU, `cpus` at once (default: one
     per CPU of the cluster Ray is connected to). A task that finishes early gets the next unit at
     once and its result waits here for its turn, up to 2 x `cpus` units' tokens held here."""
@@ -102,11 +116,12 @@ def tokenize_on_ray(units: list[Unit], tok: Tokenizer,
     tasks = tasks_at_once(cpus, len(units))
     # The tokenizer's JSON (up to megabytes) is put once; tasks get a reference inside a list,
     # which Ray passes as is rather than resolving it for every task.
-    raw_ref = [ray.put(tok.raw)]
+    raw_ref = [ray.put((tok.raw, tok.doc_begin, tok.doc_end))]
     remote = ray.remote(num_cpus=1)(_tokenize_task)
-    for data, opens in results_in_order(lambda i: remote.remote(units[i].to_json(), raw_ref),
-                                        len(units), tasks):
-        yield np.frombuffer(data, dtype=tok.dtype), opens
+    for data, counts, opens in results_in_order(lambda i: remote.remote(units[i].to_json(), raw_ref),
+                                                len(units), tasks):
+        yield (np.frombuffer(data, dtype=tok.dtype),
+               None if counts is None else np.frombuffer(counts, dtype=np.int64), opens)
 
 
 def tasks_at_once(cpus: Optional[int], count: int) -> int:

@@ -1,13 +1,18 @@
-"""Tokenizers: UTF-8 bytes (the default), or a byte-level BPE backed by Hugging Face `tokenizers`,
-either trained on the corpus or read from an existing GPT-2-format tokenizer.json.
+"""Tokenizers: UTF-8 bytes (the default), or a BPE backed by Hugging Face `tokenizers`, either a byte-level one
+trained on the corpus or any BPE tokenizer.json a model family ships (GPT-2's format; Qwen's with its NFC
+normalizer; Llama 3's and tekken's; the SentencePiece-era Llama 2 / Mistral ones with their Prepend/Replace
+normalizer or Metaspace pre-tokenizer and byte fallback).
 
-A tokenizer is described by a small dict (`spec()`) stored in the dataset manifest and in every
-checkpoint, so training, resuming and generation can never disagree about what a token means. A
-BPE's vocabulary lives in a tokenizer.json beside the manifest (and, byte for byte, in every
-checkpoint and export); the spec carries its sha256, and loading refuses a file that differs.
+A tokenizer is described by a small dict (`spec()`) stored in the dataset manifest and in every checkpoint, so
+training, resuming and generation can never disagree about what a token means. A BPE's vocabulary lives in a
+tokenizer.json beside the manifest (and, byte for byte, in every checkpoint and export); the spec carries its
+sha256, and loading refuses a file that differs.
 
-Both kinds are byte-level: every token stands for a fixed byte string, so any text round-trips
-exactly and "bytes of text per token" is well defined (what bits-per-byte needs).
+Every token stands for a fixed byte string (a byte-level token's bytes, a SentencePiece piece with "▁" read as
+a space, a byte-fallback token's byte). Where the tokenizer encodes the text exactly as given (no normalizer,
+no prefix space) those bytes, summed, are the document's bytes; where it rewrites the text first (`exact` is
+False) they are not, and the dataset records each token's share of the document's bytes as read instead
+(data/prepare.py), so bits per byte stays honest.
 """
 
 from __future__ import annotations
@@ -16,20 +21,19 @@ import hashlib
 import json
 import math
 from abc import ABC, abstractmethod
-from functools import lru_cache
 from pathlib import Path
 from typing import Callable, Iterable, Optional
 
 import numpy as np
 
 from raytrain_lm.config.checks import MAX_VOCAB
+from raytrain_lm.data.vocab import dtype_for_vocab, prefixes_text, raw_byte_shares, token_style, token_table
+from raytrain_lm.data.wrap import document_wrap
 from raytrain_lm.errors import UserError, last_line
 from raytrain_lm.store import untrusted
 from raytrain_lm.store.files import TOKENIZER as TOKENIZER_FILE  # in a dataset, checkpoint or export
 
-# The largest tokenizer.json read: 128 MiB, four times the largest released (Gemma 3's, ~33 MB of
-# a 262,144-token vocabulary); a file that says more, or yields more than its size says (a /proc
-# file), is no tokenizer.
+# The largest tokenizer.json read: 4x the largest released (Gemma 3's, ~33 MB); past it, no tokenizer.
 MAX_TOKENIZER_BYTES = 128 << 20
 
 EOT = "<|endoftext|>"  # GPT-2's document separator; id assigned by the trainer (0 for ours)
@@ -37,39 +41,12 @@ MIN_BPE_VOCAB = 257  # 256 byte tokens + <|endoftext|>
 DEFAULT_BPE_VOCAB = 8192
 DEFAULT_SAMPLE_MB = 100.0
 
-# Encoding a probe must give it back unchanged: catches a loaded tokenizer.json with a normalizer,
-# add_prefix_space, or an incomplete byte alphabet. Runs of spaces/newlines, CRLF, NUL, a zero-width
-# space, astral-plane emoji and the literal EOT string (which must stay text, not become the token).
+# Encoding a probe must give it back (a prefix space aside): catches a tokenizer.json that loses or
+# rewrites text (an incomplete byte alphabet, lowercasing, stripping). Runs of spaces/newlines, CRLF,
+# NUL, a zero-width space, astral-plane emoji and the literal EOT string (which must stay text, not
+# become the token). Unchanged by NFC and NFKC, which rewrite only other text.
 _PROBE = ("Hello,  world!\n\n\tTabs\r\nand  runs   of spaces  \n  \u00fcn\u00efc\u00f6d\u00e9 "
           "\u65e5\u672c\u8a9e \U0001F642\u200b\x00 " + EOT + "\n")
-
-
-def dtype_for_vocab(vocab_size: int):
-    """The smallest unsigned dtype that holds every token id (shards are stored in it)."""
-    if vocab_size <= 1 << 8:
-        return np.uint8
-    if vocab_size <= 1 << 16:
-        return np.uint16
-    if vocab_size <= 1 << 32:
-        return np.uint32
-    raise UserError(f"a vocabulary of {vocab_size} tokens does not fit in uint32")
-
-
-@lru_cache(maxsize=1)
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable character table, which ByteLevel pre-tokenizers and tokenizer.json
-    vocabularies are written in: printable Latin-1 bytes map to themselves, the other 68 bytes
-    to U+0100 onwards."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("\u00a1"), ord("\u00ac") + 1)) + \
-        list(range(ord("\u00ae"), ord("\u00ff") + 1))
-    table, extra = {}, 0
-    for b in range(256):
-        if b in keep:
-            table[b] = chr(b)
-        else:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return table
 
 
 class Tokenizer(ABC):
@@ -83,6 +60,13 @@ class Tokenizer(ABC):
     # The tokenizer.json that travels with the data, its checkpoints and exports, byte for byte
     # (None: nothing to ship).
     raw: Optional[bytes] = None
+    # Whether the tokens' bytes, summed, are the encoded text's own bytes (no normalizer, no
+    # prefix space); else a dataset counts each token's share of the bytes as read (raw_bytes).
+    exact: bool = True
+    # The token ids every document is wrapped in, as the family pretrained on them (read from
+    # its folder: data/wrap.py); empty: documents are joined by `separator()` alone.
+    doc_begin: tuple[int, ...] = ()
+    doc_end: tuple[int, ...] = ()
 
     @property
     def dtype(self):
@@ -108,10 +92,20 @@ class Tokenizer(ABC):
         return b"".join(self.token_bytes(int(i)) for i in ids).decode("utf-8", errors="replace")
 
     def separator(self) -> np.ndarray:
-        """Token ids placed between two documents of one stream."""
+        """Token ids placed between two documents of one stream: the end of one and the start
+        of the next where the family wraps its documents, else <|endoftext|> or a blank line."""
+        if self.doc_begin or self.doc_end:
+            return np.array(self.doc_end + self.doc_begin, dtype=self.dtype)
         if self.eot_id is not None:
             return np.array([self.eot_id], dtype=self.dtype)
         return self.encode("\n\n")
+
+    def encode_counted(self, text: str, continued: bool = False) -> tuple[np.ndarray, Optional[np.ndarray]]:
+        """(token ids, each token's share of the text's UTF-8 bytes as given, or None where the
+        tokenizer is exact and `text_byte_lengths` already says it). `continued`: `text` goes on
+        a document after a newline (a later piece of a large file: data/sources.py), so it gets
+        the tokens it has inside the whole document."""
+        return self.encode(text), None
 
     @abstractmethod
     def spec(self) -> dict: ...
@@ -141,8 +135,10 @@ class ByteTokenizer(Tokenizer):
 
 
 class BPETokenizer(Tokenizer):
-    """A byte-level BPE read from a tokenizer.json (GPT-2's format: ByteLevel pre-tokenizer and
-    decoder, no normalizer). Documents are separated by <|endoftext|> when the vocabulary has it."""
+    """A BPE read from a tokenizer.json: byte-level (GPT-2's format, Qwen's, Llama 3's, tekken's)
+    or SentencePiece-style with byte fallback (Llama 2, Mistral). Normalizers and prefix spaces
+    are taken as the family ships them (`exact` says whether there are any). Documents are
+    separated by <|endoftext|> when the vocabulary has it, unless a family wrap is set."""
 
     name = "bpe"
 
@@ -171,7 +167,7 @@ class BPETokenizer(Tokenizer):
             self._tok = HFTokenizer.from_str(raw.decode("utf-8"))
         except Exception as e:  # json, UTF-8 and the Rust parser's own exception
             raise UserError(f"{self.path} is not a valid tokenizer.json: {last_line(e)}") from None
-        _check_byte_level(config, self.path)
+        style = token_style(config, self.path)
         # tokenizers matches special tokens' text inside ordinary input by default, so a document
         # quoting "<|endoftext|>" would get a document break in the middle. Only the dataset
         # writer may place that token. (A runtime flag: tokenizer.json does not store it.)
@@ -184,26 +180,31 @@ class BPETokenizer(Tokenizer):
                             f"below {MAX_VOCAB:,} (the most tokens a vocabulary may have)")
         self.vocab_size = max(vocab.values()) + 1
         self.eot_id = vocab.get(EOT)
+        model = config.get("model") or {}
+        unk = model.get("unk_token")
+        self.unk_id = vocab.get(unk) if isinstance(unk, str) else None
+        self.prefixed = prefixes_text(config)  # Llama 2's Prepend, Metaspace, add_prefix_space
+        self.exact = style == "byte-level" and not config.get("normalizer") and not self.prefixed
         special = {i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
-        decoder = {c: b for b, c in bytes_to_unicode().items()}
-        self._bytes: list[bytes] = [b""] * self.vocab_size
-        self._lengths = np.zeros(self.vocab_size, dtype=np.int64)
-        for token, i in vocab.items():
-            if i in special or any(c not in decoder for c in token):
-                # special (or added, not byte-level) tokens stand for their literal text on
-                # display, and for no bytes of the corpus
-                self._bytes[i] = token.encode("utf-8")
-            else:
-                self._bytes[i] = bytes(decoder[c] for c in token)
-                self._lengths[i] = len(self._bytes[i])
-        present = set(self._bytes)
-        missing = [b for b in range(256) if bytes([b]) not in present]
-        if missing:
-            raise UserError(f"{self.path}: the vocabulary lacks {len(missing)} of the 256 byte "
-                            f"tokens, so some text cannot be encoded")
-        if self.decode(self.encode(_PROBE)) != _PROBE:
-            raise UserError(f"{self.path} does not give text back exactly (a normalizer or "
-                            f"add_prefix_space?); only lossless byte-level BPE is supported")
+        # special tokens (and the unknown one) stand for their literal text on display, and for
+        # no bytes of the corpus
+        self._bytes, self._lengths = token_table(vocab, self.vocab_size, special | {self.unk_id}, style,
+                                                 bool(model.get("byte_fallback")))
+        # Can every text be written? Only with all 256 byte tokens (a byte-level vocabulary's
+        # alphabet, a SentencePiece model's byte fallback). Without them a character outside
+        # the vocabulary becomes <unk>, which `encode_counted` refuses where the corpus has one.
+        present = {b for i, b in enumerate(self._bytes) if self._lengths[i] == 1}
+        self.complete = (style == "byte-level" or bool(model.get("byte_fallback"))) and \
+            all(bytes([b]) in present for b in range(256))
+        if self.complete:
+            back = self.decode(self.encode(_PROBE))
+            if back != _PROBE and not (self.prefixed and back == " " + _PROBE):
+                raise UserError(f"{self.path} does not give text back (encoded then decoded, a "
+                                f"probe of spaces, tabs, CRLF and non-Latin text changes beyond a "
+                                f"prefix space), so it would train on other text than the corpus")
+        elif self.unk_id is None:
+            raise UserError(f"{self.path}: its vocabulary lacks some of the 256 byte tokens and it "
+                            f"has no unknown token, so text outside its vocabulary would vanish unseen")
 
     def encode(self, text: str) -> np.ndarray:
         # A batch of one: the fast path computes no offsets (25-35% faster here than the
@@ -215,10 +216,47 @@ class BPETokenizer(Tokenizer):
         encs = self._tok.encode_batch_fast(texts, add_special_tokens=False)
         return [np.array(e.ids, dtype=self.dtype) for e in encs]
 
+    def encode_counted(self, text: str, continued: bool = False) -> tuple[np.ndarray, Optional[np.ndarray]]:
+        if self.exact and self.complete:
+            return self.encode(text), None
+        # A tokenizer that puts a space before the text would put one where a piece of a large
+        # file starts, inside a document: encode the piece after the newline it follows, and
+        # keep the tokens of the piece (the newline is a token of its own: files are cut only
+        # between a newline and a printable ASCII character).
+        lead = "\n" if continued and self.prefixed else ""
+        enc = self._tok.encode_batch([lead + text], add_special_tokens=False)[0]
+        ids, offsets = enc.ids, enc.offsets  # each access builds a new list: once
+        if lead:  # the newline's tokens end within it
+            first = next((k for k, (_, e) in enumerate(offsets) if e > len(lead)), len(ids))
+            ids, offsets = ids[first:], offsets[first:]
+        ends = [e - len(lead) for _, e in offsets]
+        ids = np.array(ids, dtype=self.dtype)
+        if self.unk_id is not None and not self.complete and (ids == self.unk_id).any():
+            at = int(np.argmax(ids == self.unk_id))
+            e = ends[at]
+            s = max(0, e - 1) if at == 0 else ends[at - 1]
+            raise UserError(f"{self.path} cannot encode this corpus: {text[s:e]!r} becomes its "
+                            f"unknown token (it has no byte fallback or byte tokens); use a "
+                            f"tokenizer that can write every character, or --tokenizer bpe")
+        if self.exact:
+            return ids, None
+        return ids, raw_byte_shares(text, ends)
+
+    def vocabulary(self) -> dict[str, int]:
+        """Every token's text -> its id, added tokens included."""
+        return self._tok.get_vocab(with_added_tokens=True)
+
     def token_bytes(self, token_id: int) -> bytes:
         # Our own table, not tokenizers' decode(): that one skips special tokens by default and
         # cannot decode one token of a multi-byte character on its own (streaming needs that).
         return self._bytes[token_id]
+
+    def decode(self, ids) -> str:
+        if self.exact:
+            return super().decode(ids)
+        # the family's own decoder: it strips the prefix space its pre-tokenizer added and
+        # joins byte-fallback bytes (a normalized text comes back normalized)
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
     def text_byte_lengths(self) -> np.ndarray:
         return self._lengths
@@ -226,31 +264,6 @@ class BPETokenizer(Tokenizer):
     def spec(self) -> dict:
         return {"type": self.name, "vocab_size": self.vocab_size, "file": TOKENIZER_FILE,
                 "sha256": self.sha256, "eot_id": self.eot_id}
-
-
-def _check_byte_level(config: dict, path: Path) -> None:
-    """Refuse tokenizer.json files whose tokens are not byte strings (SentencePiece/Metaspace,
-    WordPiece) or that rewrite text (normalizers): bits per byte, exact round trips and streaming
-    all rest on every token being a fixed byte string."""
-
-    def has_byte_level(node) -> bool:
-        if not node:
-            return False
-        if node.get("type") == "ByteLevel":
-            return True
-        return any(has_byte_level(n) for n in node.get("pretokenizers", node.get("decoders", [])))
-
-    model = config.get("model") or {}
-    problems = []
-    if model.get("type") != "BPE":
-        problems.append(f"model {model.get('type')!r} is not BPE")
-    if config.get("normalizer"):
-        problems.append(f"it has a {config['normalizer'].get('type')} normalizer")
-    if not has_byte_level(config.get("pre_tokenizer")) or not has_byte_level(config.get("decoder")):
-        problems.append("its pre-tokenizer and decoder are not ByteLevel")
-    if problems:
-        raise UserError(f"{path} is not a byte-level BPE tokenizer ({'; '.join(problems)}); use "
-                        f"GPT-2's tokenizer.json format")
 
 
 # ---------------------------------------------------------------- training
@@ -318,8 +331,8 @@ def make_tokenizer(kind: str, sample: Optional[Callable[[], Iterable[str]]] = No
     - "byte": UTF-8 bytes;
     - "bpe": a byte-level BPE of `vocab_size` trained on the texts of `sample()` (called only
       then: reading a sample of a large corpus takes a while);
-    - a path to a tokenizer.json (or a folder holding one: a dataset, checkpoint or export):
-      checked, and used byte for byte.
+    - a path to a tokenizer.json (or a folder holding one: a release, dataset, checkpoint or
+      export): checked, and used byte for byte; documents wrapped as the folder says (data/wrap.py).
     The caller writes `raw` (None for bytes) into the dataset as tokenizer.json."""
     check_choice(kind, vocab_size, DEFAULT_SAMPLE_MB)
     if kind == "byte":
@@ -327,9 +340,14 @@ def make_tokenizer(kind: str, sample: Optional[Callable[[], Iterable[str]]] = No
     if kind == "bpe":
         return train_bpe(sample(), vocab_size or DEFAULT_BPE_VOCAB)
     path = Path(kind)
-    if path.is_dir():  # the folder's own tokenizer.json: no symlink out of it
-        path = untrusted.inside(path, TOKENIZER_FILE, f"--tokenizer {kind}")
-    return BPETokenizer(path)
+    folder = path if path.is_dir() else None
+    if folder is not None:  # the folder's own tokenizer.json: no symlink out of it
+        path = untrusted.inside(folder, TOKENIZER_FILE, f"--tokenizer {kind}")
+    tok = BPETokenizer(path)
+    wrap = document_wrap(folder, json.loads(tok.raw), tok.vocabulary(), tok.eot_id)
+    if wrap is not None:
+        tok.doc_begin, tok.doc_end = wrap.begin, wrap.end
+    return tok
 
 
 def check_spec(spec: dict, folder: Optional[str | Path] = None, verify: bool = False) -> None:
@@ -368,20 +386,6 @@ def tokenizer_from_spec(spec: dict, folder: Optional[str | Path] = None) -> Toke
 
 
 # ---------------------------------------------------------------- Hugging Face interop
-
-
-def byte_tokenizer_json() -> str:
-    """A tokenizer.json equivalent to ByteTokenizer, for exports: id i is byte i. A BPE with an
-    empty merge list over GPT-2's byte alphabet splits every text into single bytes; use_regex=False
-    since there is nothing to keep merges from crossing."""
-    from tokenizers import Tokenizer as HFTokenizer
-    from tokenizers import decoders, models, pre_tokenizers
-
-    vocab = {ch: b for b, ch in bytes_to_unicode().items()}
-    tok = HFTokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    return tok.to_str(pretty=True)
 
 
 def bits_per_byte(loss_nats_per_token: float, tokens: float, nbytes: float) -> float:

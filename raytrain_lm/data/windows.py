@@ -11,7 +11,7 @@ import pyarrow as pa
 import torch
 from torch.utils.data import Dataset
 
-from raytrain_lm.data.manifest import load_manifest
+from raytrain_lm.data.manifest import BYTES_COLUMN, load_manifest
 from raytrain_lm.data.remote import fetch_shard
 from raytrain_lm.data.sampler import SHARD_GROUP
 from raytrain_lm.errors import UserError
@@ -41,7 +41,7 @@ class TokenWindows(Dataset):
         if self.offsets[-1] == 0:
             raise UserError(f"the {split} split of {data_dir} is shorter than one window of "
                             f"{seq_len + 1} tokens; lower --seq-len or use a larger corpus")
-        self._mapped: OrderedDict[int, np.ndarray] = OrderedDict()  # shard -> tokens, LRU order
+        self._mapped: OrderedDict[int, pa.RecordBatch] = OrderedDict()  # shard -> batch, LRU order
 
     def __len__(self) -> int:
         return int(self.offsets[-1])
@@ -50,13 +50,16 @@ class TokenWindows(Dataset):
         return {**self.__dict__, "_mapped": OrderedDict()}
 
     def _shard(self, s: int) -> np.ndarray:
-        tokens = self._mapped.pop(s, None)
-        if tokens is None:
-            tokens = self._map(s)
-        self._mapped[s] = tokens  # the most recently read last
+        return self._batch(s).column(0).to_numpy(zero_copy_only=True)
+
+    def _batch(self, s: int) -> pa.RecordBatch:
+        batch = self._mapped.pop(s, None)
+        if batch is None:
+            batch = self._map(s)
+        self._mapped[s] = batch  # the most recently read last
         if self.remote and len(self._mapped) > self.MAX_MAPPED:
             self._mapped.popitem(last=False)
-        return tokens
+        return batch
 
     def _map(self, s: int) -> np.ndarray:
         for attempt in range(3):
@@ -68,7 +71,7 @@ class TokenWindows(Dataset):
                 if not self.remote or attempt == 2:
                     raise
                 continue  # another worker's cache eviction came between: fetch it again
-            return pa.ipc.open_file(source).get_batch(0).column(0).to_numpy(zero_copy_only=True)
+            return pa.ipc.open_file(source).get_batch(0)
         raise AssertionError("unreachable")
 
     def window(self, i: int) -> np.ndarray:
@@ -76,6 +79,18 @@ class TokenWindows(Dataset):
         s = int(np.searchsorted(self.offsets, i, side="right")) - 1
         start = (i - int(self.offsets[s])) * self.seq_len
         return self._shard(s)[start: start + self.seq_len + 1]
+
+    def target_bytes(self, i: int, byte_lengths: np.ndarray) -> int:
+        """The bytes of text window i's targets stand for: their shares of the documents' bytes
+        as read where the shards store them (a tokenizer that rewrites text), else
+        `byte_lengths[token]` summed (the tokens' own bytes: the same for an exact tokenizer)."""
+        s = int(np.searchsorted(self.offsets, i, side="right")) - 1
+        start = (i - int(self.offsets[s])) * self.seq_len
+        batch = self._batch(s)
+        if batch.num_columns > 1 and batch.schema.names[1] == BYTES_COLUMN:
+            shares = batch.column(1).to_numpy(zero_copy_only=True)
+            return int(shares[start + 1: start + self.seq_len + 1].sum(dtype=np.int64))
+        return int(byte_lengths[self.window(i)[1:]].sum())
 
     def __getitem__(self, i: int) -> torch.Tensor:
         return torch.from_numpy(self.window(i).astype(np.int64))
