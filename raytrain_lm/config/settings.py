@@ -123,6 +123,13 @@ class TrainConfig:
                                             "op (torchtitan's per-op policy: all but attention "
                                             "outputs and every other matmul's); full (each "
                                             "block from its input).")
+    # long sequences (docs/parallelism.md, "Context parallelism")
+    cp: int = setting(1, help="Context-parallel degree: each window split over this many workers "
+                      "in 2 x cp chunks (worker i takes chunks i and 2cp-1-i), keys and values "
+                      "all-gathered over them in every attention; they share the batch.")
+    doc_mask: bool = setting(False, help="Block-causal attention: a packed window's tokens attend "
+                             "only within their own document (a dataset whose documents are "
+                             "separated by <|endoftext|>); positions restart at each document.")
     seed: int = setting(1337, help="Random seed.")
     # cadence
     log_every: int = setting(0, help="Steps between metrics rows, exactly (1: every step); 0: a "

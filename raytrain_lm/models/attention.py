@@ -1,0 +1,153 @@
+"""Which keys each query of a window sees, set from outside the model for a forward and its
+backward: the tokens' places in the window, their positions, their documents and, under context
+parallelism, how a rank's keys and values become the whole window's. Nothing here imports
+torch.distributed: parallel/cp.py hands in the gathering function.
+
+Without a `Span` installed (`using`) the models attend as they always did (causal SDPA, the
+sliding window's mask past the window); with one, `attend` applies the span's mask:
+
+    key j is visible to query i  iff  index[j] <= index[i]                  (causal in the window)
+                                 and  index[i] - index[j] < window          (a sliding window)
+                                 and  doc[j] == doc[i]                      (document masking)
+
+`index` is a token's place in the window (0..T-1) and orders the keys; `positions` are what the
+position embeddings read (rotary tables, the GPT's learned positions). Document masking restarts
+positions at each document, so a packed document is computed exactly as the same document alone,
+for every family (the GPT's learned positions are absolute; for rotary ones a shift cancels in
+q.k anyway) and as Hugging Face's packed-sequence position_ids do.
+
+Kernels: on a GPU, flex_attention with a block mask built from the same rule (compiled: a fused
+kernel that skips the fully masked blocks); on the CPU, SDPA with the dense boolean mask.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class Span:
+    """This rank's tokens of a batch of windows and the keys they attend to."""
+    index: torch.Tensor  # (T_local,) long: each local token's place in the window
+    positions: torch.Tensor  # (T_local,) or (B, T_local) long: what position embeddings read
+    docs: Optional[torch.Tensor] = None  # (B, T_local) long: each local token's document
+    key_index: Optional[torch.Tensor] = None  # (T_keys,) the keys' places (default: index)
+    key_docs: Optional[torch.Tensor] = None  # (B, T_keys) the keys' documents (default: docs)
+    # (B, heads, T_local, d) -> (B, heads, T_keys, d): a rank's keys (or values) -> every key the
+    # window's queries may see, in key_index's order (context parallelism: an all-gather)
+    gather: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+
+    @property
+    def keys(self) -> torch.Tensor:
+        return self.index if self.key_index is None else self.key_index
+
+    @property
+    def kdocs(self) -> Optional[torch.Tensor]:
+        return self.docs if self.key_docs is None else self.key_docs
+
+
+_SPAN: contextvars.ContextVar[Optional[Span]] = contextvars.ContextVar("raytrain_lm_span", default=None)
+
+
+@contextlib.contextmanager
+def using(span: Optional[Span]):
+    """Attend by `span` in the forwards (and the recomputations of activation checkpointing in
+    the backwards) run inside; None: as without."""
+    token = _SPAN.set(span)
+    try:
+        yield
+    finally:
+        _SPAN.reset(token)
+
+
+def current() -> Optional[Span]:
+    return _SPAN.get()
+
+
+def positions(start: int, T: int, device) -> torch.Tensor:
+    """The positions of T tokens from `start` (a KV cache's length): the span's where one is
+    installed, else start..start+T-1."""
+    span = current()
+    if span is not None:
+        return span.positions.to(device)
+    return torch.arange(start, start + T, device=device)
+
+
+def document_ids(tokens: torch.Tensor, separator: int) -> torch.Tensor:
+    """(B, T) -> (B, T): each token's document in its window, counting from 0; a separator opens
+    the document it precedes (the dataset writes one before every document but the stream's
+    first), so it belongs to the document that follows."""
+    return (tokens == separator).long().cumsum(dim=1)
+
+
+def document_positions(docs: torch.Tensor) -> torch.Tensor:
+    """(B, T) document ids -> each token's position within its document (0 at each start)."""
+    T = docs.size(1)
+    index = torch.arange(T, device=docs.device).expand_as(docs)
+    starts = torch.ones_like(docs, dtype=torch.bool)
+    starts[:, 1:] = docs[:, 1:] != docs[:, :-1]
+    first = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=1).values
+    return index - first
+
+
+def mask_rule(q_index, k_index, window: Optional[int], q_docs=None, k_docs=None):
+    """The visibility rule of the module docstring on broadcastable index tensors."""
+    ok = k_index <= q_index
+    if window is not None:
+        ok = ok & (q_index - k_index < window)
+    if q_docs is not None:
+        ok = ok & (k_docs == q_docs)
+    return ok
+
+
+def dense_mask(span: Span, window: Optional[int], device) -> torch.Tensor:
+    """(B or 1, 1, T_local, T_keys) booleans: the span's rule, materialised."""
+    qi, ki = span.index.to(device)[:, None], span.keys.to(device)[None, :]
+    if span.docs is None:
+        return mask_rule(qi, ki, window)[None, None]
+    qd, kd = span.docs.to(device)[:, :, None], span.kdocs.to(device)[:, None, :]
+    return mask_rule(qi[None], ki[None], window, qd, kd)[:, None]
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: Optional[int] = None,
+           dropout: float = 0.0) -> torch.Tensor:
+    """Attention of q (B, H, T_local, d) over k, v (B, KV, T_local, d) by the installed span
+    (installed: `using`; the caller checked). Grouped-query attention where KV < H."""
+    span = current()
+    if span.gather is not None:
+        k, v = span.gather(k), span.gather(v)
+    gqa = q.size(1) != k.size(1)
+    if q.is_cuda and dropout == 0.0:
+        return _flex(q, k, v, span, window, gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=dense_mask(span, window, q.device),
+                                          dropout_p=dropout, enable_gqa=gqa)
+
+
+_compiled_flex = None
+
+
+def _flex(q, k, v, span: Span, window: Optional[int], gqa: bool) -> torch.Tensor:
+    """flex_attention with a block mask of the span's rule: compiled, it is one fused kernel
+    that skips every block the mask hides entirely (most of a causal or document mask)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    global _compiled_flex
+    if _compiled_flex is None:
+        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+    qi, ki = span.index.to(q.device), span.keys.to(q.device)
+    qd = span.docs.to(q.device) if span.docs is not None else None
+    kd = span.kdocs.to(q.device) if span.docs is not None else None
+
+    def mask_mod(b, h, i, j):
+        return mask_rule(qi[i], ki[j], window, None if qd is None else qd[b, i],
+                         None if kd is None else kd[b, j])
+
+    B = q.size(0) if qd is not None else None
+    block = create_block_mask(mask_mod, B, None, q.size(2), k.size(2), device=q.device)
+    return _compiled_flex(q, k, v, block_mask=block, enable_gqa=gqa)

@@ -1,0 +1,180 @@
+"""Context parallelism and document masking (parallel/cp.py, models/attention.py): on the local
+harness (local_mode.py, gloo ranks) a window split over cp ranks trains the one-worker model, and
+in one process the masks compute what running each document alone computes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import step_losses
+from local_mode import run_local
+from test_parallel_layouts import GLOBAL_BATCH, assert_trains_the_one_worker_model, layout_config
+
+# name: (workers, flags); the Llama (rotary positions, 4 query heads over 2 kv heads: GQA)
+CP_LAYOUTS = {
+    "one": (1, {}),
+    "cp2": (2, dict(cp=2)),
+}
+
+
+def cp_config(data, storage, name, workers, flags):
+    dp = workers // (flags.get("tp", 1) * flags.get("pp", 1) * flags.get("cp", 1))
+    return layout_config(data, storage, name, workers, {"batch_size": GLOBAL_BATCH // dp, **flags},
+                         arch="llama", checkpoint_every=7)
+
+
+@pytest.fixture(scope="module")
+def cp_storage(tmp_path_factory):
+    return tmp_path_factory.mktemp("cp")
+
+
+@pytest.fixture(scope="module")
+def cp_runs(pydoc_data, cp_storage):
+    """runs(name): a layout's (per-step losses, metrics rows), each run once on first use."""
+    done = {}
+
+    def get(name):
+        if name not in done:
+            workers, flags = CP_LAYOUTS[name]
+            rows = []
+            cfg = cp_config(pydoc_data, cp_storage, name, workers, flags)
+            summary = run_local(cfg, say=lambda m: None, on_metrics=rows.append)
+            assert summary["status"] == "completed", name
+            done[name] = (step_losses(cp_storage / name), rows)
+        return done[name]
+
+    return get
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [n for n in CP_LAYOUTS if n != "one"])
+def test_context_parallel_trains_the_one_worker_model(cp_runs, layout):
+    """Within 1e-4 relative at each step, the gradient norm and the validation loss: the split
+    windows' attention (K/V all-gathered, masked by place in the window), rotary positions by
+    place, the loss averaged over the cp ranks and their gradients over dp x cp."""
+    assert_trains_the_one_worker_model(cp_runs(layout), cp_runs("one"))
+
+
+@pytest.mark.slow
+def test_context_parallel_moves_keys_and_values(cp_runs):
+    """The cp dim moves bytes (every layer's all-gather of K/V and its gradients), and each cp
+    rank holds the whole model (DDP over dp x cp)."""
+    row = cp_runs("cp2")[1][-1]
+    assert row["comm_bytes"]["cp"] > 0
+    assert row["param_fraction"] == 1.0
+
+
+# ---------------------------------------------------------------- in one process, float64
+
+SEP = 0  # the token that opens a document (the dataset's <|endoftext|>)
+
+
+def small_model(arch: str, window=None):
+    from raytrain_lm.models import build_model
+    from raytrain_lm.models.family import ModelConfig
+
+    extra = dict(bias=False, n_kv_head=2, multiple_of=32, sliding_window=window) if arch == "llama" else {}
+    m = ModelConfig(arch=arch, vocab_size=64, block_size=64, n_layer=2, n_head=4, n_embd=32,
+                    dropout=0.0, **extra)
+    return build_model(m, seed=3).double().eval()
+
+
+def packed_window(lengths, seed=0):
+    """(x, y) of one window packing documents of `lengths` tokens (each opened by SEP, as the
+    dataset writes them), and each document's (start, end) in x."""
+    g = torch.Generator().manual_seed(seed)
+    docs = [torch.cat([torch.tensor([SEP]), torch.randint(1, 64, (n - 1,), generator=g)]) for n in lengths]
+    stream = torch.cat(docs + [torch.tensor([SEP])])  # the next document's opener: the last target
+    starts = torch.tensor([0, *lengths]).cumsum(0).tolist()
+    return stream[None, :-1], stream[None, 1:], list(zip(starts[:-1], starts[1:]))
+
+
+def doc_span(x):
+    from raytrain_lm.parallel.cp import ContextParallel
+
+    return ContextParallel(1, 0, None, SEP).shard(x, x)[2]
+
+
+@pytest.mark.parametrize("arch", ["gpt", "llama"])
+def test_document_masked_logits_equal_each_document_alone(arch):
+    """Packed with --doc-mask, every document's logits are those of the document run alone
+    (positions restart at each document: the GPT's learned ones too), to float64 rounding."""
+    from raytrain_lm.models.attention import using
+
+    model = small_model(arch)
+    x, y, bounds = packed_window([9, 20, 3, 16])
+    with torch.no_grad(), using(doc_span(x)):
+        packed = model(x, y)[0]
+    with torch.no_grad():
+        for s, e in bounds:
+            alone = model(x[:, s:e], y[:, s:e])[0]
+            assert torch.allclose(packed[:, s:e], alone, rtol=0, atol=1e-10), (s, e)
+        unmasked = model(x, y)[0]
+    # without the mask a later document sees the earlier ones: the claim is not vacuous
+    assert not torch.allclose(packed[:, 9:29], unmasked[:, 9:29], atol=1e-3)
+
+
+def test_a_packed_windows_loss_is_the_token_weighted_sum_of_its_documents():
+    """The window's mean loss under --doc-mask = sum over documents of (tokens x the document's
+    own mean loss) / the window's tokens."""
+    import torch.nn.functional as F
+
+    from raytrain_lm.models.attention import using
+
+    def loss(x, y):  # the decoder's cross-entropy, kept in float64 (it takes it in fp32)
+        return F.cross_entropy(model(x, y)[0].flatten(0, 1), y.reshape(-1)).item()
+
+    model = small_model("llama")
+    x, y, bounds = packed_window([5, 30, 12, 17])
+    with torch.no_grad():
+        with using(doc_span(x)):
+            packed = loss(x, y)
+        weighted = sum((e - s) * loss(x[:, s:e], y[:, s:e]) for s, e in bounds) / x.size(1)
+        unmasked = loss(x, y)
+    assert packed == pytest.approx(weighted, rel=1e-12)
+    assert unmasked != pytest.approx(weighted, rel=1e-4)
+
+
+@pytest.mark.parametrize("arch,window,docs", [("gpt", None, False), ("llama", None, False),
+                                              ("llama", None, True), ("llama", 11, False),
+                                              ("llama", 11, True)])
+@pytest.mark.parametrize("cp", [2, 4])
+def test_the_chunk_order_with_its_mask_computes_the_window(arch, window, docs, cp):
+    """Context parallelism's arithmetic without the collective: the window's tokens in the cp
+    ranks' gathered order (rank 0's chunks 0 and 2cp-1, rank 1's ...), attending by their places
+    in the window, give the window's own logits in that order: causal order, rotary and learned
+    positions by place, GQA, a sliding window (Mistral's, shorter than a chunk pair apart) and
+    documents. The gather itself: the harness runs (test_context_parallel_trains_...)."""
+    from raytrain_lm.models.attention import Span, document_ids, document_positions, using
+    from raytrain_lm.parallel.cp import chunk_index
+
+    model = small_model(arch, window)
+    x, y, _ = packed_window([13, 27, 24])
+    T = x.size(1)
+    order = torch.cat([chunk_index(T, cp, r) for r in range(cp)])
+    assert sorted(order.tolist()) == list(range(T))
+    with torch.no_grad():
+        if docs:
+            with using(doc_span(x)):
+                whole = model(x, y)[0]
+            d = document_ids(x, SEP)
+            span = Span(index=order, positions=document_positions(d)[:, order], docs=d[:, order])
+        else:
+            whole = model(x, y)[0]
+            span = Span(index=order, positions=order)
+        with using(span):
+            split = model(x[:, order], y[:, order])[0]
+    assert torch.allclose(split, whole[:, order], rtol=0, atol=1e-10)
+
+
+def test_chunks_balance_the_causal_work():
+    """Rank i holds chunks i and 2cp-1-i: every rank the same number of (query, visible key)
+    pairs, which a contiguous split would not give."""
+    from raytrain_lm.parallel.cp import chunk_index
+
+    T, cp = 64, 4
+    pairs = [int((chunk_index(T, cp, r) + 1).sum()) for r in range(cp)]
+    assert len(set(pairs)) == 1
+    contiguous = [sum(range(r * T // cp + 1, (r + 1) * T // cp + 1)) for r in range(cp)]
+    assert len(set(contiguous)) == cp
