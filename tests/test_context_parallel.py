@@ -18,7 +18,7 @@ CP_LAYOUTS = {
     # on 4 ranks: cp composed with FSDP (sharded over dp x cp), tp (heads split inside a cp
     # shard) and a pipeline (each stage's attention gathers over its cp group)
     "cp2xfsdp2": (4, dict(cp=2, strategy="fsdp")),
-    "cp2xtp2": (4, dict(cp=2, tp=2)),
+    "cp2xtp2-sp": (4, dict(cp=2, tp=2, sequence_parallel=True)),
     "cp2xpp2": (4, dict(cp=2, pp=2, pp_schedule="1f1b", microbatches=4)),
 }
 

@@ -211,8 +211,6 @@ class Layout:
                        f"each window is split into {2 * self.cp} equal chunks")
         if self.cp > 1 and self.ep > 1:
             out.append("--cp with --ep is not supported yet: use one of them")
-        if self.cp > 1 and self.sp:
-            out.append("--cp with --sequence-parallel is not supported yet: use one of them")
         if doc_mask and self.pp > 1:
             out.append("--doc-mask with --pp is not supported yet: a later stage sees no tokens "
                        "to find the documents in")
