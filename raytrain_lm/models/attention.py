@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
@@ -42,6 +42,9 @@ class Span:
     # (B, heads, T_local, d) -> (B, heads, T_keys, d): a rank's keys (or values) -> every key the
     # window's queries may see, in key_index's order (context parallelism: an all-gather)
     gather: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+    # the dense mask, built once for every layer (SDPA saves it for backward: one copy, not one
+    # per layer)
+    masks: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def keys(self) -> torch.Tensor:
@@ -106,13 +109,20 @@ def mask_rule(q_index, k_index, window: Optional[int], q_docs=None, k_docs=None)
     return ok
 
 
-def dense_mask(span: Span, window: Optional[int], device) -> torch.Tensor:
-    """(B or 1, 1, T_local, T_keys) booleans: the span's rule, materialised."""
-    qi, ki = span.index.to(device)[:, None], span.keys.to(device)[None, :]
-    if span.docs is None:
-        return mask_rule(qi, ki, window)[None, None]
-    qd, kd = span.docs.to(device)[:, :, None], span.kdocs.to(device)[:, None, :]
-    return mask_rule(qi[None], ki[None], window, qd, kd)[:, None]
+def dense_mask(span: Span, window: Optional[int], device, dtype) -> torch.Tensor:
+    """(B or 1, 1, T_local, T_keys): the span's rule, materialised as SDPA's additive mask (0
+    where visible, -inf where not; SDPA would turn booleans into this anyway, a copy per call),
+    once per span for all its layers. Every query sees itself: no row is all -inf."""
+    key = (window, str(device), dtype)
+    if key not in span.masks:
+        qi, ki = span.index.to(device)[:, None], span.keys.to(device)[None, :]
+        if span.docs is None:
+            ok = mask_rule(qi, ki, window)[None, None]
+        else:
+            qd, kd = span.docs.to(device)[:, :, None], span.kdocs.to(device)[:, None, :]
+            ok = mask_rule(qi[None], ki[None], window, qd, kd)[:, None]
+        span.masks[key] = torch.zeros(ok.shape, dtype=dtype, device=device).masked_fill_(~ok, float("-inf"))
+    return span.masks[key]
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: Optional[int] = None,
@@ -125,7 +135,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: Optional[i
     gqa = q.size(1) != k.size(1)
     if q.is_cuda and dropout == 0.0:
         return _flex(q, k, v, span, window, gqa)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=dense_mask(span, window, q.device),
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=dense_mask(span, window, q.device, q.dtype),
                                           dropout_p=dropout, enable_gqa=gqa)
 
 

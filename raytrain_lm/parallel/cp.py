@@ -49,7 +49,9 @@ class _GatherSeq(torch.autograd.Function):
         ctx.group, n = group, dist.get_world_size(group)
         t = t.contiguous()
         out = torch.empty((n * t.numel(),), dtype=t.dtype, device=t.device)
-        dist.all_gather_into_tensor(out, t.reshape(-1), group=group)
+        # torch 2.13's name; the old one warns there (torch 2.11 has only the old one)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather(out, t.reshape(-1), group=group)
         ctx.shape = t.shape
         parts = out.view(n, *t.shape)  # (cp, B, H, Tl, d)
         return torch.cat(parts.unbind(0), dim=2)
