@@ -4,12 +4,15 @@ in one process the masks compute what running each document alone computes."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 from conftest import step_losses
 from local_mode import run_local
-from test_parallel_layouts import GLOBAL_BATCH, assert_trains_the_one_worker_model, layout_config
+from raytrain_lm.config.load import build_config
+from test_parallel_layouts import GLOBAL_BATCH, STEPS, assert_trains_the_one_worker_model, layout_config
 
 # name: (workers, flags); the Llama (rotary positions, 4 query heads over 2 kv heads: GQA)
 CP_LAYOUTS = {
@@ -183,3 +186,24 @@ def test_chunks_balance_the_causal_work():
     assert len(set(pairs)) == 1
     contiguous = [sum(range(r * T // cp + 1, (r + 1) * T // cp + 1)) for r in range(cp)]
     assert len(set(contiguous)) == cp
+
+
+@pytest.mark.slow
+def test_a_one_worker_checkpoint_resumes_at_cp2(cp_runs, cp_storage):
+    """Saved by one worker at step 7, continued with --cp 2 on two workers (the same one
+    data-parallel rank of 16 sequences, each window split over the two): every later step's loss
+    is the uninterrupted one-worker run's."""
+    import shutil
+
+    cp_runs("one")
+    shutil.copytree(cp_storage / "one", cp_storage / "one-to-cp2")
+    torn = cp_storage / "one-to-cp2" / f"checkpoint_{STEPS:08d}" / "state.pt"
+    torn.write_bytes(torn.read_bytes()[:100])  # the final checkpoint is skipped: resume from 7
+    cfg = build_config(base=json.loads((cp_storage / "one-to-cp2" / "config.json").read_text()),
+                       flags={"workers": 2, "cp": 2})
+    cfg.name = "one-to-cp2"
+    summary = run_local(cfg, resume=True, say=lambda m: None)
+    assert summary["resumed_from_step"] == 7
+    resumed, uninterrupted = step_losses(cp_storage / "one-to-cp2"), cp_runs("one")[0]
+    for step in range(8, STEPS + 1):
+        assert resumed[step] == pytest.approx(uninterrupted[step], rel=1e-4), step

@@ -36,9 +36,10 @@ def reason(best: Estimate, ranked: list[Estimate], cl: Cluster) -> str:
         stages = f" x {lay.v} stages" if lay.v > 1 else ""
         parts.append(f"PP {lay.pp} {where('pp')} ({lay.schedule}{stages}, {lay.microbatches} "
                      f"microbatches, {best.bubble:.0%} bubble)")
-    if lay.dp > 1:
+    if lay.dp_cp > 1:
         rest = "the remaining" if lay.tp * lay.pp > 1 else "all"
-        parts.append(f"{STRATEGIES[lay.strategy].title} over {rest} {lay.dp} ({where('dp')})")
+        group = f"{lay.dp_cp} (dp {lay.dp} x cp {lay.cp})" if lay.cp > 1 else f"{lay.dp}"
+        parts.append(f"{STRATEGIES[lay.strategy].title} over {rest} {group} ({where('dp')})")
     if lay.ac != "none":
         parts.append(f"{lay.ac} activation checkpointing")
     fitting = [e for e in ranked if e.fits]
