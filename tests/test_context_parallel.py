@@ -207,3 +207,80 @@ def test_a_one_worker_checkpoint_resumes_at_cp2(cp_runs, cp_storage):
     resumed, uninterrupted = step_losses(cp_storage / "one-to-cp2"), cp_runs("one")[0]
     for step in range(8, STEPS + 1):
         assert resumed[step] == pytest.approx(uninterrupted[step], rel=1e-4), step
+
+
+@pytest.fixture(scope="module")
+def short_docs(tmp_path_factory, pydoc_docs):
+    """A BPE dataset (documents separated by <|endoftext|>) of short documents, the paragraphs of
+    the pydoc topics: a 64-token window packs several."""
+    from raytrain_lm.data.prepare import prepare_dataset
+
+    folder = tmp_path_factory.mktemp("short-docs")
+    lines = [json.dumps({"text": p}) for doc in pydoc_docs for p in doc.split("\n\n") if 40 <= len(p) <= 300]
+    (folder / "docs.jsonl").write_text("\n".join(lines) + "\n")
+    prepare_dataset(str(folder / "docs.jsonl"), folder / "ds", tokenizer="bpe", vocab_size=320,
+                    block_tokens=1024)
+    return folder / "ds"
+
+
+@pytest.mark.slow
+def test_document_masked_cp2_trains_the_one_worker_model(short_docs, cp_storage):
+    """--doc-mask on packed windows of several documents: at --cp 2 (documents found on the whole
+    window, then split) the one-worker doc-masked run's losses, gradient norms and validation
+    loss, step for step."""
+    from conftest import batches_as_read
+    from raytrain_lm.data.manifest import load_manifest
+
+    eot = load_manifest(short_docs)["tokenizer"]["eot_id"]
+    runs = {}
+    for name, (workers, flags) in {"doc-one": (1, {}), "doc-cp2": (2, dict(cp=2))}.items():
+        cfg = cp_config(short_docs, cp_storage, name, workers, {**flags, "doc_mask": True})
+        rows = []
+        assert run_local(cfg, say=lambda m: None, on_metrics=rows.append)["status"] == "completed"
+        runs[name] = (step_losses(cp_storage / name), rows)
+    x, _ = batches_as_read(cfg).next()
+    assert int((x == eot).sum(dim=1).min()) >= 1  # every window of the first step holds 2+ documents
+    assert_trains_the_one_worker_model(runs["doc-cp2"], runs["doc-one"])
+
+
+def test_cp2_on_ray_workers_trains_the_one_worker_model(ray_address, cp_runs, pydoc_data, cp_storage):
+    """--cp 2 on two Ray Train workers (Ray's DDP over both: the cp ranks' gradients averaged):
+    the harness's one-worker losses, gradient norms and validation loss, step for step."""
+    from raytrain_lm.run.driver import run_training
+
+    workers, flags = CP_LAYOUTS["cp2"]
+    rows = []
+    cfg = cp_config(pydoc_data, cp_storage, "cp2-ray", workers, flags)
+    assert run_training(cfg, say=lambda m: None, on_metrics=rows.append)["status"] == "completed"
+    assert_trains_the_one_worker_model((step_losses(cp_storage / "cp2-ray"), rows), cp_runs("one"))
+
+
+@pytest.mark.parametrize("flags,expected", [
+    (dict(workers=3, cp=2), "--workers 3 must be a multiple of --tp x --pp x --cp = 2"),
+    (dict(workers=2, cp=0), "--tp, --pp, --ep and --cp must be at least 1"),
+    (dict(workers=4, cp=4, seq_len=36), "--seq-len 36 must be divisible by 2 x --cp = 8"),
+    (dict(workers=4, cp=2, ep=2, preset="moe-tiny"), "--cp with --ep is not supported yet"),
+    (dict(workers=2, pp=2, doc_mask=True), "--doc-mask with --pp is not supported yet"),
+])
+def test_cp_layouts_that_cannot_work_are_refused(flags, expected):
+    """One line each, before anything starts (config/layout.py, what `train` checks first)."""
+    from raytrain_lm.config.checks import check_layout
+    from raytrain_lm.errors import UserError
+
+    with pytest.raises(UserError, match=expected.replace("+", r"\+")):
+        cfg = build_config(flags=flags)
+        cfg.model.vocab_size = 256
+        check_layout(cfg)
+
+
+def test_doc_mask_refuses_a_dataset_without_a_one_token_separator():
+    """A byte dataset separates documents by "\\n\\n", found inside documents too: --doc-mask
+    says so in one line instead of guessing documents."""
+    from raytrain_lm.errors import UserError
+    from raytrain_lm.run.preflight import fit_model_to_data
+
+    cfg = build_config(flags=dict(workers=1, doc_mask=True))
+    with pytest.raises(UserError, match="--doc-mask needs a dataset whose documents are separated by one token"):
+        fit_model_to_data(cfg, {"vocab_size": 256, "separator": "\n\n"})
+    cfg.doc_mask = False
+    fit_model_to_data(cfg, {"vocab_size": 256, "separator": "\n\n"})
