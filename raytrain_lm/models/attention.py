@@ -42,8 +42,8 @@ class Span:
     # (B, heads, T_local, d) -> (B, heads, T_keys, d): a rank's keys (or values) -> every key the
     # window's queries may see, in key_index's order (context parallelism: an all-gather)
     gather: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
-    # the dense mask, built once for every layer (SDPA saves it for backward: one copy, not one
-    # per layer)
+    # what every layer of the step reads alike, built once: the dense mask (SDPA saves it for
+    # backward: one copy, not one per layer) and the rotary rows of the positions
     masks: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -125,13 +125,58 @@ def dense_mask(span: Span, window: Optional[int], device, dtype) -> torch.Tensor
     return span.masks[key]
 
 
+def rows(span: Span, table: torch.Tensor, name: str) -> torch.Tensor:
+    """table[positions] (a rotary table's rows), once per span and table."""
+    key = (name, table.data_ptr())
+    if key not in span.masks:
+        span.masks[key] = table[span.positions.to(table.device)]
+    return span.masks[key]
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: Optional[int] = None,
            dropout: float = 0.0) -> torch.Tensor:
     """Attention of q (B, H, T_local, d) over k, v (B, KV, T_local, d) by the installed span
-    (installed: `using`; the caller checked). Grouped-query attention where KV < H."""
+    (installed: `using`; the caller checked). Grouped-query attention where KV < H.
+
+    Where the span gathers K/V (context parallelism), the attention's backward needs the whole
+    window's K/V; it keeps only this rank's and gathers the rest again when backward reaches it
+    (saved-tensor hooks): a rank's saved activations stay its share of the window's, at the
+    price of one more gather per layer in backward (no recomputed FLOPs)."""
     span = current()
-    if span.gather is not None:
-        k, v = span.gather(k), span.gather(v)
+    if span.gather is None:
+        return _attend(q, k, v, span, window, dropout)
+    k_all, v_all = span.gather(k), span.gather(v)
+    local = {_key(k_all): k.detach(), _key(v_all): v.detach()}
+    # hooks installed around this call (activation checkpointing's, a memory tracker's) still see
+    # every saved tensor: ours wrap theirs (the innermost hooks are the only ones called)
+    outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    outer_pack, outer_unpack = outer if outer is not None else (None, None)
+
+    def pack(t):
+        mine = local.get(_key(t))
+        if mine is not None:
+            return (_REGATHER, outer_pack(mine) if outer_pack else mine)
+        return outer_pack(t) if outer_pack else t
+
+    def unpack(saved):
+        if isinstance(saved, tuple) and len(saved) == 2 and saved[0] is _REGATHER:
+            mine = outer_unpack(saved[1]) if outer_unpack else saved[1]
+            with torch.no_grad():
+                return span.gather(mine)
+        return outer_unpack(saved) if outer_unpack else saved
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        return _attend(q, k_all, v_all, span, window, dropout)
+
+
+_REGATHER = object()  # marks a saved K/V kept as this rank's part
+
+
+def _key(t: torch.Tensor) -> tuple:
+    return (t.untyped_storage().data_ptr(), tuple(t.shape), t.storage_offset())
+
+
+def _attend(q, k, v, span: Span, window: Optional[int], dropout: float) -> torch.Tensor:
     gqa = q.size(1) != k.size(1)
     if q.is_cuda and dropout == 0.0:
         return _flex(q, k, v, span, window, gqa)

@@ -13,8 +13,9 @@ reduce-scatters their gradients) and masks by each token's place in the window
 (models/attention.py). The gathered keys sit in rank order (c0 c3 c1 c2), which the mask reads
 from their places, so nothing is reordered. All-gather rather than a ring: one collective per
 layer instead of cp - 1 steps, any mask (documents, sliding windows) without a per-step schedule,
-and on gloo an overlapped ring buys nothing; it holds the whole window's K/V per layer in
-flight, which with GQA is 2 x kv_heads/heads of the queries' size (docs/parallelism.md).
+and on gloo an overlapped ring buys nothing; the whole window's K/V are in flight for one layer
+at a time (with GQA 2 x kv_heads/heads of the queries' size), since the attention keeps only
+its rank's part for backward and gathers the rest again there (models/attention.py).
 
 The loss: each rank's cross-entropy is its own tokens' mean. With equal chunks and every target
 counted (training windows have no ignored targets) the mean over the cp ranks is the window's

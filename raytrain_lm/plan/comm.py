@@ -125,12 +125,13 @@ def window_kv_bytes(m: ModelConfig, lay: Layout, cl: Cluster) -> float:
 
 def cp_comm(m: ModelConfig, lay: Layout, cl: Cluster, stages: list[StageShape]) -> float:
     """Context parallelism (parallel/cp.py): per layer and micro-batch an all-gather of the
-    window's K/V in forward, a reduce-scatter of their gradients in backward, and the all-gather
-    again where the layer is recomputed (full checkpointing reruns the attention's input)."""
+    window's K/V in forward, the all-gather again in backward (the attention kept only its
+    rank's part, models/attention.py), a reduce-scatter of their gradients, and one more
+    all-gather where the layer is recomputed (full checkpointing reruns the attention)."""
     if lay.cp == 1:
         return 0.0
     layers = sum(st.layers for st in stages)
-    per_layer = 2 + (lay.ac == "full")
+    per_layer = 3 + (lay.ac == "full")
     return lay.microbatches * layers * per_layer * ring_bytes("all_gather", lay.cp, window_kv_bytes(m, lay, cl))
 
 

@@ -58,25 +58,26 @@ def layer_activation_bytes(m: ModelConfig, lay: Layout, cl: Cluster, ac: str) ->
 
 
 def gathered_kv_bytes(m: ModelConfig, lay: Layout, cl: Cluster) -> float:
-    """Context parallelism: one layer's K/V of the other cp ranks, gathered for the attention
-    and saved for its backward (the rank's own are in the activations already)."""
+    """Context parallelism: the K/V of the other cp ranks for one layer's attention, and in its
+    backward their gradients (the rank's own K/V are in the activations already). In flight for
+    one layer at a time: the attention keeps only its rank's part for backward and gathers the
+    rest again there (models/attention.py)."""
     if lay.cp == 1:
         return 0.0
-    return 2 * lay.micro_batch * lay.seq_len * m.kv_heads * m.head_dim / lay.tp * cl.act_bytes * \
+    return 2 * 2 * lay.micro_batch * lay.seq_len * m.kv_heads * m.head_dim / lay.tp * cl.act_bytes * \
         (1 - 1 / lay.cp)
 
 
 def activation_bytes(m: ModelConfig, lay: Layout, cl: Cluster, stages: list[StageShape], rank: int) -> float:
     tokens = lay.micro_batch * lay.seq_len / lay.cp
-    kv = gathered_kv_bytes(m, lay, cl)  # per layer: saved unless the layer is recomputed
     per_microbatch = 0.0  # all of this rank's stages
     for st in stages:
-        per_microbatch += st.layers * (layer_activation_bytes(m, lay, cl, lay.ac) + (kv if lay.ac != "full" else 0))
+        per_microbatch += st.layers * layer_activation_bytes(m, lay, cl, lay.ac)
         if st.first:
             per_microbatch += tokens * m.n_embd * cl.act_bytes / (lay.tp if lay.sp else 1)  # embedding output
-    held = chunks_in_flight(lay, rank) / lay.v * per_microbatch
+    held = chunks_in_flight(lay, rank) / lay.v * per_microbatch + gathered_kv_bytes(m, lay, cl)
     if lay.ac == "full":  # one block's activations exist again while it is recomputed
-        held += layer_activation_bytes(m, lay, cl, "none") + kv
+        held += layer_activation_bytes(m, lay, cl, "none")
     elif lay.ac == "op":  # and under op what it did not keep (its recomputation runs at once)
         held += layer_activation_bytes(m, lay, cl, "none") - layer_activation_bytes(m, lay, cl, "op")
     return held
