@@ -12,7 +12,8 @@ from raytrain_lm.config.layout import Layout
 from raytrain_lm.config.presets import preset_config
 from raytrain_lm.models.family import ModelConfig
 from raytrain_lm.plan.comm import rank_comm, ring_bytes
-from raytrain_lm.plan.estimate import CP_FROM_SEQ, plan
+from raytrain_lm.plan.context import CP_FROM_SEQ
+from raytrain_lm.plan.estimate import plan
 from raytrain_lm.plan.hardware import Cluster
 from raytrain_lm.plan.memory import layer_activation_bytes, rank_memory
 from raytrain_lm.plan.printout import recommendation

@@ -13,6 +13,7 @@ from raytrain_lm.models import family, flops_per_token
 from raytrain_lm.models.family import ModelConfig
 from raytrain_lm.plan import experts, network
 from raytrain_lm.plan.comm import Comm, pp_send_bytes, rank_comm, tp_backward_share
+from raytrain_lm.plan.context import cp_sizes
 from raytrain_lm.plan.hardware import Cluster, kind_cluster
 from raytrain_lm.plan.kernels import rank_compute_seconds
 from raytrain_lm.plan.kinds import DEFAULT_KIND
@@ -260,23 +261,6 @@ def variants(structure: tuple, global_batch: int, seq_len: int,
         if p > 1 and (n < p or (schedule == "interleaved-1f1b" and n % p)):
             continue
         yield Layout(dp, t, p, kind, ac, sp, schedule, b, n, seq_len, v if v > 1 else 2, ep, cp)
-
-
-CP_FROM_SEQ = 8192  # the planner tries context parallelism from this window length
-
-
-def cp_sizes(structure: tuple, seq_len: int, ep: int, cp: Optional[int] = None) -> list[int]:
-    """The context-parallel degrees worth planning for a structure: 1, and for windows of
-    CP_FROM_SEQ tokens or more (below, a sequence's activations fit one GPU with tp and
-    checkpointing; cp only adds traffic) every power of two that divides its data-parallel ranks
-    and splits the window into 2cp chunks, where train runs it (Layout.problems: no ep);
-    `cp`: that one alone."""
-    t, p, dp, kind, ac, sp, schedule, v = structure
-    if cp is not None:
-        return [cp] if dp % cp == 0 and seq_len % (2 * cp) == 0 and (cp == 1 or ep == 1) else []
-    if seq_len < CP_FROM_SEQ or ep > 1:
-        return [1]
-    return [c for c in (1, 2, 4, 8, 16, 32) if dp % c == 0 and seq_len % (2 * c) == 0]
 
 
 def _bucket(seconds: float) -> int:
