@@ -323,3 +323,31 @@ def test_kv_kept_as_the_ranks_part_and_gathered_again_gives_the_same_gradients(a
     apply_activation_checkpointing(model, ac)
     for got, want in zip(grads(model, gathered), expected, strict=True):
         assert torch.allclose(got, want, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("window,docs", [(None, False), (11, True)])
+def test_the_gpus_block_mask_is_the_dense_masks_rule(window, docs):
+    """The GPU path's flex_attention BlockMask (built from the same rule) gives the dense mask's
+    attention, here with flex_attention's eager reference on the CPU (the GPU compiles it), for
+    the cp ranks' chunk order with documents and a sliding window."""
+    import warnings
+
+    import torch.nn.functional as F
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from raytrain_lm.models.attention import Span, block_mask, dense_mask, document_ids
+    from raytrain_lm.parallel.cp import chunk_index
+
+    x, _, _ = packed_window([13, 27, 24])
+    order = torch.cat([chunk_index(64, 2, r) for r in range(2)])
+    d = document_ids(x, SEP)
+    span = Span(index=order[:32], positions=order[:32], key_index=order,
+                docs=d[:, order[:32]] if docs else None, key_docs=d[:, order] if docs else None)
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(1, 4, 32, 8, generator=g)
+    k, v = (torch.randn(1, 2, 64, 8, generator=g) for _ in "kv")
+    dense = F.scaled_dot_product_attention(q, k, v, attn_mask=dense_mask(span, window, "cpu", q.dtype), enable_gqa=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the eager reference warns that it is one
+        flex = flex_attention(q, k, v, block_mask=block_mask(span, window, 32, 64, "cpu"), enable_gqa=True)
+    assert torch.allclose(flex, dense, rtol=0, atol=1e-5)  # float32 sums in two orders

@@ -187,22 +187,31 @@ def _attend(q, k, v, span: Span, window: Optional[int], dropout: float) -> torch
 _compiled_flex = None
 
 
-def _flex(q, k, v, span: Span, window: Optional[int], gqa: bool) -> torch.Tensor:
-    """flex_attention with a block mask of the span's rule: compiled, it is one fused kernel
-    that skips every block the mask hides entirely (most of a causal or document mask)."""
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+def block_mask(span: Span, window: Optional[int], q_len: int, k_len: int, device):
+    """flex_attention's BlockMask of the span's rule (the same `mask_rule` as the dense mask)."""
+    from torch.nn.attention.flex_attention import create_block_mask
 
-    global _compiled_flex
-    if _compiled_flex is None:
-        _compiled_flex = torch.compile(flex_attention, dynamic=False)
-    qi, ki = span.index.to(q.device), span.keys.to(q.device)
-    qd = span.docs.to(q.device) if span.docs is not None else None
-    kd = span.kdocs.to(q.device) if span.docs is not None else None
+    qi, ki = span.index.to(device), span.keys.to(device)
+    qd = span.docs.to(device) if span.docs is not None else None
+    kd = span.kdocs.to(device) if span.docs is not None else None
 
     def mask_mod(b, h, i, j):
         return mask_rule(qi[i], ki[j], window, None if qd is None else qd[b, i],
                          None if kd is None else kd[b, j])
 
-    B = q.size(0) if qd is not None else None
-    block = create_block_mask(mask_mod, B, None, q.size(2), k.size(2), device=q.device)
-    return _compiled_flex(q, k, v, block_mask=block, enable_gqa=gqa)
+    B = qd.size(0) if qd is not None else None
+    return create_block_mask(mask_mod, B, None, q_len, k_len, device=device)
+
+
+def _flex(q, k, v, span: Span, window: Optional[int], gqa: bool) -> torch.Tensor:
+    """flex_attention with a block mask of the span's rule: compiled, it is one fused kernel
+    that skips every block the mask hides entirely (most of a causal or document mask)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    global _compiled_flex
+    if _compiled_flex is None:
+        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+    key = ("block", window, q.size(2), k.size(2), str(q.device))
+    if key not in span.masks:  # once per step: every layer's is the same
+        span.masks[key] = block_mask(span, window, q.size(2), k.size(2), q.device)
+    return _compiled_flex(q, k, v, block_mask=span.masks[key], enable_gqa=gqa)
