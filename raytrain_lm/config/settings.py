@@ -123,13 +123,6 @@ class TrainConfig:
                                             "op (torchtitan's per-op policy: all but attention "
                                             "outputs and every other matmul's); full (each "
                                             "block from its input).")
-    # long sequences (docs/parallelism.md, "Context parallelism")
-    cp: int = setting(1, help="Context-parallel degree: each window split over this many workers "
-                      "in 2 x cp chunks (worker i takes chunks i and 2cp-1-i), keys and values "
-                      "all-gathered over them in every attention; they share the batch.")
-    doc_mask: bool = setting(False, help="Block-causal attention: a packed window's tokens attend "
-                             "only within their own document (a dataset whose documents are "
-                             "separated by <|endoftext|>); positions restart at each document.")
     seed: int = setting(1337, help="Random seed.")
     # cadence
     log_every: int = setting(0, help="Steps between metrics rows, exactly (1: every step); 0: a "
@@ -157,6 +150,13 @@ class TrainConfig:
     gpu_memory_gb: Optional[float] = setting(None, help="Memory per GPU in GiB as cards are sold "
                                              "(80: an 80 GB card), for the pre-launch memory "
                                              "check [default: the GPU's].")
+    # long sequences (docs/parallelism.md, "Long sequences")
+    cp: int = setting(1, help="Context-parallel degree: each window split over this many workers "
+                      "in 2 x cp chunks (worker i takes chunks i and 2cp-1-i), keys and values "
+                      "all-gathered over them in every attention; they share the batch.")
+    doc_mask: bool = setting(False, help="Block-causal attention: a packed window's tokens attend "
+                             "only within their own document (a dataset whose documents are "
+                             "separated by <|endoftext|>); positions restart at each document.")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
