@@ -45,12 +45,12 @@ LEVEL = {name: i for i, level in enumerate(LAYERS) for name in level}
 # modules must not import torch. store/checkpoint_format.py is the checkpoint format (torch.save and
 # torch.distributed.checkpoint), read and written by workers, `generate` and `export` only;
 # store/safetensors_io.py reads a rank's slices of Hugging Face weights and writes an export's. In
-# models/ every module but the decoders (decoder.py and each family's, Family.decoder): the
+# models/ every module but the decoders (decoder.py, attention.py and each family's, Family.decoder): the
 # checks, the planner and the driver ask the families without torch.
 TORCH_FREE = ("cli", "config", "run", "ray_compat", "plan", "store", "cluster", "tune", "track", "models",
               "errors", "env", "console", "data.tokenizer", "results.tables", "results.plots")
 TORCH_FREE_EXCEPT = {"raytrain_lm.store.checkpoint_format", "raytrain_lm.store.safetensors_io",
-                     "raytrain_lm.models.decoder",
+                     "raytrain_lm.models.decoder", "raytrain_lm.models.attention",
                      *(f.decoder.partition(":")[0] for f in FAMILIES.values())}
 # Where Ray's private API (`ray._private`, `ray.train.v2._internal`, ...) may be imported.
 RAY_PRIVATE_OK = ("ray_compat", "cluster")

@@ -51,7 +51,8 @@ TRAIN_SETTINGS = ("use_gpu", "preset", "data", "max_steps", "batch_size", "seq_l
                   "seed", "compile", "strategy", "tp", "pp", "ep", "microbatches", "pp_schedule",
                   "virtual_stages", "layout", "gpus_per_node", "gpu_memory_gb",
                   "sequence_parallel", "activation_checkpointing", "precision", "name", "storage",
-                  "address", "scale_timeout")
+                  "address", "scale_timeout",
+                  "cp", "doc_mask")
 
 
 def workers_value(text: str):

@@ -7,9 +7,12 @@ every rule those choices obey and every fact derived from them. The checks, the 
 The settings stay flat (`--tp`, `--strategy`, ... in TrainConfig); `Layout.of(cfg)` reads them and
 `Layout.apply(cfg)` writes them back.
 
-Ranks: dp x tp x pp = workers, tp innermost and pp outermost (parallel/mesh.py); expert
+Ranks: dp x cp x tp x pp = workers, tp innermost and pp outermost (parallel/mesh.py); expert
 parallelism, where a family has experts, is carved out of the data-parallel ranks (as
-torchtitan's ParallelDims: ep divides dp), so it adds no ranks of its own.
+torchtitan's ParallelDims: ep divides dp), so it adds no ranks of its own. Context parallelism
+(cp) splits each window's sequence over cp ranks that read the same batch: they hold the same
+parameters, so their gradients are reduced together with dp's (the "dp_cp" group, torchtitan's
+dp_shard_cp), and FSDP shards over dp x cp.
 """
 
 from __future__ import annotations
@@ -75,6 +78,7 @@ class Coords:
     pp: int
     dp: int
     tp: int
+    cp: int = 0
 
 
 @dataclass(frozen=True)
@@ -91,6 +95,7 @@ class Layout:
     seq_len: int
     virtual: int = DEFAULT_VIRTUAL  # stages per worker of the interleaved schedule (the others run one)
     ep: int = 1  # expert-parallel ranks, out of dp (a family with experts)
+    cp: int = 1  # context-parallel ranks: each window's sequence split over them
 
     # ---------------------------------------------------------------- from and to the settings
 
@@ -101,11 +106,15 @@ class Layout:
         `pipelined`: a schedule and its microbatches even at --pp 1 (one process running a
         pipeline's code: parallelize's `force`)."""
         world = cfg.workers if world is None else world
-        if cfg.tp < 1 or cfg.pp < 1 or cfg.ep < 1:
-            raise UserError(f"--tp, --pp and --ep must be at least 1, got {cfg.tp}, {cfg.pp} and {cfg.ep}")
-        if world % (cfg.tp * cfg.pp):
-            raise UserError(f"--workers {world} must be a multiple of --tp x --pp = "
-                            f"{cfg.tp * cfg.pp}: the data-parallel size is workers / (tp x pp)")
+        if cfg.tp < 1 or cfg.pp < 1 or cfg.ep < 1 or cfg.cp < 1:
+            raise UserError(f"--tp, --pp, --ep and --cp must be at least 1, got {cfg.tp}, {cfg.pp}, "
+                            f"{cfg.ep} and {cfg.cp}")
+        if world % cls.unit(cfg):
+            if cfg.cp == 1:
+                raise UserError(f"--workers {world} must be a multiple of --tp x --pp = "
+                                f"{cfg.tp * cfg.pp}: the data-parallel size is workers / (tp x pp)")
+            raise UserError(f"--workers {world} must be a multiple of --tp x --pp x --cp = "
+                            f"{cls.unit(cfg)}: the data-parallel size is workers / (tp x pp x cp)")
         if cfg.strategy not in STRATEGIES:
             raise UserError(f"--strategy must be one of {', '.join(STRATEGIES)}, got {cfg.strategy!r}")
         if cfg.activation_checkpointing not in AC_MODES:
@@ -121,10 +130,10 @@ class Layout:
         if cfg.virtual_stages and cfg.pp_schedule != "interleaved-1f1b":
             raise UserError(f"--virtual-stages needs --pp-schedule interleaved-1f1b (--pp-schedule "
                             f"{cfg.pp_schedule} runs one stage per worker)")
-        dp = world // (cfg.tp * cfg.pp)
+        dp = world // cls.unit(cfg)
         common = dict(dp=dp, tp=cfg.tp, pp=cfg.pp, strategy=cfg.strategy,
                       ac=cfg.activation_checkpointing, sp=cfg.sequence_parallel, seq_len=cfg.seq_len,
-                      virtual=cfg.virtual_stages or DEFAULT_VIRTUAL, ep=cfg.ep)
+                      virtual=cfg.virtual_stages or DEFAULT_VIRTUAL, ep=cfg.ep, cp=cfg.cp)
         if cfg.pp == 1 and not pipelined:
             return cls(schedule="-", micro_batch=cfg.batch_size, microbatches=cfg.grad_accum, **common)
         n = cfg.microbatches or 2 * cfg.pp * (common["virtual"] if cfg.pp_schedule == "interleaved-1f1b" else 1)
@@ -136,10 +145,15 @@ class Layout:
                             "instead of --grad-accum")
         return cls(schedule=cfg.pp_schedule, micro_batch=cfg.batch_size // n, microbatches=n, **common)
 
+    @staticmethod
+    def unit(cfg: TrainConfig) -> int:
+        """The workers of one data-parallel rank: tp x pp x cp (--workers is a multiple of it)."""
+        return cfg.tp * cfg.pp * cfg.cp
+
     def apply(self, cfg: TrainConfig) -> None:
         """Set cfg's layout settings to this layout (the data-parallel size follows from
         --workers; the global batch is workers x batch-size x grad-accum either way)."""
-        cfg.tp, cfg.pp, cfg.ep, cfg.strategy = self.tp, self.pp, self.ep, self.strategy
+        cfg.tp, cfg.pp, cfg.ep, cfg.cp, cfg.strategy = self.tp, self.pp, self.ep, self.cp, self.strategy
         cfg.activation_checkpointing, cfg.sequence_parallel = self.ac, self.sp
         if self.pp > 1:
             cfg.pp_schedule, cfg.batch_size, cfg.microbatches, cfg.grad_accum = \
@@ -155,6 +169,8 @@ class Layout:
                f"--activation-checkpointing {self.ac}"]
         if self.ep > 1:
             out.append(f"--ep {self.ep}")
+        if self.cp > 1:
+            out.append(f"--cp {self.cp}")
         if self.sp:
             out.append("--sequence-parallel")
         if self.pp > 1:
@@ -168,9 +184,10 @@ class Layout:
 
     # ---------------------------------------------------------------- the rules
 
-    def problems(self, m: ModelConfig, precision: str = "auto", compile: bool = False) -> list[str]:
+    def problems(self, m: ModelConfig, precision: str = "auto", compile: bool = False,
+                 doc_mask: bool = False) -> list[str]:
         """What this layout cannot train for model `m` with `precision` (fp16: a gradient
-        scaler) and `compile`, one line each, in the order a user should fix them; [] when it
+        scaler), `compile` and `doc_mask`, one line each, in the order a user should fix them; [] when it
         trains."""
         out = []
         heads = family(m).check_layout(m, self.tp, self.ep)
@@ -189,6 +206,16 @@ class Layout:
         if self.ep > 1 and self.dp % self.ep:
             out.append(f"--ep {self.ep} must divide the data-parallel size {self.dp}: expert "
                        f"parallelism splits the data-parallel ranks")
+        if self.cp > 1 and self.seq_len % (2 * self.cp):
+            out.append(f"--seq-len {self.seq_len} must be divisible by 2 x --cp = {2 * self.cp}: "
+                       f"each window is split into {2 * self.cp} equal chunks")
+        if self.cp > 1 and self.ep > 1:
+            out.append("--cp with --ep is not supported yet: use one of them")
+        if doc_mask and self.pp > 1:
+            out.append("--doc-mask with --pp is not supported yet: a later stage sees no tokens "
+                       "to find the documents in")
+        if compile and self.cp > 1:
+            out.append("--compile works with --cp 1 for now")
         if compile and (self.tp > 1 or self.pp > 1):
             out.append("--compile works with --tp 1 --pp 1 (ddp or fsdp) for now")
         strategy = STRATEGIES[self.strategy]
@@ -247,7 +274,13 @@ class Layout:
 
     @property
     def gpus(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
+
+    @property
+    def dp_cp(self) -> int:
+        """The ranks that hold the same parameters of a tp shard and pp stage and average their
+        gradients: the data-parallel ranks and, within each, the context-parallel ones."""
+        return self.dp * self.cp
 
     @property
     def v(self) -> int:
@@ -273,7 +306,7 @@ class Layout:
         """A whole model on every rank, trained by DDP (Ray Train's prepare_model): no tp, no pp,
         and a strategy without FSDP2 (or one rank, with nothing to shard over)."""
         return self.tp == 1 and self.pp == 1 and self.ep == 1 and \
-            (not STRATEGIES[self.strategy].fsdp or self.dp == 1)
+            (not STRATEGIES[self.strategy].fsdp or self.dp_cp == 1)
 
     @property
     def by_fsdp(self) -> bool:
@@ -284,13 +317,13 @@ class Layout:
     def sharded(self) -> bool:
         """FSDP2 shards the parameters and gradients (zero1, zero2, fsdp) over a dp dimension of 2 or
         more (fsdp.apply_dp); it then owns the mixed precision too (step.py)."""
-        return self.by_fsdp and self.dp > 1
+        return self.by_fsdp and self.dp_cp > 1
 
     @property
     def param_shards(self) -> int:
         """Ranks each parameter and gradient is spread over at rest: dp where FSDP2 shards, else 1
         (a hybrid strategy would shard over part of dp and replicate over the rest)."""
-        return self.dp if self.sharded else 1
+        return self.dp_cp if self.sharded else 1
 
     @property
     def keeps_gathered(self) -> bool:
@@ -306,7 +339,7 @@ class Layout:
     @property
     def optimizer_shards(self) -> int:
         """Ranks AdamW's states are spread over: dp for every strategy but ddp."""
-        return self.dp if STRATEGIES[self.strategy].shards_optimizer else 1
+        return self.dp_cp if STRATEGIES[self.strategy].shards_optimizer else 1
 
     @property
     def mesh_shape(self) -> dict[str, int]:
@@ -315,20 +348,26 @@ class Layout:
         expert-parallel group is ep consecutive dp ranks), and "dp" their flattening."""
         if self.ep > 1:
             return {"pp": self.pp, "edp": self.dp // self.ep, "ep": self.ep, "tp": self.tp}
+        if self.cp > 1:
+            return {"pp": self.pp, "dp": self.dp, "cp": self.cp, "tp": self.tp}
         return {"pp": self.pp, "dp": self.dp, "tp": self.tp}
 
     @property
     def mesh_dims(self) -> tuple[str, ...]:
-        """Every dim a part of the model is placed on: the mesh's, and "dp" where it is flattened."""
-        return tuple(self.mesh_shape) + (("dp",) if self.ep > 1 else ())
+        """Every dim a part of the model is placed on: the mesh's, "dp" where it is flattened, and
+        "dp_cp" (dp x cp flattened: the parameters' group) with context parallelism."""
+        return tuple(self.mesh_shape) + (("dp",) if self.ep > 1 else ()) + \
+            (("dp_cp",) if self.cp > 1 else ())
 
     def coords(self, rank: int) -> Coords:
         """Where `rank` sits in the mesh, row-major over mesh_shape (tp innermost), without
         building it (data sharding, seeds, logs)."""
-        return Coords(pp=rank // (self.dp * self.tp), dp=(rank // self.tp) % self.dp,
-                      tp=rank % self.tp)
+        return Coords(pp=rank // (self.dp * self.cp * self.tp),
+                      dp=(rank // (self.cp * self.tp)) % self.dp, tp=rank % self.tp,
+                      cp=(rank // self.tp) % self.cp)
 
     @property
     def blocks(self) -> dict[str, int]:
         """Each dimension's groups as aligned blocks of consecutive ranks (parallel/mesh.py)."""
-        return {"tp": self.tp, "dp": self.dp * self.tp, "ep": self.ep * self.tp, "pp": self.gpus}
+        return {"tp": self.tp, "cp": self.cp * self.tp, "dp": self.dp * self.cp * self.tp,
+                "dp_cp": self.dp * self.cp * self.tp, "ep": self.ep * self.tp, "pp": self.gpus}

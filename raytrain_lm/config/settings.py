@@ -154,6 +154,13 @@ class TrainConfig:
     rendezvous_timeout: float = setting(300.0, help="--workers 0 under torchrun: seconds each rank "
                                         "waits for every other to arrive before it gives up, "
                                         "naming the ranks that did not.")
+    # long sequences (docs/parallelism.md, "Long sequences")
+    cp: int = setting(1, help="Context-parallel degree: each window split over this many workers "
+                      "in 2 x cp chunks (worker i takes chunks i and 2cp-1-i), keys and values "
+                      "all-gathered over them in every attention; they share the batch.")
+    doc_mask: bool = setting(False, help="Block-causal attention: a packed window's tokens attend "
+                             "only within their own document (a dataset whose documents are "
+                             "separated by <|endoftext|>); positions restart at each document.")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -69,7 +69,7 @@ def fit_to_world(cfg: TrainConfig, world: int) -> Optional[TrainConfig]:
     accumulation (with --pp: the per-rank batch and its microbatches) that make up the same
     global batch. None if `world` cannot (not a multiple of tp x pp, or its data-parallel ranks
     cannot split the global batch evenly into micro-batches of at most --batch-size)."""
-    if world < 1 or world % (cfg.tp * cfg.pp):
+    if world < 1 or world % Layout.unit(cfg):
         return None
     dp = dp_size(cfg, world)
     total = global_batch(cfg)
@@ -115,7 +115,7 @@ def check_elastic(cfg: TrainConfig) -> None:
         raise UserError(f"{text}: MIN ({cfg.min_workers}) is larger than MAX ({cfg.workers})")
     if not is_elastic(cfg):
         return
-    unit = cfg.tp * cfg.pp
+    unit = Layout.unit(cfg)
     if cfg.min_workers % unit:
         raise UserError(f"{text}: both ends must be multiples of --tp x --pp = {unit} (resizes "
                         f"change the data-parallel size only)")
@@ -129,7 +129,7 @@ def check_elastic(cfg: TrainConfig) -> None:
 
 def sizes_line(cfg: TrainConfig) -> str:
     """What an elastic run says at launch: the sizes it uses and the batch it keeps."""
-    counts, unit = worker_counts(cfg), cfg.tp * cfg.pp
+    counts, unit = worker_counts(cfg), Layout.unit(cfg)
     skipped = [w for w in range(cfg.min_workers, cfg.workers + 1) if w % unit == 0 and w not in counts]
     shapes = []
     for w in counts:

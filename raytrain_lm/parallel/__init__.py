@@ -15,6 +15,7 @@ filling its own shards with the single-process build's values (docs/parallelism.
     fsdp.py   FSDP2 or FSDP2's replicate on the dp dim; what a rank holds
     tp.py     tensor (and sequence) parallelism with DTensor; loss without gathering logits
     pp.py     pipeline stages, schedules, a tied embedding across first and last stage
+    cp.py     context parallelism: windows split over cp ranks, K/V all-gathered; document masks
     init.py   meta -> local shards -> initial values
     grad.py   gradients in their parameters' layouts; the global gradient norm
     traffic.py bytes per mesh dim per step; the pipeline's bubble
@@ -31,7 +32,7 @@ import torch.nn as nn
 
 from raytrain_lm.config.layout import Coords, Layout
 from raytrain_lm.config.settings import TrainConfig
-from raytrain_lm.models import build_model, family
+from raytrain_lm.models import attention, build_model, family
 from raytrain_lm.models.decoder import fit_positions_
 from raytrain_lm.parallel import ddp, ep, fsdp
 from raytrain_lm.parallel.ac import apply_activation_checkpointing
@@ -39,9 +40,10 @@ from raytrain_lm.parallel.mesh import build_mesh, dim_mesh, is_distributed
 
 
 def parallelize(cfg: TrainConfig, device: torch.device, dtype: Optional[torch.dtype] = None,
-                force: frozenset = frozenset(), ddp_wrap=None, init: bool = True) -> "Built":
+                force: frozenset = frozenset(), ddp_wrap=None, init: bool = True,
+                separator: Optional[int] = None) -> "Built":
     """The model of `cfg` as this rank holds it (see Built)."""
-    return Built(cfg, device, dtype, force, ddp_wrap, init)
+    return Built(cfg, device, dtype, force, ddp_wrap, init, separator)
 
 
 class Built:
@@ -52,14 +54,15 @@ class Built:
 
     def __init__(self, cfg: TrainConfig, device: torch.device,
                  dtype: Optional[torch.dtype] = None, force: frozenset = frozenset(),
-                 ddp_wrap=None, init: bool = True):
+                 ddp_wrap=None, init: bool = True, separator: Optional[int] = None):
         """`dtype`: mixed precision's (None: fp32); FSDP takes it as its MixedPrecisionPolicy
         where it shards over dp (`mixed_by_fsdp`: then nothing else may cast, see step.py).
         `force` ("tp", "pp", "fsdp"): apply those even on a mesh dim of one rank, so one
         process runs every layout's code (bench/gpu_check.py); `ddp_wrap`: DDP's wrapper in
         place of Ray Train's prepare_model (parallel/ddp.py). `init` False: a model built
         sharded is left with its memory as allocated, for a caller that fills every parameter
-        next (a checkpoint, --init-from), which then costs no initial values."""
+        next (a checkpoint, --init-from), which then costs no initial values. `separator`: the
+        token that opens a document, with --doc-mask (attention stays inside documents)."""
         self.cfg, self.device, self.dtype, self.init = cfg, device, dtype, init
         world = dist.get_world_size() if is_distributed() else 1
         rank = dist.get_rank() if is_distributed() else 0
@@ -69,7 +72,8 @@ class Built:
         self.tp_on, self.pp_on = lay.tp > 1 or "tp" in force, lay.pp > 1 or "pp" in force
         self.force_fsdp = "fsdp" in force and lay.by_fsdp
         self.replicated = lay.replicated and not (self.tp_on or self.pp_on or self.force_fsdp)
-        self.mesh = None if self.replicated else build_mesh(device, lay)
+        # context parallelism needs its group even where Ray's DDP replicates the model
+        self.mesh = None if self.replicated and lay.cp == 1 else build_mesh(device, lay)
         # FSDP's MixedPrecisionPolicy, where it shards, is the run's mixed precision (step.py)
         self.mixed_by_fsdp = dtype is not None and (lay.sharded or self.force_fsdp)
         self.schedule = self.loss_fn = self.tied_group = self.pp_group = None
@@ -86,8 +90,17 @@ class Built:
             self.modules = self.parts
         if self.pp_on:
             self._build_pipeline()
-        # The ranks whose loss is their dp group's (tp ranks hold copies; with pp, the last stage).
-        self.reports_loss = self.coords.tp == 0 and self.coords.pp == lay.pp - 1
+        # The ranks whose loss is their dp group's (tp ranks hold copies; with pp, the last stage;
+        # with cp, the first cp rank, after summing its group's parts: step.py).
+        self.sums_loss = self.coords.tp == 0 and self.coords.pp == lay.pp - 1  # a part of it
+        self.reports_loss = self.sums_loss and self.coords.cp == 0
+        self.cp_group = self.mesh["cp"].get_group() if lay.cp > 1 else None
+        self.context = None  # how a batch's windows become this rank's tokens and span
+        if lay.cp > 1 or (cfg.doc_mask and separator is not None):
+            from raytrain_lm.parallel.cp import ContextParallel
+
+            self.context = ContextParallel(lay.cp, self.coords.cp, self.cp_group,
+                                           separator if cfg.doc_mask else None)
 
     # ---------------------------------------------------------------- building
 
@@ -109,7 +122,8 @@ class Built:
             experts = self.layout.ep > 1
             if experts:
                 ep.apply_ep(part, self.mesh["ep"], fsdp.blocks(part))
-            fsdp.apply_dp(part, dim_mesh(self.mesh, "dp"), self.layout, self.dtype, compile=cfg.compile,
+            fsdp.apply_dp(part, dim_mesh(self.mesh, "dp_cp" if self.layout.cp > 1 else "dp"),
+                          self.layout, self.dtype, compile=cfg.compile,
                           pipelined=self.pp_on, force=self.force_fsdp,
                           edp_mesh=self.mesh["edp"] if experts else None)
             materialize_(part, cfg.model, cfg.seed, self.device, init=self.init)
@@ -144,6 +158,14 @@ class Built:
 
             return loss_parallel()
         return contextlib.nullcontext()
+
+    def shard(self, x: torch.Tensor, y: torch.Tensor):
+        """(this rank's inputs, its targets, the context its forward and backward run in): the
+        whole windows and no mask without context parallelism or document masking."""
+        if self.context is None:
+            return x, y, contextlib.nullcontext()
+        x, y, span = self.context.shard(x, y)
+        return x, y, attention.using(span)
 
     def train(self, mode: bool = True) -> None:
         for module in self.modules:

@@ -21,6 +21,10 @@ Ray Train gives the workers of one node consecutive ranks (it sorts them by node
 Dims are always addressed by name (mesh["dp"], ...); dims of size 1 are kept, so code never
 special-cases them.
 
+Context parallelism (--cp) adds a "cp" dim between dp and tp: a cp group is cp x tp
+consecutive ranks (a node's, as long as it fits), and "dp_cp" flattens dp and cp: the ranks that
+hold the same parameters and average their gradients.
+
 Expert parallelism (--ep) splits dp into edp x ep, ep innermost, and flattens them back into
 "dp" (what the dense parameters and the data see): an expert-parallel group is ep consecutive
 dp ranks, inside a node as long as tp x ep divides the GPUs per node, and a rank's dp index is
@@ -59,6 +63,8 @@ def dim_mesh(mesh, dim: str):
     returns the same mesh and groups)."""
     if dim == "dp" and "edp" in mesh.mesh_dim_names:
         return mesh["edp", "ep"]._flatten("dp")
+    if dim == "dp_cp":  # the parameters' group under context parallelism
+        return mesh["dp", "cp"]._flatten("dp_cp")
     return mesh[dim]
 
 

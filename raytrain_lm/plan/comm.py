@@ -33,6 +33,7 @@ class Comm:
     pp: float = 0.0
     pp_tied: float = 0.0  # of pp: the tied embedding's gradient all-reduce (GPT)
     ep: float = 0.0  # a mixture of experts' all-to-alls (plan/experts.py)
+    cp: float = 0.0  # context parallelism's all-gathers of K/V and reduce-scatters of their gradients
 
     @property
     def dp(self) -> float:
@@ -49,14 +50,15 @@ def dp_comm(p: dict[str, float], lay: Layout, cl: Cluster, stages: list[StageSha
     (Cluster.zero1) reduces the gradients its way and all-gathers the updated parameters in the
     compute dtype, once per step."""
     held = held_params(p, stages)
-    if lay.dp == 1:
+    n = lay.dp_cp  # the parameters' group: dp, and the cp ranks within each dp rank
+    if n == 1:
         return 0.0, 0.0
     g = cl.reduce_bytes
     if not lay.sharded:  # DDP's all-reduce
-        return 0.0, ring_bytes("all_reduce", lay.dp, g * held)
+        return 0.0, ring_bytes("all_reduce", n, g * held)
     if not cl.shards_params(lay):
-        return (ring_bytes("all_gather", lay.dp, cl.act_bytes * held),
-                ring_bytes(cl.zero1, lay.dp, g * held))
+        return (ring_bytes("all_gather", n, cl.act_bytes * held),
+                ring_bytes(cl.zero1, n, g * held))
     if lay.pp > 1 or lay.gathers_once:
         gathered = held  # once, kept for every microbatch
     elif lay.keeps_gathered:
@@ -67,8 +69,8 @@ def dp_comm(p: dict[str, float], lay: Layout, cl: Cluster, stages: list[StageSha
     # gradients reduce-scattered once per step, or every micro-step where the framework does not
     # hold them unsharded between micro-steps (Cluster.accumulate)
     reductions = lay.microbatches if lay.pp == 1 and cl.accumulate == "reduce_scatter" else 1
-    return (ring_bytes("all_gather", lay.dp, cl.act_bytes * gathered),
-            reductions * ring_bytes("reduce_scatter", lay.dp, g * held))
+    return (ring_bytes("all_gather", n, cl.act_bytes * gathered),
+            reductions * ring_bytes("reduce_scatter", n, g * held))
 
 
 def tp_comm(m: ModelConfig, lay: Layout, cl: Cluster, stages: list[StageShape]) -> float:
@@ -82,7 +84,7 @@ def tp_comm(m: ModelConfig, lay: Layout, cl: Cluster, stages: list[StageShape]) 
         again = 2
     per_layer = 4 + again
     calls = sum(st.layers * per_layer + st.first + st.last for st in stages)
-    size = lay.sequences * lay.seq_len * m.n_embd * cl.act_bytes  # every micro-batch of the step
+    size = lay.sequences * lay.seq_len / lay.cp * m.n_embd * cl.act_bytes  # every micro-batch of the step
     return calls * ring_bytes("all_reduce", lay.tp, size)
 
 
@@ -99,7 +101,7 @@ def pp_send_bytes(m: ModelConfig, lay: Layout, cl: Cluster) -> float:
     holds and sends its part of the sequence, and so does Megatron-LM's scatter/gather
     (Cluster.pp_scatter_gather); otherwise every tp rank sends a full copy."""
     split = lay.sp or cl.pp_scatter_gather
-    return lay.micro_batch * lay.seq_len * m.n_embd * cl.act_bytes / (lay.tp if split else 1)
+    return lay.micro_batch * lay.seq_len / lay.cp * m.n_embd * cl.act_bytes / (lay.tp if split else 1)
 
 
 def pp_comm(m: ModelConfig, p: dict[str, float], lay: Layout, cl: Cluster,
@@ -115,6 +117,24 @@ def pp_comm(m: ModelConfig, p: dict[str, float], lay: Layout, cl: Cluster,
     return out + tied_bytes, tied_bytes
 
 
+def window_kv_bytes(m: ModelConfig, lay: Layout, cl: Cluster) -> float:
+    """One layer's keys and values of a micro-batch's whole windows, as a tp rank holds them
+    (its kv heads): what context parallelism all-gathers into every cp rank."""
+    return 2 * lay.micro_batch * lay.seq_len * m.kv_heads * m.head_dim / lay.tp * cl.act_bytes
+
+
+def cp_comm(m: ModelConfig, lay: Layout, cl: Cluster, stages: list[StageShape]) -> float:
+    """Context parallelism (parallel/cp.py): per layer and micro-batch an all-gather of the
+    window's K/V in forward, the all-gather again in backward (the attention kept only its
+    rank's part, models/attention.py), a reduce-scatter of their gradients, and one more
+    all-gather where the layer is recomputed (full checkpointing reruns the attention)."""
+    if lay.cp == 1:
+        return 0.0
+    layers = sum(st.layers for st in stages)
+    per_layer = 3 + (lay.ac == "full")
+    return lay.microbatches * layers * per_layer * ring_bytes("all_gather", lay.cp, window_kv_bytes(m, lay, cl))
+
+
 def rank_comm(m: ModelConfig, lay: Layout, cl: Cluster, stages: list[StageShape]) -> Comm:
     p = family(m).tp_counts(m, lay.tp)
     gather, reduce = dp_comm(experts.dense_counts(m, p), lay, cl, stages)
@@ -123,4 +143,5 @@ def rank_comm(m: ModelConfig, lay: Layout, cl: Cluster, stages: list[StageShape]
         gather, reduce = gather + e_gather, reduce + e_reduce
     pp, tied = pp_comm(m, p, lay, cl, stages)
     return Comm(dp_gather=gather, dp_reduce=reduce, tp=tp_comm(m, lay, cl, stages), pp=pp,
-                pp_tied=tied, ep=experts.all_to_all_bytes(m, lay, cl.act_bytes, stages))
+                pp_tied=tied, ep=experts.all_to_all_bytes(m, lay, cl.act_bytes, stages),
+                cp=cp_comm(m, lay, cl, stages))

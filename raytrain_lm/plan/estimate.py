@@ -13,6 +13,7 @@ from raytrain_lm.models import family, flops_per_token
 from raytrain_lm.models.family import ModelConfig
 from raytrain_lm.plan import experts, network
 from raytrain_lm.plan.comm import Comm, pp_send_bytes, rank_comm, tp_backward_share
+from raytrain_lm.plan.context import cp_sizes
 from raytrain_lm.plan.hardware import Cluster, kind_cluster
 from raytrain_lm.plan.kernels import rank_compute_seconds
 from raytrain_lm.plan.kinds import DEFAULT_KIND
@@ -74,19 +75,24 @@ class Estimate:
     mfu: float
     fits: bool
     reserved: float = 0.0  # bytes the caching allocator holds at the peak (memory.total x the allocator factor)
+    cp_s: float = 0.0  # exposed (all of it): context parallelism's K/V gathers and their gradients
     compute_parts: Optional[dict] = None  # the slowest rank's compute by part (kernels.py), seconds
 
     @property
     def bubble_s(self) -> float:
         """Seconds the pipeline bubble adds: (compute + tp + ep) x bubble / (1 - bubble)."""
-        busy = self.compute_s + self.tp_s + self.ep_s
+        busy = self.compute_s + self.tp_s + self.ep_s + self.cp_s
         return busy * self.bubble / (1 - self.bubble) if self.bubble else 0.0
 
 
 def rank_step(lay: Layout, cl: Cluster, comm: Comm, compute: float, idle: float,
               send_s: float = 0.0) -> tuple[float, ...]:
-    """(tp, ep, pp, dp, step) seconds for one rank: what each dimension's traffic adds to the
-    step, the part compute does not hide.
+    """(tp, ep, pp, dp, step, cp) seconds for one rank: what each dimension's traffic adds to
+    the step, the part compute does not hide.
+    - cp: all of it. Each layer's attention waits for the window's K/V all-gather, and its
+      backward reduce-scatters their gradients before the projections' backward can use them
+      (parallel/cp.py overlaps nothing: a ring attention would hide the passes behind the
+      attention's compute); the pipeline bubble stretches it with compute.
     - tp: all of it. Each all-reduce (or all-gather / reduce-scatter with sequence
       parallelism) sits between two matmuls that need its result (vanilla TP, parallel/tp.py);
       the pipeline bubble stretches it with compute.
@@ -110,6 +116,7 @@ def rank_step(lay: Layout, cl: Cluster, comm: Comm, compute: float, idle: float,
     if cl.tp_overlap_backward:
         t_tp *= 1 - tp_backward_share(lay)
     t_ep = comm.ep / network.bandwidth(cl, lay, "ep") if comm.ep else 0.0
+    t_cp = comm.cp / network.bandwidth(cl, lay, "cp") if comm.cp else 0.0
     bw_pp = network.bandwidth(cl, lay, "pp")
     t_pp = 0.0
     if lay.pp > 1:
@@ -127,7 +134,7 @@ def rank_step(lay: Layout, cl: Cluster, comm: Comm, compute: float, idle: float,
         exposed = max(0.0, gather - compute) + reduce
     else:
         exposed = max(0.0, gather + reduce - compute)
-    return t_tp, t_ep, t_pp, exposed, (compute + t_tp + t_ep) / (1 - idle) + t_pp + exposed
+    return t_tp, t_ep, t_pp, exposed, (compute + t_tp + t_ep + t_cp) / (1 - idle) + t_pp + exposed, t_cp
 
 
 def estimate_layout(m: ModelConfig, lay: Layout, cl: Cluster, time_unfit: bool = True) -> Estimate:
@@ -145,7 +152,7 @@ def estimate_layout(m: ModelConfig, lay: Layout, cl: Cluster, time_unfit: bool =
                         reserved=reserved)
     tokens = lay.dp * lay.sequences * lay.seq_len
     model_flops = flops_per_token(m, lay.seq_len) * tokens
-    replica_tokens = lay.sequences * lay.seq_len  # one pipeline replica's, split over its tp ranks
+    replica_tokens = lay.sequences * lay.seq_len / lay.cp  # one pipeline replica's, split over tp (a cp rank's share)
     idle = bubble(lay.pp, lay.microbatches, lay.v) if lay.pp > 1 else 0.0
     send_s = pp_send_bytes(m, lay, cl) / network.bandwidth(cl, lay, "pp") if lay.pp > 1 else 0.0
     p = family(m).tp_counts(m, lay.tp)
@@ -160,13 +167,13 @@ def estimate_layout(m: ModelConfig, lay: Layout, cl: Cluster, time_unfit: bool =
                 held_params(p, ranks[r]) - ex, ex, lay, lay.optimizer_shards))
         comm = rank_comm(m, lay, cl, ranks[r])
         times = rank_step(lay, cl, comm, parts["total"], idle, send_s)
-        if slowest is None or times[-1] > slowest[2][-1]:
+        if slowest is None or times[4] > slowest[2][4]:
             slowest = (comm, parts, times)
-    comm, parts, (t_tp, t_ep, t_pp, exposed, step) = slowest
+    comm, parts, (t_tp, t_ep, t_pp, exposed, step, t_cp) = slowest
     return Estimate(layout=lay, memory=memory, comm=comm, compute_s=parts["total"], bubble=idle,
                     tp_s=t_tp, ep_s=t_ep, pp_s=t_pp, dp_exposed_s=exposed, step_s=step,
                     mfu=model_flops / (step * lay.gpus * cl.tflops * 1e12),
-                    fits=reserved <= cl.budget, reserved=reserved, compute_parts=parts)
+                    fits=reserved <= cl.budget, reserved=reserved, compute_parts=parts, cp_s=t_cp)
 
 
 # ---------------------------------------------------------------- which layouts
@@ -238,11 +245,12 @@ def structures(m: ModelConfig, cl: Cluster, seq_len: int, tp: Optional[int] = No
 
 
 def variants(structure: tuple, global_batch: int, seq_len: int,
-             micro_batch: Optional[int] = None, ep: int = 1) -> Iterator[Layout]:
+             micro_batch: Optional[int] = None, ep: int = 1, cp: int = 1) -> Iterator[Layout]:
     """The micro-batch splits of one structure (check_layout's rules for pipelines), with `ep`
-    expert-parallel ranks: any global batch that dp divides; only `micro_batch` when given (any
-    size that divides S)."""
+    expert-parallel ranks and `cp` context-parallel ones (out of the structure's dp): any global
+    batch that dp divides; only `micro_batch` when given (any size that divides S)."""
     t, p, dp, kind, ac, sp, schedule, v = structure
+    dp //= cp
     if global_batch % dp:
         return
     sequences = global_batch // dp
@@ -252,7 +260,7 @@ def variants(structure: tuple, global_batch: int, seq_len: int,
         n = sequences // b
         if p > 1 and (n < p or (schedule == "interleaved-1f1b" and n % p)):
             continue
-        yield Layout(dp, t, p, kind, ac, sp, schedule, b, n, seq_len, v if v > 1 else 2, ep)
+        yield Layout(dp, t, p, kind, ac, sp, schedule, b, n, seq_len, v if v > 1 else 2, ep, cp)
 
 
 def _bucket(seconds: float) -> int:
@@ -276,23 +284,25 @@ def rank_key(e: Estimate) -> tuple:
     if not e.fits:
         return (1, e.memory.total)
     return (0, _bucket(e.step_s), AC_MODES.index(lay.ac), lay.sp, list(STRATEGIES).index(lay.strategy),
-            lay.pp, lay.v, lay.tp, lay.ep, e.memory.total)
+            lay.pp, lay.v, lay.tp, lay.ep, lay.cp, e.memory.total)
 
 
 def plan(m: ModelConfig, cl: Cluster, global_batch: int, seq_len: int, tp: Optional[int] = None,
          pp: Optional[int] = None, strategy: Optional[str] = None,
-         virtual_stages: Optional[int] = None, ep: Optional[int] = None) -> list[Estimate]:
+         virtual_stages: Optional[int] = None, ep: Optional[int] = None,
+         cp: Optional[int] = None) -> list[Estimate]:
     """Every layout (each with its best micro-batch split), ranked: fitting ones fastest first.
     A mixture of experts' layouts come with each expert-parallel degree dp and its experts allow
-    (`ep`: that one)."""
+    (`ep`: that one); long sequences' with each context-parallel degree (`cp`: that one)."""
     check_request(m, cl, global_batch, seq_len, tp, pp, strategy, virtual_stages, ep)
     out = []
     for structure in structures(m, cl, seq_len, tp, pp, strategy, virtual_stages):
         for e in experts.ep_sizes(m, structure[2], ep):
-            estimates = [estimate_layout(m, lay, cl)
-                         for lay in variants(structure, global_batch, seq_len, ep=e)]
-            if estimates:
-                out.append(best_variant(estimates))
+            for c in cp_sizes(structure, seq_len, e, cp):
+                estimates = [estimate_layout(m, lay, cl)
+                             for lay in variants(structure, global_batch, seq_len, ep=e, cp=c)]
+                if estimates:
+                    out.append(best_variant(estimates))
     if not out:
         raise UserError(f"no layout of {cl.gpus} GPUs can split a global batch of {global_batch} "
                         f"sequences: change --global-batch (or --batch-size / --grad-accum), or "

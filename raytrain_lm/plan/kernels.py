@@ -110,7 +110,9 @@ def rank_compute_seconds(m: ModelConfig, lay: Layout, cl: Cluster, stages: list[
     kernels and the optimizer) and total (their sum / ETA)."""
     from raytrain_lm.plan.calibration import constant
 
-    tokens = lay.sequences * lay.seq_len  # the pipeline replica's, each passing every stage
+    # the pipeline replica's, each passing every stage; a cp rank's share of them (its chunks
+    # balance the causal attention: the same attention work per token as the whole window's)
+    tokens = lay.sequences * lay.seq_len / lay.cp
     t, a = lay.tp, cl.act_bytes
     layers = sum(st.layers for st in stages)
     last = any(st.last for st in stages)

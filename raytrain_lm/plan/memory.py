@@ -46,8 +46,8 @@ def chunks_in_flight(lay: Layout, rank: int) -> int:
 
 
 def layer_activation_bytes(m: ModelConfig, lay: Layout, cl: Cluster, ac: str) -> float:
-    """One layer's saved activations for one micro-batch."""
-    tokens, h, t = lay.micro_batch * lay.seq_len, m.n_embd, lay.tp
+    """One layer's saved activations for one micro-batch (a cp rank's tokens: 1/cp of them)."""
+    tokens, h, t = lay.micro_batch * lay.seq_len / lay.cp, m.n_embd, lay.tp
     if ac == "full":  # the block input, in the run's activation dtype
         return tokens * h * cl.act_bytes / (t if lay.sp else 1)
     whole, split = family(m).activation_split(m, ac)
@@ -57,14 +57,25 @@ def layer_activation_bytes(m: ModelConfig, lay: Layout, cl: Cluster, ac: str) ->
     return tokens * h * per_token * cl.act_bytes
 
 
+def gathered_kv_bytes(m: ModelConfig, lay: Layout, cl: Cluster) -> float:
+    """Context parallelism: the K/V of the other cp ranks for one layer's attention, and in its
+    backward their gradients (the rank's own K/V are in the activations already). In flight for
+    one layer at a time: the attention keeps only its rank's part for backward and gathers the
+    rest again there (models/attention.py)."""
+    if lay.cp == 1:
+        return 0.0
+    return 2 * 2 * lay.micro_batch * lay.seq_len * m.kv_heads * m.head_dim / lay.tp * cl.act_bytes * \
+        (1 - 1 / lay.cp)
+
+
 def activation_bytes(m: ModelConfig, lay: Layout, cl: Cluster, stages: list[StageShape], rank: int) -> float:
-    tokens = lay.micro_batch * lay.seq_len
+    tokens = lay.micro_batch * lay.seq_len / lay.cp
     per_microbatch = 0.0  # all of this rank's stages
     for st in stages:
         per_microbatch += st.layers * layer_activation_bytes(m, lay, cl, lay.ac)
         if st.first:
             per_microbatch += tokens * m.n_embd * cl.act_bytes / (lay.tp if lay.sp else 1)  # embedding output
-    held = chunks_in_flight(lay, rank) / lay.v * per_microbatch
+    held = chunks_in_flight(lay, rank) / lay.v * per_microbatch + gathered_kv_bytes(m, lay, cl)
     if lay.ac == "full":  # one block's activations exist again while it is recomputed
         held += layer_activation_bytes(m, lay, cl, "none")
     elif lay.ac == "op":  # and under op what it did not keep (its recomputation runs at once)
@@ -75,7 +86,7 @@ def activation_bytes(m: ModelConfig, lay: Layout, cl: Cluster, stages: list[Stag
 def logits_bytes(m: ModelConfig, lay: Layout, cl: Cluster, stages: list[StageShape]) -> float:
     if not any(st.last for st in stages):
         return 0.0
-    elements = lay.micro_batch * lay.seq_len * (m.vocab_size or 256) / lay.tp
+    elements = lay.micro_batch * lay.seq_len / lay.cp * (m.vocab_size or 256) / lay.tp
     held = lay.microbatches if lay.schedule == "gpipe" else 1
     # The loss's peak is the larger of its forward (the logits, their fp32 copy and the fp32
     # log-softmax: the one log_softmax saves) and its backward (that saved output, the gradient

@@ -12,8 +12,10 @@ node). Pipeline sends follow the same arithmetic (the GPUs at a node's last stag
 Every link runs at LINK_EFFICIENCY of its line rate (the same source: NCCL's bus bandwidth at large
 messages, 78% of NVLink 3 on A100, 82% of NVLink 4 on H200, 73-74% of EFA on B200).
 
-Ranks as parallel/mesh.py places them: tp innermost (stride 1), then dp (stride tp; an
-expert-parallel group is ep consecutive dp ranks), pp outermost (stride dp x tp).
+Ranks as parallel/mesh.py places them: tp innermost (stride 1), then cp (stride tp), then dp
+(stride cp x tp; an expert-parallel group is ep consecutive dp ranks), pp outermost (stride
+dp x cp x tp). With context parallelism the parameters' gradients are reduced over dp x cp (the
+"dp" dimension here: stride tp, dp x cp ranks), the keys and values gathered over cp.
 """
 
 from __future__ import annotations
@@ -25,11 +27,11 @@ LINK_EFFICIENCY = 0.8
 
 
 def stride(lay: Layout, dim: str) -> int:
-    return {"tp": 1, "dp": lay.tp, "ep": lay.tp, "pp": lay.dp * lay.tp}[dim]
+    return {"tp": 1, "cp": lay.tp, "dp": lay.tp, "ep": lay.tp, "pp": lay.dp_cp * lay.tp}[dim]
 
 
 def size(lay: Layout, dim: str) -> int:
-    return {"tp": lay.tp, "dp": lay.dp, "ep": lay.ep, "pp": lay.pp}[dim]
+    return {"tp": lay.tp, "cp": lay.cp, "dp": lay.dp_cp, "ep": lay.ep, "pp": lay.pp}[dim]
 
 
 def members_per_node(cl: Cluster, lay: Layout, dim: str) -> int:

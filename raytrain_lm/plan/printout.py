@@ -31,13 +31,16 @@ def reason(best: Estimate, ranked: list[Estimate], cl: Cluster) -> str:
     if lay.ep > 1:
         parts.append(f"EP {lay.ep} {where('ep')} (the experts over {lay.ep} of the {lay.dp} "
                      f"data-parallel GPUs)")
+    if lay.cp > 1:
+        parts.append(f"CP {lay.cp} {where('cp')} (each window over {lay.cp} GPUs, K/V all-gathered)")
     if lay.pp > 1:
         stages = f" x {lay.v} stages" if lay.v > 1 else ""
         parts.append(f"PP {lay.pp} {where('pp')} ({lay.schedule}{stages}, {lay.microbatches} "
                      f"microbatches, {best.bubble:.0%} bubble)")
-    if lay.dp > 1:
+    if lay.dp_cp > 1:
         rest = "the remaining" if lay.tp * lay.pp > 1 else "all"
-        parts.append(f"{STRATEGIES[lay.strategy].title} over {rest} {lay.dp} ({where('dp')})")
+        group = f"{lay.dp_cp} (dp {lay.dp} x cp {lay.cp})" if lay.cp > 1 else f"{lay.dp}"
+        parts.append(f"{STRATEGIES[lay.strategy].title} over {rest} {group} ({where('dp')})")
     if lay.ac != "none":
         parts.append(f"{lay.ac} activation checkpointing")
     fitting = [e for e in ranked if e.fits]
@@ -47,7 +50,8 @@ def reason(best: Estimate, ranked: list[Estimate], cl: Cluster) -> str:
 
 def short(lay: Layout) -> str:
     """A layout in a few words."""
-    out = f"tp {lay.tp}, pp {lay.pp}, {lay.strategy} {lay.dp}" + (f", ep {lay.ep}" if lay.ep > 1 else "")
+    out = f"tp {lay.tp}, pp {lay.pp}, {lay.strategy} {lay.dp}" + (f", ep {lay.ep}" if lay.ep > 1 else "") + \
+        (f", cp {lay.cp}" if lay.cp > 1 else "")
     if lay.pp > 1:
         out += f", {lay.schedule}" + (f" x{lay.v}" if lay.v > 1 else "")
     ckpt = "no checkpointing" if lay.ac == "none" else f"{lay.ac} checkpointing"
@@ -72,26 +76,32 @@ def _versus_plain(best: Estimate, ranked: list[Estimate]) -> str:
     return f"; data parallelism alone would take {plain[0].step_s / best.step_s:.1f}x as long"
 
 
-def _row(i: int, e: Estimate, experts: bool) -> str:
+def _row(i: int, e: Estimate, experts: bool, contexts: bool = False) -> str:
     lay, c = e.layout, e.comm
     pipeline = "-"
     if lay.pp > 1:
         pipeline = f"{lay.schedule}{f' x{lay.v}' if lay.v > 1 else ''} {e.bubble:.0%}"
     return (f"{i:>3} {lay.tp:>3} {lay.pp:>3} {lay.dp:>4}" + (f" {lay.ep:>3}" if experts else "") +
+            (f" {lay.cp:>3}" if contexts else "") +
             f"  {lay.strategy:<6}{lay.ac:<10}"
             f"{'yes' if lay.sp else 'no':<4}{pipeline:<24}{f'{lay.micro_batch} x {lay.microbatches}':<10}"
             f"{e.memory.model_state / GIB:>10.1f}{e.reserved / GIB:>8.1f}{e.step_s:>9.3g}{e.mfu:>6.0%}"
             f"{c.tp / GB:>8.2f}{c.pp / GB:>7.2f}{c.dp / GB:>7.2f}" + (f"{c.ep / GB:>7.2f}" if experts else "")
-            + f"  {'yes' if e.fits else 'no'}")
+            + (f"{c.cp / GB:>7.2f}" if contexts else "") + f"  {'yes' if e.fits else 'no'}")
 
 
 def format_table(estimates: list[Estimate], start: int = 1, experts: bool = False) -> str:
-    """`experts`: a mixture of experts' columns too (ep, and the all-to-alls' GB)."""
+    """`experts`: a mixture of experts' columns too (ep, and the all-to-alls' GB); context
+    parallelism's (cp, the K/V gathers' GB) where a layout has it."""
+    contexts = any(e.layout.cp > 1 for e in estimates)
     head = (f"{'#':>3} {'tp':>3} {'pp':>3} {'dp':>4}" + (f" {'ep':>3}" if experts else "") +
+            (f" {'cp':>3}" if contexts else "") +
             f"  {'dp as':<6}{'ckpt':<10}{'sp':<4}"
             f"{'pipeline, bubble':<24}{'b x n':<10}{'state GiB':>10}{'GiB/GPU':>8}{'step s':>9}{'MFU':>6}"
-            f"{'tp GB':>8}{'pp GB':>7}{'dp GB':>7}" + (f"{'ep GB':>7}" if experts else "") + "  fits")
-    return "\n".join([head, "-" * len(head)] + [_row(start + i, e, experts) for i, e in enumerate(estimates)])
+            f"{'tp GB':>8}{'pp GB':>7}{'dp GB':>7}" + (f"{'ep GB':>7}" if experts else "") +
+            (f"{'cp GB':>7}" if contexts else "") + "  fits")
+    return "\n".join([head, "-" * len(head)] + [_row(start + i, e, experts, contexts)
+                                                for i, e in enumerate(estimates)])
 
 
 def describe(name: str, n_params: int, global_batch: int, seq_len: int, cl: Cluster,
@@ -156,8 +166,8 @@ def estimate_json(e: Estimate) -> dict:
                            "total": e.memory.total / GIB},
             "comm_gb": {"dp": e.comm.dp / GB, "dp_gather": e.comm.dp_gather / GB,
                         "dp_reduce": e.comm.dp_reduce / GB, "tp": e.comm.tp / GB,
-                        "pp": e.comm.pp / GB, "ep": e.comm.ep / GB},
-            "seconds": {"compute": e.compute_s, "tp": e.tp_s, "ep": e.ep_s, "pp": e.pp_s,
+                        "pp": e.comm.pp / GB, "ep": e.comm.ep / GB, "cp": e.comm.cp / GB},
+            "seconds": {"compute": e.compute_s, "tp": e.tp_s, "ep": e.ep_s, "pp": e.pp_s, "cp": e.cp_s,
                         "dp_exposed": e.dp_exposed_s, "bubble": e.bubble_s, "step": e.step_s},
             "compute_parts": e.compute_parts, "reserved_gib": e.reserved / GIB,
             "bubble": e.bubble, "mfu": e.mfu}

@@ -50,6 +50,10 @@ def fit_model_to_data(cfg: TrainConfig, manifest: dict) -> None:
     if cfg.model.vocab_size is None:
         cfg.model.vocab_size = padded_vocab(vocab)
     check_layout(cfg)  # now with the vocabulary: the embedding is split over it
+    if cfg.doc_mask and manifest.get("separator") != "eot":
+        raise UserError(f"--doc-mask needs a dataset whose documents are separated by one token "
+                        f"(<|endoftext|>), but {cfg.data} separates them by \"\\n\\n\" (a byte "
+                        f"tokenizer's, also found inside documents); prepare it with a BPE")
     if vocab > cfg.model.vocab_size:
         raise UserError(f"dataset {cfg.data} has a vocabulary of {vocab} tokens but the model's "
                         f"vocab_size is {cfg.model.vocab_size}; raise model.vocab_size")

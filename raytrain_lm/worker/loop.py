@@ -57,7 +57,8 @@ def train_loop_per_worker(inputs: WorkerInputs) -> None:
     # state: a resumed run's own, else --init-from's weights, else the initial values
     baseline_mem = peak_memory_gb(device)
     # a resumed run's checkpoint or --init-from's weights fill every parameter: no initial values
-    step_fn = TrainStep(sized, device, init=found is None and not inputs.init_from)
+    step_fn = TrainStep(sized, device, init=found is None and not inputs.init_from,
+                        separator=tokenizer.eot_id)  # documents' openers, for --doc-mask
     build_mem = peak_memory_gb(device) - baseline_mem  # built sharded: only this rank's shards
     # drills.py: which windows each rank reads
     log = WindowLog.for_group(checkpointer.fs, checkpointer.run_path, rank, world) \

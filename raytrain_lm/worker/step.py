@@ -63,7 +63,7 @@ class TrainStep:
         self.cfg, self.device = cfg, device
         dtype = autocast_dtype(cfg, device)
         self.precision = {v: k for k, v in DTYPES.items()}[dtype]  # fp32, bf16 or fp16
-        self.model = parallelize(cfg, device, dtype, **layout)
+        self.model = parallelize(cfg, device, dtype, **layout)  # layout: with `separator`
         self.optimizers = [build_optimizer(part, cfg, device) for part in self.model.parts]
         self.autocast = torch.autocast(device.type, dtype=dtype) \
             if dtype and not self.model.mixed_by_fsdp else nullcontext()
@@ -165,11 +165,13 @@ class TrainStep:
             start = self.data_clock.mark()
             x, y = batches.next()
             self._data_marks.append((start, self.data_clock.mark()))
+            x, y, sequence = m.shard(x, y)  # context parallelism's part, a document mask
             if m.schedule is not None:
-                loss = self._pipeline_step(x, y)
+                with sequence:
+                    loss = self._pipeline_step(x, y)
             else:
-                with ddp.no_sync(m.modules[0], sync=micro == accum - 1,
-                                 keep_gathered=self.cfg.strategy == "zero1"), \
+                with sequence, ddp.no_sync(m.modules[0], sync=micro == accum - 1,
+                                           keep_gathered=self.cfg.strategy == "zero1"), \
                         self.autocast, m.loss_ctx():
                     # the loss alone: holding the logits (batch x seq x vocab) through the
                     # backward would keep them alive when nothing needs them
@@ -177,6 +179,8 @@ class TrainStep:
                     self.scaler.scale(loss / accum).backward()
                 loss = _local(loss.detach()) / accum
             total = loss if total is None else total + loss
+        if m.cp_group is not None:  # each cp rank's is the mean of its equal share of tokens
+            total = all_reduce(total.clone(), group=m.cp_group) / m.layout.cp
         return total if m.reports_loss else torch.zeros_like(total)
 
     def _pipeline_step(self, x, y) -> torch.Tensor:
@@ -232,14 +236,16 @@ class TrainStep:
         if m.reports_loss:
             total[2] = float(validation.text_bytes)
         for x, y in validation:
+            x, y, sequence = m.shard(x, y)  # a cp rank's tokens: its part of the sums
             tokens = int((y != validation.IGNORE).sum())
             if m.schedule is not None:
-                loss_sum = self._pipeline_eval(x, y)
+                with sequence:
+                    loss_sum = self._pipeline_eval(x, y)
             else:
-                with self.autocast, m.loss_ctx():
+                with sequence, self.autocast, m.loss_ctx():
                     loss = m.modules[0](x, y)[1]
                 loss_sum = _local(loss).double() * tokens if tokens else torch.zeros((), dtype=torch.float64)
-            if m.reports_loss:
+            if m.sums_loss:
                 total[0] += loss_sum.to(total)
                 total[1] += tokens
         m.train(True)

@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from raytrain_lm.models import attention
 from raytrain_lm.models.decoder import Decoder
 from raytrain_lm.models.family import ModelConfig
 
@@ -37,6 +38,10 @@ class CausalSelfAttention(nn.Module):
         # -1 heads: under tensor parallelism c_attn returns only this rank's heads.
         q, k, v = self.c_attn(x).view(B, T, -1, 3, self.head_dim).unbind(dim=3)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, T, head_dim)
+        if cache is None and attention.current() is not None:  # outside set the keys
+            y = attention.attend(q, k, v, dropout=self.dropout if self.training else 0.0)
+            y = y.transpose(1, 2).reshape(B, T, -1)
+            return self.resid_dropout(self.c_proj(y)), (k, v)
         if cache is not None:  # generation: attend to the cached prefix as well
             k, v = torch.cat([cache[0], k], dim=2), torch.cat([cache[1], v], dim=2)
         # With a cache and one new token, the new query may see every cached key: not causal-masked.
@@ -119,7 +124,8 @@ class GPT(Decoder):
     # The forward in three pieces (embed, the blocks, head), so that a pipeline stage
     # (parallel/pp.py) runs exactly this code on the part of the model it holds.
     def embed(self, idx: torch.Tensor, start: int = 0) -> torch.Tensor:
-        pos = torch.arange(start, start + idx.size(1), device=idx.device)
-        # wpe(pos) is (T, C) and broadcasts over the batch; under sequence parallelism both terms
-        # are this rank's slice of the sequence.
+        pos = attention.positions(start, idx.size(1), idx.device)
+        # wpe(pos) is (T, C) (or (B, T, C) with positions per sequence: document masking) and
+        # broadcasts over the batch; under sequence parallelism both terms are this rank's slice
+        # of the sequence.
         return self.drop(self.wte(idx) + self.wpe(pos))

@@ -41,6 +41,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from raytrain_lm.models import attention
 from raytrain_lm.models.decoder import Decoder
 from raytrain_lm.models.family import ModelConfig
 
@@ -134,8 +135,11 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: (B, heads, T, head_dim); cos, sin: (T, head_dim) rows of its positions."""
+    """x: (B, heads, T, head_dim); cos, sin: (T, head_dim) or, a position per token of each
+    sequence, (B, T, head_dim) rows of its positions."""
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    if cos.dim() == 3:
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     return x * cos + rotate_half(x) * sin
 
 
@@ -162,6 +166,12 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, T, head_dim)
         start = 0 if cache is None else cache[0].size(2)
+        span = attention.current() if cache is None else None
+        if span is not None:  # outside set the positions and the keys (models/attention.py)
+            cos, sin = attention.rows(span, self.rope.cos, "cos"), attention.rows(span, self.rope.sin, "sin")
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            y = attention.attend(q, k, v, self.window)
+            return self.o_proj(y.transpose(1, 2).reshape(B, T, -1)), (k, v)
         cos, sin = self.rope.rows(start, T)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if cache is not None:  # generation: the cache holds rotated keys, one per kv head
