@@ -184,10 +184,11 @@ def allocated_bytes(device: torch.device) -> int:
             t = obj._local_tensor if hasattr(obj, "_local_tensor") else obj
             try:
                 storage = t.untyped_storage()
-            except (RuntimeError, NotImplementedError):  # a wrapper without storage
-                continue
-            if storage.data_ptr() not in seen:
-                seen.add(storage.data_ptr())
+                ptr = storage.data_ptr()
+            except (RuntimeError, NotImplementedError):  # a wrapper without storage (a fake tensor
+                continue  # left alive by a compiled or flex_attention trace holds no memory)
+            if ptr not in seen:
+                seen.add(ptr)
                 total += storage.nbytes()
     return total
 

@@ -168,7 +168,8 @@ class Attention(nn.Module):
         start = 0 if cache is None else cache[0].size(2)
         span = attention.current() if cache is None else None
         if span is not None:  # outside set the positions and the keys (models/attention.py)
-            cos, sin = attention.rows(span, self.rope.cos, "cos"), attention.rows(span, self.rope.sin, "sin")
+            cos, sin = self.rope.rows(0, span.keys.numel())  # positions lie below the window's length
+            cos, sin = attention.rows(span, cos, "cos"), attention.rows(span, sin, "sin")
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
             y = attention.attend(q, k, v, self.window)
             return self.o_proj(y.transpose(1, 2).reshape(B, T, -1)), (k, v)
