@@ -42,6 +42,10 @@ ARCH = typer.Option(None, help="The model's architecture: gpt (GPT-2), or llama 
                     "Llama with q/k/v biases), qwen3 (per-head q/k norms) or mistral (a sliding "
                     "window, model.sliding_window) [default: the preset's]. The preset's shape "
                     "in that architecture; model.* settings (--set) choose the rest.")
+PARAM = typer.Option(None, "--param", metavar="sp|mup", help="The parametrization (model.param): "
+                     "sp (standard), or mup (maximal update: the best lr stays put as the model "
+                     "widens; model.mup_base_width is the proxy's width; docs/tuning.md) "
+                     "[default: sp].")
 # `--workers` is train's own option (N or MIN-MAX), not generated from the setting.
 TRAIN_SETTINGS = ("use_gpu", "preset", "data", "max_steps", "batch_size", "seq_len", "lr",
                   "grad_accum", "log_every", "log_seconds", "eval_every", "checkpoint_every",
@@ -98,6 +102,7 @@ def train(
                                              "Hugging Face folder (Llama, Qwen2, Qwen3, Mistral), "
                                              "whose config.json is the model."),
     arch: Optional[str] = ARCH,
+    param: Optional[str] = PARAM,
     scale_lr: str = typer.Option("none", help="Scale lr to this run's global batch from the one it was "
                                  "chosen at (ref_batch_tokens): none, linear or sqrt (recommended for AdamW)."),
     worker_env: SetList = typer.Option(None, "--worker-env", help="An environment variable of the "
@@ -120,6 +125,8 @@ def train(
         settings["min_workers"], settings["workers"] = parse_workers(str(workers))
     if arch is not None:
         settings["model"] = {"arch": arch}
+    if param is not None:
+        settings["model"] = {**(settings.get("model") or {}), "param": param}
     base = None
     if resume:  # the run continues where it is found: --storage, else the default storage
         settings = {**settings, "storage": settings["storage"] or default_storage()}

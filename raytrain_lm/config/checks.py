@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Optional
 from raytrain_lm.config.layout import Layout
 from raytrain_lm.config.sizes import check_elastic
 from raytrain_lm.errors import UserError
-from raytrain_lm.models import family
+from raytrain_lm.models import family, mup
 
 if TYPE_CHECKING:
     from raytrain_lm.config.settings import TrainConfig
@@ -167,6 +167,7 @@ def check_model(m) -> None:
     if m.n_embd % m.n_head:
         raise UserError(f"model.n_embd ({m.n_embd}) must be divisible by model.n_head ({m.n_head})")
     family(m).check(m)
+    mup.check(m)
 
 
 def check_bounds(cfg: TrainConfig) -> None:
