@@ -207,3 +207,31 @@ def test_the_coordinate_check_is_flat_under_mup_and_grows_under_sp():
             assert abs(result["param"]["mup"][name]["slope"][kind][-1]) <= 0.25, (name, kind)
     for name in ("block0.attn", "block0.mlp", "block_last", "logits"):
         assert result["param"]["sp"][name]["slope"]["update"][-1] >= 0.5, name
+
+
+def test_a_tuned_proxy_transfers_to_the_target_width_through_train_config(tmp_path):
+    """transfer.yaml (tune --target-width) is the proxy's config at the target width, the base
+    width kept at the proxy's: `train --config` builds it as the target model, whose hidden
+    matrices then run at the proxy's lr x proxy/target and its embedding at the proxy's."""
+    from raytrain_lm.config.load import build_config
+    from raytrain_lm.tune.transfer import transfer_yaml
+
+    proxy = build_config(flags=dict(lr=0.01, warmup_steps=7),
+                         sets=["model.param=mup", "model.n_embd=64", "model.n_head=4"])
+    path = tmp_path / "transfer.yaml"
+    path.write_text(transfer_yaml(proxy.to_dict(), 256, "sweep", "trial_1"))
+    target = build_config(config_file=str(path))
+    assert (target.model.n_embd, target.model.mup_base_width, target.model.param) == (256, 64, "mup")
+    assert (target.lr, target.warmup_steps, target.model.n_layer) == (0.01, 7, proxy.model.n_layer)
+    assert mup.rule(target.model, "h.0.mlp.c_fc.weight").lr == pytest.approx(64 / 256)
+    assert mup.rule(target.model, "wte.weight").lr == 1.0
+
+
+def test_train_refuses_an_unknown_param_in_one_line(tmp_path):
+    from conftest import cli_here
+    from test_cli_errors import assert_clean_error
+
+    result = cli_here("train", "--param", "mu", "--storage", str(tmp_path / "runs"),
+                      env={"RAY_ADDRESS": "127.0.0.1:1"})
+    assert_clean_error(result, "model.param must be one of sp, mup")
+    assert not (tmp_path / "runs").exists()

@@ -13,6 +13,7 @@ from raytrain_lm.cli.app import app, examples
 from raytrain_lm.cli.options import (
     CONFIG_FILE,
     JSON,
+    PARAM,
     QUIET,
     SET,
     TRACK,
@@ -42,10 +43,6 @@ ARCH = typer.Option(None, help="The model's architecture: gpt (GPT-2), or llama 
                     "Llama with q/k/v biases), qwen3 (per-head q/k norms) or mistral (a sliding "
                     "window, model.sliding_window) [default: the preset's]. The preset's shape "
                     "in that architecture; model.* settings (--set) choose the rest.")
-PARAM = typer.Option(None, "--param", metavar="sp|mup", help="The parametrization (model.param): "
-                     "sp (standard), or mup (maximal update: the best lr stays put as the model "
-                     "widens; model.mup_base_width is the proxy's width; docs/tuning.md) "
-                     "[default: sp].")
 # `--workers` is train's own option (N or MIN-MAX), not generated from the setting.
 TRAIN_SETTINGS = ("use_gpu", "preset", "data", "max_steps", "batch_size", "seq_len", "lr",
                   "grad_accum", "log_every", "log_seconds", "eval_every", "checkpoint_every",
