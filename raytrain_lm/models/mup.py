@@ -1,8 +1,9 @@
 """The maximal update parametrization (muP; Yang et al., Tensor Programs V, arXiv:2203.03466,
 Table 3 for Adam; Microsoft's `mup` package is the reference), for every family on the decoder
-skeleton. torch-free: the rules are a function of the config and a parameter's *name*, never of
-a tensor's shape after sharding, so FSDP2, ZeRO, tensor-parallel shards, pipeline stages and a
-resumed run all put each parameter in the same group.
+skeleton. Torch-free to import (the checks run on the driver): the rules are a function of the
+config and a parameter's *name*, never of a tensor's shape after sharding, so FSDP2, ZeRO,
+tensor-parallel shards, pipeline stages and a resumed run all put each parameter in the same
+group.
 
 The base shape is the model's own config with `n_embd` = `model.mup_base_width`: same depth,
 same heads (n_head, n_kv_head), and every size that follows the width follows it (the head size,
