@@ -24,6 +24,10 @@ NO_RAY = {"RAY_ADDRESS": "127.0.0.1:1"}
     (["--lr", "1e-3", "--metric", "loss"], "--metric must be one of val_loss, val_bpb"),
     (["--lr", "1e-3,3e-3", "--warmup", "0,10"], "--trials 8 random samples of a space of 4 points"),
     (["--space-file", "no/such.yaml"], "config file not found"),
+    (["--lr", "1e-3:1e-2", "--target-width", "256"], "only under --param mup"),
+    (["--param", "mup", "--n-embd", "64:128", "--target-width", "256"], "do not search model.n_embd"),
+    (["--param", "mup", "--lr", "1e-3:1e-2", "--target-width", "130"], "must be divisible by model.n_head"),
+    (["--param", "mup", "--lr", "1e-3:1e-2", "--target-width", "256"], "no Ray cluster answers"),
     (["--resume"], "--resume needs --name"),
     (["--resume", "--name", "nosuch"], "cannot resume: no sweep named 'nosuch'"),
 ])

@@ -32,6 +32,10 @@ TRACK = typer.Option(None, "--track", metavar="mlflow|wandb", help="Send the run
                      "(repeat for both). Settings: their own variables (MLFLOW_TRACKING_URI, "
                      "MLFLOW_EXPERIMENT_NAME; WANDB_PROJECT, WANDB_ENTITY, WANDB_MODE). Needs "
                      "pip install 'raytrain-lm[track]'.")
+PARAM = typer.Option(None, "--param", metavar="sp|mup", help="The parametrization (model.param): "
+                     "sp (standard), or mup (maximal update: the best lr stays put as the model "
+                     "widens; model.mup_base_width is the proxy's width; docs/tuning.md) "
+                     "[default: sp].")
 # The read commands find runs where `train` puts them: --storage, else RAYTRAIN_LM_STORAGE, else runs.
 STORAGE = typer.Option(default_storage(), envvar=STORAGE_ENV, show_default="runs",
                        help="Where runs live: a folder or s3://...")

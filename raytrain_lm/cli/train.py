@@ -13,6 +13,7 @@ from raytrain_lm.cli.app import app, examples
 from raytrain_lm.cli.options import (
     CONFIG_FILE,
     JSON,
+    PARAM,
     QUIET,
     SET,
     TRACK,
@@ -100,6 +101,7 @@ def train(
                                              "Hugging Face folder (Llama, Qwen2, Qwen3, Mistral), "
                                              "whose config.json is the model."),
     arch: Optional[str] = ARCH,
+    param: Optional[str] = PARAM,
     scale_lr: str = typer.Option("none", help="Scale lr to this run's global batch from the one it was "
                                  "chosen at (ref_batch_tokens): none, linear or sqrt (recommended for AdamW)."),
     worker_env: SetList = typer.Option(None, "--worker-env", help="An environment variable of the "
@@ -122,6 +124,8 @@ def train(
         settings["min_workers"], settings["workers"] = parse_workers(str(workers))
     if arch is not None:
         settings["model"] = {"arch": arch}
+    if param is not None:
+        settings["model"] = {**(settings.get("model") or {}), "param": param}
     base = None
     if resume:  # the run continues where it is found: --storage, else the default storage
         settings = {**settings, "storage": settings["storage"] or default_storage()}

@@ -12,6 +12,7 @@ from raytrain_lm.cli.app import app, examples
 from raytrain_lm.cli.options import (
     CONFIG_FILE,
     JSON,
+    PARAM,
     QUIET,
     SET,
     VERBOSE,
@@ -64,6 +65,11 @@ def tune(
     grace_steps: Optional[int] = typer.Option(None, help="Steps before ASHA may stop a trial [default: max-steps/10]."),
     reduction_factor: int = typer.Option(2, help="ASHA keeps the best 1/N of trials at each rung."),
     seed: Optional[int] = typer.Option(None, help="Seed of the random searcher."),
+    target_width: Optional[int] = typer.Option(None, help="muTransfer (with --param mup): also "
+                                               "write the best trial's settings at this model "
+                                               "width, transfer.yaml, for train --config "
+                                               "(docs/tuning.md)."),
+    param: Optional[str] = PARAM,
     metric: str = typer.Option("val_loss", help="What ASHA compares and trials are ranked by: "
                                "val_loss (nats/token) or val_bpb (bits per byte: the same order "
                                "within a sweep, and comparable with sweeps on other tokenizers)."),
@@ -86,13 +92,15 @@ def tune(
                                                 n_embd=n_embd).items()}
     if resume:
         others = {**specs, "space": space, "space-file": space_file, "config": config, "set": set_,
-                  "track": track}
+                  "track": track, "target-width": target_width, "param": param}
         cfg = resumed_sweep(settings, [k for k, v in others.items() if v])
         sweep_space = sweep = None
     else:
+        if param is not None:
+            settings["model"] = {"param": param}
         sweep = SweepSettings(search=search, trials=trials, concurrent=concurrent,
                               grace_steps=grace_steps, reduction_factor=reduction_factor, seed=seed,
-                              metric=metric)
+                              metric=metric, target_width=target_width)
         cfg, sweep_space = new_sweep(settings, specs, space or [], str(space_file) if space_file else None,
                                      str(config) if config else None, set_, sweep)
     table = LiveTable()
@@ -111,6 +119,9 @@ def tune(
     if summary["best"]:
         typer.echo(f"best config: {summary['best_config']}   "
                    f"(python cli.py train --config {summary['best_config']})")
+    if summary.get("transfer_config"):
+        typer.echo(f"muTransfer, the same at the target width: {summary['transfer_config']}   "
+                   f"(python cli.py train --config {summary['transfer_config']})")
     if summary["plot"]:
         typer.echo(f"validation curves: {summary['plot']}")
     typer.echo(f"results: {summary['dir']}/results.json")

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Optional
 from raytrain_lm.config.layout import Layout
 from raytrain_lm.config.sizes import check_elastic
 from raytrain_lm.errors import UserError
-from raytrain_lm.models import family
+from raytrain_lm.models import family, mup
 
 if TYPE_CHECKING:
     from raytrain_lm.config.settings import TrainConfig
@@ -164,6 +164,7 @@ def check_model(m) -> None:
         raise UserError(f"model.n_embd ({m.n_embd}) must be divisible by model.n_head ({m.n_head})")
     family(m).check(m)
     check_parameters(m)
+    mup.check(m)
 
 
 # The counts among a model's whole-number settings; every other one (n_embd, head_size, ffn_dim,

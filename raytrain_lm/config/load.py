@@ -142,6 +142,11 @@ def build_config(
     if folder is not None:
         for data, source in reversed(layers):  # the last layer that sets a field is its value's
             _check_agrees(source, data.get("model") or {}, cfg.model, folder)
+        if cfg.model.param != "sp":
+            raise UserError(f"--param {cfg.model.param} cannot start from {folder[0]}: its weights "
+                            f"were trained in the standard parametrization (sp), and mup's "
+                            f"multipliers would compute another model from them; drop --param "
+                            f"(the folder's parametrization is kept)")
         if base is None:  # a released model, continued: its schedule unless one is given
             given = {key for data, _ in layers for key in data}
             for key, value in continued_defaults(cfg.max_steps).items():

@@ -22,6 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from raytrain_lm.models import mup
 from raytrain_lm.models.family import ModelConfig
 
 
@@ -70,11 +71,17 @@ class Decoder(nn.Module):
     def init_spec(cfg: ModelConfig, module: nn.Module, fqn: str) -> tuple[str, float]:
         raise NotImplementedError
 
+    @classmethod
+    def param_init_spec(cls, cfg: ModelConfig, module: nn.Module, fqn: str) -> tuple[str, float]:
+        """The family's `init_spec` under the config's parametrization (models/mup.py)."""
+        return mup.init_spec(cfg, fqn, cls.init_spec(cfg, module, fqn))
+
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
         """Fill every (full, unsharded) parameter with its layout-independent initial values."""
         for fqn, module, pname, p in init_targets(self):
-            init_region_(p, fqn, self.init_spec(self.cfg, module, fqn), p.shape, (0,) * p.dim(), seed)
+            init_region_(p, fqn, self.param_init_spec(self.cfg, module, fqn), p.shape,
+                         (0,) * p.dim(), seed)
 
     def num_params(self) -> int:
         """The parameters this module holds, each tied one once (a measurement: the count is
@@ -227,8 +234,8 @@ def init_region_(out: torch.Tensor, name: str, spec: tuple[str, float], global_s
     if kind == "zeros":
         out.zero_()
         return
-    if kind == "ones":
-        out.fill_(1.0)
+    if kind in ("ones", "fill"):  # fill: the value `std` (a muP-scaled norm gain)
+        out.fill_(1.0 if kind == "ones" else std)
         return
     if len(global_shape) > 2:  # (experts, out, in): regions that split dim 0 only
         if tuple(out.shape[1:]) != tuple(global_shape[1:]) or any(offset[1:]):

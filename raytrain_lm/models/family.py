@@ -88,6 +88,14 @@ class ModelConfig:
                                    "Hugging Face folder's is its router_aux_loss_coef x top_k "
                                    "(transformers' loss is top_k when balanced).")
     z_loss_coef: float = setting(0.0, help="moe: weight of the router z-loss (ST-MoE: 0.001; 0: off).")
+    # The parametrization (models/mup.py): how initial values, multipliers and Adam's learning
+    # rates scale with the width.
+    param: str = setting("sp", help="sp (standard: the best lr moves as the model widens) or mup "
+                         "(maximal update: tune a narrow proxy, train the wide model at its lr; "
+                         "docs/tuning.md).")
+    mup_base_width: Optional[int] = setting(None, help="mup: the width whose learning rates and "
+                                            "initial values the model keeps (the proxy's; at it "
+                                            "mup is sp) [default: n_embd].")
 
     @property
     def kv_heads(self) -> int:

@@ -38,7 +38,7 @@ def init_sharded_(model: nn.Module, cfg, seed: int) -> int:
     """Fill the local shard of every parameter of `model` (a decoder or a pipeline stage of one,
     sharded or not).
     Returns the number of elements this rank filled (for tests: sum of local shards)."""
-    filled, spec = 0, decoder_class(cfg).init_spec
+    filled, spec = 0, decoder_class(cfg).param_init_spec
     for fqn, module, _, p in init_targets(model):
         local, offset = local_region(p)
         init_region_(local, fqn, spec(cfg, module, fqn), p.shape, offset, seed)

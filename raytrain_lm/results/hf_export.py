@@ -154,6 +154,9 @@ def write_hf(out: Path, read: Reader, m: ModelConfig, tok: Tokenizer, dtype: str
     padding rows are dropped), so every id of the exported model is a token and the real tokens'
     logits are unchanged; with the `release` the run started from, the release's (its
     config.json, every row, its tokenizer and generation files: `release_config`)."""
+    if m.param != "sp":  # the attention's 1/d is no field of any Hugging Face config
+        raise UserError(f"a model trained with --param {m.param} computes its attention with a "
+                        f"scale Hugging Face's classes do not hold: export it with --format native")
     check_out(out, force)
     torch_dtype = check_dtype(dtype)
     max_shard = max_shard_size if isinstance(max_shard_size, int) else parse_size(max_shard_size)

@@ -67,6 +67,7 @@ def rng_file(rank: int) -> str:
 SWEEP = "sweep.json"  # base config, search space and settings: what --resume reuses
 SWEEP_RESULTS = "results.json"
 BEST_CONFIG = "best.yaml"
+TRANSFER_CONFIG = "transfer.yaml"  # tune --target-width: best.yaml at the target width (muTransfer)
 VAL_CURVES = "val_curves.png"
 TRIAL_CONFIG = "train_config.json"
 

@@ -13,8 +13,9 @@ from ray import tune
 
 from raytrain_lm.errors import last_line
 from raytrain_lm.results.tables import text_table
-from raytrain_lm.store.files import BEST_CONFIG, SWEEP_RESULTS, TRIAL_CONFIG, VAL_CURVES
+from raytrain_lm.store.files import BEST_CONFIG, SWEEP_RESULTS, TRANSFER_CONFIG, TRIAL_CONFIG, VAL_CURVES
 from raytrain_lm.store.storage import RunFolder
+from raytrain_lm.tune.transfer import transfer_yaml
 
 # Where the live table goes. Module-level rather than held by the callback, because Tune pickles
 # its callbacks into the sweep's state (tuner.pkl) and a resumed sweep gets them back from there.
@@ -224,6 +225,10 @@ def write_outputs(folder: RunFolder, cfg, space, settings, trials: list[dict], w
         trial_cfg = RunFolder(folder.storage_uri, f"{cfg.name}/{best['dir']}").read_json(TRIAL_CONFIG)
         folder.write_text(BEST_CONFIG, best_config_yaml(trial_cfg, best, cfg.name))
         summary["best_config"] = folder.display_path(BEST_CONFIG)
+        if getattr(settings, "target_width", None):  # muTransfer (tune/transfer.py)
+            folder.write_text(TRANSFER_CONFIG, transfer_yaml(trial_cfg, settings.target_width,
+                                                             cfg.name, best["trial"]))
+            summary["transfer_config"] = folder.display_path(TRANSFER_CONFIG)
     if any(t["val_curve"] for t in trials):
         what = "validation bits per byte" if metric == "val_bpb" else "validation loss"
         folder.write_bytes(VAL_CURVES, plot_curves(trials, keys, f"sweep {cfg.name}: {what}", metric))

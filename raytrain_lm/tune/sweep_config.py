@@ -13,6 +13,7 @@ from raytrain_lm.config.load import build_config, load_config_file, parse_set_ar
 from raytrain_lm.config.settings import TrainConfig
 from raytrain_lm.errors import UserError
 from raytrain_lm.tune.space import SearchSpace, parse_space
+from raytrain_lm.tune.transfer import check_target
 
 # What ASHA compares and the sweep ranks by: the validation loss, or the same in bits per byte.
 # Within a sweep both give the same order (every trial evaluates the same windows of the same
@@ -29,6 +30,7 @@ class SweepSettings:
     reduction_factor: int = 2
     seed: Optional[int] = None  # random searcher's seed
     metric: str = "val_loss"  # val_loss | val_bpb
+    target_width: Optional[int] = None  # muTransfer: also write the best config at this width
 
 
 def check_settings(cfg: TrainConfig, space: SearchSpace, s: SweepSettings,
@@ -82,6 +84,7 @@ def new_sweep(settings: dict, specs: dict, space_args: list[str], space_file: Op
     given = (settings.get("eval_every") is not None or "eval_every" in parse_set_args(sets or [])
              or "eval_every" in (load_config_file(config_file) if config_file else {}))
     check_settings(cfg, space, sweep, eval_every_given=given)
+    check_target(cfg, sweep.target_width, space.keys)
     return cfg, space
 
 

@@ -1,4 +1,5 @@
-"""AdamW with decoupled weight decay on matrices only, and the warmup + cosine schedule."""
+"""AdamW with decoupled weight decay on matrices only (per-parameter groups under muP), and the
+warmup + cosine schedule."""
 
 from __future__ import annotations
 
@@ -7,26 +8,30 @@ import math
 import torch
 
 from raytrain_lm.config.settings import TrainConfig
+from raytrain_lm.models import mup
 
 
 def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
-    # Decay 2-D weights (matmuls, embeddings, experts); never biases or LayerNorm gains.
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": ps, "weight_decay": cfg.weight_decay if decay else 0.0}
-              for decay in (True, False) for ps in _by_placement([p for p in params if (p.dim() >= 2) == decay])]
+    """AdamW over `model` (a whole decoder, a pipeline stage, sharded or wrapped). Weight decay on
+    2-D and larger weights (matmuls, embeddings, experts), never on biases or norm gains. Under
+    --param mup each parameter's lr and decay are scaled by its rule (models/mup.py), looked up
+    by its name: a group's `lr_mult` multiplies the schedule's lr at every step (TrainStep)."""
+    by_group: dict = {}
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        r = mup.rule(cfg.model, name)
+        key = (p.dim() >= 2, r.lr, r.wd, getattr(p, "device_mesh", None))
+        by_group.setdefault(key, []).append(p)
+    # Decayed groups first, then the others, each at least one (empty) group: the order a saved
+    # optimizer state's groups are matched by.
+    groups = []
+    for decay in (True, False):
+        keys = [k for k in by_group if k[0] == decay] or [(decay, 1.0, 1.0, None)]
+        groups += [{"params": by_group.get(k, []), "lr_mult": k[1],
+                    "weight_decay": cfg.weight_decay * k[2] if decay else 0.0} for k in keys]
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                              fused=device.type == "cuda")
-
-
-def _by_placement(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-    """`params` in lists of one kind each: plain tensors, and distributed tensors per device mesh.
-    AdamW's foreach kernels take one kind per call, and a mixture of experts under tensor or
-    expert parallelism holds several (its MoE layers whole on every tp rank, its experts on the
-    ep dim)."""
-    kinds: dict = {}
-    for p in params:
-        kinds.setdefault(getattr(p, "device_mesh", None), []).append(p)
-    return list(kinds.values()) or [[]]
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:

@@ -141,8 +141,8 @@ class TrainStep:
             # Gradients are freed here rather than after the step, so a report sees them as held.
             for optimizer in self.optimizers:
                 optimizer.zero_grad(set_to_none=True)
-                for group in optimizer.param_groups:
-                    group["lr"] = lr
+                for group in optimizer.param_groups:  # lr_mult: a muP group's (worker/optim.py)
+                    group["lr"] = lr * group.get("lr_mult", 1.0)
             loss = self._forward_backward(batches)
             grad_norm = self._clip_and_step()
         if counter is not None:

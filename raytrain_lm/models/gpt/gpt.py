@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from raytrain_lm.models import attention
+from raytrain_lm.models import attention, mup
 from raytrain_lm.models.decoder import Decoder
 from raytrain_lm.models.family import ModelConfig
 
@@ -28,6 +28,7 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.n_head, self.n_embd, self.dropout = cfg.n_head, cfg.n_embd, cfg.dropout
         self.head_dim = cfg.n_embd // cfg.n_head
+        self.scale = mup.attention_scale(cfg)  # None: SDPA's 1/sqrt(head_dim)
         # Rows in head-interleaved order: [h0 q, h0 k, h0 v, h1 q, ...], each head_dim rows long.
         self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
@@ -48,7 +49,7 @@ class CausalSelfAttention(nn.Module):
         causal = cache is None or T > 1
         if cache is not None and T > 1 and k.size(2) != T:
             raise ValueError("a multi-token step is only supported on an empty cache")
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=causal,
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=self.scale,
                                            dropout_p=self.dropout if self.training else 0.0)
         y = y.transpose(1, 2).reshape(B, T, -1)  # local heads * head_dim columns
         return self.resid_dropout(self.c_proj(y)), (k, v)

@@ -41,7 +41,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from raytrain_lm.models import attention
+from raytrain_lm.models import attention, mup
 from raytrain_lm.models.decoder import Decoder
 from raytrain_lm.models.family import ModelConfig
 
@@ -147,6 +147,7 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, rope: Rotary):
         super().__init__()
         self.head_dim, self.window = cfg.head_dim, cfg.sliding_window
+        self.scale = mup.attention_scale(cfg)  # None: SDPA's 1/sqrt(head_dim)
         q, kv = cfg.n_head * cfg.head_dim, cfg.kv_heads * cfg.head_dim
         self.q_proj = nn.Linear(cfg.n_embd, q, bias=cfg.qkv_bias)
         self.k_proj = nn.Linear(cfg.n_embd, kv, bias=cfg.qkv_bias)
@@ -183,10 +184,10 @@ class Attention(nn.Module):
         if self.window is not None and k.size(2) > self.window:  # some query sees past its window
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=window_mask(start, T, k.size(2),
                                                                               self.window, q.device),
-                                               enable_gqa=gqa)
+                                               enable_gqa=gqa, scale=self.scale)
         else:  # one new token may see every cached key
             y = F.scaled_dot_product_attention(q, k, v, is_causal=cache is None or T > 1,
-                                               enable_gqa=gqa)
+                                               enable_gqa=gqa, scale=self.scale)
         y = y.transpose(1, 2).reshape(B, T, -1)  # local heads * head_dim columns
         return self.o_proj(y), (k, v)
 

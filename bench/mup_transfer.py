@@ -1,0 +1,205 @@
+"""muTransfer on this machine's CPUs (the muP paper's Figure 1): learning-rate sweeps at several
+widths at equal depth, sp against mup (base width: the narrowest), the final validation loss
+against log2(lr), one curve per width; and ms/step of sp and mup side by side.
+
+Each run: a byte-level GPT (--depth blocks, 4 heads) on the built-in corpus (the Python docs
+topics; the last 10% of its bytes held out), the run's own AdamW (worker/optim.py: muP's
+per-parameter groups) with warmup and a cosine decay (worker/optim.lr_at), global-norm clipping
+at 1, the same batches for every run (one seed). One process, torch on --threads threads. At the
+base width mup is sp, so its runs there are run once and serve both curves.
+
+The step times: at every width, sp and mup alternate in blocks of --time-steps steps, --time-reps
+times (same machine noise); the median block of each, and the spread of the blocks.
+
+    PYTHONPATH=. nice -n 10 python bench/mup_transfer.py --out bench/results/mup_transfer.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import math
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from mup_coord_check import batch_of, corpus_bytes, model_config, set_lr, train_config  # noqa: E402
+
+
+def build(width: int, param: str, base: int, lr: float, steps: int, depth: int, seq: int):
+    import torch
+
+    from raytrain_lm.models import build_model
+    from raytrain_lm.worker.optim import build_optimizer
+
+    m = model_config(width, param, base, depth=depth, seq=seq)
+    cfg = train_config(m, lr, steps, warmup=max(1, steps // 10), weight_decay=0.1)
+    model = build_model(m, seed=0)
+    return model, build_optimizer(model, cfg, torch.device("cpu")), cfg
+
+
+def train_run(width: int, param: str, base: int, lr: float, steps: int, train, val, depth: int,
+              batch: int, seq: int) -> float:
+    """The validation loss (nats/byte) after `steps` steps."""
+    import torch
+
+    from raytrain_lm.worker.optim import lr_at
+
+    model, optimizer, cfg = build(width, param, base, lr, steps, depth, seq)
+    g = torch.Generator().manual_seed(1)
+    for step in range(steps):
+        set_lr(optimizer, lr_at(step, cfg))
+        _, loss = model(*batch_of(train, batch, seq, g))
+        if not torch.isfinite(loss):
+            return float("nan")
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    model.eval()
+    gv = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        losses = [model(*batch_of(val, 32, seq, gv))[1].item() for _ in range(8)]
+    return sum(losses) / len(losses)
+
+
+def step_times(width: int, base: int, depth: int, batch: int, seq: int, steps: int, reps: int,
+               data) -> dict:
+    """ms/step of sp and mup at `width`, alternating blocks; median and spread per param."""
+    import torch
+
+    runs = {p: build(width, p, base, 1e-3, 10, depth, seq)[:2] for p in ("sp", "mup")}
+    g = torch.Generator().manual_seed(3)
+    batches = [batch_of(data, batch, seq, g) for _ in range(steps)]
+    blocks = {p: [] for p in runs}
+    for rep in range(reps + 1):  # the first block of each warms up, not counted
+        for p, (model, optimizer) in runs.items():
+            t0 = time.perf_counter()
+            for x, y in batches:
+                _, loss = model(x, y)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            if rep:
+                blocks[p].append(1000 * (time.perf_counter() - t0) / steps)
+    return {p: {"median_ms": statistics.median(b), "min_ms": min(b), "max_ms": max(b)}
+            for p, b in blocks.items()}
+
+
+def best(curve: dict) -> tuple[float, float]:
+    """(lr, loss) of the lowest finite loss of {lr: loss}."""
+    finite = {lr: v for lr, v in curve.items() if math.isfinite(v)}
+    lr = min(finite, key=finite.get)
+    return lr, finite[lr]
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+    for ax, param in zip(axes, ("sp", "mup")):
+        for w in result["widths"]:
+            curve = result["loss"][param][str(w)]
+            lrs = sorted(float(k) for k in curve)
+            ax.plot([math.log2(lr) for lr in lrs], [curve[repr(lr)] for lr in lrs], marker="o",
+                    ms=3, label=f"width {w}")
+        ax.set_title(f"{param}" + (f" (base width {result['widths'][0]})" if param == "mup" else ""))
+        ax.set_xlabel("log2(lr)")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("final validation loss (nats/byte)")
+    axes[1].legend(fontsize=8)
+    lo = min(v for p in result["loss"].values() for c in p.values() for v in c.values()
+             if math.isfinite(v))
+    axes[0].set_ylim(lo - 0.05, lo + 1.0)
+    fig.suptitle(f"lr sweeps across widths: depth {result['depth']}, {result['steps']} steps")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--widths", default="64,128,256,512")
+    p.add_argument("--log2-lrs", default="-12,-11,-10,-9,-8,-7,-6,-5")
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--depth", type=int, default=2)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--time-steps", type=int, default=5)
+    p.add_argument("--time-reps", type=int, default=5)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--time-only", action="store_true", help="Only the step times (no sweeps).")
+    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "mup_transfer.json"))
+    p.add_argument("--plot", default=str(ROOT / "docs" / "img" / "mup_transfer.png"))
+    args = p.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(args.threads)
+    widths = [int(w) for w in args.widths.split(",")]
+    lrs = [2.0 ** float(k) for k in args.log2_lrs.split(",")]
+    data = corpus_bytes()
+    cut = int(0.9 * len(data))
+    train, val = data[:cut], data[cut:]
+    result = {"widths": widths, "lrs": lrs, "steps": args.steps, "depth": args.depth,
+              "batch": args.batch, "seq": args.seq, "threads": args.threads,
+              "machine": platform.processor() or platform.machine(), "torch": torch.__version__,
+              "date": _dt.date.today().isoformat(), "loss": {"sp": {}, "mup": {}}, "ms_per_step": {}}
+    t0 = time.time()
+    for w in widths:
+        result["ms_per_step"][str(w)] = step_times(w, widths[0], args.depth, args.batch, args.seq,
+                                                   args.time_steps, args.time_reps, train)
+        if args.time_only:
+            print(w, result["ms_per_step"][str(w)], flush=True)
+            continue
+        for param in ("sp", "mup"):
+            curve = {}
+            for lr in lrs:
+                if param == "mup" and w == widths[0]:  # mup at its base width is sp
+                    curve[repr(lr)] = result["loss"]["sp"][str(w)][repr(lr)]
+                    continue
+                curve[repr(lr)] = train_run(w, param, widths[0], lr, args.steps, train, val,
+                                            args.depth, args.batch, args.seq)
+                print(f"{param} width {w} log2(lr) {math.log2(lr):+.0f}: {curve[repr(lr)]:.4f} "
+                      f"({time.time() - t0:.0f} s)", flush=True)
+            result["loss"][param][str(w)] = curve
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=1))  # each width as it completes
+    if args.time_only:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({k: v for k, v in result.items() if k != "loss"},
+                                             indent=1))
+        return result
+    summary = {}
+    for param in ("sp", "mup"):
+        bests = {w: best({float(k): v for k, v in result["loss"][param][str(w)].items()})
+                 for w in widths}
+        narrow_lr = bests[widths[0]][0]
+        wide = result["loss"][param][str(widths[-1])]
+        summary[param] = {
+            "best_log2_lr": {str(w): math.log2(b[0]) for w, b in bests.items()},
+            "best_loss": {str(w): b[1] for w, b in bests.items()},
+            "shift_log2": math.log2(bests[widths[-1]][0]) - math.log2(narrow_lr),
+            "widest_at_narrowest_best": wide[repr(narrow_lr)],
+            "widest_gap_pct": 100 * (wide[repr(narrow_lr)] / bests[widths[-1]][1] - 1),
+        }
+    result["summary"] = summary
+    result["seconds"] = time.time() - t0
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    if args.plot:
+        plot(result, Path(args.plot))
+    print(json.dumps({"summary": summary, "ms_per_step": result["ms_per_step"]}, indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    main()
