@@ -243,6 +243,33 @@ def test_tp_pipelined_with_the_matmuls_is_exposed_only_beyond_the_compute():
     assert apply(cl, "megatron-core-2024").tp_overlap_matmul and not apply(cl, "raytrain-lm").tp_overlap_matmul
 
 
+def test_selective_recompute_keeps_the_matmul_outputs_whatever_the_kernels():
+    """Selective keeps every matmul's output and recomputes the rest, so a fused MLP has no
+    activation output to drop from it (the fused count took GeLU's 4h off the GPT's 3 + 8, and
+    SwiGLU's 2f off the Llama's). Llama 2 70B, FSDP over 64 H100s, micro-batch 2 x 4096 tokens,
+    as a fused 2024 stack: per token per layer, the block input and the two row-parallel outputs
+    (3h), q, k and v (h + 2 x 8 x 128), attention's output (h), gate and up (2 x 28672): 80
+    layers of it are 122.5 GiB, so selective recomputation cannot fit an 80 GB card there."""
+    from raytrain_lm.plan.memory import layer_activation_bytes
+
+    lay = Layout(1, 2, 1, "ddp", "selective", False, "-", 2, 1, 8)
+    eager, fused = Cluster(gpus=2, precision="bf16"), Cluster(gpus=2, precision="bf16", kernels="fused")
+    for cl in (eager, fused):
+        assert layer_activation_bytes(TINY, lay, cl, "selective") == 2 * 8 * 8 * (3 + 8 / 2) * 2
+    m = preset_config("llama2-70b").model
+    h, f = 8192, 28672
+    assert (m.n_embd, family(m).hidden_dim(m), m.kv_heads, m.head_dim, m.n_layer) == (h, f, 8, 128, 80)
+    lay = Layout(64, 1, 1, "fsdp", "selective", False, "-", 2, 1, 4096)
+    run = kind_cluster("h100-sxm", 64)
+    per_layer = 2 * 4096 * (3 * h + h + 2 * 8 * 128 + h + 2 * f) * 2
+    for name in ("raytrain-lm", "meta-llama3"):
+        cl = apply(run, name)
+        assert layer_activation_bytes(m, lay, cl, "selective") == per_layer
+        e = estimate_layout(m, lay, cl)
+        assert e.memory.activations == 80 * per_layer + 2 * 4096 * h * 2 and not e.fits  # + the embedding's output
+    assert 80 * per_layer / GIB == pytest.approx(122.5, abs=0.05)
+
+
 def test_the_docs_table_of_gpu_kinds_is_the_json():
     from pathlib import Path
 
