@@ -1,9 +1,10 @@
 """The planner against published runs: docs/planner.md's validation tables, from
 raytrain_lm/plan/published_runs.json, in-sample (the rows the constants were fitted on) and held
 out, each with its summary. `--fit` refits the constants (plan/calibration.json: the kernel
-efficiency ETA on every fit row, the 500 W part's clock factor on its fit rows, the allocator's
-reserved/allocated factor on the fit rows that publish memory) by least squares of log ratios,
-on the fit rows only, and writes them with the rows' names.
+efficiency of each software generation on its fit rows, the 500 W part's clock factor on its fit
+rows, the allocator's reserved/allocated factor on the fit rows that publish memory) by least
+squares of log ratios, on the fit rows only (validation.fit_runs), and writes them with the rows'
+names. Then it prints the in-sample and held-out tables apart, and each generation's figures.
 
     PYTHONPATH=. python bench/planner_validation.py [--fit]
 """
@@ -15,8 +16,10 @@ import math
 import time
 
 from raytrain_lm.plan import calibration
+from raytrain_lm.plan.frameworks import FRAMEWORKS
 from raytrain_lm.plan.hardware import GIB
 from raytrain_lm.plan.validation import (
+    fit_runs,
     load_runs,
     markdown,
     modelled,
@@ -32,6 +35,11 @@ from raytrain_lm.plan.validation import (
 )
 
 CLOCK = calibration.clock_key("h100-sxm-96gb-500w")
+
+
+def generation(run: dict) -> str:
+    """The kernel efficiency a row's framework is planned with (frameworks.Framework.efficiency)."""
+    return FRAMEWORKS[run["framework"]].efficiency
 
 
 def _log_error(runs: list[dict]) -> tuple[float, int]:
@@ -62,36 +70,33 @@ def _golden(f, lo: float, hi: float, steps: int = 18) -> float:
 
 
 def fit() -> None:
-    runs = [r for r in load_runs() if r["split"] == "fit" and modelled(r)]
-    capped = [r for r in runs if r["gpu"] == "h100-sxm-96gb-500w"]
-    others = [r for r in runs if r["gpu"] != "h100-sxm-96gb-500w"]
+    """Each constant on its own in-sample rows (validation.fit_runs): the kernel efficiency of
+    each software generation, then the 500 W clock, then the allocator."""
+    runs = load_runs()
     _set("allocator", 1.0)  # throughput first, with memory not in the way
+    fitted, said = {}, []
+    etas = [k for k in calibration.constants() if k == "eta" or k.startswith("eta:")]
+    for name in etas + [CLOCK]:
+        rows = fit_runs(runs, name)
 
-    def eta_error(x: float) -> float:
-        _set("eta", x)
-        return _log_error(others)[0]
+        def error(x: float, name=name, rows=rows) -> float:
+            _set(name, x)
+            return _log_error(rows)[0]
 
-    eta = _golden(eta_error, 0.3, 1.2)
-    _set("eta", eta)
-
-    def clock_error(x: float) -> float:
-        _set(CLOCK, x)
-        return _log_error(capped)[0]
-
-    clock = _golden(clock_error, 0.5, 1.2)
-    _set(CLOCK, clock)
-    mem_rows = [r for r in runs if "memory_gib" in r["published"]]
+        value = _golden(error, *((0.3, 1.2) if name in etas else (0.5, 1.2)))
+        _set(name, value)
+        fitted[name] = (value, [r["name"] for r in rows])
+        said.append(f"{name} {value:.4f} on {len(rows)} rows")
+    mem_rows = fit_runs(runs, "allocator")
     logs = []
     for run in mem_rows:
         m = run_model(run)
         e = published_estimate(m, run_cluster(run), run)
         logs.append(math.log(run["published"]["memory_gib"] * GIB / e.memory.total))
     allocator = math.exp(sum(logs) / len(logs))
-    calibration.write({"eta": (eta, [r["name"] for r in others]), CLOCK: (clock, [r["name"] for r in capped]),
-                       "allocator": (allocator, [r["name"] for r in mem_rows])},
-                      "bench/planner_validation.py --fit")
-    print(f"eta {eta:.4f} on {len(others)} rows; {CLOCK} {clock:.4f} on {len(capped)} rows; "
-          f"allocator {allocator:.4f} on {len(mem_rows)} rows")
+    fitted["allocator"] = (allocator, [r["name"] for r in mem_rows])
+    calibration.write(fitted, "bench/planner_validation.py --fit")
+    print("; ".join(said + [f"allocator {allocator:.4f} on {len(mem_rows)} rows"]))
 
 
 def report(rows) -> str:
@@ -100,6 +105,10 @@ def report(rows) -> str:
                          ("held-out", "Held out (the targets)")):
         part = [r for r in rows if r.run["split"] == split]
         out += [f"## {title}", markdown(rows, split), "", summary_text(summary(part)), ""]
+        for gen in sorted({generation(r.run) for r in part}):  # each software generation apart
+            mine = [r for r in part if generation(r.run) == gen and modelled(r.run)]
+            if any(r.throughput_ratio for r in mine):
+                out += [f"{gen} ({len(mine)} rows): {summary_text(summary(mine))}", ""]
     out += ["## Not modelled", not_modelled_markdown(rows)]
     return "\n".join(out)
 

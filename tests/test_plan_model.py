@@ -21,6 +21,7 @@ from raytrain_lm.plan.hardware import GIB, Cluster, kind_cluster
 from raytrain_lm.plan.kernels import layer_bytes, rank_compute_seconds
 from raytrain_lm.plan.kinds import PATH, kind, kinds
 from raytrain_lm.plan.memory import rank_memory
+from raytrain_lm.plan.printout import PROFILE_CLAUSE
 from raytrain_lm.plan.stages import rank_stages
 
 TINY = ModelConfig(vocab_size=16, block_size=8, n_layer=2, n_head=2, n_embd=8, bias=False)
@@ -69,6 +70,7 @@ def test_plan_names_the_fitted_constants_beside_its_estimates():
         assert f"{c[name]['label']} {c[name]['value']:.3g} (" in line
         assert f" on {len(c[name]['rows'])} published row" in line or f"by {len(c[name]['rows'])} published row" in line
     assert "500 W clock" not in cli_here("plan", "--preset", "gpt2", "--gpus", "8", *cheap).stdout
+    assert line.endswith(PROFILE_CLAUSE)  # plan says which profile it plans: this project's trainer
     out = json.loads(cli_here("plan", "--preset", "gpt2", "--gpus", "8", "--json", *cheap).stdout)
     assert {x["name"]: len(x["rows"]) for x in out["fitted_constants"]} == \
         {n: len(c[n]["rows"]) for n in ("eta", "f_half", "allocator")}
@@ -207,6 +209,65 @@ def test_framework_inputs_of_memory_and_sends():
     assert hidden.tp_s == pytest.approx(plain.tp_s * (1 - 2 / 4))
     assert family(TINY).tp_counts(TINY, 2)["block"] > 0  # counts unchanged by the framework
     assert GIB == 2 ** 30
+
+
+def test_a_software_generation_divides_by_its_own_efficiency():
+    """The same compute over each generation's fitted kernel efficiency: megatron-core-2024 and
+    Meta's stack over eta:2024, this project's trainer (plan's default cluster) over eta."""
+    cl = Cluster(gpus=1, tflops=1.0, matmul_fraction=0.5, attention_fraction=0.25, hbm_tbps=1.0,
+                 kernels="fused", loss="fused", precision="bf16")
+    lay = Layout(1, 1, 1, "ddp", "none", False, "-", 2, 1, 8)
+    stages = rank_stages(TINY, 1, 1)[0]
+    old = rank_compute_seconds(TINY, lay, cl, stages, 1832)
+    new = rank_compute_seconds(TINY, lay, replace(cl, eta_key="eta:2024"), stages, 1832)
+    assert new["total"] == pytest.approx((new["matmul"] + new["attention"] + new["memory"])
+                                         / calibration.constant("eta:2024"))
+    assert new["total"] / old["total"] == pytest.approx(calibration.constant("eta") / calibration.constant("eta:2024"))
+    assert apply(cl, "megatron-core-2024").eta_key == apply(cl, "meta-llama3").eta_key == "eta:2024"
+    assert apply(cl, "raytrain-lm").eta_key == Cluster(gpus=1).eta_key == "eta"
+
+
+def test_tp_pipelined_with_the_matmuls_is_exposed_only_beyond_the_compute():
+    """Transformer Engine's tp overlap (megatron-core-2024): the tp time the step's compute does
+    not cover: the remainder on an H100's rate (the tiny model's matmuls are shorter than its
+    all-reduces), nothing on a GPU of 1 GFLOP/s (its compute covers them)."""
+    lay = Layout(1, 2, 1, "ddp", "none", False, "-", 2, 1, 8)
+    for tflops in (989.0, 1e-3):
+        cl = Cluster(gpus=2, precision="bf16", efficiency=0.5, tflops=tflops)
+        plain = estimate_layout(TINY, lay, cl)
+        te = estimate_layout(TINY, lay, replace(cl, tp_overlap_matmul=True))
+        assert plain.tp_s > 0
+        assert te.tp_s == pytest.approx(max(0.0, plain.tp_s - plain.compute_s))
+        assert (te.tp_s > 0) == (tflops > 1)
+        assert te.step_s == pytest.approx(plain.step_s - (plain.tp_s - te.tp_s))
+    assert apply(cl, "megatron-core-2024").tp_overlap_matmul and not apply(cl, "raytrain-lm").tp_overlap_matmul
+
+
+def test_selective_recompute_keeps_the_matmul_outputs_whatever_the_kernels():
+    """Selective keeps every matmul's output and recomputes the rest, so a fused MLP has no
+    activation output to drop from it (the fused count took GeLU's 4h off the GPT's 3 + 8, and
+    SwiGLU's 2f off the Llama's). Llama 2 70B, FSDP over 64 H100s, micro-batch 2 x 4096 tokens,
+    as a fused 2024 stack: per token per layer, the block input and the two row-parallel outputs
+    (3h), q, k and v (h + 2 x 8 x 128), attention's output (h), gate and up (2 x 28672): 80
+    layers of it are 122.5 GiB, so selective recomputation cannot fit an 80 GB card there."""
+    from raytrain_lm.plan.memory import layer_activation_bytes
+
+    lay = Layout(1, 2, 1, "ddp", "selective", False, "-", 2, 1, 8)
+    eager, fused = Cluster(gpus=2, precision="bf16"), Cluster(gpus=2, precision="bf16", kernels="fused")
+    for cl in (eager, fused):
+        assert layer_activation_bytes(TINY, lay, cl, "selective") == 2 * 8 * 8 * (3 + 8 / 2) * 2
+    m = preset_config("llama2-70b").model
+    h, f = 8192, 28672
+    assert (m.n_embd, family(m).hidden_dim(m), m.kv_heads, m.head_dim, m.n_layer) == (h, f, 8, 128, 80)
+    lay = Layout(64, 1, 1, "fsdp", "selective", False, "-", 2, 1, 4096)
+    run = kind_cluster("h100-sxm", 64)
+    per_layer = 2 * 4096 * (3 * h + h + 2 * 8 * 128 + h + 2 * f) * 2
+    for name in ("raytrain-lm", "meta-llama3"):
+        cl = apply(run, name)
+        assert layer_activation_bytes(m, lay, cl, "selective") == per_layer
+        e = estimate_layout(m, lay, cl)
+        assert e.memory.activations == 80 * per_layer + 2 * 4096 * h * 2 and not e.fits  # + the embedding's output
+    assert 80 * per_layer / GIB == pytest.approx(122.5, abs=0.05)
 
 
 def test_the_docs_table_of_gpu_kinds_is_the_json():

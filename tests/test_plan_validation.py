@@ -12,6 +12,7 @@ from raytrain_lm.plan import calibration
 from raytrain_lm.plan.frameworks import FRAMEWORKS
 from raytrain_lm.plan.kinds import kinds
 from raytrain_lm.plan.validation import (
+    fit_runs,
     load_runs,
     markdown,
     megatron_flops_per_token,
@@ -51,8 +52,8 @@ def test_the_split_follows_its_rule_and_the_constants_name_fit_rows_only():
     """The rule of published_runs.json: per GPU variant the source with the most modelled rows is
     the fit set. Every fitted constant names rows, and only fit rows (f_half is pinned by a
     figure outside the table)."""
-    runs = load_runs()
-    by_name = {r["name"]: r for r in runs}
+    runs = [r for r in load_runs() if FRAMEWORKS[r["framework"]].efficiency == "eta"]
+    by_name = {r["name"]: r for r in load_runs()}
     fit = [r for r in runs if r["split"] == "fit" and modelled(r)]
     assert {r["gpu"] for r in fit} == {"a100-80gb", "h100-sxm", "h100-sxm-96gb-500w"}
     variant = {"a100-40gb": "a100-80gb"}  # one chip at one power: one variant
@@ -71,6 +72,26 @@ def test_the_split_follows_its_rule_and_the_constants_name_fit_rows_only():
     capped = {r["name"] for r in fit if r["gpu"] == "h100-sxm-96gb-500w"}
     assert set(calibration.constants()["clock_factor:h100-sxm-96gb-500w"]["rows"]) == capped
     assert set(calibration.constants()["eta"]["rows"]) == {r["name"] for r in fit} - capped
+    for name, c in calibration.constants().items():  # each constant: the rows its fit reads
+        if not c.get("pinned"):
+            assert c["rows"] == [r["name"] for r in fit_runs(load_runs(), name)], name
+
+
+def test_a_fit_reads_only_in_sample_rows():
+    """fit_runs (what bench/planner_validation.py --fit fits each constant on) takes a row of the
+    constant's group only while it is in-sample: the same row held out, or every row held out,
+    leaves it out; each generation's efficiency reads its own frameworks' rows; and every
+    held-out row says when it was frozen."""
+    runs = load_runs()
+    nemotron = next(r for r in runs if r["framework"] == "megatron-core-2024")
+    assert [r["name"] for r in fit_runs(runs, "eta:2024")] == [nemotron["name"]]
+    held = dict(nemotron, name="the same run, held out", split="held-out")
+    assert held not in fit_runs(runs + [held], "eta:2024")
+    assert fit_runs([dict(r, split="held-out") for r in runs], "eta:2024") == []
+    assert all(FRAMEWORKS[r["framework"]].efficiency == "eta" for r in fit_runs(runs, "eta"))
+    llama3 = [r for r in runs if r["framework"] == "meta-llama3" and modelled(r)]
+    assert llama3 and all(r["split"] == "held-out" for r in llama3)
+    assert all(r["frozen"] <= "2026-12-07" for r in runs if r["split"] == "held-out")
 
 
 def test_published_figures_convert_as_their_sources_define_them():

@@ -31,16 +31,17 @@ def clock_factor(kind: str) -> float:
     return float(entry["value"]) if entry else 1.0
 
 
-def used_by(kind: str, memory: bool = True) -> list[str]:
-    """The constants an estimate on `kind` depends on."""
-    names = ["eta", "f_half"] + ([clock_key(kind)] if clock_key(kind) in constants() else [])
+def used_by(kind: str, memory: bool = True, eta: str = "eta") -> list[str]:
+    """The constants an estimate on `kind` depends on (`eta`: its software generation's kernel
+    efficiency, frameworks.Framework.efficiency)."""
+    names = [eta, "f_half"] + ([clock_key(kind)] if clock_key(kind) in constants() else [])
     return names + (["allocator"] if memory else [])
 
 
-def describe(kind: str, memory: bool = True) -> str:
+def describe(kind: str, memory: bool = True, eta: str = "eta") -> str:
     """One line: each fitted constant behind an estimate, its value and its rows."""
     parts = []
-    for name in used_by(kind, memory):
+    for name in used_by(kind, memory, eta):
         c = constants()[name]
         rows = len(c["rows"])
         how = "pinned by" if c.get("pinned") else "fitted on"

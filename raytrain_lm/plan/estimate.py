@@ -95,7 +95,10 @@ def rank_step(lay: Layout, cl: Cluster, comm: Comm, compute: float, idle: float,
       attention's compute); the pipeline bubble stretches it with compute.
     - tp: all of it. Each all-reduce (or all-gather / reduce-scatter with sequence
       parallelism) sits between two matmuls that need its result (vanilla TP, parallel/tp.py);
-      the pipeline bubble stretches it with compute.
+      the pipeline bubble stretches it with compute. A framework that hides the backward's
+      behind the weight gradients (Cluster.tp_overlap_backward) exposes the rest; one that
+      pipelines it with the matmuls forward and backward (Cluster.tp_overlap_matmul,
+      Transformer Engine) only what the step's compute does not cover.
     - ep: all of it, as tp: the experts need the tokens the dispatch brings, and the layer's
       output the combine returns (parallel/ep.py overlaps nothing).
     - pp: the sends along the pipeline's fill and drain (the first microbatch's activations
@@ -113,7 +116,9 @@ def rank_step(lay: Layout, cl: Cluster, comm: Comm, compute: float, idle: float,
       backward and the updated parameters gathered after the optimizer step, nothing to overlap
       either with: all of both."""
     t_tp = comm.tp / network.bandwidth(cl, lay, "tp")
-    if cl.tp_overlap_backward:
+    if cl.tp_overlap_matmul:  # pipelined with the matmuls, forward and backward (Transformer Engine)
+        t_tp = max(0.0, t_tp - compute)
+    elif cl.tp_overlap_backward:
         t_tp *= 1 - tp_backward_share(lay)
     t_ep = comm.ep / network.bandwidth(cl, lay, "ep") if comm.ep else 0.0
     t_cp = comm.cp / network.bandwidth(cl, lay, "cp") if comm.cp else 0.0

@@ -40,6 +40,15 @@ class Framework:
     # whole parameters and gradients on every rank, the gradients reduced that way after backward,
     # the updated parameters all-gathered in the compute dtype after the optimizer step
     zero1: str = "fsdp2"
+    # Software generation: the calibration constant (calibration.json) of the kernel efficiency
+    # its compute time divides by, fitted on that generation's in-sample rows only: "eta" (the
+    # stacks of 2021-23 and this project's eager trainer) or "eta:2024" (2024 stacks on H100:
+    # fused/flash attention kernels, overlapped reductions, pipeline sends and tp communication)
+    efficiency: str = "eta"
+    # Tensor-parallel all-gathers / reduce-scatters pipelined with the matmuls that produce or
+    # consume them, forward and backward (Transformer Engine's userbuffers, Megatron-Core's
+    # tp_comm_overlap): only what the step's compute does not cover is exposed
+    tp_overlap_matmul: bool = False
     not_modelled: Optional[str] = None  # why the planner does not model this framework's runs
 
 
@@ -84,7 +93,19 @@ FRAMEWORKS = {
     "meta-llama3": Framework(
         "Meta's Llama 3 training stack (Llama 3 paper, Section 3.3.2): FSDP without resharding after "
         "forward, TP, interleaved PP with asynchronous p2p; its kernels are not described (fused "
-        "assumed)", kernels="fused"),
+        "assumed); a 2024 stack on H100 (its kernel efficiency: eta:2024)", kernels="fused",
+        efficiency="eta:2024"),
+    "megatron-core-2024": Framework(
+        "Megatron-Core with Transformer Engine as of 2024 (NeMo 24.x, Nemotron-4): fused "
+        "LayerNorm/activation kernels and fused flash attention (cuDNN/TE), the distributed "
+        "optimizer's gradient reduce-scatter overlapped with backward and its parameter "
+        "all-gather with the next forward (overlap_grad_reduce, overlap_param_gather: planned as "
+        "ZeRO-1 on FSDP2, the same bytes at rest), interleaved pipeline sends overlapped "
+        "(overlap_p2p_comm) and split over the tp ranks under sequence parallelism, tp "
+        "communication pipelined with the matmuls (tp_comm_overlap); Megatron's full "
+        "recomputation reruns whole blocks", recompute_early_stop=False, kernels="fused",
+        pp_scatter_gather=True, tp_overlap_backward=True, tp_overlap_matmul=True,
+        efficiency="eta:2024"),
     "deepspeed-zero3-2021": Framework(
         "DeepSpeed ZeRO-3 as Narayanan et al. ran it in 2021", recompute_early_stop=False,
         kernels="fused", attention="unfused", accumulate="reduce_scatter",
@@ -102,4 +123,5 @@ def apply(cl: Cluster, name: str) -> Cluster:
                                recompute_early_stop=f.recompute_early_stop, overlap_pp=f.overlap_pp,
                                kernels=f.kernels, attention=f.attention, accumulate=f.accumulate,
                                loss=f.loss, pp_scatter_gather=f.pp_scatter_gather,
-                               tp_overlap_backward=f.tp_overlap_backward, zero1=f.zero1)
+                               tp_overlap_backward=f.tp_overlap_backward, zero1=f.zero1,
+                               eta_key=f.efficiency, tp_overlap_matmul=f.tp_overlap_matmul)

@@ -73,6 +73,10 @@ class Cluster:
     # the updated parameters after the optimizer step (DeepSpeed's ZeRO stage 1, Megatron-LM's
     # distributed optimizer: frameworks.py)
     zero1: str = "fsdp2"
+    # The software generation's kernel efficiency (calibration.json; frameworks.Framework.efficiency)
+    # and whether tp communication is pipelined with the matmuls (Transformer Engine)
+    eta_key: str = "eta"
+    tp_overlap_matmul: bool = False
 
     @property
     def matmul_ceiling(self) -> float:

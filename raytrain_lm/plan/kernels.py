@@ -16,7 +16,9 @@
 - AdamW reads the parameter, gradient and both moments and writes three back (fp32: 28 bytes per
   parameter the rank updates), plus 4 to read the gradient for its norm.
 - ETA, fitted (calibration.json names its rows): the fraction of this ideal the frameworks reach
-  (kernel gaps, launch latency, host work, data loading, what the counts leave out).
+  (kernel gaps, launch latency, host work, data loading, what the counts leave out), one per
+  software generation (Cluster.eta_key: "eta" for the stacks of 2021-23 and this project's eager
+  trainer, "eta:2024" for 2024 stacks on H100), each fitted on its own in-sample rows.
 
 Bytes per token per layer, counted from each implementation's kernels by the model's family
 (Family.kernel_bytes, in elements of the activation dtype, forward and backward): "fused"
@@ -150,5 +152,5 @@ def rank_compute_seconds(m: ModelConfig, lay: Layout, cl: Cluster, stages: list[
         byts += loss_bytes_per_token(m, cl.loss) * a / t
     hbm = cl.hbm_tbps * 1e12
     t_mem = byts * tokens / hbm + ADAM_BYTES * params_held / hbm
-    total = (t_mm + t_attn + t_mem) / constant("eta")
+    total = (t_mm + t_attn + t_mem) / constant(cl.eta_key)
     return {"matmul": t_mm, "attention": t_attn, "memory": t_mem, "total": total}

@@ -51,7 +51,9 @@ def layer_activation_bytes(m: ModelConfig, lay: Layout, cl: Cluster, ac: str) ->
     if ac == "full":  # the block input, in the run's activation dtype
         return tokens * h * cl.act_bytes / (t if lay.sp else 1)
     whole, split = family(m).activation_split(m, ac)
-    if cl.kernels == "fused" and ac in ("none", "selective"):  # a fused MLP does not save its activation's output
+    # A fused MLP does not save its activation's output; selective's count never had it (it keeps
+    # the matmul outputs and recomputes the activation whatever the kernels)
+    if cl.kernels == "fused" and ac == "none":
         split -= family(m).fused_mlp_unsaved(m)
     per_token = (whole + split) / t if lay.sp else whole + split / t
     return tokens * h * per_token * cl.act_bytes

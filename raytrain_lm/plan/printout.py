@@ -195,17 +195,24 @@ def fitted_json(cl: Cluster) -> list[dict]:
     from raytrain_lm.plan.calibration import constants, used_by
 
     return [{"name": name, "value": constants()[name]["value"], "rows": constants()[name]["rows"]}
-            for name in used_by(cl.kind, memory=cl.gpu) if cl.efficiency is None or name == "allocator"]
+            for name in used_by(cl.kind, memory=cl.gpu, eta=cl.eta_key)
+            if cl.efficiency is None or name == "allocator"]
 
 
 def fitted_text(cl: Cluster) -> str:
     """What `plan` says beside its estimates about the constants they rest on."""
     from raytrain_lm.plan.calibration import describe
 
-    text = describe(cl.kind, memory=cl.gpu)
+    text = describe(cl.kind, memory=cl.gpu, eta=cl.eta_key)
     if cl.efficiency is not None:
         text = "compute at --compute-efficiency (no fitted rate); " + text
-    return f"fitted: {text}; the rest is counted or from datasheets and measurements (docs/planner.md)"
+    return (f"fitted: {text}; the rest is counted or from datasheets and measurements "
+            f"(docs/planner.md); {PROFILE_CLAUSE}")
+
+
+# `plan` plans this project's trainer (frameworks.DEFAULT), not a 2024 Megatron-Core stack
+PROFILE_CLAUSE = ("profile: this project's trainer (raytrain-lm: torch eager FSDP2/DDP, SDPA flash "
+                  "attention), with the 2021-23 stacks' kernel efficiency, not megatron-core-2024's")
 
 
 def plan_command(cfg, cl: Cluster, tp: Optional[int] = None, pp: Optional[int] = None,

@@ -50,6 +50,24 @@ def modelled(run: dict) -> bool:
     return "not_modelled" not in run
 
 
+def fit_runs(runs: list[dict], name: str) -> list[dict]:
+    """The rows the calibration constant `name` is fitted on: in-sample ("fit") modelled rows only,
+    of its group: a kernel efficiency ("eta", "eta:2024"), the rows of the frameworks of that
+    software generation (frameworks.Framework.efficiency) not on a kind whose clock is fitted
+    (those fit the clock); a clock factor, the rows on its kind; the allocator, the rows that
+    publish memory. Held-out rows never enter a fit."""
+    from raytrain_lm.plan.calibration import clock_key, constants
+
+    fit = [r for r in runs if r["split"] == "fit" and modelled(r)]
+    if name == "allocator":
+        return [r for r in fit if "memory_gib" in r["published"]]
+    clocked = {k for k in constants() if k.startswith("clock_factor:")}
+    if name in clocked:
+        return [r for r in fit if clock_key(r["gpu"]) == name]
+    return [r for r in fit if frameworks.FRAMEWORKS[r["framework"]].efficiency == name
+            and clock_key(r["gpu"]) not in clocked]
+
+
 def run_model(run: dict) -> ModelConfig:
     spec = dict(run["model"])
     m = preset_config(spec.pop("preset")).model if "preset" in spec else ModelConfig()
@@ -203,7 +221,7 @@ def describe_layout(e: Estimate) -> str:
 def _cells(r: Row) -> list[str]:
     lay = r.run["layout"]
     pub = f"TP {lay['tp']} x PP {lay['pp']} x {lay['strategy']}" + \
-        (f" x EP {lay['ep']}" if lay.get("ep", 1) > 1 else "") + f", AC {lay['ac']}"
+        (f" x EP {lay['ep']}" if lay.get("ep", 1) > 1 else "") + f", AC {lay.get('ac', 'unpublished')}"
     mem_pub = r.run["published"].get("memory_gib")
     mem = (f"{r.mine.reserved / GIB:.1f} / {mem_pub:g}" if mem_pub and r.mine else
            f"{r.mine.reserved / GIB:.1f} / -" if r.mine else "does not fit")
@@ -216,11 +234,12 @@ def _cells(r: Row) -> list[str]:
 
 def markdown(rows: list[Row], split: str) -> str:
     """The modelled rows of one split, as docs/planner.md shows them."""
+    held = split == "held-out"  # with the day each row was frozen as held out
     head = ("| run | GPUs | GPU | published layout | rank of published split (its step / the fastest "
-            "split's) | GiB reserved plan / published | tokens/s/GPU plan / published (ratio) |\n"
-            "|---|---:|---|---|---:|---:|---:|")
-    lines = [head] + ["| " + " | ".join(_cells(r)) + " |" for r in rows
-                      if r.run["split"] == split and modelled(r.run)]
+            "split's) | GiB reserved plan / published | tokens/s/GPU plan / published (ratio) |"
+            + (" held out since |" if held else "") + "\n|---|---:|---|---|---:|---:|---:|" + ("---|" if held else ""))
+    lines = [head] + ["| " + " | ".join(_cells(r) + ([r.run["frozen"]] if held else [])) + " |"
+                      for r in rows if r.run["split"] == split and modelled(r.run)]
     return "\n".join(lines)
 
 
