@@ -7,8 +7,8 @@ import json
 
 import numpy as np
 import pytest
-from conftest import cli_here
 
+from conftest import cli_here
 from raytrain_lm.plan.scaling_law import CHINCHILLA
 
 # Chinchilla itself: 70B parameters on 1.4T tokens, C = 6 N D
