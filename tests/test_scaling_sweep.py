@@ -1,4 +1,4 @@
-"""`tune --scaling` (tune/scaling.py): a grid of sizes x lengths as Ray Tune trials, the law fitted
+"""`tune --scaling` (tune/scaling_sweep.py): a grid of sizes x lengths as Ray Tune trials, the law fitted
 to their final validation losses, scaling.json (which `plan --budget --law` reads) and its
 figure; refusals of grids that cannot be fitted."""
 
@@ -12,7 +12,7 @@ import pytest
 from conftest import cli_here
 from raytrain_lm.plan.scaling_law import ScalingLaw
 from raytrain_lm.store.storage import RunFolder
-from raytrain_lm.tune.scaling import describe, fit_points, write_scaling
+from raytrain_lm.tune.scaling_sweep import describe, fit_points, write_scaling
 
 TRUE = ScalingLaw(E=1.5, A=20.0, B=60.0, alpha=0.35, beta=0.3)
 
@@ -59,7 +59,7 @@ def test_tune_scaling_runs_the_grid_and_fits_it(ray_address, pydoc_data, tmp_pat
 
     r = run_cli("tune", "--scaling", "--n-embd", "32,48,64", "--steps", "12,24",
                 "--workers", "1", "--data", str(pydoc_data), "--storage", str(tmp_path),
-                "--name", "grid", "--address", ray_address, "--budget", "1e12", "--json",
+                "--name", "grid", "--address", ray_address, "--budget", "1e12", "--json", "--concurrent", "3",
                 "--set", "model.n_layer=1", "--set", "model.n_head=2", "--set", "batch_size=4",
                 "--set", "seq_len=32", "--set", "eval_windows=16", "--set", "warmup_steps=2",
                 "--set", "checkpoint_every=0", timeout=600)

@@ -113,7 +113,7 @@ def tune(
         cfg, sweep_space = new_sweep(settings, specs, space or [], str(space_file) if space_file else None,
                                      str(config) if config else None, set_, sweep)
         if scaling:
-            from raytrain_lm.tune.scaling import setup_scaling
+            from raytrain_lm.tune.scaling_sweep import setup_scaling
 
             setup_scaling(cfg, sweep_space, sweep, steps)
     table = LiveTable()
@@ -138,7 +138,7 @@ def tune(
         typer.echo(f"validation curves: {summary['plot']}")
     typer.echo(f"results: {summary['dir']}/results.json")
     if scaling:
-        from raytrain_lm.tune.scaling import describe
+        from raytrain_lm.tune.scaling_sweep import describe
 
         typer.echo(describe(summary["scaling"]))
         typer.echo(f"fit: {summary['scaling']['files']['json']}, plot: {summary['scaling']['files']['plot']}"
@@ -148,7 +148,7 @@ def tune(
 def scaling_fit(cfg, summary: dict, budget: Optional[float]) -> dict:
     """The scaling law of a finished --scaling sweep, written beside its results."""
     from raytrain_lm.store.storage import RunFolder
-    from raytrain_lm.tune.scaling import fit_points, scaling_points, write_scaling
+    from raytrain_lm.tune.scaling_sweep import fit_points, scaling_points, write_scaling
 
     folder = RunFolder(cfg.storage, cfg.name)
     result = fit_points(scaling_points(folder, summary["trials"]), budget)
