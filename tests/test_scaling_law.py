@@ -89,3 +89,18 @@ def test_chinchillas_coefficients_give_its_exponents():
 def test_a_fit_needs_five_runs():
     with pytest.raises(ValueError, match="at least 5 runs"):
         fit(N[:4], D[:4], TRUE.loss(N[:4], D[:4]))
+
+
+def test_a_start_that_runs_away_is_not_the_fit():
+    """bench/scaling_holdout.py's first 12 runs, and its bootstrap's 13th resampling: BFGS from the
+    full fit ran log A past exp's range, and that start had the lowest objective. It is
+    discarded (it used to raise OverflowError and end the bootstrap): the fit is finite."""
+    n = np.array([10688, 33664, 68928, 116480, 10688, 33664, 68928, 116480, 10688, 33664, 68928, 116480], dtype=float)
+    d = np.array([155904, 49408, 24064, 14336, 311808, 99072, 48384, 28672, 623872, 198144, 96768, 57344], dtype=float)
+    loss = np.array([2.600408, 2.91765, 3.238684, 3.405808, 2.498445, 2.600835, 2.705609, 3.202218, 2.412218,
+                     2.464674, 2.545031, 3.029988])
+    law = fit(n, d, loss)
+    start = [np.log(law.A), np.log(law.B), np.log(law.E), law.alpha, law.beta]
+    i = [4, 5, 5, 11, 2, 5, 0, 5, 11, 7, 4, 11]
+    got = fit(n[i], d[i], loss[i], starts=1, extra_starts=[start])
+    assert all(np.isfinite(v) for v in got.as_dict().values())

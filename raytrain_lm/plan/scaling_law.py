@@ -21,6 +21,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 HUBER_DELTA = 1e-3  # the paper's
+LOG_LIMIT = 100.0  # |log A|, |log B|, |log E| beyond it: a diverged start (exp overflows at 709)
 
 
 @dataclass(frozen=True)
@@ -120,8 +121,12 @@ def fit(n: Sequence[float], d: Sequence[float], loss: Sequence[float], delta: fl
     best, best_value = None, math.inf
     for x0 in candidates:
         x, value = _bfgs(lambda t: _objective(t, log_n, log_d, log_l, delta), np.asarray(x0, float))
-        if value < best_value and np.all(np.isfinite(x)):
+        # a run away to A, B or E beyond e^LOG_LIMIT is a term the data cannot pin, not a fit
+        if value < best_value and np.all(np.isfinite(x)) and np.abs(x[:3]).max() < LOG_LIMIT:
             best, best_value = x, value
+    if best is None:
+        raise ValueError("the scaling-law fit found no finite optimum: the runs do not pin one "
+                         "of its terms (too few sizes or lengths)")
     return _unpack(best)
 
 
@@ -150,7 +155,10 @@ def bootstrap(n, d, loss, flops: Optional[float] = None, samples: int = 100, see
         i = rng.integers(0, len(n), len(n))
         if len(set(zip(n[i], d[i]))) < 5:  # too few distinct runs to fix five parameters
             continue
-        one = fit(n[i], d[i], loss[i], starts=1, extra_starts=[start])
+        try:
+            one = fit(n[i], d[i], loss[i], starts=1, extra_starts=[start])
+        except ValueError:  # a resampling that cannot pin every term: left out, as one with too few runs
+            continue
         for k in ("E", "A", "B", "alpha", "beta"):
             draws[k].append(getattr(one, k))
         if flops:
