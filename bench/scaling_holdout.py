@@ -4,7 +4,7 @@ step (worker/step.TrainStep, one worker, in this process: the arithmetic of `tun
 trials without Ray's start-up), the law fitted on runs of at most C FLOPs, then a run of about
 --holdout x C trained for the check and compared with the law's prediction.
 
-Every run: 2 layers, heads 16 wide, batch --batch x 64 tokens, AdamW lr --lr with 10% warmup and
+Every run: 2 layers, heads 16 wide (one head below 32), batch --batch x 64 tokens, AdamW lr --lr with 10% warmup and
 a cosine to 10% at its own last step, seed 0; its final loss is the mean over --val-windows
 validation windows. N: matmul parameters; D: steps x tokens per step; C = 6ND.
 
@@ -99,13 +99,13 @@ def _window_losses(model, chunk: torch.Tensor) -> list[float]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--data", default="/tmp/h52/pydoc")
-    ap.add_argument("--widths", default="16,32,48,64")
-    ap.add_argument("--levels", default="1e10,2e10,4e10", help="the grid's compute levels (FLOPs)")
+    ap.add_argument("--widths", default="8,16,24,32")
+    ap.add_argument("--levels", default="2e10,4e10,8e10", help="the grid's compute levels (FLOPs)")
     ap.add_argument("--holdout", type=float, default=6.0, help="the held-out run's compute / the grid's largest")
-    ap.add_argument("--holdout-width", type=int, default=48)
-    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--holdout-width", type=int, default=32)
+    ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--val-windows", type=int, default=256)
+    ap.add_argument("--val-windows", type=int, default=1024)
     ap.add_argument("--out", default=str(ROOT / "bench/results/scaling_holdout.json"))
     a = ap.parse_args()
     torch.set_num_threads(1)
