@@ -39,11 +39,11 @@ class Batches:
         return x, x
 
 
-def build(workers, accum, wrap):
+def build(workers, accum, wrap, **flags):
     from raytrain_lm.worker.step import TrainStep
 
     torch.manual_seed(0)
-    return TrainStep(config(workers, accum), CPU, ddp_wrap=wrap)
+    return TrainStep(config(workers, accum, **flags), CPU, ddp_wrap=wrap)
 
 
 def grad_of(model, xs) -> list[torch.Tensor]:
@@ -82,7 +82,8 @@ def test_layouts_without_a_small_batch_report_none():
 
 
 def ddp_rank(rank, store, out):
-    """One step of 2 DDP ranks with 2 micro-batches each; the Meter's row of it."""
+    """One step of 2 ranks with 2 micro-batches each, DDP and then ZeRO-1 and FSDP (FSDP2); DDP's
+    Meter row of it."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from raytrain_lm.parallel.ddp import DDP_KWARGS
@@ -98,8 +99,18 @@ def ddp_rank(rank, store, out):
     small = step.small_sq.clone()
     meter.add_step(loss, 1, norm, step.small_sq)
     row = meter.row(1, 1e-3, norm, step)
+    sharded = {}
+    for strategy in ("zero1", "fsdp"):
+        s = build(2, 2, wrap=None, strategy=strategy)
+        start = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).clone()
+                 for k, v in s.parts[0].state_dict().items()}
+        s.train()
+        _, s_norm = s(Batches(10 + rank, 2), 1e-3)
+        sharded[strategy] = {"small": s.small_sq.clone(), "norm": float(s_norm.full_tensor()
+                             if hasattr(s_norm, "full_tensor") else s_norm), "batches": s.noise_batches,
+                             "same_start": all(torch.equal(start[k], before[k]) for k in before)}
     torch.save({"before": before, "small": small, "norm": norm, "row": row,
-                "batches": step.noise_batches}, f"{out}/rank{rank}.pt")
+                "batches": step.noise_batches, "sharded": sharded}, f"{out}/rank{rank}.pt")
     dist.destroy_process_group()
 
 
@@ -155,3 +166,20 @@ def test_the_progress_line_and_the_plot_show_the_noise_scale():
         return struct.unpack(">I", plot_runs([("r", rows)], dpi=20)[16:20])[0]
 
     assert width([{**row, "noise_scale": 37.5}]) > width([row]) * 1.2
+
+
+@pytest.mark.slow  # (the same two ranks)
+@pytest.mark.parametrize("strategy", ["zero1", "fsdp"])
+def test_zero_and_fsdp_workers_measure_their_own_gradient(ddp_ranks, strategy):
+    """FSDP2's reduce-scatter input is each rank's whole gradient (its 2 micro-batches): the
+    custom reduce-scatter's squares equal the rank's own gradient's, as DDP's hook does, from the
+    same initial weights."""
+    from raytrain_lm.models import build_model
+
+    model = build_model(config(2, 2).model, seed=0)
+    model.load_state_dict(ddp_ranks[0]["before"])
+    for r, got in enumerate(ddp_ranks):
+        one = got["sharded"][strategy]
+        assert one["same_start"] and one["batches"] == (2 * MICRO, 4 * MICRO)
+        assert one["small"].item() == pytest.approx(sq(grad_of(model, Batches(10 + r, 2).xs)), rel=1e-5)
+        assert one["norm"] == pytest.approx(got["norm"].item(), rel=1e-5)

@@ -7,8 +7,10 @@ scale (plan/noise_scale.py): one scalar per rank per step, with no collective of
   step clips with. The hook then all-reduces as DDP's default does.
 - One worker with accumulation: the gradient after the step's first micro-batch (b = a
   micro-batch, B = the step).
-Other layouts (FSDP2's sharding or replicate, tensor or pipeline parallelism) report none: their
-gradients are reduced inside FSDP2 or split over ranks, where a local norm is not one worker's
+- ZeRO-1/2 and FSDP over dp alone (FSDP2): a custom reduce-scatter sums the squares of its input,
+  the flat gradients of each parameter group as this rank computed them, then reduce-scatters.
+Other layouts (FSDP2's replicate, tensor or pipeline parallelism, experts) report none: their
+gradients are reduced elsewhere or split over ranks, where a local norm is not one worker's
 gradient.
 
 No `from __future__ import annotations` here: DDP checks the comm hook's annotations as objects."""
@@ -17,6 +19,7 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
 from torch.nn.parallel import DistributedDataParallel
 
 
@@ -24,17 +27,21 @@ class SmallBatchNorm:
     """This rank's squared gradient norm at the small batch, for one step. `batches`: (b, B) in
     sequences, or None where the layout gives no small batch (then `take` returns None)."""
 
-    def __init__(self, module: torch.nn.Module, replicated: bool, dp: int, micro_batch: int,
-                 accum: int, device: torch.device):
+    def __init__(self, built, micro_batch: int, accum: int, device: torch.device):
+        """`built`: parallel.Built, the model as this rank holds it."""
         self.accum, self.device = accum, device
         self.sq: Optional[torch.Tensor] = None
         self.batches: Optional[tuple[int, int]] = None
         self.micro = False
-        ddp = _ddp_of(module)
-        if replicated and dp > 1 and ddp is not None:
+        dp, ddp, shards = built.dp, _ddp_of(built.modules[0]), _fsdp_modules(built)
+        if built.replicated and dp > 1 and ddp is not None:
             ddp.register_comm_hook(self, _squares_then_allreduce)
             self.batches = (micro_batch * accum, micro_batch * accum * dp)
-        elif replicated and dp == 1 and accum > 1:
+        elif shards and dp > 1:
+            for module in shards:
+                module.set_custom_reduce_scatter(_SquaresThenReduceScatter(self))
+            self.batches = (micro_batch * accum, micro_batch * accum * dp)
+        elif built.replicated and dp == 1 and accum > 1:
             self.micro = True
             self.batches = (micro_batch, micro_batch * accum)
 
@@ -64,6 +71,33 @@ def _ddp_of(module: torch.nn.Module) -> Optional[DistributedDataParallel]:
     """The DDP module under a compiled wrapper, or None."""
     module = getattr(module, "_orig_mod", module)
     return module if isinstance(module, DistributedDataParallel) else None
+
+
+def _fsdp_modules(built) -> list:
+    """The FSDP2 modules whose reduce-scatter input is this rank's whole gradient: zero1, zero2
+    and fsdp over dp alone (with tp or pp a rank holds part of the model, with experts edp
+    groups reduce them: none)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from raytrain_lm.models import family
+
+    if not built.layout.by_fsdp or built.tp_on or built.pp_on or family(built.cfg.model).experts:
+        return []
+    return [m for part in built.parts for m in part.modules() if isinstance(m, FSDPModule)]
+
+
+class _SquaresThenReduceScatter(DefaultReduceScatter):
+    """FSDP2's reduce-scatter, after adding the squares of its input: the flat, padded gradients
+    of one parameter group as this rank computed them (in the reduce dtype, fp32 here; FSDP
+    divides before the reduce-scatter only for fp16 reductions, which our policy never uses)."""
+
+    def __init__(self, state: "SmallBatchNorm"):
+        self.state = state
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        if self.state.sq is not None:
+            self.state.sq += torch.linalg.vector_norm(input_tensor, 2, dtype=torch.float32).square()
+        return super().__call__(output_tensor, input_tensor, group, op, async_op)
 
 
 def _squares_then_allreduce(state: "SmallBatchNorm", bucket: dist.GradBucket

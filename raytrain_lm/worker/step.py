@@ -76,8 +76,7 @@ class TrainStep:
         self.comm_bytes: dict[str, int] = {}  # per mesh dim, one step (see _count_comm)
         self.steps = 0
         # the gradient noise scale's small batch (parallel/noise.py); `small_sq`: the last step's
-        self.small_batch = SmallBatchNorm(self.model.modules[0], self.model.replicated, self.dp,
-                                          cfg.batch_size, cfg.grad_accum, device)
+        self.small_batch = SmallBatchNorm(self.model, cfg.batch_size, cfg.grad_accum, device)
         self.small_sq: Optional[torch.Tensor] = None
 
     # ---------------------------------------------------------------- what others read
