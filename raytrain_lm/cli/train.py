@@ -34,6 +34,7 @@ from raytrain_lm.plan.estimate import check_cluster
 from raytrain_lm.plan.goodput import DEFAULT_MTBF_GPU_HOURS, DEFAULT_RESTART_S, RunRisk
 from raytrain_lm.plan.hardware import kind_cluster
 from raytrain_lm.plan.kinds import DEFAULT_KIND, kinds
+from raytrain_lm.plan.noise_scale import batch_hint
 from raytrain_lm.plan.printout import plan_command
 from raytrain_lm.results.tables import progress_line, results_table
 from raytrain_lm.store.hf_folder import folder_model
@@ -144,7 +145,12 @@ def train(
     scaled = apply_lr_scaling(cfg, scale_lr)
     if scaled:
         say(scaled)
-    show = None if quiet or as_json else lambda row: typer.echo(progress_line(row, cfg.max_steps))
+    noise: dict = {}  # the last row's gradient noise scale, for the hint after the run
+
+    def show(row) -> None:
+        noise.update({"b_simple": row["noise_scale"]} if "noise_scale" in row else {})
+        if not (quiet or as_json):
+            typer.echo(progress_line(row, cfg.max_steps))
     with only_json_on_stdout(as_json) as stdout:
         summary = launch(cfg, resume=resume, init_from=str(init_from) if init_from else None,
                          force=force, say=say, on_metrics=show, track=track, figure=curves)
@@ -156,6 +162,9 @@ def train(
             return
     typer.echo(results_table(summary))
     typer.echo(f"results: {summary['run_dir']}/summary.json, metrics.jsonl")
+    hint = batch_hint(cfg.tokens_per_step / cfg.seq_len, noise.get("b_simple"))
+    if hint:
+        typer.echo(f"hint: {hint}")
 
 
 def curves(runs) -> bytes:
@@ -282,11 +291,23 @@ def plan(
                                              "tokenizer: 256]."),
     arch: Optional[str] = ARCH,
     cpu: bool = typer.Option(False, help="Plan for CPU workers (fp32 activations)."),
+    budget: Optional[float] = typer.Option(None, metavar="FLOPS", help="A compute budget (C = 6 N D): "
+                                           "plan the compute-optimal model of --law for it (its "
+                                           "shape replaces the preset's), its tokens and steps."),
+    law: str = typer.Option("chinchilla", help="With --budget: 'chinchilla' (Hoffmann et al.'s "
+                            "published approach-3 fit) or a fit's JSON (tune --scaling's scaling.json)."),
+    tokens_per_param: Optional[float] = typer.Option(None, help="With --budget: this many tokens per "
+                                                     "parameter instead of the law's optimum "
+                                                     "(Chinchilla's approaches 1-2: about 20)."),
+    noise_scale: Optional[float] = typer.Option(None, help="With --budget: a measured gradient noise "
+                                                "scale B_simple in sequences (train's progress line "
+                                                "'B_noise'): the global batch is the power of two "
+                                                "nearest it."),
     set_: SetList = SET,
     as_json: bool = JSON,
 ) -> None:
     """Every (dp, tp, pp) layout of the GPUs: memory per GPU, communication, estimated step time;
-    the fastest that fits, and why."""
+    the fastest that fits, and why. With --budget: first the compute-optimal model for it."""
     cluster = kind_cluster(gpu, gpus, gpus_per_node=gpus_per_node, memory_gb=gpu_memory_gb,
                            intra_gbps=intra_node_gbps, inter_gbps=inter_node_gbps, tflops=gpu_tflops,
                            hbm_tbps=hbm_tbps, efficiency=compute_efficiency,
@@ -305,8 +326,25 @@ def plan(
     model = {**({"vocab_size": vocab_size} if vocab_size else {}), **({"arch": arch} if arch else {})}
     cfg = build_config(preset=preset, sets=set_, flags={**settings, "workers": gpus, "model": model},
                        folder=folder)
+    if budget is not None:  # plan/budget.py: the model and the batch for the budget
+        from raytrain_lm.plan.budget import budget_plan, load_law
+
+        sized = budget_plan(budget, load_law(law), cfg.model, cfg.seq_len, noise_scale, tokens_per_param)
+        cfg.model, preset = sized.model, f"the compute-optimal {cfg.model.arch} for {budget:.3g} FLOPs"
+        global_batch = global_batch or sized.global_batch
+        if tokens is None:  # the goodput's run trains the budget's tokens
+            risk = RunRisk(mtbf, storage_gbps, restart_min * 60, sized.tokens)
+        if as_json:
+            out = json.loads(plan_command(cfg, cluster, tp=tp, pp=pp, strategy=strategy, top=top,
+                                          show_all=show_all, as_json=True, global_batch=global_batch,
+                                          virtual_stages=virtual_stages, explain=explain, ep=ep,
+                                          risk=risk))
+            typer.echo(json.dumps({"budget": sized.as_dict(), **out}, indent=2))
+            return
+        typer.echo(sized.text() + "\n")
     typer.echo(plan_command(cfg, cluster, tp=tp, pp=pp, strategy=strategy, top=top,
                             show_all=show_all, as_json=as_json, global_batch=global_batch,
                             virtual_stages=virtual_stages, explain=explain, ep=ep,
-                            name=f"the {cfg.model.arch} of {init_from}" if folder else None,
+                            name=f"the {cfg.model.arch} of {init_from}" if folder else
+                            preset if budget is not None else None,
                             risk=risk))

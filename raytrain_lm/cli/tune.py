@@ -24,6 +24,7 @@ from raytrain_lm.cli.options import (
 )
 from raytrain_lm.config.load import build_config
 from raytrain_lm.console import LiveTable
+from raytrain_lm.errors import UserError
 from raytrain_lm.tune.sweep_config import SweepSettings, new_sweep, resumed_sweep
 
 # Search-space flags: a spec string each (LOW:HIGH, log:LOW:HIGH or A,B,C) -> the setting it tunes.
@@ -79,17 +80,33 @@ def tune(
     track: SetList = typer.Option(None, "--track", metavar="mlflow|wandb", help="A tracking run per "
                                   "trial (its hyperparameters, rows, status), grouped by the sweep: "
                                   "an MLflow parent run, a W&B group (see train --track)."),
+    scaling: bool = typer.Option(False, help="A scaling-law sweep: every point of a grid of sizes "
+                                 "(--n-embd, --n-layer) x lengths (--steps) run to its "
+                                 "end, then L(N, D) = E + A/N^alpha + B/D^beta fitted (Hoffmann et "
+                                 "al.'s approach 3, the IsoFLOP minima beside it): scaling.json, "
+                                 "scaling.png."),
+    steps: Optional[str] = typer.Option(None, help="With --scaling: the grid's run lengths in steps, "
+                                        "e.g. 100,200,400 (each trial's cosine schedule ends at its own)."),
+    budget: Optional[float] = typer.Option(None, metavar="FLOPS", help="With --scaling: the "
+                                           "compute-optimal N and D of the fit for this budget."),
     verbose: bool = VERBOSE,
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No live table, only the results."),
     as_json: bool = JSON,
 ) -> None:
-    """Tune hyperparameters: a Ray Tune sweep of full distributed trainings, ASHA early stopping."""
+    """Tune hyperparameters: a Ray Tune sweep of full distributed trainings, ASHA early stopping;
+    with --scaling, a grid of sizes and lengths and the scaling law fitted to it."""
     from raytrain_lm.tune.sweep import run_sweep
 
     specs = {SPEC_FLAGS[k]: v for k, v in dict(lr=lr, warmup=warmup, weight_decay=weight_decay,
                                                 batch_size=batch_size, grad_accum=grad_accum,
                                                 dropout=dropout, n_layer=n_layer,
                                                 n_embd=n_embd).items()}
+    if resume and scaling:
+        raise UserError("--scaling starts a new sweep; --resume continues one")
+    if scaling and not resume and not (n_embd or n_layer or any(
+            s.startswith(("model.n_embd=", "model.n_layer=")) for s in space or [])):
+        raise UserError("--scaling needs a grid of sizes and lengths: --n-embd A,B,C (or --n-layer) "
+                        "and --steps S1,S2,S3")
     if resume:
         others = {**specs, "space": space, "space-file": space_file, "config": config, "set": set_,
                   "track": track, "target-width": target_width, "param": param}
@@ -98,16 +115,22 @@ def tune(
     else:
         if param is not None:
             settings["model"] = {"param": param}
-        sweep = SweepSettings(search=search, trials=trials, concurrent=concurrent,
+        sweep = SweepSettings(search="grid" if scaling else search, trials=trials, concurrent=concurrent,
                               grace_steps=grace_steps, reduction_factor=reduction_factor, seed=seed,
                               metric=metric, target_width=target_width)
         cfg, sweep_space = new_sweep(settings, specs, space or [], str(space_file) if space_file else None,
                                      str(config) if config else None, set_, sweep)
+        if scaling:
+            from raytrain_lm.tune.scaling_sweep import setup_scaling
+
+            setup_scaling(cfg, sweep_space, sweep, steps)
     table = LiveTable()
     with only_json_on_stdout(as_json) as stdout:
         summary = run_sweep(cfg, sweep_space, sweep, resume=resume, verbose=verbose,
                             say=say_for(quiet, as_json), live=None if quiet or as_json else table.draw,
                             live_interval=2.0 if table.tty else 30.0, track=track)
+        if scaling:
+            summary["scaling"] = scaling_fit(cfg, summary, budget)
         if as_json:
             typer.echo(json.dumps({k: v for k, v in summary.items() if k != "table"}, indent=2,
                                   default=str), file=stdout)
@@ -125,6 +148,23 @@ def tune(
     if summary["plot"]:
         typer.echo(f"validation curves: {summary['plot']}")
     typer.echo(f"results: {summary['dir']}/results.json")
+    if scaling:
+        from raytrain_lm.tune.scaling_sweep import describe
+
+        typer.echo(describe(summary["scaling"]))
+        typer.echo(f"fit: {summary['scaling']['files']['json']}, plot: {summary['scaling']['files']['plot']}"
+                   f"   (python cli.py plan --budget FLOPS --law {summary['scaling']['files']['json']})")
+
+
+def scaling_fit(cfg, summary: dict, budget: Optional[float]) -> dict:
+    """The scaling law of a finished --scaling sweep, written beside its results."""
+    from raytrain_lm.store.storage import RunFolder
+    from raytrain_lm.tune.scaling_sweep import fit_points, scaling_points, write_scaling
+
+    folder = RunFolder(cfg.storage, cfg.name)
+    result = fit_points(scaling_points(folder, summary["trials"]), budget)
+    result["files"] = write_scaling(folder, result, f"sweep {cfg.name}: scaling law")
+    return result
 
 
 @app.command("lr-find", epilog=examples("python cli.py lr-find",

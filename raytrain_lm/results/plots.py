@@ -28,7 +28,9 @@ def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
 
 def plot_runs(runs: Sequence[tuple[str, list[dict]]], dpi: int = 110) -> bytes:
     """PNG bytes of the curves of `runs`: (name, metrics rows) pairs."""
-    fig, (ax_loss, ax_tps, ax_lr) = plt.subplots(1, 3, figsize=(15, 4.4), dpi=dpi)
+    noise = any(r.get("noise_scale") is not None for _, rows in runs for r in rows)
+    fig, axes = plt.subplots(1, 4 if noise else 3, figsize=(20 if noise else 15, 4.4), dpi=dpi)
+    ax_loss, ax_tps, ax_lr = axes[:3]
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     several = len(runs) > 1
     for i, (name, rows) in enumerate(runs):
@@ -44,6 +46,9 @@ def plot_runs(runs: Sequence[tuple[str, list[dict]]], dpi: int = 110) -> bytes:
         ax_tps.plot(s, v, color=c, lw=1.6, label=name)
         s, v = _series(rows, "lr")
         ax_lr.plot(s, v, color=c, lw=1.6, label=name)
+        if noise:
+            s, v = _series(rows, "noise_scale")
+            axes[3].plot(s, v, color=c, lw=1.6, label=name)
     ax_loss.set(title="loss (nats/token)", xlabel="step")
     ax_tps.set(title="throughput (tokens/s, all workers)", xlabel="step", ylim=(0, None))
     ax_lr.set(title="learning rate", xlabel="step")
@@ -51,7 +56,9 @@ def plot_runs(runs: Sequence[tuple[str, list[dict]]], dpi: int = 110) -> bytes:
     ax_loss.legend(fontsize=8)
     if several:
         ax_tps.legend(fontsize=8)
-    for ax in (ax_loss, ax_tps, ax_lr):
+    if noise:  # McCandlish et al.'s B_simple, from the moving averages of |G|^2 and tr(Sigma)
+        axes[3].set(title="gradient noise scale B_simple (sequences)", xlabel="step", yscale="log")
+    for ax in axes:
         ax.grid(alpha=0.3)
     if not several and runs:
         fig.suptitle(runs[0][0], fontsize=10)

@@ -36,6 +36,8 @@ def progress_line(row: MetricsRow, max_steps: int) -> str:
         f"val {row['val_loss']:.4f}" if row.get("val_loss") is not None else None,
         f"{row['val_bpb']:.3f} bpb" if row.get("val_bpb") is not None else None,
         f"lr {row['lr']:.2e}",
+        # the gradient noise scale B_simple, in sequences (plan/noise_scale.py)
+        f"B_noise {row['noise_scale']:.3g}" if row.get("noise_scale") is not None else None,
         # a mixture of experts: its most imbalanced layer (max / mean tokens per expert)
         f"load {max(row['expert_load']):.2f}" if row.get("expert_load") else None,
         f"{_fmt_rate(row['tokens_per_second'])} tok/s",

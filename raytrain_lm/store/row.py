@@ -38,6 +38,11 @@ class MetricsRow(TypedDict, total=False):
     aux_loss: float  # load-balancing loss, mean over MoE layers; 1.0 when balanced
     z_loss: float  # router z-loss, mean over MoE layers
     expert_load: list[float]  # each MoE layer's max / mean tokens per expert; 1.0 when balanced
+    # the gradient noise scale (plan/noise_scale.py), smoothed over the run's steps so far; only
+    # where the layout gives two batch sizes (parallel/noise.py)
+    noise_scale: Optional[float]  # B_simple in sequences; None while |G|^2 is not yet positive
+    noise_grad_sq: float  # the smoothed |G|^2
+    noise_trace: float  # the smoothed tr(Sigma), per sequence
     # the loop's
     tokens: int  # seen so far
     epoch: int
@@ -78,6 +83,7 @@ CHART_NAMES: dict[str, str] = {
     "peak_mem_gb": "perf/peak_mem_gb",
     "peak_mem_reserved_gb": "perf/peak_mem_reserved_gb",
     "bubble": "perf/pipeline_bubble",
+    "noise_scale": "optim/noise_scale",
     "checkpoint_wait_s": "perf/checkpoint_wait_s",
     "tokens": "progress/tokens",
     "epoch": "progress/epoch",

@@ -79,7 +79,8 @@ def train_loop_per_worker(inputs: WorkerInputs) -> None:
     step_tokens = sized.batch_size * cfg.seq_len * sized.grad_accum * step_fn.dp
     peak = gpu_peak_tflops(device, cfg.peak_tflops, step_fn.precision)
     meter = Meter(device, world, fpt, peak, n_params, baseline_mem, build_mem,
-                  loss_ranks=step_fn.dp, scaler_skips=step_fn.scaler.is_enabled())
+                  loss_ranks=step_fn.dp, scaler_skips=step_fn.scaler.is_enabled(),
+                  noise_batches=step_fn.noise_batches)
     step_fn.train()
     while step < cfg.max_steps:
         lr = lr_at(step, cfg)
@@ -87,7 +88,7 @@ def train_loop_per_worker(inputs: WorkerInputs) -> None:
         hold_drill(inputs.hold_at, step + 1, rank, world, checkpointer.fs, checkpointer.run_path)
         loss, grad_norm = step_fn(batches, lr)
         step, tokens = step + 1, tokens + step_tokens
-        meter.add_step(loss, step_tokens, grad_norm)
+        meter.add_step(loss, step_tokens, grad_norm, step_fn.small_sq)
         fault_drill(inputs.fail_at, step, rank, inputs.run_name)
         preempted = preemption.check(step)  # a node of the run is going: checkpoint now
         if not (cadence.rows(step) or preempted):

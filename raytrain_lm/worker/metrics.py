@@ -16,6 +16,7 @@ from raytrain_lm.parallel.fsdp import held_bytes, param_fraction, to_float
 from raytrain_lm.parallel.mesh import all_gather_rows, all_reduce
 from raytrain_lm.plan.fit import check_memory
 from raytrain_lm.plan.gpus import kind_of_device, peak_tflops
+from raytrain_lm.plan.noise_scale import NoiseScale
 from raytrain_lm.store.row import MetricsRow
 
 
@@ -102,11 +103,13 @@ class Meter:
     def __init__(self, device: torch.device, world: int, flops_per_token: float,
                  peak_tflops: Optional[float], num_parameters: int, baseline_mem: float,
                  build_mem: float = 0.0, loss_ranks: Optional[int] = None,
-                 scaler_skips: bool = False):
+                 scaler_skips: bool = False, noise_batches: Optional[tuple[int, int]] = None):
         """`loss_ranks`: how many ranks report a loss (one per data-parallel group; the others
         add 0), so the sum over all ranks divided by it is the global mean. `scaler_skips`: fp16's
         gradient scaler skips a step whose gradients overflow, so a non-finite gradient norm is
-        its business, not an error (a non-finite loss still is)."""
+        its business, not an error (a non-finite loss still is). `noise_batches`: (b, B), the
+        batch sizes of each step's small-batch squared norm (`add_step`'s `small_sq`) and of its
+        gradient norm, for the gradient noise scale; None: no noise scale."""
         self.device, self.world, self.loss_ranks = device, world, loss_ranks or world
         self.fpt, self.peak, self.num_parameters = flops_per_token, peak_tflops, num_parameters
         self.baseline_mem = baseline_mem  # peak memory before the model existed
@@ -126,15 +129,20 @@ class Meter:
         # each kept row's mixture-of-experts statistics (None: dense) and what reads them summed
         self.kept_moe: list = []
         self.first_bad: Optional[int] = None  # the index in `rows`' answer of nonfinite's row
+        self.noise_batches, self.noise = noise_batches, NoiseScale()
+        self.small: list[torch.Tensor] = []  # each step's small-batch squared norm (noise scale)
 
     def add_step(self, loss: torch.Tensor, tokens: int,
-                 grad_norm: Optional[torch.Tensor] = None) -> None:
+                 grad_norm: Optional[torch.Tensor] = None,
+                 small_sq: Optional[torch.Tensor] = None) -> None:
         """Keeps the step's loss and gradient norm as device tensors: nothing is read on the host
         until the row (no per-step synchronisation)."""
         if self.first_step_unix is None:
             self.first_step_unix = time.time()
         self.losses.append(loss)
         self.norms.append(grad_norm if grad_norm is not None else torch.zeros((), device=loss.device))
+        if self.noise_batches is not None:
+            self.small.append(small_sq if small_sq is not None else torch.zeros((), device=loss.device))
         self.timer.steps += 1
         self.timer.tokens += tokens
 
@@ -153,7 +161,9 @@ class Meter:
              held_bytes(step_fn.parts, step_fn.optimizers) / 1e9,
              peak_memory_gb(self.device) - self.baseline_mem, self.build_mem,
              elapsed / self.timer.steps, reserved_memory_gb(self.device) or 0.0],
-            dtype=torch.float64, device=self.device)])
+            dtype=torch.float64, device=self.device),
+            # the noise scale's small-batch squared norms, one per step (none without it)
+            torch.stack(self.small).double().reshape(-1) if self.small else norms[:0]])
         tps = self.timer.tokens / elapsed
         row: MetricsRow = {
             "step": step,
@@ -198,7 +208,8 @@ class Meter:
             n = len(norms)
             sums = part[:, :2 * n + 1].sum(0)
             losses, bad, wait = sums[:n] / self.loss_ranks, sums[n:2 * n], sums[2 * n]
-            mem = part[:, 2 * n + 1:].max(0).values
+            mem = part[:, 2 * n + 1:2 * n + 7].max(0).values
+            self._noise_fields(row, part[:, 2 * n + 7:].sum(0), norms)
             why = first_nonfinite(row["step"] - n + 1, losses.tolist(),
                                   [] if self.scaler_skips else norms.tolist(),
                                   [] if self.scaler_skips else (bad > 0).tolist())
@@ -228,6 +239,18 @@ class Meter:
         self.keep(step, lr, grad_norm, step_fn, **fields)
         return self.rows()[-1]
 
+    def _noise_fields(self, row: MetricsRow, small_sums: torch.Tensor, norms: torch.Tensor) -> None:
+        """The gradient noise scale after the row's steps (plan/noise_scale.py): each step's mean
+        over the data-parallel ranks of their small-batch squared norms against the squared
+        global norm; steps whose norm is not finite (fp16's skipped steps) left out."""
+        if self.noise_batches is None or not small_sums.numel():
+            return
+        for small, norm in zip((small_sums / self.loss_ranks).tolist(), norms.tolist()):
+            if math.isfinite(small) and math.isfinite(norm):
+                self.noise.update(small, norm * norm, *self.noise_batches)
+        row.update(noise_scale=self.noise.b_simple, noise_grad_sq=self.noise.grad_sq,
+                   noise_trace=self.noise.trace_sigma)
+
     def replica_spread(self, model: torch.nn.Module) -> float:
         """Max minus min over ranks of a float64 checksum of this rank's parameters: 0.0 exactly
         when every data-parallel replica holds the same weights (DDP's promise)."""
@@ -238,7 +261,7 @@ class Meter:
     def next_interval(self, exclude_since_row: bool) -> None:
         """Start the next interval. The cost of reporting (a barrier) counts against it; with
         `exclude_since_row`, validation and checkpoint time since the row was built does not."""
-        self.losses, self.norms = [], []
+        self.losses, self.norms, self.small = [], [], []
         self.timer.reset(excluded=time.perf_counter() - self._row_done if exclude_since_row else 0.0)
 
 

@@ -27,6 +27,7 @@ from raytrain_lm.models import family
 from raytrain_lm.parallel import ddp, grad, parallelize, pp
 from raytrain_lm.parallel.ep import moe_stats, moe_summary
 from raytrain_lm.parallel.mesh import all_reduce
+from raytrain_lm.parallel.noise import SmallBatchNorm
 from raytrain_lm.parallel.traffic import CommCounter, PipelineTimer, clock_for
 from raytrain_lm.worker.optim import build_optimizer
 
@@ -74,6 +75,9 @@ class TrainStep:
         self._data_marks: list[tuple] = []  # around each batches.next() since take_data_wait
         self.comm_bytes: dict[str, int] = {}  # per mesh dim, one step (see _count_comm)
         self.steps = 0
+        # the gradient noise scale's small batch (parallel/noise.py); `small_sq`: the last step's
+        self.small_batch = SmallBatchNorm(self.model, cfg.batch_size, cfg.grad_accum, device)
+        self.small_sq: Optional[torch.Tensor] = None
 
     # ---------------------------------------------------------------- what others read
 
@@ -149,6 +153,12 @@ class TrainStep:
             self.comm_bytes = counter.bytes_per_dim()
         return loss, grad_norm
 
+    @property
+    def noise_batches(self) -> Optional[tuple[int, int]]:
+        """(b, B) in sequences of the squared norms `small_sq` and the gradient norm stand for,
+        or None where this layout gives no smaller batch."""
+        return self.small_batch.batches
+
     def _count_comm(self):
         """The bytes each mesh dimension moves, counted on this run's second step (the first
         one sets things up) of a sharded layout; every step moves the same."""
@@ -161,6 +171,7 @@ class TrainStep:
         this rank's dp group, or 0 on ranks that do not report it."""
         m = self.model
         accum, total = self.cfg.grad_accum, None
+        self.small_batch.start()
         for micro in range(accum):
             start = self.data_clock.mark()
             x, y = batches.next()
@@ -178,6 +189,7 @@ class TrainStep:
                     loss = m.modules[0](x, y)[1]
                     self.scaler.scale(loss / accum).backward()
                 loss = _local(loss.detach()) / accum
+                self.small_batch.after_micro(micro, m.parts[0].parameters())
             total = loss if total is None else total + loss
         if m.cp_group is not None:  # each cp rank's is the mean of its equal share of tokens
             total = all_reduce(total.clone(), group=m.cp_group) / m.layout.cp
@@ -204,6 +216,7 @@ class TrainStep:
             pp.sync_tied_grads(m.parts, m.tied_group)
         for optimizer in self.optimizers:
             self.scaler.unscale_(optimizer)
+        self.small_sq = self.small_batch.take(self.scaler._scale if self.scaler.is_enabled() else None)
         if m.replicated:
             norm = torch.nn.utils.clip_grad_norm_(m.parts[0].parameters(), self.cfg.grad_clip)
         else:
