@@ -14,10 +14,8 @@ from raytrain_lm.models.family import ModelConfig
 from raytrain_lm.plan import experts, network
 from raytrain_lm.plan.comm import Comm, pp_send_bytes, rank_comm, tp_backward_share
 from raytrain_lm.plan.context import cp_sizes
-from raytrain_lm.plan.hardware import Cluster, kind_cluster
+from raytrain_lm.plan.hardware import Cluster
 from raytrain_lm.plan.kernels import rank_compute_seconds
-from raytrain_lm.plan.kinds import DEFAULT_KIND
-from raytrain_lm.plan.kinds import kinds as gpu_kinds
 from raytrain_lm.plan.memory import MemoryPlan, rank_memory
 from raytrain_lm.plan.stages import StageShape, candidate_ranks, held_params, rank_stages
 
@@ -383,18 +381,6 @@ def check_pp(m: ModelConfig, cl: Cluster, pp: int, tp: int) -> None:
         raise UserError(f"--gpus {cl.gpus} is not a multiple of tp x pp = {tp} x {pp}")
     if pp > m.n_layer:
         raise UserError(f"--pp {pp} is more stages than model.n_layer ({m.n_layer}) layers")
-
-
-# ---------------------------------------------------------------- a config's cluster
-
-def config_cluster(cfg, memory_gb: float, gpu_kind: Optional[str] = None) -> Cluster:
-    """The cluster `train` checks against: `memory_gb` per worker, of the GPU kind the worker's
-    device or Ray's label names (the default kind's figures where none is known: whether the run
-    fits does not depend on them, the ranking of the layout it hints at does); GPUs per node
-    unknown before Ray starts, so the largest divisor of the workers a node of the kind holds."""
-    key = gpu_kind or DEFAULT_KIND
-    return kind_cluster(key, cfg.workers, gpus_per_node=math.gcd(cfg.workers, gpu_kinds()[key].gpus_per_node),
-                        memory_gb=memory_gb, gpu=cfg.use_gpu, precision=cfg.precision)
 
 
 def estimate(m: ModelConfig, workers: int, strategy: str, ac: str, micro_batch: int, seq_len: int,

@@ -3,14 +3,17 @@ before any worker starts, and each GPU worker's again with the memory its device
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 from raytrain_lm.config.layout import Layout
 from raytrain_lm.config.settings import TrainConfig
 from raytrain_lm.config.sizes import fit_to_world, worker_counts
 from raytrain_lm.errors import UserError
-from raytrain_lm.plan.estimate import config_cluster, estimate_layout, plan
-from raytrain_lm.plan.hardware import GIB
+from raytrain_lm.plan.estimate import estimate_layout, plan
+from raytrain_lm.plan.hardware import GIB, Cluster, kind_cluster
+from raytrain_lm.plan.kinds import DEFAULT_KIND
+from raytrain_lm.plan.kinds import kinds as gpu_kinds
 from raytrain_lm.plan.printout import recommendation
 
 
@@ -48,3 +51,13 @@ def _better_layout(cfg: TrainConfig, cluster, layout) -> str:
     if best is None:
         return "nothing fits on this many workers: add workers or use a smaller model"
     return f"try {best.layout.flags()} (~{best.reserved / GIB:.1f} GiB per worker)"
+
+
+def config_cluster(cfg, memory_gb: float, gpu_kind: Optional[str] = None) -> Cluster:
+    """The cluster `train` checks against: `memory_gb` per worker, of the GPU kind the worker's
+    device or Ray's label names (the default kind's figures where none is known: whether the run
+    fits does not depend on them, the ranking of the layout it hints at does); GPUs per node
+    unknown before Ray starts, so the largest divisor of the workers a node of the kind holds."""
+    key = gpu_kind or DEFAULT_KIND
+    return kind_cluster(key, cfg.workers, gpus_per_node=math.gcd(cfg.workers, gpu_kinds()[key].gpus_per_node),
+                        memory_gb=memory_gb, gpu=cfg.use_gpu, precision=cfg.precision)
