@@ -274,24 +274,18 @@ def run_layout(name: str, settings: dict, force: tuple, kind: str, device: torch
 KERNEL_OPS = (("flash", "flash"), ("efficient", "efficient"), ("cudnn", "cudnn"), ("flex", "flex"))
 
 
-def document_mask_argument(attention) -> str | None:
-    """The keyword through which the model's attention takes document boundaries, where it
-    does (the context-parallel issue adds document masking); None where it does not yet."""
-    import inspect
-
-    params = inspect.signature(attention.forward).parameters
-    return next((p for p in ("document_ids", "doc_ids", "documents") if p in params), None)
-
-
 def run_attention(name: str, settings: dict, kind: str, device: torch.device) -> dict:
     """An attention row: the model's own attention module (a one-block Llama's, the path of
-    settings["attention"]: causal, a sliding window shorter than the sequence, or documents),
-    forward and backward on random activations in bf16 on a GPU (fp32 on the CPU): which SDPA
+    settings["attention"]: causal, a sliding window shorter than the sequence, or documents: a
+    packed window of two documents under --doc-mask's span, models/attention.py, which takes
+    flex_attention's block mask on a GPU), forward and backward on random activations in bf16
+    on a GPU (fp32 on the CPU): which SDPA
     kernel ran (the op it dispatched to), which fused kernels take this path (each tried alone
     under sdpa_kernel), the milliseconds of one forward and backward, the peak memory."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils._python_dispatch import TorchDispatchMode
 
+    from raytrain_lm.models import attention as spans
     from raytrain_lm.models import build_model
     from raytrain_lm.models.family import ModelConfig
 
@@ -304,13 +298,11 @@ def run_attention(name: str, settings: dict, kind: str, device: torch.device) ->
     with torch.device(device):
         attention = next(mod for mod in build_model(m, seed=0).modules()
                          if type(mod).__name__ == "Attention")
-    kwargs = {}
-    if path == "documents":
-        arg = document_mask_argument(attention)
-        if arg is None:
-            return {**row, "status": "not available: the model's attention takes no document "
-                                     "boundaries yet (the context-parallel issue adds them)"}
-        kwargs[arg] = (torch.arange(T, device=device) >= T // 2).long().expand(B, T)  # 2 per row
+    span = None
+    if path == "documents":  # two documents a row, as --doc-mask installs them
+        docs = (torch.arange(T, device=device) >= T // 2).long().expand(B, T)
+        span = spans.Span(index=torch.arange(T, device=device), positions=spans.document_positions(docs),
+                          docs=docs)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     x = torch.randn(B, T, m.n_embd, device=device, dtype=dtype, requires_grad=True)
     attention.to(dtype)
@@ -318,7 +310,8 @@ def run_attention(name: str, settings: dict, kind: str, device: torch.device) ->
     def step():
         x.grad = None  # (a refused kernel may have stopped the step before this)
         attention.zero_grad(set_to_none=True)
-        out = attention(x, **kwargs)
+        with spans.using(span):
+            out = attention(x)
         (out[0] if isinstance(out, tuple) else out).float().square().mean().backward()
 
     ops = []
