@@ -63,8 +63,8 @@ def train_config(m, lr: float, steps: int, warmup: int = 0, weight_decay: float 
 
 def set_lr(optimizer, lr: float) -> None:
     """The schedule's lr times each group's muP multiplier, as worker/step.TrainStep does."""
-    for group in optimizer.param_groups:
-        group["lr"] = lr * group.get("lr_mult", 1.0)
+    for group, mult in zip(optimizer.param_groups, optimizer.lr_mults):
+        group["lr"] = lr * mult
 
 
 def watch(model):

@@ -272,7 +272,9 @@ def test_gpu_check_keeps_every_finished_row_when_killed(tmp_path):
     kept = json.loads((out / "gpu_check.json").read_text())["layouts"]
     assert [r["layout"] for r in kept[:2]] == ["ddp", "fsdp"]
     assert all(r["status"] == "ok" and r["step_time"] > 0 for r in kept[:2])
-    assert printed.splitlines()[0].startswith("ddp ") and " ok " in printed.splitlines()[0]
+    lines = printed.splitlines()  # the check's estimate of its length, then a line per row
+    assert lines[0].startswith("5 rows; expected on an H100:"), printed
+    assert lines[1].startswith("ddp ") and " ok " in lines[1], printed
     assert len([line for line in (out / "rows.jsonl").read_text().splitlines()
                 if '"status"' in line]) >= 2
 

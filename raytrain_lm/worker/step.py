@@ -145,8 +145,8 @@ class TrainStep:
             # Gradients are freed here rather than after the step, so a report sees them as held.
             for optimizer in self.optimizers:
                 optimizer.zero_grad(set_to_none=True)
-                for group in optimizer.param_groups:  # lr_mult: a muP group's (worker/optim.py)
-                    group["lr"] = lr * group.get("lr_mult", 1.0)
+                for group, mult in zip(optimizer.param_groups, optimizer.lr_mults):  # muP's (optim.py)
+                    group["lr"] = lr * mult
             loss = self._forward_backward(batches)
             grad_norm = self._clip_and_step()
         if counter is not None:
