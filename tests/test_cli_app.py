@@ -128,3 +128,23 @@ def test_help_and_security_doc_say_a_task_folder_is_code():
     assert "A task folder is code, like a script you run" in text, text
     security = " ".join((ROOT / "docs" / "security.md").read_text().split())
     assert "| a task folder (`evaluate --include-path`) | run any code as you" in security
+
+
+def test_json_output_keeps_stdout_to_the_document_after_its_block(capsys):
+    """With --json, what prints after the JSON document's block (Ray's log thread, until Ray is
+    shut down: a raylet warning followed `tune --scaling --json`'s document) goes to stderr."""
+    import json as json_module
+
+    from raytrain_lm.cli.options import only_json_on_stdout
+
+    saved = sys.stdout
+    try:
+        with only_json_on_stdout(True) as out:
+            print("during the run")
+            print(json_module.dumps({"a": 1}), file=out)
+        print("(raylet) WARNING: a late log line")
+    finally:
+        sys.stdout = saved
+    captured = capsys.readouterr()
+    assert json_module.loads(captured.out) == {"a": 1}
+    assert "during the run" in captured.err and "late log line" in captured.err

@@ -165,8 +165,12 @@ def test_report_writes_a_png_of_the_real_curves(trained):
     img = _png(plot)
     blue = _pixels_of(img, C0)
     assert blue.sum() > 2000  # curves drawn, not an empty frame
-    # The loss panel is the left third: its curve falls from the top left to the bottom right.
-    third = img.shape[1] // 3
+    # One panel per quantity side by side: loss, throughput, learning rate, and the gradient
+    # noise scale where the rows have it (a data-parallel run: this one).
+    panels = 4 if any(r.get("noise_scale") is not None for r in metrics(run_dir)) else 3
+    assert panels == 4
+    third = img.shape[1] // panels  # one panel's width
+    # The loss panel is the leftmost: its curve falls from the top left to the bottom right.
     rows_, cols = np.nonzero(blue[:, :third])
     left, right = cols.min(), cols.max()
     span = right - left
@@ -176,8 +180,8 @@ def test_report_writes_a_png_of_the_real_curves(trained):
     start = rows_[cols < left + span * 0.1].min()
     end = rows_[cols > right - span * 0.1].max()
     assert end - start > img.shape[0] * 0.25, (start, end)  # image rows grow downwards
-    # The learning-rate panel (right third) rises in warmup then decays: its top is not at an end.
-    r3, c3 = np.nonzero(blue[:, 2 * third:])
+    # The learning-rate panel (the third) rises in warmup then decays: its top is not at an end.
+    r3, c3 = np.nonzero(blue[:, 2 * third:3 * third])
     top_col = c3[r3 == r3.min()].mean()
     assert c3.min() + 0.05 * (c3.max() - c3.min()) < top_col < c3.max() - 0.3 * (c3.max() - c3.min())
 

@@ -102,10 +102,10 @@ def only_json_on_stdout(as_json: bool):
     """With --json, stdout holds the JSON document alone: whatever else is printed while the block
     runs goes to stderr. (Ray prints its workers' deaths, "(raylet) A worker died ...", to the
     driver's stdout whatever log_to_driver says: `train --json` after a worker failure printed
-    that before the JSON.) Yields the stream to print the JSON to."""
+    that before the JSON.) Yields the stream to print the JSON to. stdout stays on stderr after
+    the block, for the rest of the command: Ray's log thread prints until Ray is shut down as the
+    command ends (cli.main), and `tune --scaling --json` had a raylet warning after its JSON."""
     out = sys.stdout
-    if not as_json:
-        yield out
-        return
-    with contextlib.redirect_stdout(sys.stderr):
-        yield out
+    if as_json:
+        sys.stdout = sys.stderr
+    yield out

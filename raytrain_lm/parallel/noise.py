@@ -56,7 +56,7 @@ class SmallBatchNorm:
         if self.micro and micro == 0:
             grads = [p.grad for p in params if p.grad is not None]
             if grads:
-                norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
+                norms = torch._foreach_norm(grads, 2, dtype=_at_least_fp32(grads[0]))
                 self.sq = torch.stack(norms).square().sum() * float(self.accum ** 2)
 
     def take(self, scale: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -65,6 +65,12 @@ class SmallBatchNorm:
             return None
         sq, self.sq = self.sq, None
         return sq / scale.float().square() if scale is not None else sq
+
+
+def _at_least_fp32(t: torch.Tensor) -> torch.dtype:
+    """The norm's dtype: fp32 for bf16/fp16/fp32 gradients, float64 for a float64 model (a
+    reference run) -- a norm may not narrow its input."""
+    return torch.promote_types(t.dtype, torch.float32)
 
 
 def _ddp_of(module: torch.nn.Module) -> Optional[DistributedDataParallel]:
@@ -96,7 +102,7 @@ class _SquaresThenReduceScatter(DefaultReduceScatter):
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
         if self.state.sq is not None:
-            self.state.sq += torch.linalg.vector_norm(input_tensor, 2, dtype=torch.float32).square()
+            self.state.sq += torch.linalg.vector_norm(input_tensor, 2, dtype=_at_least_fp32(input_tensor)).square()
         return super().__call__(output_tensor, input_tensor, group, op, async_op)
 
 
@@ -106,7 +112,7 @@ def _squares_then_allreduce(state: "SmallBatchNorm", bucket: dist.GradBucket
     default all-reduce of the mean."""
     buffer = bucket.buffer()
     if state.sq is not None:
-        state.sq += torch.linalg.vector_norm(buffer, 2, dtype=torch.float32).square()
+        state.sq += torch.linalg.vector_norm(buffer, 2, dtype=_at_least_fp32(buffer)).square()
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
     return allreduce_hook(None, bucket)
