@@ -26,6 +26,7 @@ from raytrain_lm.models import FAMILIES, hf_importer
 from raytrain_lm.models.family import ModelConfig
 from raytrain_lm.store import untrusted
 from raytrain_lm.store.files import META
+from raytrain_lm.store.release import parse as json_object
 
 HF_CONFIG, HF_WEIGHTS, HF_INDEX = "config.json", "model.safetensors", "model.safetensors.index.json"
 MAX_JSON_BYTES = 1 << 20  # config.json: a few KB
@@ -64,16 +65,10 @@ def read_json(folder: Path, name: str, limit: int = MAX_JSON_BYTES) -> dict[str,
     """A JSON object file of the folder (config.json, the index), checked as above."""
     path = untrusted.inside(Path(folder), name, str(folder))
     try:
-        data = json.loads(untrusted.read_bytes(path, limit))
+        text = untrusted.read_bytes(path, limit).decode("utf-8")
     except UnicodeDecodeError:
         raise UserError(f"{path} cannot be read: not UTF-8 text") from None
-    except RecursionError:
-        raise UserError(f"{path} cannot be read: nested too deeply") from None
-    except ValueError as e:
-        raise UserError(f"{path} cannot be read: {str(e).splitlines()[0]}") from None
-    if not isinstance(data, dict):
-        raise UserError(f"{path} is not a JSON object")
-    return data
+    return json_object(text, path)
 
 
 def read_config(folder: str | Path) -> dict[str, Any]:
