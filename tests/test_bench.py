@@ -206,6 +206,7 @@ def test_gpu_check_imports_everything_with_torch_alone(tmp_path):
     assert not set(GPU_HOST_LACKS) & set(loaded)
 
 
+@pytest.mark.slow  # a process group, two layouts built and freed with the collector off (~2 s)
 def test_gpu_check_frees_a_cyclic_layout_before_the_next_row():
     """FSDP's and the pipeline's modules hold themselves in reference cycles: after one of their
     rows, the check's `release` (gc.collect, then the allocator's cache) brings the memory its

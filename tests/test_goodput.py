@@ -82,7 +82,7 @@ def test_a_job_fails_as_often_as_all_its_gpus_together():
     assert f.save_s == pytest.approx(3.0) and f.restart_s == pytest.approx(103.0)
 
 
-PLAN = ("plan", "--preset", "llama3-8b", "--gpus", "16", "--top", "1")
+PLAN = ("plan", "--preset", "small", "--gpus", "16", "--top", "1")
 
 
 def test_plan_prints_the_recommended_layouts_goodput_and_checkpoint_interval():
