@@ -123,20 +123,14 @@ def save_release(folder: Path, kind: str, texts: list[str], seed: int = 0) -> di
     (its own init, then every weight perturbed so that one read from the wrong place shows), in
     bf16 shards with an index; its tokenizer.json as PreTrainedTokenizerFast saves it; the other
     files as the release spells them. Returns `release(kind)`."""
-    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
+
+    from test_families import perturbed_model
 
     files = release(kind, texts)
     folder.mkdir(parents=True)
     (folder / "config.json").write_text(json.dumps(files["config.json"], indent=2))
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.uniform_(0.5, 1.5, generator=g)
-            elif name.endswith(".bias"):
-                p.normal_(0.0, 0.5, generator=g)
+    model = perturbed_model(folder, seed)
     model.to(torch.bfloat16).save_pretrained(folder, max_shard_size="100KB")
     PreTrainedTokenizerFast(tokenizer_object=files["tokenizer.json"]).save_pretrained(folder)
     for name in ("config.json", "generation_config.json", "tokenizer_config.json"):

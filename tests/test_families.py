@@ -62,15 +62,12 @@ HUB = {
 SEQ = 48
 
 
-def save_hub_folder(folder, config: dict, seed: int):
-    """A folder as the Hub ships one, made by transformers here (nothing downloaded): its own
-    random init, every weight then perturbed (norms around one, biases around zero: a weight
-    read from the wrong place, or not at all, shows), saved in bf16 in shards with an index,
-    the tied head not stored; config.json as given. Returns the name of the class it loaded."""
+def perturbed_model(folder, seed: int):
+    """transformers' model of `folder`'s config.json, its own random init, then every norm gain
+    drawn around one and every bias around zero (a weight read from the wrong place, or not at
+    all, shows)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    folder.mkdir(parents=True)
-    (folder / "config.json").write_text(json.dumps(config))
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
     g = torch.Generator().manual_seed(seed)
@@ -80,6 +77,18 @@ def save_hub_folder(folder, config: dict, seed: int):
                 p.uniform_(0.5, 1.5, generator=g)
             elif name.endswith(".bias"):
                 p.normal_(0.0, 0.5, generator=g)
+    return model
+
+
+def save_hub_folder(folder, config: dict, seed: int):
+    """A folder as the Hub ships one, made by transformers here (nothing downloaded): its own
+    random init, every weight then perturbed (norms around one, biases around zero: a weight
+    read from the wrong place, or not at all, shows), saved in bf16 in shards with an index,
+    the tied head not stored; config.json as given. Returns the name of the class it loaded."""
+
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    model = perturbed_model(folder, seed)
     model.to(torch.bfloat16).save_pretrained(folder, max_shard_size="40KB")
     (folder / "config.json").write_text(json.dumps(config))  # the Hub's spelling, not v5's
     (folder / "tokenizer.json").write_text(byte_tokenizer_json())
