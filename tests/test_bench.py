@@ -192,6 +192,7 @@ def torch_alone(tmp_path) -> dict:
             "CUDA_VISIBLE_DEVICES": ""}
 
 
+@pytest.mark.slow  # a process that imports every module (~5 s); the smoke test below implies it
 def test_gpu_check_imports_everything_with_torch_alone(tmp_path):
     """Every module bench/gpu_check.py and its children import (import_all, which the check
     calls first) imports with Ray, pyarrow, typer, yaml and tokenizers unimportable; the smoke
