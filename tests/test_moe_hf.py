@@ -115,6 +115,28 @@ def test_an_moe_export_loads_back_as_the_same_class(hub, case, tmp_path):
         assert torch.equal(weights[name], t[:256] if name in ("wte.weight", "lm_head.weight") else t)
 
 
+@pytest.mark.parametrize("case", HUB)
+def test_a_folder_transformers_saved_keeps_its_expert_count(hub, case, tmp_path):
+    """transformers 5 saves the count of experts as num_local_experts for both classes (its
+    attribute_map), where the Hub's Qwen3-MoE folders say num_experts: a fine-tune saved by
+    save_pretrained imports with its own count and logits, not the class's default of 128 (or 8).
+    A folder giving both spellings two values is refused."""
+    from transformers import AutoModelForCausalLM
+
+    from raytrain_lm.errors import UserError
+
+    theirs = AutoModelForCausalLM.from_pretrained(hub[case], dtype=torch.float32).eval()
+    theirs.save_pretrained(tmp_path / "saved")
+    saved = json.loads((tmp_path / "saved" / "config.json").read_text())
+    assert saved["num_local_experts"] == HUB[case].get("num_experts", HUB[case].get("num_local_experts"))
+    ours = ours_from(tmp_path / "saved")
+    assert ours.cfg.n_experts == saved["num_local_experts"]
+    assert logits_gap(ours, theirs, 320, seed=5) < 1e-5
+    both = {**saved, "num_experts": saved["num_local_experts"] + 1}
+    with pytest.raises(UserError, match="two values of one setting"):
+        hf_adapter(ours.cfg).model_fields(both, "saved")
+
+
 @pytest.mark.parametrize("case,change,expected", [
     ("mixtral", {"router_jitter_noise": 0.1}, "router_jitter_noise (the router's inputs are not jittered here)"),
     ("qwen3_moe", {"mlp_only_layers": [1]}, "dense layers among the MoE ones"),

@@ -72,6 +72,9 @@ class LlamaAdapter(HFAdapter):
     defaults: dict[str, Any] = {"num_key_value_heads": None, "head_dim": None,
                                 "max_position_embeddings": 2048, "rms_norm_eps": 1e-6,
                                 "tie_word_embeddings": False}
+    # config.json's other spellings of a key, as the class's `attribute_map` reads them: the
+    # spelling transformers 5 writes -> the one this adapter reads (the Hub's)
+    aliases: dict[str, str] = {}
 
     def hf_name(self, name: str, m: ModelConfig) -> Optional[str]:
         if name == "lm_head.weight" and m.tie_embeddings:
@@ -172,6 +175,7 @@ class LlamaAdapter(HFAdapter):
         """Every ModelConfig field the folder's config.json fixes (the model is the folder), each
         value read checked for its type (`config_value`), after refusing, in one line, what
         llama.py does not compute. A key the folder leaves out takes the class's default (`defaults`)."""
+        config = self._respelled(config, where)
         c = {**self.defaults, **{k: v for k, v in config.items() if v is not None or k == "sliding_window"}}
         problems: list[str] = []
         width = config_value(c, "hidden_size", "count", where)
@@ -203,6 +207,19 @@ class LlamaAdapter(HFAdapter):
             raise UserError(f"{where} is a {self.architecture} this project cannot compute: "
                             f"{', '.join(problems)}")
         return fields
+
+    def _respelled(self, config: dict[str, Any], where: str) -> dict[str, Any]:
+        """config.json with each alias's value under the key this adapter reads, so a folder that
+        transformers saved (its own spelling) does not fall back to the class's default."""
+        for alias, key in self.aliases.items():
+            if config.get(alias) is None:
+                continue
+            if config.get(key) is not None and config[key] != config[alias]:
+                raise UserError(f"{where}: {HF_CONFIG} gives {key} {brief(config[key])} and "
+                                f"{alias} {brief(config[alias])}, two values of one setting: "
+                                f"keep one of them")
+            config = {**{k: v for k, v in config.items() if k != alias}, key: config[alias]}
+        return config
 
     def _rope_fields(self, c: dict[str, Any], problems: list[str], where: str) -> dict[str, Any]:
         """rope_parameters (transformers 5) or rope_scaling (older folders), as transformers

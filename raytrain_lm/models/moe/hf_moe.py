@@ -145,6 +145,7 @@ class MixtralAdapter(_MoEFormat):
                 "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "sliding_window": None,
                 "num_local_experts": 8, "num_experts_per_tok": 2, "router_jitter_noise": 0.0,
                 "router_aux_loss_coef": 0.001}
+    aliases = {"num_experts": "num_local_experts"}
 
     def _own_fields(self, c: dict[str, Any], problems: list[str], where: str) -> dict[str, Any]:
         if c.get("router_jitter_noise") not in (None, 0, 0.0):
@@ -172,6 +173,7 @@ class Qwen3MoeAdapter(_MoEFormat):
                 "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "num_experts": 128,
                 "num_experts_per_tok": 8, "norm_topk_prob": False, "decoder_sparse_step": 1,
                 "mlp_only_layers": [], "router_aux_loss_coef": 0.001}
+    aliases = {"num_local_experts": "num_experts"}  # transformers 5 saves the count so
 
     def _own_fields(self, c: dict[str, Any], problems: list[str], where: str) -> dict[str, Any]:
         if config_value(c, "attention_bias", "bool", where, False):
