@@ -257,3 +257,38 @@ def test_prepare_on_ray_wraps_and_counts_as_threads_do(ray_address, tmp_path):
     assert made["here"] == made["ray"] and made["ray"]["documents"]["begin"] == ["<s>"]
     for s in made["here"]["train"]["shards"] + made["here"]["val"]["shards"]:
         assert (tmp_path / "here" / s["file"]).read_bytes() == (tmp_path / "ray" / s["file"]).read_bytes()
+
+
+@pytest.mark.parametrize("name", ["llama2", "llama3", "qwen2"])
+def test_a_checkpoint_keeps_the_familys_wrap_and_generate_starts_a_document_with_it(
+        name, corpus, tmp_path):
+    """The dataset's tokenizer (dataset_tokenizer) has the family's wrap, a checkpoint's spec
+    records it, and the checkpoint's tokenizer has it again: `generate` puts <s> (Llama 2) or
+    <|begin_of_text|> (Llama 3) before the prompt, as every document the model saw began, and
+    starts from it alone when the prompt is empty (Qwen: after <|endoftext|>). A dataset
+    prepared before its spec carried the wrap (only the manifest's "documents") gives the same,
+    and resumes a checkpoint that records it (the same vocabulary)."""
+    from raytrain_lm.data.manifest import dataset_tokenizer
+    from raytrain_lm.data.tokenizer import tokenizer_from_spec
+    from raytrain_lm.results.generate import start_ids
+    from raytrain_lm.run.preflight import check_same_tokenizer
+
+    ref = reference(name)
+    out = tmp_path / "data"
+    prepare_dataset(str(corpus), out, tokenizer=str(family_folder(name)), block_tokens=128,
+                    val_every=VAL_EVERY, cpus=1)
+    begin = [ref.convert_tokens_to_ids(t) for t in DOC_WRAP[name][0]]
+    spec = dataset_tokenizer(out).spec()  # what the checkpointer records
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "tokenizer.json").write_bytes((out / "tokenizer.json").read_bytes())
+    tok = tokenizer_from_spec(json.loads(json.dumps(spec)), ckpt)
+    prompt = "def main():"
+    assert start_ids(tok, prompt) == begin + ref.encode(prompt, add_special_tokens=False)
+    assert start_ids(tok, "") == (begin or [ref.convert_tokens_to_ids("<|endoftext|>")])
+    manifest_path = out / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["tokenizer"].pop("documents", None)  # as the previous prepare wrote it
+    manifest_path.write_text(json.dumps(manifest))
+    assert dataset_tokenizer(out).spec() == spec
+    check_same_tokenizer(spec, manifest, "run 'r'", str(out))  # no UserError

@@ -107,8 +107,12 @@ def load_manifest(data: str | Path, verify: bool = False) -> dict:
 
 def dataset_tokenizer(data_dir: str | Path):
     """The tokenizer of a local dataset folder (a BPE's tokenizer.json read from it, its sha256
-    checked against the manifest)."""
-    return tokenizer_from_spec(load_manifest(data_dir)["tokenizer"], data_dir)
+    checked against the manifest), with the wrap of documents the manifest records."""
+    manifest = load_manifest(data_dir)
+    spec = manifest["tokenizer"]
+    if isinstance(manifest.get("documents"), dict) and spec.get("type") != "byte":
+        spec = {**spec, "documents": manifest["documents"]}
+    return tokenizer_from_spec(spec, data_dir)
 
 
 def _load_remote(uri: str) -> dict:

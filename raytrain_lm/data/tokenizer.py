@@ -22,7 +22,7 @@ import json
 import math
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import numpy as np
 
@@ -262,8 +262,12 @@ class BPETokenizer(Tokenizer):
         return self._lengths
 
     def spec(self) -> dict:
+        """What a checkpoint records of its tokenizer: the file's hash, and the family's wrap of a
+        document (so `generate` starts one as the model saw them: <s>, <|begin_of_text|>)."""
+        wrap = {"documents": {"begin_ids": list(self.doc_begin), "end_ids": list(self.doc_end)}}
         return {"type": self.name, "vocab_size": self.vocab_size, "file": TOKENIZER_FILE,
-                "sha256": self.sha256, "eot_id": self.eot_id}
+                "sha256": self.sha256, "eot_id": self.eot_id,
+                **(wrap if self.doc_begin or self.doc_end else {})}
 
 
 # ---------------------------------------------------------------- training
@@ -372,6 +376,12 @@ def check_spec(spec: dict, folder: Optional[str | Path] = None, verify: bool = F
             raise UserError(f"{path} does not match the sha256 its dataset or checkpoint recorded")
 
 
+def vocabulary_of(spec: dict) -> dict:
+    """What in a spec fixes what the token ids mean (its type, size, file hash): a checkpoint
+    and a dataset agree on it whether or not either recorded the documents' wrap."""
+    return {k: v for k, v in spec.items() if k != "documents"}
+
+
 def tokenizer_from_spec(spec: dict, folder: Optional[str | Path] = None) -> Tokenizer:
     """The tokenizer a spec describes; a BPE's file is read from `folder` and its hash checked."""
     check_spec(spec, folder)
@@ -382,7 +392,20 @@ def tokenizer_from_spec(spec: dict, folder: Optional[str | Path] = None) -> Toke
     tok = BPETokenizer(Path(folder) / TOKENIZER_FILE, sha256=spec["sha256"])
     if tok.vocab_size != spec["vocab_size"]:
         raise UserError(f"{tok.path} has {tok.vocab_size} tokens, its spec says {spec['vocab_size']}")
+    wrap = spec.get("documents")  # absent: written before the spec carried it, or no wrap
+    if wrap is not None:
+        tok.doc_begin, tok.doc_end = (_token_ids(wrap, key, tok.vocab_size, folder)
+                                      for key in ("begin_ids", "end_ids"))
     return tok
+
+
+def _token_ids(wrap: Any, key: str, vocab_size: int, folder) -> tuple[int, ...]:
+    ids = wrap.get(key, []) if isinstance(wrap, dict) else None
+    if not isinstance(ids, list) or not all(
+            isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab_size for i in ids):
+        raise UserError(f"the tokenizer spec of {folder}: its documents' {key} must be a list of "
+                        f"token ids below {vocab_size}")
+    return tuple(ids)
 
 
 # ---------------------------------------------------------------- Hugging Face interop

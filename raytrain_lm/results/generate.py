@@ -99,6 +99,17 @@ def sample(
     return out
 
 
+def start_ids(tok, prompt: str) -> list[int]:
+    """The tokens sampling continues: the prompt's, as a document the model trained on begins
+    (the family's <s> or <|begin_of_text|> before it, as its tokenizer adds one). An empty prompt
+    starts a new document: the family's start token, else after <|endoftext|> where the
+    tokenizer has one, else after a newline (the byte tokenizer has no start token)."""
+    ids = [*tok.doc_begin, *(int(i) for i in tok.encode(prompt))]
+    if ids:
+        return ids
+    return [tok.eot_id] if tok.eot_id is not None else [int(i) for i in tok.encode("\n")]
+
+
 def generate_text(
     folder: Path,
     prompt: str,
@@ -115,10 +126,7 @@ def generate_text(
     check_sampling(max_new_tokens, temperature, top_k)
     dev = pick_device(device)
     model, tok, _ = load_model(folder, dev, meta)
-    # An empty prompt starts a new document: after <|endoftext|> where the tokenizer has one,
-    # else after a newline (the byte tokenizer has no start token).
-    prompt_ids = [int(i) for i in tok.encode(prompt)] or (
-        [tok.eot_id] if tok.eot_id is not None else [int(i) for i in tok.encode("\n")])
+    prompt_ids = start_ids(tok, prompt)
     if max(prompt_ids) >= min(model.cfg.vocab_size, tok.vocab_size):
         raise UserError("the prompt holds tokens outside this model's vocabulary")
     # A token is a byte string that can end inside a character (every byte-level tokenizer):
