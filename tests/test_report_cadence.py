@@ -113,7 +113,7 @@ def test_checkpoints_at_their_steps_and_the_end_or_never_at_minus_one():
     assert saved(10) == [10, 20, 25] and saved(0) == [25] and saved(-1) == []
     cfg = TrainConfig()
     cfg.checkpoint_every = -2
-    with pytest.raises(UserError, match="checkpoint_every and max_failures >= -1"):
+    with pytest.raises(UserError, match="--checkpoint-every must be a number of steps"):
         validate(cfg)
 
 

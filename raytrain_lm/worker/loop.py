@@ -12,6 +12,7 @@ per step.
 from __future__ import annotations
 
 import math
+import time
 
 import ray.train
 import ray.train.torch
@@ -26,6 +27,8 @@ from raytrain_lm.data.manifest import dataset_tokenizer
 from raytrain_lm.data.resolve import resolve_dataset
 from raytrain_lm.errors import UserError
 from raytrain_lm.models import family, flops_per_token
+from raytrain_lm.parallel.mesh import all_reduce
+from raytrain_lm.plan.goodput import DEFAULT_MTBF_GPU_HOURS, choice_line, choose_checkpoint_every
 from raytrain_lm.store import checkpoint_format as ckpt_io
 from raytrain_lm.worker.checkpointer import Checkpointer, load_init_from, restore_rng
 from raytrain_lm.worker.drills import WindowLog, fault_drill, hold_drill, nan_drill
@@ -36,6 +39,7 @@ from raytrain_lm.worker.step import TrainStep
 
 
 def train_loop_per_worker(inputs: WorkerInputs) -> None:
+    began = time.time()  # this group's start-up, a restart's cost for --checkpoint-every auto
     cfg = TrainConfig.from_dict(inputs.train)
     cfg.data = resolve_dataset(cfg.data)  # s3://... -> verified local cache on this node
     ctx = ray.train.get_context()
@@ -75,7 +79,7 @@ def train_loop_per_worker(inputs: WorkerInputs) -> None:
 
     n_params = family(cfg.model).counts(cfg.model).total
     fpt = flops_per_token(cfg.model, cfg.seq_len)
-    cadence, preemption = Cadence(cfg), PreemptionWatch()
+    cadence, preemption = Cadence(cfg, start=step), PreemptionWatch()
     step_tokens = sized.batch_size * cfg.seq_len * sized.grad_accum * step_fn.dp
     peak = gpu_peak_tflops(device, cfg.peak_tflops, step_fn.precision)
     meter = Meter(device, world, fpt, peak, n_params, baseline_mem, build_mem,
@@ -96,7 +100,8 @@ def train_loop_per_worker(inputs: WorkerInputs) -> None:
         # threads: what the launch line said (run/cpus.py); a preemption: the driver names it
         # as the reason of the restart
         meter.keep(step, lr, grad_norm, step_fn, tokens=tokens, epoch=batches.epoch, workers=world,
-                   threads=torch.get_num_threads(), **({"preemption": preempted} if preempted else {}))
+                   threads=torch.get_num_threads(), **({"preemption": preempted} if preempted else {}),
+                   **cadence.take_note())
         save = cadence.checkpoints(step) or bool(preempted)
         if not (save or cadence.sends(step)):  # the row waits on this rank for the next send
             meter.next_interval(exclude_since_row=False)
@@ -106,12 +111,20 @@ def train_loop_per_worker(inputs: WorkerInputs) -> None:
             checkpointer.report_stop(step, meter.nonfinite, rows[:meter.first_bad])
             return
         row = rows[-1]
+        stopped = time.perf_counter()
         if cadence.validates(step):
             val, bpb = step_fn.evaluate(validation)
             row.update(val_loss=val, val_ppl=math.exp(min(val, 50.0)), val_bpb=bpb)
         if save and step_fn.replicated:
             row["replica_spread"] = meter.replica_spread(step_fn.parts[0])  # 0.0: they agree
         checkpointer.report(rows, save=save, step_fn=step_fn, stream=batches)
+        if cadence.measures(step):  # --checkpoint-every auto: the same numbers on every rank
+            stop_s, restart_s = all_reduce(torch.tensor(
+                [time.perf_counter() - stopped, meter.first_step_unix - began], dtype=torch.float64,
+                device=device), op="max").tolist()
+            said = cadence.decide(step, meter.slowest_step_time, stop_s, world, restart_s)
+            if rank == 0:
+                print(f"[checkpoint] {said}", flush=True)
         cadence.paced(step, meter.slowest_step_time)
         meter.next_interval(exclude_since_row=save or cadence.validates(step))
     checkpointer.report_final_rows(meter.start_unix)
@@ -132,17 +145,51 @@ class Cadence:
     fast steps to the poll. A row is kept on its rank until its send, when one all-gather makes
     every kept row global (Meter.rows): no collective per row. The decisions add none either: they
     are pure functions of the step and of the slowest rank's interval, which every rank receives
-    from the send's all-gather, so all ranks call `ray.train.report` at the same steps."""
+    from the send's all-gather, so all ranks call `ray.train.report` at the same steps.
+    `--checkpoint-every auto` adds one all-reduce, once: its measured checkpoint stop (`decide`)."""
 
     FIRST_SEND = 1  # the first step's report (compilation, warm-up) gives the first step time
+    # --checkpoint-every auto: the checkpoint this many steps after the group's start measures
+    # what a checkpoint stops training; the row with it, the step time (its first step, with its
+    # warm-up, has a row of its own: FIRST_SEND)
+    AUTO_MEASURE_STEPS = 5
 
-    def __init__(self, cfg: TrainConfig):
+    def __init__(self, cfg: TrainConfig, start: int = 0):
+        """`start`: the step this worker group starts at (0, or the checkpoint's it resumed)."""
         self.cfg = cfg
         self.next_send = self.FIRST_SEND
+        self.auto = cfg.checkpoint_every == "auto"
+        # auto: steps between checkpoints once decided (the same on every rank), from `measure_at`
+        self.every: int | None = None if self.auto else cfg.checkpoint_every
+        self.measure_at = min(start + self.AUTO_MEASURE_STEPS, cfg.max_steps)
+        self.note: dict = {}  # the decision, for the next row
 
     def checkpoints(self, step: int) -> bool:
-        every = self.cfg.checkpoint_every  # -1: never
-        return every >= 0 and (step == self.cfg.max_steps or bool(every and step % every == 0))
+        if step == self.cfg.max_steps:
+            return self.every != -1  # -1: never
+        if self.auto:
+            return step == self.measure_at if self.every is None else (
+                step > self.measure_at and (step - self.measure_at) % self.every == 0)
+        return self.every > 0 and step % self.every == 0
+
+    def measures(self, step: int) -> bool:
+        """Whether `step`'s checkpoint is --checkpoint-every auto's measurement (the one before
+        the decision)."""
+        return self.auto and self.every is None and step == self.measure_at < self.cfg.max_steps
+
+    def decide(self, step: int, step_s: float, stop_s: float, workers: int, restart_s: float) -> str:
+        """Choose auto's interval from the measured step, checkpoint stop and start-up (the same
+        values on every rank) and --mtbf; returns the line that says why."""
+        mtbf = self.cfg.mtbf if self.cfg.mtbf is not None else DEFAULT_MTBF_GPU_HOURS
+        choice = choose_checkpoint_every(step_s, stop_s, workers, mtbf, restart_s)
+        self.every = choice.every
+        self.note = {"checkpoint_auto": {**choice.as_row(), "at": step}}
+        return choice_line(self.note["checkpoint_auto"])
+
+    def take_note(self) -> dict:
+        """The decision's fields for the next row, once."""
+        note, self.note = self.note, {}
+        return note
 
     def validates(self, step: int) -> bool:
         return step % self.cfg.eval_every == 0 or self.checkpoints(step)
