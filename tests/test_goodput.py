@@ -139,7 +139,7 @@ def test_the_cadence_of_auto_measures_once_then_checkpoints_at_its_choice():
     and at the end; after, every `every` steps from the measurement; a resumed group measures
     again from its own start; int values keep their meaning."""
     from raytrain_lm.config.settings import TrainConfig
-    from raytrain_lm.worker.loop import Cadence
+    from raytrain_lm.worker.cadence import Cadence
 
     cfg = TrainConfig(max_steps=40, checkpoint_every="auto", mtbf=1e-4)
     cad = Cadence(cfg, start=10)

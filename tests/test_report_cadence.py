@@ -1,4 +1,4 @@
-"""When the loop makes a metrics row and when it sends rows (loop.Cadence): rows by a fixed step
+"""When the loop makes a metrics row and when it sends rows (cadence.Cadence): rows by a fixed step
 count when asked, sends paced by time, the rows between two sends carried by the next; the same
 steps on every rank because the pace comes from the send's all-gather (Meter)."""
 
@@ -12,7 +12,7 @@ import torch.multiprocessing as mp
 
 from conftest import MeteredStep
 from raytrain_lm.config.settings import TrainConfig
-from raytrain_lm.worker.loop import Cadence
+from raytrain_lm.worker.cadence import Cadence
 from raytrain_lm.worker.metrics import Meter
 
 
