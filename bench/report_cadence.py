@@ -1,5 +1,5 @@
 """What metric reports cost a fast step: per-step wall time of `cli.py train` at several report
-cadences, before and after the loop paced its reports by time (loop.Cadence).
+cadences, before and after the loop paced its reports by time (cadence.Cadence).
 
 A report waits while the previous one is still in Ray's queue (one per worker), which the
 controller empties when it polls the workers (every 0.5 s here), so reports by step count cap a

@@ -21,7 +21,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Ray Train's controller takes a worker's report when it polls the workers, and a worker holds
 # one report at a time: the tests' runs report every few steps of a model whose steps take a few
 # ms (rows to check at given steps), and at the product's 0.5 s poll they would mostly wait for
-# it (a user's reports are paced by time instead: loop.Cadence). The driver passes the poll to
+# it (a user's reports are paced by time instead: cadence.Cadence). The driver passes the poll to
 # the controller as an argument (ray_compat.polls.Polls). A value set outside still wins.
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1")
 

@@ -64,6 +64,10 @@ CASES = [
     Bad("train --data {data} --set model.dropout=nan", "--set: model.dropout must be a finite number"),
     Bad("train --data {data} --set min_lr_ratio=inf", "--set: min_lr_ratio must be a finite number"),
     Bad("train --data {data} --set gpu_memory_gb=-1", "gpu_memory_gb must be positive, got -1.0"),
+    Bad("train --data {data} --checkpoint-every atuo", "--checkpoint-every must be a number of "
+        "steps (0: only at the end; -1: none) or auto, got 'atuo'"),
+    Bad("train --data {data} --checkpoint-every auto --mtbf 0", "--mtbf must be a positive number of "
+        "GPU-hours, got 0.0"),
     Bad("train --data {data} --config nan.yaml", "config file nan.yaml: lr must be a finite number",
         setup="nan-config"),
     Bad("train --set lr=nan", "--set: lr must be a finite number"),  # before data/pydoc is made

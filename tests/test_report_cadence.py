@@ -1,4 +1,4 @@
-"""When the loop makes a metrics row and when it sends rows (loop.Cadence): rows by a fixed step
+"""When the loop makes a metrics row and when it sends rows (cadence.Cadence): rows by a fixed step
 count when asked, sends paced by time, the rows between two sends carried by the next; the same
 steps on every rank because the pace comes from the send's all-gather (Meter)."""
 
@@ -12,7 +12,7 @@ import torch.multiprocessing as mp
 
 from conftest import MeteredStep
 from raytrain_lm.config.settings import TrainConfig
-from raytrain_lm.worker.loop import Cadence
+from raytrain_lm.worker.cadence import Cadence
 from raytrain_lm.worker.metrics import Meter
 
 
@@ -113,7 +113,7 @@ def test_checkpoints_at_their_steps_and_the_end_or_never_at_minus_one():
     assert saved(10) == [10, 20, 25] and saved(0) == [25] and saved(-1) == []
     cfg = TrainConfig()
     cfg.checkpoint_every = -2
-    with pytest.raises(UserError, match="checkpoint_every and max_failures >= -1"):
+    with pytest.raises(UserError, match="--checkpoint-every must be a number of steps"):
         validate(cfg)
 
 

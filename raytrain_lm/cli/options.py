@@ -68,7 +68,8 @@ def settings(*keys: str, help: Optional[dict[str, str]] = None) -> Callable:
         for key in keys:
             f = fields[key]
             tp = typing.get_type_hints(TrainConfig)[key]
-            base = next((a for a in typing.get_args(tp) if a is not type(None)), tp)
+            args = [a for a in typing.get_args(tp) if a is not type(None)] or [tp]
+            base = args[0] if len(args) == 1 else str  # int | str: the text, coerced by the config
             flag = "--" + key.replace("_", "-")
             decls = [f"{flag}/--no-{flag[2:]}"] if base is bool else [flag]
             text = help[key] if key in help else _help_with_default(f, f.metadata["help"])

@@ -54,7 +54,7 @@ TRAIN_SETTINGS = ("use_gpu", "preset", "data", "max_steps", "batch_size", "seq_l
                   "virtual_stages", "layout", "gpus_per_node", "gpu_memory_gb",
                   "sequence_parallel", "activation_checkpointing", "precision", "name", "storage",
                   "address", "scale_timeout",
-                  "cp", "doc_mask")
+                  "cp", "doc_mask", "mtbf")
 
 
 def workers_value(text: str):

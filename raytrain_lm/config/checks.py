@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Optional
 
 from raytrain_lm.config.layout import Layout
 from raytrain_lm.config.sizes import check_elastic
-from raytrain_lm.errors import UserError
+from raytrain_lm.errors import UserError, brief
 from raytrain_lm.models import family, mup
 
 if TYPE_CHECKING:
@@ -114,8 +114,13 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.log_every < 0 or not cfg.log_seconds > 0:
         raise UserError(f"--log-every must be >= 0 (0: paced by --log-seconds) and --log-seconds "
                         f"positive, got {cfg.log_every} and {cfg.log_seconds:g}")
-    if cfg.warmup_steps < 0 or cfg.checkpoint_every < -1 or cfg.max_failures < -1 or cfg.eval_windows < 0:
-        raise UserError("warmup_steps and eval_windows must be >= 0, checkpoint_every and max_failures >= -1")
+    if cfg.warmup_steps < 0 or cfg.max_failures < -1 or cfg.eval_windows < 0:
+        raise UserError("warmup_steps and eval_windows must be >= 0, max_failures >= -1")
+    if cfg.checkpoint_every != "auto" and (isinstance(cfg.checkpoint_every, str) or cfg.checkpoint_every < -1):
+        raise UserError(f"--checkpoint-every must be a number of steps (0: only at the end; -1: "
+                        f"none) or auto, got {brief(cfg.checkpoint_every)}")
+    if cfg.mtbf is not None and not (cfg.mtbf > 0 and math.isfinite(cfg.mtbf)):
+        raise UserError(f"--mtbf must be a positive number of GPU-hours, got {cfg.mtbf!r}")
     if cfg.max_preemptions < -1 or cfg.resize_interval < 0:
         raise UserError("max_preemptions must be >= -1 and resize_interval >= 0")
     if cfg.checkpoint_upload not in UPLOAD_MODES:

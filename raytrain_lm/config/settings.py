@@ -11,7 +11,7 @@ import math
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from raytrain_lm import env
 from raytrain_lm.env import STORAGE_ENV
@@ -135,8 +135,6 @@ class TrainConfig:
     eval_every: int = setting(100, help="Steps between validations.")
     eval_windows: int = setting(256, help="Validation windows (the first ones of the split, the "
                                 "same whatever the worker count); 0: all of them.")
-    checkpoint_every: int = setting(100, help="Steps between checkpoints; 0: only at the end; "
-                                  "-1: none, not even at the end (a benchmark, a smoke run).")
     keep_checkpoints: int = setting(2, help="Checkpoints to keep.")
     checkpoint_upload: str = setting("auto", help="sync: training waits while a checkpoint "
                                      "uploads; async: it trains on while it uploads; auto: async "
@@ -161,6 +159,16 @@ class TrainConfig:
     doc_mask: bool = setting(False, help="Block-causal attention: a packed window's tokens attend "
                              "only within their own document (a dataset whose documents are "
                              "separated by <|endoftext|>); positions restart at each document.")
+    # checkpoints under failures (issue 55; plan/goodput.py)
+    checkpoint_every: Union[int, str] = setting(100, help="Steps between checkpoints; 0: only at "
+                                                "the end; -1: none, not even at the end (a "
+                                                "benchmark, a smoke run); auto: the interval of "
+                                                "most goodput (plan/goodput.py), chosen once the "
+                                                "run has measured its step and a checkpoint's "
+                                                "stop (a checkpoint 5 steps in), from --mtbf.")
+    mtbf: Optional[float] = setting(None, help="--checkpoint-every auto: each worker's mean time "
+                                    "between failures, in GPU-hours; the job's is this over the "
+                                    "workers [default: Llama 3 405B's, ~50,700].")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -202,9 +210,17 @@ def _coerce(value: Any, tp: Any, key: str, source: str) -> Any:
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+        if len(args) < len(typing.get_args(tp)) and (
+                value is None or (isinstance(value, str) and value.lower() in ("none", "null"))):
             return None
-        return _coerce(value, args[0], key, source)
+        if len(args) == 1:
+            return _coerce(value, args[0], key, source)
+        for arg in args:  # int | str: a number where it is one, else the text
+            converted = _converted(value, arg)
+            if converted is not None:
+                return converted
+        raise UserError(f"{source}: {key} must be {' or '.join(a.__name__ for a in args)}, got "
+                        f"{brief(value)}")
     converted = _converted(value, tp)
     if converted is None:
         raise UserError(f"{source}: {key} must be {tp.__name__}, got {brief(value)}")

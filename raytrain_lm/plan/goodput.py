@@ -228,3 +228,48 @@ def goodput_lines(gp: GoodputPlan, risk: RunRisk, n_params: int) -> list[str]:
         f"{duration(gp.young_daly_s)}): {gp.goodput:.1%} goodput (simulated {gp.simulated:.1%}); "
         f"{tokens:.3g} tokens ({said}--tokens) in {duration(gp.wall_s)} ({duration(gp.work_s)} with no "
         f"failure)"]
+
+
+@dataclass(frozen=True)
+class CheckpointChoice:
+    """`train --checkpoint-every auto`'s decision: the whole number of steps between checkpoints
+    of most goodput, from what the run measured. `every`: steps; `step_s`: the slowest rank's
+    step; `stop_s`: what one checkpoint stopped training (its validation and its save, the
+    slowest rank's); `mtbf_s`: the job's (each worker's --mtbf over the workers); `restart_s`:
+    a restart's (it sets the goodput, not the interval: e^(R/M) scales every segment alike)."""
+    every: int
+    step_s: float
+    stop_s: float
+    mtbf_s: float
+    restart_s: float
+    goodput: float
+    optimum_s: float  # best_interval's, in seconds of work
+
+    def as_row(self) -> dict:
+        return dict(self.__dict__)
+
+
+def choice_line(row: dict) -> str:
+    """What the run says of its choice: `row`, a CheckpointChoice's as_row() and the step it was
+    made at (`at`), as the metrics row carries it."""
+    c = CheckpointChoice(**{k: v for k, v in row.items() if k != "at"})
+    return (f"--checkpoint-every auto: {c.every} steps ({duration(c.every * c.step_s)} of training; "
+            f"the optimum {duration(c.optimum_s)}), decided at step {row['at']}: a step takes "
+            f"{duration(c.step_s)}, a checkpoint stops training {duration(c.stop_s)} (measured, its "
+            f"validation included), a failure every {duration(c.mtbf_s)} (--mtbf over the "
+            f"workers), a restart {duration(c.restart_s)} (this group's start-up): {c.goodput:.1%} "
+            f"goodput expected")
+
+
+def choose_checkpoint_every(step_s: float, stop_s: float, workers: int, mtbf_gpu_hours: float,
+                            restart_s: float) -> CheckpointChoice:
+    """The whole number of steps k >= 1 whose interval k x `step_s` has the most goodput: goodput
+    has one maximum in the interval, so it is the floor or the ceiling of the optimum in steps."""
+    if not step_s > 0 or not math.isfinite(step_s):
+        raise UserError(f"a step time must be positive to choose a checkpoint interval, got {step_s!r}")
+    f = Failures(mtbf_s=mtbf_gpu_hours * 3600 / workers, save_s=stop_s, restart_s=restart_s)
+    best = best_interval(f)
+    low = max(1, math.floor(best / step_s))
+    every = max((low, low + 1), key=lambda k: (goodput(k * step_s, f), -k))
+    return CheckpointChoice(every=every, step_s=step_s, stop_s=stop_s, mtbf_s=f.mtbf_s,
+                            restart_s=restart_s, goodput=goodput(every * step_s, f), optimum_s=best)

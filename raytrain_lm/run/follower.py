@@ -10,6 +10,7 @@ from typing import Any, Callable, Optional
 
 from raytrain_lm.config.settings import TrainConfig
 from raytrain_lm.errors import UserError
+from raytrain_lm.plan.goodput import choice_line
 from raytrain_lm.run.groups import WorkerGroups
 from raytrain_lm.run.tracked import row_values
 from raytrain_lm.store import files
@@ -97,6 +98,9 @@ class Follower:
             if r.get("checkpoint"):
                 r["checkpoint"] = checkpoint_uri(self.run, r["checkpoint"])
             self.log.add(r)
+        for r in fresh:
+            if r.get("checkpoint_auto"):  # what --checkpoint-every auto chose, and why
+                self.say(choice_line(r["checkpoint_auto"]))
         if self.on_metrics:  # shown once kept in metrics.jsonl; TensorBoard's copy is a convenience
             for r in fresh:
                 self.on_metrics(r)

@@ -49,6 +49,9 @@ class MetricsRow(TypedDict, total=False):
     workers: int
     threads: int  # torch threads per worker
     preemption: str  # a node of the run about to go: why this checkpoint was taken
+    # --checkpoint-every auto's choice, on the first row after it (plan/goodput.CheckpointChoice:
+    # every, step_s, stop_s, mtbf_s, restart_s, goodput, optimum_s; at: the step it was made at)
+    checkpoint_auto: dict[str, float]
     val_loss: float  # nats per token, validation rows only
     val_ppl: float
     val_bpb: float  # bits per byte of text

@@ -12,6 +12,7 @@ per step.
 from __future__ import annotations
 
 import math
+import time
 
 import ray.train
 import ray.train.torch
@@ -26,7 +27,9 @@ from raytrain_lm.data.manifest import dataset_tokenizer
 from raytrain_lm.data.resolve import resolve_dataset
 from raytrain_lm.errors import UserError
 from raytrain_lm.models import family, flops_per_token
+from raytrain_lm.parallel.mesh import all_reduce
 from raytrain_lm.store import checkpoint_format as ckpt_io
+from raytrain_lm.worker.cadence import Cadence
 from raytrain_lm.worker.checkpointer import Checkpointer, load_init_from, restore_rng
 from raytrain_lm.worker.drills import WindowLog, fault_drill, hold_drill, nan_drill
 from raytrain_lm.worker.metrics import Meter, check_device_memory, gpu_peak_tflops, peak_memory_gb
@@ -36,6 +39,7 @@ from raytrain_lm.worker.step import TrainStep
 
 
 def train_loop_per_worker(inputs: WorkerInputs) -> None:
+    began = time.time()  # this group's start-up, a restart's cost for --checkpoint-every auto
     cfg = TrainConfig.from_dict(inputs.train)
     cfg.data = resolve_dataset(cfg.data)  # s3://... -> verified local cache on this node
     ctx = ray.train.get_context()
@@ -75,7 +79,7 @@ def train_loop_per_worker(inputs: WorkerInputs) -> None:
 
     n_params = family(cfg.model).counts(cfg.model).total
     fpt = flops_per_token(cfg.model, cfg.seq_len)
-    cadence, preemption = Cadence(cfg), PreemptionWatch()
+    cadence, preemption = Cadence(cfg, start=step), PreemptionWatch()
     step_tokens = sized.batch_size * cfg.seq_len * sized.grad_accum * step_fn.dp
     peak = gpu_peak_tflops(device, cfg.peak_tflops, step_fn.precision)
     meter = Meter(device, world, fpt, peak, n_params, baseline_mem, build_mem,
@@ -96,7 +100,8 @@ def train_loop_per_worker(inputs: WorkerInputs) -> None:
         # threads: what the launch line said (run/cpus.py); a preemption: the driver names it
         # as the reason of the restart
         meter.keep(step, lr, grad_norm, step_fn, tokens=tokens, epoch=batches.epoch, workers=world,
-                   threads=torch.get_num_threads(), **({"preemption": preempted} if preempted else {}))
+                   threads=torch.get_num_threads(), **({"preemption": preempted} if preempted else {}),
+                   **cadence.take_note())
         save = cadence.checkpoints(step) or bool(preempted)
         if not (save or cadence.sends(step)):  # the row waits on this rank for the next send
             meter.next_interval(exclude_since_row=False)
@@ -106,59 +111,20 @@ def train_loop_per_worker(inputs: WorkerInputs) -> None:
             checkpointer.report_stop(step, meter.nonfinite, rows[:meter.first_bad])
             return
         row = rows[-1]
+        stopped = time.perf_counter()
         if cadence.validates(step):
             val, bpb = step_fn.evaluate(validation)
             row.update(val_loss=val, val_ppl=math.exp(min(val, 50.0)), val_bpb=bpb)
         if save and step_fn.replicated:
             row["replica_spread"] = meter.replica_spread(step_fn.parts[0])  # 0.0: they agree
         checkpointer.report(rows, save=save, step_fn=step_fn, stream=batches)
+        if cadence.measures(step):  # --checkpoint-every auto: the same numbers on every rank
+            stop_s, restart_s = all_reduce(torch.tensor(
+                [time.perf_counter() - stopped, meter.first_step_unix - began], dtype=torch.float64,
+                device=device), op="max").tolist()
+            said = cadence.decide(step, meter.slowest_step_time, stop_s, world, restart_s)
+            if rank == 0:
+                print(f"[checkpoint] {said}", flush=True)
         cadence.paced(step, meter.slowest_step_time)
         meter.next_interval(exclude_since_row=save or cadence.validates(step))
     checkpointer.report_final_rows(meter.start_unix)
-
-
-class Cadence:
-    """When a step makes a metrics row, sends rows, validates and checkpoints. Every checkpoint is
-    also a validation (so each checkpoint knows its validation loss), every validation sends.
-
-    Rows: every `log_every` steps, or (log_every 0) one per send; and at every validation and the
-    last step. Sends (`ray.train.report`), at rows: about once per `log_seconds`, at every
-    validation and at the last step; `paced` sets the next
-    send's step so that about `log_seconds` pass between two at the step time just measured. The
-    rows made between two sends wait on the worker and travel together with the next
-    (Checkpointer.report), so metrics.jsonl keeps every one of them while a fast run pays one
-    report per `log_seconds`: a report is a barrier and waits for Ray's poll of the workers when
-    the previous one is still queued (one report per poll), so one report per row would throttle
-    fast steps to the poll. A row is kept on its rank until its send, when one all-gather makes
-    every kept row global (Meter.rows): no collective per row. The decisions add none either: they
-    are pure functions of the step and of the slowest rank's interval, which every rank receives
-    from the send's all-gather, so all ranks call `ray.train.report` at the same steps."""
-
-    FIRST_SEND = 1  # the first step's report (compilation, warm-up) gives the first step time
-
-    def __init__(self, cfg: TrainConfig):
-        self.cfg = cfg
-        self.next_send = self.FIRST_SEND
-
-    def checkpoints(self, step: int) -> bool:
-        every = self.cfg.checkpoint_every  # -1: never
-        return every >= 0 and (step == self.cfg.max_steps or bool(every and step % every == 0))
-
-    def validates(self, step: int) -> bool:
-        return step % self.cfg.eval_every == 0 or self.checkpoints(step)
-
-    def rows(self, step: int) -> bool:
-        every = self.cfg.log_every
-        due = step % every == 0 if every else step >= self.next_send
-        return due or self.validates(step) or step == self.cfg.max_steps
-
-    def sends(self, step: int) -> bool:
-        """Whether the row of `step` (a step `rows` chose) goes now, with the rows before it."""
-        return step >= self.next_send or self.validates(step) or step == self.cfg.max_steps
-
-    def paced(self, step: int, seconds_per_step: float) -> int:
-        """After the report of `step`: the step of the next send, from the step time of the
-        interval just measured (the same value on every rank). Returns it."""
-        steps = math.ceil(self.cfg.log_seconds / seconds_per_step) if seconds_per_step > 0 else 1
-        self.next_send = step + max(1, steps)
-        return self.next_send

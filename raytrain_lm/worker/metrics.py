@@ -216,7 +216,7 @@ class Meter:
             if why and not self.nonfinite:
                 self.nonfinite, self.first_bad = why, i
             # The slowest rank's step time: identical on every rank after the all-gather, so
-            # the loop's time-paced cadence (loop.Cadence) agrees everywhere.
+            # the loop's time-paced cadence (cadence.Cadence) agrees everywhere.
             self.slowest_step_time = mem[4].item()
             row.update({
                 "loss": losses.mean().item(),
