@@ -10,6 +10,7 @@ import re
 from typing import TYPE_CHECKING, Optional
 
 from raytrain_lm.config.layout import Layout
+from raytrain_lm.config.schedule import LR_SCHEDULES
 from raytrain_lm.config.sizes import check_elastic
 from raytrain_lm.errors import UserError
 from raytrain_lm.models import family, mup
@@ -30,7 +31,7 @@ MAX_COUNT = 1 << 20
 # The most of any width (model.n_embd, ffn_dim, block_size, --seq-len): 2^24, 1,000 times
 # today's widest models and 100 times their context.
 MAX_WIDTH = 1 << 24
-LR_SCHEDULES = ("cosine", "wsd", "exp_range")  # of the learning rate (optim.lr_at)
+
 UPLOAD_MODES = ("auto", "sync", "async")  # of checkpoints (checkpointer.py)
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 

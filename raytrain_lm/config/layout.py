@@ -4,8 +4,8 @@ strategy, the pipeline schedule, micro-batches, activation checkpointing, sequen
 every rule those choices obey and every fact derived from them. The checks, the planner,
 `--layout auto` and parallel/ ask it instead of restating it. Pure Python.
 
-The settings stay flat (`--tp`, `--strategy`, ... in TrainConfig); `Layout.of(cfg)` reads them and
-`Layout.apply(cfg)` writes them back.
+The settings stay flat (`--tp`, `--strategy`, ...: config/parallelism.py's LayoutSettings, part of
+TrainConfig); `Layout.of(cfg)` reads them and `Layout.apply(cfg)` writes them back.
 
 Ranks: dp x cp x tp x pp = workers, tp innermost and pp outermost (parallel/mesh.py); expert
 parallelism, where a family has experts, is carved out of the data-parallel ranks (as
@@ -20,43 +20,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
+from raytrain_lm.config.parallelism import AC_MODES, DEFAULT_VIRTUAL, PP_SCHEDULES, STRATEGIES, Strategy
 from raytrain_lm.errors import UserError
 from raytrain_lm.models import family
 
 if TYPE_CHECKING:
     from raytrain_lm.config.settings import TrainConfig
     from raytrain_lm.models.family import ModelConfig
-
-
-@dataclass(frozen=True)
-class Strategy:
-    """A data-parallel strategy, by what it shards over the dp ranks and how it is built. The
-    planner's memory and traffic and parallel/'s builders read these traits, not names."""
-    name: str
-    title: str  # as `plan` names it
-    shards_optimizer: bool  # AdamW's states
-    fsdp: bool  # built on FSDP2: parameters and gradients sharded at rest
-    keeps_gathered: bool = False  # FSDP2 keeps each micro-step's gathered parameters to backward
-    gathers_once: bool = False  # ... and through all of a step's micro-steps
-    plain_only: bool = False  # only without tp and pp
-    pipelined_as: Optional[str] = None  # with pp it is the same as this one (not planned twice)
-    fp16: bool = True  # runs with fp16's gradient scaler
-
-
-# In the planner's order of preference among equals. A new strategy: one entry here, its builder
-# in parallel/ (fsdp.apply_dp or a module of its own), and plan/comm.py if it moves other bytes
-# (docs/architecture.md, "Adding a strategy").
-STRATEGIES = {s.name: s for s in (
-    Strategy("ddp", "DDP", shards_optimizer=False, fsdp=False),
-    Strategy("zero1", "ZeRO-1", shards_optimizer=True, fsdp=True, keeps_gathered=True,
-             gathers_once=True, plain_only=True),
-    Strategy("zero2", "ZeRO-2", shards_optimizer=True, fsdp=True, keeps_gathered=True,
-             pipelined_as="fsdp"),
-    Strategy("fsdp", "FSDP", shards_optimizer=True, fsdp=True),
-)}
-PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
-AC_MODES = ("none", "selective", "op", "full")
-DEFAULT_VIRTUAL = 2  # stages per worker of interleaved-1f1b when --virtual-stages is 0
 
 
 def split_layers(n_layer: int, n_stages: int) -> list[range]:
@@ -371,3 +341,6 @@ class Layout:
         """Each dimension's groups as aligned blocks of consecutive ranks (parallel/mesh.py)."""
         return {"tp": self.tp, "cp": self.cp * self.tp, "dp": self.dp * self.cp * self.tp,
                 "dp_cp": self.dp * self.cp * self.tp, "ep": self.ep * self.tp, "pp": self.gpus}
+
+
+__all__ = ["AC_MODES", "DEFAULT_VIRTUAL", "PP_SCHEDULES", "STRATEGIES", "Coords", "Layout", "Strategy", "split_layers"]
