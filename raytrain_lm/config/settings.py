@@ -18,7 +18,7 @@ from raytrain_lm.config.parallelism import LayoutSettings
 from raytrain_lm.config.schedule import ScheduleSettings
 from raytrain_lm.env import STORAGE_ENV
 from raytrain_lm.errors import UserError, brief
-from raytrain_lm.models.family import ModelConfig
+from raytrain_lm.models.family import FAMILIES, ModelConfig
 from raytrain_lm.setting import setting
 
 DEFAULT_DATA = "data/pydoc"  # the built-in corpus, prepared on first use
@@ -28,11 +28,6 @@ def default_storage() -> str:
     """Where runs live when --storage is not given: a cluster sets RAYTRAIN_LM_STORAGE on every
     node (cluster.yaml: s3://...), so the driver, the workers and the read commands agree."""
     return env.storage() or "runs"
-
-
-# What a saved model config that lacks a setting meant: every GPT trained before `gelu` existed
-# used GPT-2's tanh GELU, so its runs resume, export and sample with it.
-SAVED_BEFORE: dict[str, Any] = {"gelu": "tanh"}
 
 
 @dataclass
@@ -138,10 +133,13 @@ class TrainConfig(LayoutSettings, OptimizerSettings, ScheduleSettings, RunSettin
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "TrainConfig":
         """A config as saved (config.json, a checkpoint's, a sweep's base). A saved model without
-        a setting added since means what the code did before it existed (SAVED_BEFORE)."""
+        a setting added since means what the code did before it existed (its family's
+        `saved_before`)."""
         cfg = cls()
-        if isinstance(d.get("model"), dict) and d["model"].get("arch", "gpt") == "gpt":
-            d = {**d, "model": {**SAVED_BEFORE, **d["model"]}}
+        if isinstance(d.get("model"), dict):
+            arch = d["model"].get("arch", cfg.model.arch)
+            if arch in FAMILIES:
+                d = {**d, "model": {**FAMILIES[arch].saved_before, **d["model"]}}
         apply_overrides(cfg, d, source="config")
         return cfg
 

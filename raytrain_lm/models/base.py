@@ -83,6 +83,9 @@ class Family:
     export_format: str = ""
     export_notes: dict[str, Any] = {}  # what a native export's config.json says of its layout
     experts: Optional[str] = None  # a block's routed experts module, which expert parallelism splits
+    # What a saved config of this family that lacks a setting meant (TrainConfig.from_dict): the
+    # value the code used before the setting existed.
+    saved_before: dict[str, Any] = {}
 
     def check(self, m: ModelShape) -> None:
         """The family's own rules for its settings: one UserError line each."""

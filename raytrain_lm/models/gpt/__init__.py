@@ -39,6 +39,9 @@ class GPTFamily(Family):
     # hf_gpt.qkv_interleaved_to_gpt2 gives GPT-2's [q; k; v].
     export_format = "raytrain-lm/gpt-2"
     export_notes = {"qkv_layout": "head-interleaved"}
+    # every GPT trained before `gelu` existed used GPT-2's tanh GELU: its runs resume, export and
+    # sample with it
+    saved_before = {"gelu": "tanh"}
 
     def tied(self, m: GPTSettings) -> bool:
         return True
