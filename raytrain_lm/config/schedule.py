@@ -11,7 +11,12 @@ from typing import Optional
 
 from raytrain_lm.setting import setting
 
-LR_SCHEDULES = ("cosine", "wsd", "exp_range")  # of the learning rate (lr_at)
+# of the learning rate (lr_at), each with its words for --help
+LR_SCHEDULE_HELP = {"cosine": "warmup, then cosine decay to the end",
+                    "wsd": "warmup, stable, then a linear decay over the last --decay-fraction of "
+                           "the steps (a resumed run can add steps while still stable)",
+                    "exp_range": "lr-find's exponential ramp"}
+LR_SCHEDULES = tuple(LR_SCHEDULE_HELP)
 LR_SCALING = ("none", "linear", "sqrt")  # --scale-lr's rules (scaled_lr)
 
 
@@ -20,10 +25,7 @@ class ScheduleSettings:
     """The learning-rate schedule's settings (TrainConfig's; lr_at also reads its max_steps)."""
     lr: float = setting(3e-3, help="Peak learning rate (after warmup).")
     min_lr_ratio: float = setting(0.1, help="The schedule decays to lr x this (exp_range starts there).")
-    schedule: str = setting("cosine", help="cosine: warmup, then cosine decay to the end; wsd: "
-                            "warmup, stable, then a linear decay over the last --decay-fraction of "
-                            "the steps (a resumed run can add steps while still stable); "
-                            "exp_range: lr-find's exponential ramp.")
+    schedule: str = setting("cosine", help="; ".join(f"{k}: {v}" for k, v in LR_SCHEDULE_HELP.items()) + ".")
     decay_fraction: float = setting(0.2, help="wsd: the share of the steps spent decaying.")
     horizon: Optional[int] = setting(None, help="Step at which the schedule reaches its minimum "
                                      "[default: max_steps]. A resumed run given more --max-steps "

@@ -71,6 +71,9 @@ class Family:
     what holds for every decoder built on models/decoder.py."""
 
     name: str  # model.arch
+    title: str  # in messages and in `train`'s help ("Train a GPT, Llama, ...")
+    summary: str  # what it is, in --arch's help
+    hf_releases: tuple[str, ...] = ()  # the releases --init-from imports (Hugging Face folders)
     decoder: str  # "module:Class" of its torch module (imported only where a model is built)
     tp_plan: TPPlan
     # What choosing the family sets, right after the preset (`--arch llama` on a GPT preset: its

@@ -31,6 +31,8 @@ class GPTSettings(ModelShape):
 
 class GPTFamily(Family):
     name = "gpt"
+    title = "GPT"
+    summary = "GPT-2"
     decoder = "raytrain_lm.models.gpt.gpt:GPT"
     tp_plan = TPPlan(colwise=("attn.c_attn", "mlp.c_fc"), rowwise=("attn.c_proj", "mlp.c_proj"))
     defaults = {"arch": "gpt"}

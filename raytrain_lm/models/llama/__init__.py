@@ -64,7 +64,9 @@ class LlamaSettings(ModelShape):
 
 class LlamaFamily(Family):
     name = "llama"
-    title = "Llama"  # in messages
+    title = "Llama"
+    summary = "RMSNorm, rotary positions, SwiGLU, grouped-query attention; no biases"
+    hf_releases = ("Llama",)
     decoder = "raytrain_lm.models.llama.llama:Llama"
     defaults = {"arch": "llama", "bias": False}
     hf_adapter = "raytrain_lm.models.llama.hf_llama"

@@ -39,6 +39,8 @@ class MoESettings(LlamaSettings):
 class MoEFamily(LlamaFamily):
     name = "moe"
     title = "mixture of experts"
+    summary = "a mixture of experts in every block: model.n_experts, model.top_k"
+    hf_releases = ("Mixtral", "Qwen3-MoE")
     decoder = "raytrain_lm.models.moe.moe:MoE"
     # tp splits the attention; the MoE layer is whole on every tp rank (its tokens replicated
     # there), its experts split by expert parallelism instead (parallel/ep.py).
