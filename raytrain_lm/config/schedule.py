@@ -9,6 +9,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
+from raytrain_lm.errors import UserError
 from raytrain_lm.setting import setting
 
 # of the learning rate (lr_at), each with its words for --help
@@ -34,6 +35,24 @@ class ScheduleSettings:
     ref_batch_tokens: Optional[int] = setting(None, help="Tokens per step `lr` was chosen at "
                                               "(--scale-lr) [default: the preset's].")
     warmup_steps: int = setting(30, help="Steps of linear warmup.")
+
+
+def check_schedule(cfg: ScheduleSettings) -> None:
+    """The schedule's settings: one UserError line each (config/checks.py asks it)."""
+    if cfg.lr <= 0:
+        raise UserError(f"--lr must be positive, got {cfg.lr}")
+    if cfg.horizon is not None and cfg.horizon < 1:
+        raise UserError(f"horizon must be at least 1, got {cfg.horizon}")
+    if not 0.0 < cfg.decay_fraction <= 1.0:
+        raise UserError(f"decay_fraction must be in (0, 1], got {cfg.decay_fraction}")
+    if not 0.0 <= cfg.min_lr_ratio <= 1.0:
+        raise UserError(f"min_lr_ratio must be in [0, 1], got {cfg.min_lr_ratio}")
+    if cfg.schedule not in LR_SCHEDULES:
+        raise UserError(f"--schedule must be one of {', '.join(LR_SCHEDULES)}, got {cfg.schedule!r}")
+    if cfg.schedule == "exp_range" and cfg.min_lr_ratio <= 0:
+        raise UserError("the exp_range schedule starts at lr * min_lr_ratio, which must be > 0")
+    if cfg.ref_batch_tokens is not None and cfg.ref_batch_tokens < 1:
+        raise UserError(f"ref_batch_tokens must be at least 1, got {cfg.ref_batch_tokens}")
 
 
 def lr_at(step: int, cfg: ScheduleSettings) -> float:
@@ -83,5 +102,12 @@ def resumed_horizon(saved: ScheduleSettings, cfg: ScheduleSettings, step: int) -
 def scaled_lr(lr: float, ref_tokens: int, tokens: int, rule: str) -> float:
     """linear: lr x k (Goyal et al. 2017, for SGD); sqrt: lr x sqrt(k) (the rule for Adam-family
     optimizers, Malladi et al. 2022); k = new batch / reference batch."""
+    check_scaling(rule)
     k = tokens / ref_tokens
     return lr * {"none": 1.0, "linear": k, "sqrt": math.sqrt(k)}[rule]
+
+
+def check_scaling(rule: str) -> None:
+    """--scale-lr is one of LR_SCALING: one UserError line otherwise."""
+    if rule not in LR_SCALING:
+        raise UserError(f"--scale-lr must be one of {', '.join(LR_SCALING)}, got {rule!r}")
