@@ -20,7 +20,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Optional
 
-from raytrain_lm.config.parallelism import AC_MODES, DEFAULT_VIRTUAL, PP_SCHEDULES, STRATEGIES, Strategy
+from raytrain_lm.config.parallelism import (
+    AC_MODES,
+    DEFAULT_VIRTUAL,
+    PP_SCHEDULES,
+    STRATEGIES,
+    UNSHARDED,
+    Strategy,
+)
 from raytrain_lm.errors import UserError
 from raytrain_lm.models import family
 
@@ -227,7 +234,7 @@ class Layout:
         pipelined: a pipelined fsdp keeps its stages gathered already), ddp alone at dp 1
         (nothing to shard over)."""
         if dp == 1:
-            return ["ddp"]
+            return [UNSHARDED]
         return [s.name for s in STRATEGIES.values()
                 if not (s.plain_only and (tp > 1 or pp > 1)) and not (s.pipelined_as and pp > 1)]
 
@@ -375,4 +382,5 @@ class Layout:
                 "dp_cp": self.dp * self.cp * self.tp, "ep": self.ep * self.tp, "pp": self.gpus}
 
 
-__all__ = ["AC_MODES", "DEFAULT_VIRTUAL", "PP_SCHEDULES", "STRATEGIES", "Coords", "Layout", "Strategy", "split_layers"]
+__all__ = ["AC_MODES", "DEFAULT_VIRTUAL", "PP_SCHEDULES", "STRATEGIES", "UNSHARDED", "Coords", "Layout", "Strategy",
+           "split_layers"]

@@ -40,6 +40,8 @@ STRATEGIES = {s.name: s for s in (
              shards_optimizer=True, fsdp=True, keeps_gathered=True, pipelined_as="fsdp"),
     Strategy("fsdp", "FSDP", "gathered for each use", shards_optimizer=True, fsdp=True),
 )}
+# The strategy of a single data-parallel rank, with nothing to shard over: the one sharding nothing.
+UNSHARDED = next(s.name for s in STRATEGIES.values() if not s.shards_optimizer and not s.fsdp)
 # The pipeline schedules (parallel/pp.py builds them) and the activation-checkpointing modes
 # (parallel/ac.py), each with its words for --help.
 PP_SCHEDULE_HELP = {"gpipe": "", "1f1b": "", "interleaved-1f1b": "--virtual-stages stages per worker"}
