@@ -151,3 +151,42 @@ def test_json_output_keeps_stdout_to_the_document_after_its_block(capsys):
     captured = capsys.readouterr()
     assert json_module.loads(captured.out) == {"a": 1}
     assert "during the run" in captured.err and "late log line" in captured.err
+
+
+def registry_names() -> dict[str, tuple[str, ...]]:
+    """An option's name -> the registry entries its help must name, read from the registries."""
+    from raytrain_lm.config.layout import AC_MODES, PP_SCHEDULES, STRATEGIES
+    from raytrain_lm.config.schedule import LR_SCHEDULES
+    from raytrain_lm.models import FAMILIES
+
+    return {"arch": tuple(FAMILIES), "strategy": tuple(STRATEGIES), "pp_schedule": PP_SCHEDULES,
+            "activation_checkpointing": AC_MODES, "schedule": LR_SCHEDULES}
+
+
+def test_every_family_and_strategy_is_in_the_help_of_each_command_that_takes_it():
+    """Generated from the registries (FAMILIES, STRATEGIES, the pipeline and learning-rate
+    schedules, the checkpointing modes): every command's option that takes one of them names
+    each entry in its help; `train`'s own help names every family, and an --init-from that names
+    Hugging Face releases names every family's."""
+    import typer.main
+
+    from raytrain_lm.cli.app import app, leaf_commands
+    from raytrain_lm.models import FAMILIES
+
+    names = registry_names()
+    releases = [r for f in FAMILIES.values() for r in f.hf_releases]
+    checked, missing = set(), []
+    for cmd in leaf_commands(typer.main.get_command(app)):
+        for p in cmd.params:
+            help_text = getattr(p, "help", None) or ""
+            wanted = names.get(p.name, ())
+            if p.name == "init_from" and any(r in help_text for r in releases):
+                wanted = releases
+            missing += [f"{cmd.name} --{p.name}: {n}" for n in wanted if n not in help_text]
+            if wanted:
+                checked.add((cmd.name, p.name))
+    train = typer.main.get_command(app).commands["train"]
+    missing += [f"train: {f.title}" for f in FAMILIES.values() if f.title not in train.help]
+    assert missing == []
+    assert {("train", "arch"), ("plan", "arch"), ("train", "strategy"), ("plan", "strategy"),
+            ("train", "init_from"), ("train", "pp_schedule")} <= checked

@@ -51,6 +51,13 @@ def sized(flags, sets=()):
     return build_config(flags=flags, sets=list(sets))
 
 
+def test_a_range_with_context_parallelism_names_cp_in_its_unit():
+    """The unit both ends must be multiples of is Layout's, cp included, and so is its text
+    (`check_elastic` once said "--tp x --pp = 4" for --tp 2 --cp 2)."""
+    with pytest.raises(UserError, match=r"both ends must be multiples of --tp x --pp x --cp = 4"):
+        sized(dict(workers=8, min_workers=2, tp=2, cp=2))
+
+
 def test_every_size_keeps_the_global_batch_in_micro_batches_that_fit():
     cfg = sized(dict(workers=8, min_workers=2, batch_size=16))  # 128 sequences per step
     assert worker_counts(cfg) == [2, 4, 8]  # 3, 5, 6, 7 ranks cannot split 128 evenly

@@ -7,6 +7,7 @@ past a screenful of screens, and no two modules share a name."""
 from __future__ import annotations
 
 import ast
+import functools
 import os
 import subprocess
 import sys
@@ -22,7 +23,7 @@ PKG = ROOT / "raytrain_lm"
 # from itself); two packages of one level import neither of each other. What both sides of a seam
 # use (the driver and the workers; our code and Ray's private API) lives below both.
 LAYERS = [
-    ("errors", "env"),  # leaves: import nothing of ours
+    ("errors", "env", "setting"),  # leaves: import nothing of ours
     ("console",),  # the terminal (env)
     ("models",),  # what a model is: its settings, its family's answers, its decoder
     ("config",),  # what a run is: settings, presets, checks, the layout, the workers' inputs
@@ -108,35 +109,71 @@ def test_the_check_sees_torch(tmp_path):
     assert not imports_torch("raytrain_lm.config.settings", path=str(tmp_path))
 
 
+parse = functools.lru_cache(maxsize=None)(ast.parse)  # each module's text, parsed once
+
+
+def import_nodes(tree: ast.AST, top_level_only: bool) -> list[ast.stmt]:
+    """The import statements of `tree`: anywhere, or at its top level (also inside try/if, not in
+    TYPE_CHECKING blocks)."""
+    if not top_level_only:
+        return [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))]
+    nodes = []
+    todo = list(tree.body)
+    while todo:
+        n = todo.pop(0)
+        if isinstance(n, ast.If) and "TYPE_CHECKING" in ast.unparse(n.test):
+            todo.extend(n.orelse)
+        elif isinstance(n, (ast.If, ast.Try)):
+            todo.extend(n.body + n.orelse + getattr(n, "handlers", []) + getattr(n, "finalbody", []))
+        elif isinstance(n, ast.ExceptHandler):
+            todo.extend(n.body)
+        elif isinstance(n, (ast.Import, ast.ImportFrom)):
+            nodes.append(n)
+    return nodes
+
+
+def from_base(n: ast.ImportFrom, module: str) -> str:
+    """The module a `from ... import` reads from, relative imports resolved against `module`."""
+    base = n.module or ""
+    if n.level:
+        pkg = module.split(".")[: len(module.split(".")) - n.level + (1 if MODULES.get(
+            module, Path()).name == "__init__.py" else 0)]
+        base = ".".join(pkg + ([base] if base else []))
+    return base
+
+
 def imported_modules(tree: ast.AST, module: str, top_level_only: bool) -> list[tuple[str, int]]:
     """(module, line) for each import in `tree`; relative imports resolved against `module`."""
     out = []
-    nodes = tree.body if top_level_only else list(ast.walk(tree))
-    if top_level_only:  # a module's top level: also inside try/if, not in TYPE_CHECKING blocks
-        nodes = []
-        todo = list(tree.body)
-        while todo:
-            n = todo.pop(0)
-            if isinstance(n, ast.If) and "TYPE_CHECKING" in ast.unparse(n.test):
-                todo.extend(n.orelse)
-            elif isinstance(n, (ast.If, ast.Try)):
-                todo.extend(n.body + n.orelse + getattr(n, "handlers", []) + getattr(n, "finalbody", []))
-            elif isinstance(n, ast.ExceptHandler):
-                todo.extend(n.body)
-            else:
-                nodes.append(n)
-    for n in nodes:
+    for n in import_nodes(tree, top_level_only):
         if isinstance(n, ast.Import):
             out += [(a.name, n.lineno) for a in n.names]
-        elif isinstance(n, ast.ImportFrom):
-            base = n.module or ""
-            if n.level:
-                pkg = module.split(".")[: len(module.split(".")) - n.level + (1 if MODULES.get(
-                    module, Path()).name == "__init__.py" else 0)]
-                base = ".".join(pkg + ([base] if base else []))
+        else:
+            base = from_base(n, module)
             out.append((base, n.lineno))
             out += [(f"{base}.{a.name}", n.lineno) for a in n.names]
     return out
+
+
+def import_targets(tree: ast.AST, module: str, top_level_only: bool, known) -> list[str]:
+    """The modules of `known` each import of `tree` names: `import a.b` -> a.b; `from p import n`
+    -> p.n where that is a module other than this one, else p (n is p's attribute: in
+    models/family.py, `from raytrain_lm.models import family` reads the registry's function)."""
+    def own(name: str) -> str:
+        while name and name not in known:
+            name = name.rpartition(".")[0]
+        return name
+
+    out = []
+    for n in import_nodes(tree, top_level_only):
+        if isinstance(n, ast.Import):
+            out += [own(a.name) for a in n.names]
+            continue
+        base = from_base(n, module)
+        for a in n.names:
+            sub = f"{base}.{a.name}"
+            out.append(sub if sub in known and sub != module else own(base))
+    return [t for t in out if t]
 
 
 def is_ray_private(name: str) -> bool:
@@ -153,7 +190,7 @@ def test_ray_private_api_only_in_ray_compat_and_cluster():
         if rel.split(".")[0] in RAY_PRIVATE_OK:
             continue
         text = path.read_text()
-        for imported, line in imported_modules(ast.parse(text), name, top_level_only=False):
+        for imported, line in imported_modules(parse(text), name, top_level_only=False):
             if is_ray_private(imported):
                 bad.append(f"{path.relative_to(ROOT)}:{line} {imported}")
         if "ray._private" in text or "._internal." in text:
@@ -163,20 +200,22 @@ def test_ray_private_api_only_in_ray_compat_and_cluster():
     assert not is_ray_private("ray.train.v2.api.data_parallel_trainer")
 
 
-def module_graph(top_level_only: bool = True) -> dict[str, set[str]]:
-    """Our modules -> the modules of ours each imports (at module level, or anywhere: in
-    functions and TYPE_CHECKING blocks too); a package's __init__ counts as imported with any of
-    its modules."""
+def module_graph(top_level_only: bool = True, sources: dict[str, str] | None = None) -> dict[str, set[str]]:
+    """Our modules (or `sources`: module name -> its text) -> the modules of ours each imports
+    (at module level, or anywhere: in functions and TYPE_CHECKING blocks too); a package's
+    __init__ counts as imported with any of its modules, except a package the importing module
+    sits in (Python has begun that one first) unless the module names that package itself
+    (`from raytrain_lm.models import family` in models/family.py: the registry's __init__)."""
+    sources = sources if sources is not None else {n: p.read_text() for n, p in MODULES.items()}
     graph: dict[str, set[str]] = defaultdict(set)
-    for name, path in MODULES.items():
-        for imported, _ in imported_modules(ast.parse(path.read_text()), name, top_level_only):
-            while imported and imported not in MODULES:
-                imported = imported.rpartition(".")[0]
+    for name, text in sources.items():
+        for imported in import_targets(parse(text), name, top_level_only, sources):
+            if imported not in (name, "raytrain_lm"):
+                graph[name].add(imported)
             # importing a.b.c imports a.b first, except where a.b is this module's own package
-            while imported and imported != "raytrain_lm":
+            while (imported := imported.rpartition(".")[0]) and imported != "raytrain_lm":
                 if imported != name and not name.startswith(imported + "."):
                     graph[name].add(imported)
-                imported = imported.rpartition(".")[0]
     return graph
 
 
@@ -207,8 +246,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str]:
 
 
 def test_no_module_level_import_cycle():
-    """No chain of module-level imports among our modules leads back to where it started (a
-    module's own package is not counted as imported by it: Python has begun that one first)."""
+    """No chain of module-level imports among our modules leads back to where it started."""
     graph = module_graph()
     assert graph["raytrain_lm.config.load"] >= {"raytrain_lm.config.checks"}
     assert find_cycle(graph) == []
@@ -217,8 +255,98 @@ def test_no_module_level_import_cycle():
 
 def test_no_import_cycle_even_through_functions():
     """Nor through imports inside functions or TYPE_CHECKING blocks, which hide a cycle from
-    Python but not from a reader (config -> checks -> elastic -> config was one). No exception."""
+    Python but not from a reader (config -> checks -> elastic -> config was one; models/family ->
+    the registry -> moe -> models/family another). No exception."""
     assert find_cycle(module_graph(top_level_only=False)) == []
+
+
+# A package whose __init__ imports its module `x` at the top, `x` importing the package back in a
+# function: the circle the checks above must see (a module's own package counts where it names it).
+CIRCLE_IN_A_PACKAGE = {
+    "raytrain_lm.fake": "from raytrain_lm.fake.x import f\n",
+    "raytrain_lm.fake.x": "def f():\n    from raytrain_lm.fake import g\n    return g\n",
+    "raytrain_lm.fake.y": "from raytrain_lm.fake.x import f\n",
+}
+
+
+def test_the_cycle_check_sees_a_circle_through_a_function_inside_a_package():
+    """The check names the circle package -> its module -> the package, made by a function-level
+    import, and only with function-level imports counted; a sibling importing a module of its own
+    package (y -> x, which begins the package first) adds no edge to the package."""
+    assert find_cycle(module_graph(top_level_only=False, sources=CIRCLE_IN_A_PACKAGE)) == [
+        "raytrain_lm.fake", "raytrain_lm.fake.x", "raytrain_lm.fake"]
+    assert find_cycle(module_graph(top_level_only=True, sources=CIRCLE_IN_A_PACKAGE)) == []
+    assert module_graph(sources=CIRCLE_IN_A_PACKAGE)["raytrain_lm.fake.y"] == {"raytrain_lm.fake.x"}
+
+
+def is_torch(name: str) -> bool:
+    """torch, or a module of it, or a library's torch binding (safetensors.torch)."""
+    return "torch" in name.split(".")
+
+
+def torch_at_import(sources: dict[str, str]) -> set[str]:
+    """The modules of `sources` that import torch when imported: those whose module-level imports
+    name torch or reach, through module-level imports, one that does."""
+    direct = {name for name, text in sources.items()
+              if any(is_torch(i) for i, _ in imported_modules(parse(text), name, True))}
+    graph = module_graph(top_level_only=True, sources=sources)
+    found, todo = set(direct), list(direct)
+    while todo:
+        hit = todo.pop()
+        for name, imported in graph.items():
+            if hit in imported and name not in found:
+                found.add(name)
+                todo.append(name)
+    return found
+
+
+TORCH_REASON = "# torch:"  # an import's line (or the one above) says why the driver side loads torch
+
+
+def torch_reaching_imports(sources: dict[str, str], driver_side: list[str]) -> list[str]:
+    """Every import (in functions too) of a `driver_side` module that reaches torch (torch
+    itself, or a module of ours that imports it) without saying why on its line: `# torch:` and
+    the reason (a command that loads a model, a function that runs on a worker), or on the line
+    above it."""
+    heavy = torch_at_import(sources)
+    bad = []
+    for name in driver_side:
+        text = sources[name]
+        lines = text.splitlines()
+        for imported, line in imported_modules(parse(text), name, top_level_only=False):
+            ours = imported
+            while ours and ours not in sources:
+                ours = ours.rpartition(".")[0]
+            if (is_torch(imported) or ours in heavy) and TORCH_REASON not in "".join(lines[max(0, line - 2):line]):
+                bad.append(f"{name}:{line} {imported}")
+    return sorted(set(bad))
+
+
+def test_driver_side_function_level_imports_reach_no_torch():
+    """A driver-side module's imports inside functions, which the import test above never runs,
+    reach no torch either, unless the line says why (`# torch: ...`): the code that loads a model
+    or runs a worker's function; a pure function is imported from a pure module."""
+    sources = {n: p.read_text() for n, p in MODULES.items()}
+    assert "raytrain_lm.worker.loop" in torch_at_import(sources)
+    assert torch_reaching_imports(sources, torch_free_modules()) == []
+
+
+def test_the_torch_check_sees_a_function_level_import():
+    """The check names a function-level import of torch, and one of a module of ours whose
+    module-level imports reach torch through another; a line saying why passes, and so does a
+    pure module."""
+    sources = {
+        "raytrain_lm.fake.heavy": "import torch.nn\n",
+        "raytrain_lm.fake.via": "from raytrain_lm.fake.heavy import x\n",
+        "raytrain_lm.fake.pure": "import math\n",
+        "raytrain_lm.fake.driver": ("def a():\n    import torch\n"
+                                    "def b():\n    from raytrain_lm.fake.via import y\n"
+                                    "def c():\n    from raytrain_lm.fake.pure import z\n"
+                                    "def d():\n    import torch  # torch: d builds a model\n"),
+    }
+    assert torch_reaching_imports(sources, ["raytrain_lm.fake.driver"]) == [
+        "raytrain_lm.fake.driver:2 torch", "raytrain_lm.fake.driver:4 raytrain_lm.fake.via",
+        "raytrain_lm.fake.driver:4 raytrain_lm.fake.via.y"]
 
 
 def layer(module: str) -> str:

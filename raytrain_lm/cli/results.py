@@ -100,11 +100,11 @@ def generate(
 
     check_sampling(max_new_tokens, temperature, top_k or None)
     if device not in ("auto", "cpu"):  # torch is only needed to check the others (~3 s to import)
-        from raytrain_lm.results.generate import pick_device
+        from raytrain_lm.results.generate import pick_device  # torch: generate loads the model here
 
         pick_device(device)  # a bad --device fails before a checkpoint is fetched
     found = find_checkpoint(model, storage, best=best, say=warn)
-    from raytrain_lm.results.generate import generate_text
+    from raytrain_lm.results.generate import generate_text  # torch: generate loads the model here
 
     def info(m: str) -> None:
         if not (quiet or as_json):
@@ -186,6 +186,7 @@ def export(
     found = find_checkpoint(model, storage, best=best, say=warn)
     try:
         if format == "hf":
+            # torch: the export reads the checkpoint's tensors
             from raytrain_lm.results.hf_export import export_checkpoint_hf
 
             say = None if quiet or as_json else (lambda m: typer.echo(paint(m, "dim", sys.stderr), err=True))

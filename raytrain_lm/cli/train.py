@@ -25,11 +25,13 @@ from raytrain_lm.cli.options import (
     settings,
 )
 from raytrain_lm.cluster.jobs import PATH_SETTINGS
+from raytrain_lm.config.layout import STRATEGIES
 from raytrain_lm.config.load import build_config
 from raytrain_lm.config.presets import PRESETS
 from raytrain_lm.config.settings import default_storage
 from raytrain_lm.config.sizes import parse_workers
 from raytrain_lm.errors import UserError
+from raytrain_lm.models import FAMILIES
 from raytrain_lm.plan.estimate import check_cluster
 from raytrain_lm.plan.goodput import DEFAULT_MTBF_GPU_HOURS, DEFAULT_RESTART_S, RunRisk
 from raytrain_lm.plan.hardware import kind_cluster
@@ -37,14 +39,18 @@ from raytrain_lm.plan.kinds import DEFAULT_KIND, kinds
 from raytrain_lm.plan.noise_scale import batch_hint
 from raytrain_lm.plan.printout import plan_command
 from raytrain_lm.results.tables import progress_line, results_table
+from raytrain_lm.setting import listing, named
 from raytrain_lm.store.hf_folder import folder_model
 from raytrain_lm.tune.lr_scaling import apply_lr_scaling
 
-ARCH = typer.Option(None, help="The model's architecture: gpt (GPT-2), or llama (RMSNorm, "
-                    "rotary positions, SwiGLU, grouped-query attention; no biases), qwen2 (a "
-                    "Llama with q/k/v biases), qwen3 (per-head q/k norms) or mistral (a sliding "
-                    "window, model.sliding_window) [default: the preset's]. The preset's shape "
-                    "in that architecture; model.* settings (--set) choose the rest.")
+# Help generated from the registries (models/family.py's FAMILIES, config/parallelism.py's
+# STRATEGIES): a new family or strategy names itself here.
+ARCH = typer.Option(None, help="The model's architecture: " + listing(named(
+    {f.name: f.summary for f in FAMILIES.values()})) + " [default: the preset's]. The preset's "
+    "shape in that architecture; model.* settings (--set) choose the rest.")
+HF_RELEASES = ", ".join(r for f in FAMILIES.values() for r in f.hf_releases)
+TRAIN_HELP = (f"Train a {listing([f.title for f in FAMILIES.values()])} model with Ray Train "
+              f"(DDP over gloo on CPU, NCCL on GPU).")
 # `--workers` is train's own option (N or MIN-MAX), not generated from the setting.
 TRAIN_SETTINGS = ("use_gpu", "preset", "data", "max_steps", "batch_size", "seq_len", "lr",
                   "grad_accum", "log_every", "log_seconds", "eval_every", "checkpoint_every",
@@ -82,7 +88,8 @@ def workers_value(text: str):
                              "python cli.py train --config best.yaml --workers 8 --scale-lr sqrt",
                              "python cli.py train --name my-run --resume",
                              "MLFLOW_TRACKING_URI=http://mlflow:5000 python cli.py train --track mlflow",
-                             "WANDB_PROJECT=lm python cli.py train --track wandb --track mlflow"))
+                             "WANDB_PROJECT=lm python cli.py train --track wandb --track mlflow"),
+             help=TRAIN_HELP)
 @settings(*TRAIN_SETTINGS)
 def train(
     settings: dict,
@@ -99,7 +106,7 @@ def train(
     resume: bool = typer.Option(False, help="Continue the run --name from its latest checkpoint."),
     init_from: Optional[Path] = typer.Option(None, help="Start from these weights with a fresh "
                                              "optimizer: a checkpoint, a run (its best), or a "
-                                             "Hugging Face folder (Llama, Qwen2, Qwen3, Mistral), "
+                                             f"Hugging Face folder ({HF_RELEASES}), "
                                              "whose config.json is the model."),
     arch: Optional[str] = ARCH,
     param: Optional[str] = PARAM,
@@ -112,8 +119,7 @@ def train(
     quiet: bool = QUIET,
     as_json: bool = JSON,
 ) -> None:
-    """Train a GPT, Llama, Qwen2, Qwen3 or Mistral model with Ray Train (DDP over gloo on CPU,
-    NCCL on GPU)."""
+    """Train a model with Ray Train (its help: TRAIN_HELP, from the families)."""
     from raytrain_lm.run.driver import run_training, saved_config
 
     local = workers is not None and str(workers) == "0"  # Ray Train's local mode (run/in_process.py)
@@ -262,7 +268,7 @@ def plan(
                                      "expert-parallel degree [default: every one that divides the "
                                      "data-parallel size and the experts]."),
     strategy: Optional[str] = typer.Option(None, help="Only layouts whose data-parallel dimension is "
-                                           "this: ddp, zero1, zero2 or fsdp."),
+                                           f"this: {listing(STRATEGIES)}."),
     virtual_stages: Optional[int] = typer.Option(None, help="Only pipelines of interleaved-1f1b "
                                                  "with this many stages per GPU [default: 2 to "
                                                  "8 tried]."),

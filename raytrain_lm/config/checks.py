@@ -10,6 +10,7 @@ import re
 from typing import TYPE_CHECKING, Optional
 
 from raytrain_lm.config.layout import Layout
+from raytrain_lm.config.schedule import check_schedule
 from raytrain_lm.config.sizes import check_elastic
 from raytrain_lm.errors import UserError, brief
 from raytrain_lm.models import family, mup
@@ -30,7 +31,7 @@ MAX_COUNT = 1 << 20
 # The most of any width (model.n_embd, ffn_dim, block_size, --seq-len): 2^24, 1,000 times
 # today's widest models and 100 times their context.
 MAX_WIDTH = 1 << 24
-LR_SCHEDULES = ("cosine", "wsd", "exp_range")  # of the learning rate (optim.lr_at)
+
 UPLOAD_MODES = ("auto", "sync", "async")  # of checkpoints (checkpointer.py)
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 
@@ -94,8 +95,7 @@ def validate(cfg: TrainConfig) -> None:
     check_bounds(cfg)
     check_model(cfg.model)
     check_finite(cfg)
-    if cfg.lr <= 0:
-        raise UserError(f"--lr must be positive, got {cfg.lr}")
+    check_schedule(cfg)
     if cfg.cpus_per_worker is not None and cfg.cpus_per_worker <= 0:
         raise UserError(f"cpus_per_worker must be positive, got {cfg.cpus_per_worker}")
     if cfg.scale_timeout < 0:
@@ -126,12 +126,6 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.checkpoint_upload not in UPLOAD_MODES:
         raise UserError(f"--checkpoint-upload must be one of {', '.join(UPLOAD_MODES)}, got "
                         f"{cfg.checkpoint_upload!r}")
-    if cfg.horizon is not None and cfg.horizon < 1:
-        raise UserError(f"horizon must be at least 1, got {cfg.horizon}")
-    if not 0.0 < cfg.decay_fraction <= 1.0:
-        raise UserError(f"decay_fraction must be in (0, 1], got {cfg.decay_fraction}")
-    if not 0.0 <= cfg.min_lr_ratio <= 1.0:
-        raise UserError(f"min_lr_ratio must be in [0, 1], got {cfg.min_lr_ratio}")
     if cfg.seq_len > cfg.model.block_size:
         raise UserError(f"--seq-len {cfg.seq_len} is larger than the model's context "
                         f"(model.block_size={cfg.model.block_size}); lower it or --set "
@@ -146,12 +140,6 @@ def validate(cfg: TrainConfig) -> None:
         raise UserError(f"--gpus-per-node must be at least 1, got {cfg.gpus_per_node}")
     if cfg.layout == "auto" and cfg.min_workers is not None and cfg.min_workers != cfg.workers:
         raise UserError("--layout auto plans one worker count: give --workers N, not MIN-MAX")
-    if cfg.schedule not in LR_SCHEDULES:
-        raise UserError(f"--schedule must be one of {', '.join(LR_SCHEDULES)}, got {cfg.schedule!r}")
-    if cfg.schedule == "exp_range" and cfg.min_lr_ratio <= 0:
-        raise UserError("the exp_range schedule starts at lr * min_lr_ratio, which must be > 0")
-    if cfg.ref_batch_tokens is not None and cfg.ref_batch_tokens < 1:
-        raise UserError(f"ref_batch_tokens must be at least 1, got {cfg.ref_batch_tokens}")
     if not cfg.rendezvous_timeout > 0:
         raise UserError(f"rendezvous_timeout must be positive (seconds), got {cfg.rendezvous_timeout:g}")
 

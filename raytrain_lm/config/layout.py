@@ -4,8 +4,8 @@ strategy, the pipeline schedule, micro-batches, activation checkpointing, sequen
 every rule those choices obey and every fact derived from them. The checks, the planner,
 `--layout auto` and parallel/ ask it instead of restating it. Pure Python.
 
-The settings stay flat (`--tp`, `--strategy`, ... in TrainConfig); `Layout.of(cfg)` reads them and
-`Layout.apply(cfg)` writes them back.
+The settings stay flat (`--tp`, `--strategy`, ...: config/parallelism.py's LayoutSettings, part of
+TrainConfig); `Layout.of(cfg)` reads them and `Layout.apply(cfg)` writes them back.
 
 Ranks: dp x cp x tp x pp = workers, tp innermost and pp outermost (parallel/mesh.py); expert
 parallelism, where a family has experts, is carved out of the data-parallel ranks (as
@@ -17,46 +17,23 @@ dp_shard_cp), and FSDP shards over dp x cp.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Optional
 
+from raytrain_lm.config.parallelism import (
+    AC_MODES,
+    DEFAULT_VIRTUAL,
+    PP_SCHEDULES,
+    STRATEGIES,
+    UNSHARDED,
+    Strategy,
+)
 from raytrain_lm.errors import UserError
 from raytrain_lm.models import family
 
 if TYPE_CHECKING:
     from raytrain_lm.config.settings import TrainConfig
     from raytrain_lm.models.family import ModelConfig
-
-
-@dataclass(frozen=True)
-class Strategy:
-    """A data-parallel strategy, by what it shards over the dp ranks and how it is built. The
-    planner's memory and traffic and parallel/'s builders read these traits, not names."""
-    name: str
-    title: str  # as `plan` names it
-    shards_optimizer: bool  # AdamW's states
-    fsdp: bool  # built on FSDP2: parameters and gradients sharded at rest
-    keeps_gathered: bool = False  # FSDP2 keeps each micro-step's gathered parameters to backward
-    gathers_once: bool = False  # ... and through all of a step's micro-steps
-    plain_only: bool = False  # only without tp and pp
-    pipelined_as: Optional[str] = None  # with pp it is the same as this one (not planned twice)
-    fp16: bool = True  # runs with fp16's gradient scaler
-
-
-# In the planner's order of preference among equals. A new strategy: one entry here, its builder
-# in parallel/ (fsdp.apply_dp or a module of its own), and plan/comm.py if it moves other bytes
-# (docs/architecture.md, "Adding a strategy").
-STRATEGIES = {s.name: s for s in (
-    Strategy("ddp", "DDP", shards_optimizer=False, fsdp=False),
-    Strategy("zero1", "ZeRO-1", shards_optimizer=True, fsdp=True, keeps_gathered=True,
-             gathers_once=True, plain_only=True),
-    Strategy("zero2", "ZeRO-2", shards_optimizer=True, fsdp=True, keeps_gathered=True,
-             pipelined_as="fsdp"),
-    Strategy("fsdp", "FSDP", shards_optimizer=True, fsdp=True),
-)}
-PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
-AC_MODES = ("none", "selective", "op", "full")
-DEFAULT_VIRTUAL = 2  # stages per worker of interleaved-1f1b when --virtual-stages is 0
 
 
 def split_layers(n_layer: int, n_stages: int) -> list[range]:
@@ -96,25 +73,25 @@ class Layout:
     virtual: int = DEFAULT_VIRTUAL  # stages per worker of the interleaved schedule (the others run one)
     ep: int = 1  # expert-parallel ranks, out of dp (a family with experts)
     cp: int = 1  # context-parallel ranks: each window's sequence split over them
+    # Of "tp", "pp", "fsdp": build that code even on a mesh dim of one rank, so one process runs
+    # every layout's code (bench/gpu_check.py, tests); not a choice of the run (not compared).
+    force: frozenset = field(default=frozenset(), compare=False)
 
     # ---------------------------------------------------------------- from and to the settings
 
     @classmethod
-    def of(cls, cfg: TrainConfig, world: Optional[int] = None, pipelined: bool = False) -> Layout:
+    def of(cls, cfg: TrainConfig, world: Optional[int] = None, force: frozenset = frozenset()) -> Layout:
         """The layout `cfg` trains with on `world` workers (default: --workers). Settings that
         make no layout at all are refused here, one line each; `problems` has the rest.
-        `pipelined`: a schedule and its microbatches even at --pp 1 (one process running a
-        pipeline's code: parallelize's `force`)."""
+        `force`: Layout.force ("pp": a schedule and its microbatches even at --pp 1)."""
         world = cfg.workers if world is None else world
         if cfg.tp < 1 or cfg.pp < 1 or cfg.ep < 1 or cfg.cp < 1:
             raise UserError(f"--tp, --pp, --ep and --cp must be at least 1, got {cfg.tp}, {cfg.pp}, "
                             f"{cfg.ep} and {cfg.cp}")
         if world % cls.unit(cfg):
-            if cfg.cp == 1:
-                raise UserError(f"--workers {world} must be a multiple of --tp x --pp = "
-                                f"{cfg.tp * cfg.pp}: the data-parallel size is workers / (tp x pp)")
-            raise UserError(f"--workers {world} must be a multiple of --tp x --pp x --cp = "
-                            f"{cls.unit(cfg)}: the data-parallel size is workers / (tp x pp x cp)")
+            raise UserError(f"--workers {world} must be a multiple of {cls.unit_text(cfg)} = "
+                            f"{cls.unit(cfg)}: the data-parallel size is workers / "
+                            f"({cls.unit_text(cfg).replace('--', '')})")
         if cfg.strategy not in STRATEGIES:
             raise UserError(f"--strategy must be one of {', '.join(STRATEGIES)}, got {cfg.strategy!r}")
         if cfg.activation_checkpointing not in AC_MODES:
@@ -133,8 +110,9 @@ class Layout:
         dp = world // cls.unit(cfg)
         common = dict(dp=dp, tp=cfg.tp, pp=cfg.pp, strategy=cfg.strategy,
                       ac=cfg.activation_checkpointing, sp=cfg.sequence_parallel, seq_len=cfg.seq_len,
-                      virtual=cfg.virtual_stages or DEFAULT_VIRTUAL, ep=cfg.ep, cp=cfg.cp)
-        if cfg.pp == 1 and not pipelined:
+                      virtual=cfg.virtual_stages or DEFAULT_VIRTUAL, ep=cfg.ep, cp=cfg.cp,
+                      force=frozenset(force))
+        if cfg.pp == 1 and "pp" not in force:
             return cls(schedule="-", micro_batch=cfg.batch_size, microbatches=cfg.grad_accum, **common)
         n = cfg.microbatches or 2 * cfg.pp * (common["virtual"] if cfg.pp_schedule == "interleaved-1f1b" else 1)
         if cfg.batch_size % n:
@@ -150,6 +128,11 @@ class Layout:
         """The workers of one data-parallel rank: tp x pp x cp (--workers is a multiple of it)."""
         return cfg.tp * cfg.pp * cfg.cp
 
+    @staticmethod
+    def unit_text(cfg: TrainConfig) -> str:
+        """Layout.unit in flags, for messages: "--tp x --pp", and "x --cp" where cp splits too."""
+        return "--tp x --pp" + (" x --cp" if cfg.cp > 1 else "")
+
     def apply(self, cfg: TrainConfig) -> None:
         """Set cfg's layout settings to this layout (the data-parallel size follows from
         --workers; the global batch is workers x batch-size x grad-accum either way)."""
@@ -162,6 +145,10 @@ class Layout:
         else:
             cfg.batch_size, cfg.grad_accum, cfg.microbatches, cfg.virtual_stages = \
                 self.micro_batch, self.microbatches, 0, 0
+
+    def choices(self) -> dict:
+        """The layout's choices by field name (`plan --json`), without `force`."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.compare}
 
     def flags(self) -> str:
         """This layout as `train` flags (the data-parallel size follows from --workers)."""
@@ -233,7 +220,7 @@ class Layout:
         if self.microbatches < self.pp:
             out.append(f"--microbatches {self.microbatches} is fewer than the {self.pp} pipeline "
                        f"stages: the pipeline would never fill")
-        if self.schedule == "interleaved-1f1b" and self.microbatches % self.pp:
+        if not self.rounds_fit:
             out.append(f"interleaved-1f1b needs --microbatches ({self.microbatches}) to be a "
                        f"multiple of --pp ({self.pp})")
         if precision == "fp16":
@@ -247,7 +234,7 @@ class Layout:
         pipelined: a pipelined fsdp keeps its stages gathered already), ddp alone at dp 1
         (nothing to shard over)."""
         if dp == 1:
-            return ["ddp"]
+            return [UNSHARDED]
         return [s.name for s in STRATEGIES.values()
                 if not (s.plain_only and (tp > 1 or pp > 1)) and not (s.pipelined_as and pp > 1)]
 
@@ -302,11 +289,33 @@ class Layout:
         return self.micro_batch * self.microbatches
 
     @property
+    def rounds_fit(self) -> bool:
+        """The microbatches fill the schedule's rounds: interleaved-1f1b sends them in rounds of
+        pp, so it needs a multiple of pp; the others take any number."""
+        return self.schedule != "interleaved-1f1b" or self.microbatches % self.pp == 0
+
+    @property
+    def tp_on(self) -> bool:
+        """The model is built tensor-parallel (tp > 1, or forced)."""
+        return self.tp > 1 or "tp" in self.force
+
+    @property
+    def pp_on(self) -> bool:
+        """The model is built as pipeline stages (pp > 1, or forced)."""
+        return self.pp > 1 or "pp" in self.force
+
+    @property
+    def fsdp_on(self) -> bool:
+        """FSDP2 wraps the model over dp (sharded, or forced on one rank): it then owns the
+        mixed precision (step.py)."""
+        return self.sharded or ("fsdp" in self.force and self.by_fsdp)
+
+    @property
     def replicated(self) -> bool:
         """A whole model on every rank, trained by DDP (Ray Train's prepare_model): no tp, no pp,
-        and a strategy without FSDP2 (or one rank, with nothing to shard over)."""
-        return self.tp == 1 and self.pp == 1 and self.ep == 1 and \
-            (not STRATEGIES[self.strategy].fsdp or self.dp_cp == 1)
+        and a strategy without FSDP2 (or one rank, with nothing to shard over); ZeRO-1 over two
+        or more ranks is not: FSDP2 shards it at rest."""
+        return not (self.tp_on or self.pp_on or self.fsdp_on) and self.ep == 1
 
     @property
     def by_fsdp(self) -> bool:
@@ -371,3 +380,7 @@ class Layout:
         """Each dimension's groups as aligned blocks of consecutive ranks (parallel/mesh.py)."""
         return {"tp": self.tp, "cp": self.cp * self.tp, "dp": self.dp * self.cp * self.tp,
                 "dp_cp": self.dp * self.cp * self.tp, "ep": self.ep * self.tp, "pp": self.gpus}
+
+
+__all__ = ["AC_MODES", "DEFAULT_VIRTUAL", "PP_SCHEDULES", "STRATEGIES", "UNSHARDED", "Coords", "Layout", "Strategy",
+           "split_layers"]

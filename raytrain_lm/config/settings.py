@@ -14,9 +14,12 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 from raytrain_lm import env
+from raytrain_lm.config.parallelism import LayoutSettings
+from raytrain_lm.config.schedule import ScheduleSettings
 from raytrain_lm.env import STORAGE_ENV
 from raytrain_lm.errors import UserError, brief
-from raytrain_lm.models.family import ModelConfig, setting
+from raytrain_lm.models.family import FAMILIES, ModelConfig
+from raytrain_lm.setting import setting
 
 DEFAULT_DATA = "data/pydoc"  # the built-in corpus, prepared on first use
 
@@ -27,13 +30,9 @@ def default_storage() -> str:
     return env.storage() or "runs"
 
 
-# What a saved model config that lacks a setting meant: every GPT trained before `gelu` existed
-# used GPT-2's tanh GELU, so its runs resume, export and sample with it.
-SAVED_BEFORE: dict[str, Any] = {"gelu": "tanh"}
-
-
 @dataclass
-class TrainConfig:
+class RunSettings:
+    """What is trained, on what data, where, on how many workers, for how long."""
     preset: str = setting("tiny", help="Model preset: tiny, small, gpt2, gpt2-medium (GPT); "
                           "llama-tiny, llama-small; llama2-7b/13b/70b, llama3-8b/70b/405b (for plan).")
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -62,25 +61,16 @@ class TrainConfig:
                                                "the workers; on a cluster, 1].")
     scale_timeout: float = setting(900.0, help="Seconds to wait for an autoscaler to add the nodes "
                                    "training needs.")
-    # optimisation
+    # steps and batch
     max_steps: int = setting(300, help="Optimizer steps.")
     batch_size: int = setting(16, help="Sequences per worker per micro-step.")
     seq_len: int = setting(128, help="Tokens per sequence (<= model.block_size).")
     grad_accum: int = setting(1, help="Micro-steps per optimizer step.")
-    lr: float = setting(3e-3, help="Peak learning rate (after warmup).")
-    min_lr_ratio: float = setting(0.1, help="The schedule decays to lr x this (exp_range starts there).")
-    schedule: str = setting("cosine", help="cosine: warmup, then cosine decay to the end; wsd: "
-                            "warmup, stable, then a linear decay over the last --decay-fraction of "
-                            "the steps (a resumed run can add steps while still stable); "
-                            "exp_range: lr-find's exponential ramp.")
-    decay_fraction: float = setting(0.2, help="wsd: the share of the steps spent decaying.")
-    horizon: Optional[int] = setting(None, help="Step at which the schedule reaches its minimum "
-                                     "[default: max_steps]. A resumed run given more --max-steps "
-                                     "keeps its horizon where moving it would change the learning "
-                                     "rate, and holds the minimum after it.")
-    ref_batch_tokens: Optional[int] = setting(None, help="Tokens per step `lr` was chosen at "
-                                              "(--scale-lr) [default: the preset's].")
-    warmup_steps: int = setting(30, help="Steps of linear warmup.")
+
+
+@dataclass
+class OptimizerSettings:
+    """AdamW and the arithmetic of a step (worker/optim.py, worker/step.py)."""
     weight_decay: float = setting(0.1, help="AdamW weight decay (matrices and embeddings only).")
     beta1: float = setting(0.9, help="AdamW beta1.")
     beta2: float = setting(0.95, help="AdamW beta2.")
@@ -90,39 +80,17 @@ class TrainConfig:
                              "--pp), fp32 on CPU. FSDP computes in it by its mixed-precision "
                              "policy, other layouts by autocast.")
     compile: bool = setting(False, help="torch.compile the model.")
-    strategy: str = setting("ddp", help="The data-parallel dimension: ddp (a full replica per "
-                            "data-parallel rank), zero1 (ZeRO-1: gradients reduce-scattered, "
-                            "parameters gathered once per step; --tp 1 --pp 1), zero2 (gathered "
-                            "once per micro-step, kept from forward to backward) or fsdp (gathered "
-                            "for each use); all three hold parameters, gradients and AdamW's "
-                            "states sharded over the ranks between steps (FSDP2).")
-    tp: int = setting(1, help="Tensor-parallel degree: each layer's matrices split over this many "
-                      "workers (keep it within a node).")
-    pp: int = setting(1, help="Pipeline-parallel degree: the layers split into this many stages.")
-    ep: int = setting(1, help="Expert-parallel degree (model.arch moe): each block's experts split "
-                      "over this many of the data-parallel ranks, tokens sent to them by all-to-all "
-                      "(it divides the experts and the data-parallel size).")
-    microbatches: int = setting(0, help="Pipeline microbatches per step (--pp); they split "
-                                "--batch-size. 0: 2 x the stages.")
-    pp_schedule: str = setting("1f1b", help="Pipeline schedule: gpipe, 1f1b or interleaved-1f1b "
-                               "(--virtual-stages stages per worker).")
-    virtual_stages: int = setting(0, help="Stages per worker of --pp-schedule interleaved-1f1b "
-                                  "(a smaller bubble, more sends); 0: 2.")
-    layout: Optional[str] = setting(None, help="auto: let the planner choose --tp, --pp, "
-                                    "--strategy, checkpointing, sequence parallelism, the "
-                                    "schedule and the micro-batches for --workers on the "
-                                    "cluster Ray reports (GPUs per node, GPU memory; or "
-                                    "--gpus-per-node, --gpu-memory-gb); the global batch stays "
-                                    "workers x batch-size x grad-accum.")
-    gpus_per_node: Optional[int] = setting(None, help="GPUs (workers) per node for --layout auto "
-                                           "[default: what Ray reports].")
-    sequence_parallel: bool = setting(False, help="With --tp: shard LayerNorm and dropout "
-                                      "activations over the sequence too.")
-    activation_checkpointing: str = setting("none", help="Recompute activations in backward: none; "
-                                            "selective (all but matmul and attention outputs); "
-                                            "op (torchtitan's per-op policy: all but attention "
-                                            "outputs and every other matmul's); full (each "
-                                            "block from its input).")
+
+
+@dataclass
+class TrainConfig(LayoutSettings, OptimizerSettings, ScheduleSettings, RunSettings):
+    """Every setting of a run, flat (`cfg.x`, `--x`, config.json's keys), each declared by its
+    owner: the layout's in config/parallelism.py (LayoutSettings), the learning-rate schedule's in
+    config/schedule.py (ScheduleSettings), the model's in models/ (ModelConfig: each family's
+    folder), the run's own here (RunSettings, OptimizerSettings, and cadence, metrics and the
+    rest below). A new setting: one `setting(...)` line in its owner's class
+    (docs/architecture.md, "Adding a setting"). The bases are listed last-first: the fields
+    read in RunSettings', ScheduleSettings', OptimizerSettings', LayoutSettings', then these."""
     seed: int = setting(1337, help="Random seed.")
     # cadence
     log_every: int = setting(0, help="Steps between metrics rows, exactly (1: every step); 0: a "
@@ -153,9 +121,6 @@ class TrainConfig:
                                         "waits for every other to arrive before it gives up, "
                                         "naming the ranks that did not.")
     # long sequences (docs/parallelism.md, "Long sequences")
-    cp: int = setting(1, help="Context-parallel degree: each window split over this many workers "
-                      "in 2 x cp chunks (worker i takes chunks i and 2cp-1-i), keys and values "
-                      "all-gathered over them in every attention; they share the batch.")
     doc_mask: bool = setting(False, help="Block-causal attention: a packed window's tokens attend "
                              "only within their own document (a dataset whose documents are "
                              "separated by <|endoftext|>); positions restart at each document.")
@@ -176,10 +141,13 @@ class TrainConfig:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "TrainConfig":
         """A config as saved (config.json, a checkpoint's, a sweep's base). A saved model without
-        a setting added since means what the code did before it existed (SAVED_BEFORE)."""
+        a setting added since means what the code did before it existed (its family's
+        `saved_before`)."""
         cfg = cls()
-        if isinstance(d.get("model"), dict) and d["model"].get("arch", "gpt") == "gpt":
-            d = {**d, "model": {**SAVED_BEFORE, **d["model"]}}
+        if isinstance(d.get("model"), dict):
+            arch = d["model"].get("arch", cfg.model.arch)
+            if arch in FAMILIES:
+                d = {**d, "model": {**FAMILIES[arch].saved_before, **d["model"]}}
         apply_overrides(cfg, d, source="config")
         return cfg
 

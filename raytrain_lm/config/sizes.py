@@ -55,13 +55,14 @@ def workers_text(cfg: TrainConfig) -> str:
 
 
 def dp_size(cfg: TrainConfig, world: int) -> int:
-    """The data-parallel size of `world` workers (a multiple of tp x pp)."""
+    """The data-parallel size of `world` workers (a multiple of Layout.unit)."""
     return Layout.of(cfg, world).dp
 
 
 def global_batch(cfg: TrainConfig) -> int:
     """Sequences per optimizer step, at every size: the batch of MAX workers."""
-    return cfg.batch_size * cfg.grad_accum * dp_size(cfg, cfg.workers)
+    lay = Layout.of(cfg, cfg.workers)
+    return lay.sequences * lay.dp
 
 
 def fit_to_world(cfg: TrainConfig, world: int) -> Optional[TrainConfig]:
@@ -83,9 +84,7 @@ def fit_to_world(cfg: TrainConfig, world: int) -> Optional[TrainConfig]:
         if per_rank % size:
             return None
         fitted.batch_size, fitted.microbatches = per_rank, per_rank // size
-        if cfg.pp_schedule == "interleaved-1f1b" and fitted.microbatches % cfg.pp:
-            return None
-        return fitted
+        return fitted if Layout.of(fitted, world).rounds_fit else None
     # The fewest micro-steps whose equal micro-batches fit in --batch-size.
     accum = next(a for a in range(-(-per_rank // cfg.batch_size), per_rank + 1) if per_rank % a == 0)
     fitted.batch_size, fitted.grad_accum = per_rank // accum, accum
@@ -117,7 +116,7 @@ def check_elastic(cfg: TrainConfig) -> None:
         return
     unit = Layout.unit(cfg)
     if cfg.min_workers % unit:
-        raise UserError(f"{text}: both ends must be multiples of --tp x --pp = {unit} (resizes "
+        raise UserError(f"{text}: both ends must be multiples of {Layout.unit_text(cfg)} = {unit} (resizes "
                         f"change the data-parallel size only)")
     if fit_to_world(cfg, cfg.min_workers) is None:
         sizes = ", ".join(map(str, worker_counts(dataclasses.replace(cfg, min_workers=unit))))

@@ -1,5 +1,5 @@
 """The model families, by `model.arch`: each a folder (its Family, torch-free, beside its decoder),
-listed once here; the one FLOPs count and building a model go through this registry."""
+listed once (models/family.py's FAMILIES); the one FLOPs count and building a model go through this registry."""
 
 from __future__ import annotations
 
@@ -7,25 +7,11 @@ import importlib
 from typing import Optional
 
 from raytrain_lm.errors import UserError
-from raytrain_lm.models.family import Family, ModelConfig
-from raytrain_lm.models.gpt import GPTFamily
+from raytrain_lm.models.family import FAMILIES, ModelConfig, family
 from raytrain_lm.models.hf import HFAdapter
-from raytrain_lm.models.llama import LlamaFamily
-from raytrain_lm.models.mistral import MistralFamily
-from raytrain_lm.models.moe import MoEFamily
-from raytrain_lm.models.qwen2 import Qwen2Family
-from raytrain_lm.models.qwen3 import Qwen3Family
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (GPTFamily(), LlamaFamily(), Qwen2Family(),
-                                                   Qwen3Family(), MistralFamily(), MoEFamily())}
-
-
-def family(m: ModelConfig | str) -> Family:
-    """The family of a config (or of an arch name); an unknown one is the user's to fix."""
-    arch = m if isinstance(m, str) else m.arch
-    if arch not in FAMILIES:
-        raise UserError(f"model.arch must be one of {', '.join(FAMILIES)}, got {arch!r}")
-    return FAMILIES[arch]
+__all__ = ["FAMILIES", "ModelConfig", "build_model", "decoder_class", "describe", "family",
+           "flops_per_token", "hf_adapter", "hf_importer"]
 
 
 def decoder_class(m: ModelConfig):

@@ -155,8 +155,8 @@ def _rules(key: tuple) -> dict[str, Rule]:
 
 def _shapes(m: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every parameter's full shape, by name (a meta-device build: no memory, milliseconds)."""
-    import torch  # only where a model is built (the worker): the checks above stay torch-free
-    from torch.overrides import TorchFunctionMode
+    import torch  # torch: only where a model is built (the worker): the checks above stay torch-free
+    from torch.overrides import TorchFunctionMode  # torch: as above
 
     from raytrain_lm.models import build_model
 

@@ -57,8 +57,8 @@ class Built:
                  ddp_wrap=None, init: bool = True, separator: Optional[int] = None):
         """`dtype`: mixed precision's (None: fp32); FSDP takes it as its MixedPrecisionPolicy
         where it shards over dp (`mixed_by_fsdp`: then nothing else may cast, see step.py).
-        `force` ("tp", "pp", "fsdp"): apply those even on a mesh dim of one rank, so one
-        process runs every layout's code (bench/gpu_check.py); `ddp_wrap`: DDP's wrapper in
+        `force` (Layout.force: "tp", "pp", "fsdp"): apply those even on a mesh dim of one rank,
+        so one process runs every layout's code (bench/gpu_check.py); `ddp_wrap`: DDP's wrapper in
         place of Ray Train's prepare_model (parallel/ddp.py). `init` False: a model built
         sharded is left with its memory as allocated, for a caller that fills every parameter
         next (a checkpoint, --init-from), which then costs no initial values. `separator`: the
@@ -66,16 +66,14 @@ class Built:
         self.cfg, self.device, self.dtype, self.init = cfg, device, dtype, init
         world = dist.get_world_size() if is_distributed() else 1
         rank = dist.get_rank() if is_distributed() else 0
-        self.layout = lay = Layout.of(cfg, world, pipelined="pp" in force)
+        self.layout = lay = Layout.of(cfg, world, force=force)
         self.coords: Coords = lay.coords(rank)
         self.dp = lay.dp
-        self.tp_on, self.pp_on = lay.tp > 1 or "tp" in force, lay.pp > 1 or "pp" in force
-        self.force_fsdp = "fsdp" in force and lay.by_fsdp
-        self.replicated = lay.replicated and not (self.tp_on or self.pp_on or self.force_fsdp)
+        self.tp_on, self.pp_on, self.replicated = lay.tp_on, lay.pp_on, lay.replicated
         # context parallelism needs its group even where Ray's DDP replicates the model
         self.mesh = None if self.replicated and lay.cp == 1 else build_mesh(device, lay)
         # FSDP's MixedPrecisionPolicy, where it shards, is the run's mixed precision (step.py)
-        self.mixed_by_fsdp = dtype is not None and (lay.sharded or self.force_fsdp)
+        self.mixed_by_fsdp = dtype is not None and lay.fsdp_on
         self.schedule = self.loss_fn = self.tied_group = self.pp_group = None
         self.has_first = self.has_last = True
         self.norm_exclude: set[int] = set()
@@ -123,9 +121,7 @@ class Built:
             if experts:
                 ep.apply_ep(part, self.mesh["ep"], fsdp.blocks(part))
             fsdp.apply_dp(part, dim_mesh(self.mesh, "dp_cp" if self.layout.cp > 1 else "dp"),
-                          self.layout, self.dtype, compile=cfg.compile,
-                          pipelined=self.pp_on, force=self.force_fsdp,
-                          edp_mesh=self.mesh["edp"] if experts else None)
+                          self.layout, self.dtype, compile=cfg.compile, edp_mesh=self.mesh["edp"] if experts else None)
             materialize_(part, cfg.model, cfg.seed, self.device, init=self.init)
             fit_positions_(part, cfg.seq_len)  # before the first (compiled) forward
         return [part for _, part in self.stages]

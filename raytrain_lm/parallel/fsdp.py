@@ -18,8 +18,7 @@ warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a vi
 
 
 def apply_dp(part: nn.Module, dp_mesh, layout: Layout, dtype: Optional[torch.dtype],
-             compile: bool = False, pipelined: bool = False, force: bool = False,
-             edp_mesh=None) -> nn.Module:
+             compile: bool = False, edp_mesh=None) -> nn.Module:
     """Shard (zero1, zero2, fsdp) or replicate (ddp) a model part over the "dp" mesh dim, in
     place, before its parameters are materialised, one group per block, then the part's root
     (embeddings, final norm and the tied head: a shared parameter lives in one group), so each
@@ -41,7 +40,7 @@ def apply_dp(part: nn.Module, dp_mesh, layout: Layout, dtype: Optional[torch.dty
     All average the gradients over dp, so dp-sharded batches give the whole batch's gradient.
     With expert parallelism (`edp_mesh`: the dp ranks that hold the same experts), each block's
     experts are sharded or replicated over edp first, as a group of their own (parallel/ep.py)."""
-    if dp_mesh.size() == 1 and not force:  # (force: fully_shard on one rank, for checks)
+    if dp_mesh.size() == 1 and not layout.fsdp_on:  # (Layout.force: fully_shard on one rank)
         return part
     experts = ep.experts_of(part, blocks(part)) if edp_mesh is not None else []
     if not layout.by_fsdp:
@@ -56,7 +55,7 @@ def apply_dp(part: nn.Module, dp_mesh, layout: Layout, dtype: Optional[torch.dty
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     # Pipelined: kept gathered (each microbatch would re-gather otherwise); zero1/2: to backward.
-    kwargs = {"mesh": dp_mesh, "reshard_after_forward": not pipelined and not layout.keeps_gathered}
+    kwargs = {"mesh": dp_mesh, "reshard_after_forward": not layout.pp_on and not layout.keeps_gathered}
     if dtype is not None:
         # Gather parameters and compute in `dtype`; reduce gradients in fp32 for accuracy. The
         # run's only mixed precision (no autocast around it: step.py).

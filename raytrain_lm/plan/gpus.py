@@ -113,7 +113,7 @@ def driver_cuda_version() -> Optional[int]:
 
 def say_cuda_mismatch() -> None:
     """cluster.yaml's setup: print the mismatch line, if any (never fails the setup)."""
-    import torch
+    import torch  # torch: cluster.yaml's setup asks the installed torch its CUDA
 
     line = cuda_mismatch(torch.version.cuda, driver_cuda_version())
     if line:

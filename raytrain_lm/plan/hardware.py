@@ -105,9 +105,10 @@ class Cluster:
 
     def shards_params(self, lay) -> bool:
         """Whether `lay`'s parameters and gradients lie sharded over dp at rest as this framework
-        builds its strategy: FSDP2's strategies shard them (Layout.sharded), but a ZeRO-1 built on
-        whole replicas (`zero1` not "fsdp2") shards only AdamW's states."""
-        return lay.sharded and not (lay.strategy == "zero1" and self.zero1 != "fsdp2")
+        builds its strategy: FSDP2's strategies shard them (Layout.sharded), but one that gathers
+        once per step (ZeRO-1: Layout.gathers_once) built on whole replicas (`zero1` not "fsdp2")
+        shards only AdamW's states."""
+        return lay.sharded and not (lay.gathers_once and self.zero1 != "fsdp2")
 
     def param_shards(self, lay) -> int:
         """Ranks each parameter and gradient of `lay` is spread over at rest (shards_params)."""

@@ -161,7 +161,7 @@ def _efficiency_text(cl: Cluster) -> str:
 
 
 def estimate_json(e: Estimate) -> dict:
-    return {**asdict(e.layout), "flags": e.layout.flags(), "fits": e.fits,
+    return {**e.layout.choices(), "flags": e.layout.flags(), "fits": e.fits,
             "memory_gib": {**{k: v / GIB for k, v in asdict(e.memory).items()},
                            "total": e.memory.total / GIB},
             "comm_gb": {"dp": e.comm.dp / GB, "dp_gather": e.comm.dp_gather / GB,

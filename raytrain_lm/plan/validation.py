@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
 
+from raytrain_lm.config.layout import UNSHARDED
 from raytrain_lm.config.presets import preset_config
 from raytrain_lm.models import flops_per_token
 from raytrain_lm.models.family import ModelConfig
@@ -152,7 +153,7 @@ def split_estimates(m: ModelConfig, cl: Cluster, run: dict) -> dict[tuple, Estim
     for t in tp_sizes(m, cl):
         for p in (d for d in divisors(cl.gpus // t) if d <= m.n_layer):
             dp = cl.gpus // (t * p)
-            for s in structures(m, cl, run["seq_len"], t, p, strategy if dp > 1 else "ddp"):
+            for s in structures(m, cl, run["seq_len"], t, p, strategy if dp > 1 else UNSHARDED):
                 if s[6] == "gpipe":  # as fast as 1f1b in the model and never smaller: no new split time
                     continue
                 found = [e for e in (estimate_layout(m, lay, cl, time_unfit=False)

@@ -58,7 +58,7 @@ class _WorkerContext:
     worker when its training function starts."""
 
     def __enter__(self):
-        from ray.train.torch.config import TorchConfigContextManager
+        from ray.train.torch.config import TorchConfigContextManager  # torch: runs on the workers
 
         TorchConfigContextManager().__enter__()
 
@@ -68,7 +68,7 @@ class _WorkerContext:
 
 def _ray_torch(name: str, **kwargs):
     """Runs `ray.train.torch.config.<name>(**kwargs)` on a worker."""
-    from ray.train.torch import config
+    from ray.train.torch import config  # torch: runs on the workers
 
     return getattr(config, name)(**kwargs)
 

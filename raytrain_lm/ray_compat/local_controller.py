@@ -49,7 +49,7 @@ class Retention:
 
 def cuda_devices() -> int:
     """The CUDA GPUs torch sees in this process (the GPUs local mode would train on)."""
-    import torch
+    import torch  # torch: the ranks of a local run
 
     return torch.cuda.device_count()
 
@@ -62,8 +62,8 @@ def join_torchrun(timeout_s: float) -> None:
     checked by run/in_process.local_place.)"""
     from datetime import timedelta
 
-    import torch
-    import torch.distributed as dist
+    import torch  # torch: the ranks of a local run
+    import torch.distributed as dist  # torch: as above
 
     if dist.is_initialized():
         return
@@ -98,9 +98,9 @@ def local_controller(run_config, threads: int, rendezvous_timeout: float):
     """Ray's LocalTorchController for `run_config` (name, storage_path, callbacks, num_to_keep),
     completed as this module says; the training function runs on `threads` torch threads, its
     torchrun ranks joined within `rendezvous_timeout` seconds (join_torchrun)."""
-    import torch
-    import torch.distributed as dist
-    from ray.train.v2._internal.execution.local_mode.torch import LocalTorchController
+    import torch  # torch: the ranks of a local run
+    import torch.distributed as dist  # torch: as above
+    from ray.train.v2._internal.execution.local_mode.torch import LocalTorchController  # torch: as above
     from ray.train.v2._internal.execution.storage import StorageContext
     from ray.train.v2._internal.execution.train_fn_utils import (
         LocalTrainFnUtils,

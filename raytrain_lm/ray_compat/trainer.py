@@ -23,7 +23,7 @@ from raytrain_lm.ray_compat.scaling import FixedPolicyWithoutAutoscaler, SizedEl
 def train_loop(config: WorkerInputs) -> None:
     """The training function Ray sends to the workers, by reference: the loop's module (which
     imports torch) is imported there, not where the trainer is built."""
-    from raytrain_lm.worker.loop import train_loop_per_worker
+    from raytrain_lm.worker.loop import train_loop_per_worker  # torch: the function each worker runs
 
     train_loop_per_worker(config)
 
@@ -33,7 +33,7 @@ def local_train_loop(config: WorkerInputs) -> None:
     rank 0's inputs (the run's name, a resolved --init-from are rank 0's to choose)."""
     from ray.train.collective import broadcast_from_rank_zero
 
-    from raytrain_lm.worker.loop import train_loop_per_worker
+    from raytrain_lm.worker.loop import train_loop_per_worker  # torch: the function each worker runs
 
     train_loop_per_worker(broadcast_from_rank_zero(config))
 

@@ -119,7 +119,7 @@ def use_gpus(use_gpu: bool, local_ranks: int) -> None:
 def local_gpu_kind() -> Optional[str]:
     """The GPU kind (plan/gpus.py) of this node's GPUs, by the first one's name (use_gpus
     checked there is one per rank), for the memory check."""
-    import torch
+    import torch  # torch: the loop runs in this process
 
     from raytrain_lm.plan.gpus import kind_of_device
 

@@ -129,7 +129,7 @@ def range_test_config(cfg: TrainConfig, lr_min: float, lr_max: float, steps: int
 
 def per_step_curve(rows: list[dict], cfg: TrainConfig) -> tuple[list[float], list[float]]:
     """(lr, loss) of every step, from metrics rows that each carry the losses since the last."""
-    from raytrain_lm.worker.optim import lr_at
+    from raytrain_lm.config.schedule import lr_at
 
     curve: dict[int, tuple[float, float]] = {}
     for r in rows:

@@ -1,4 +1,5 @@
-"""`--scale-lr`: carry a learning rate tuned at one global batch to another.
+"""`--scale-lr`: carry a learning rate tuned at one global batch to another (the rules:
+config/schedule.py's scaled_lr; here, the run's reference batch).
 
 The global batch is counted in tokens per optimizer step (workers x batch_size x grad_accum x
 seq_len): that is what changes when `--workers` changes. The batch `lr` was chosen at is recorded in
@@ -8,23 +9,13 @@ batch (its defaults, 2 workers) is the reference, since the preset's lr was chos
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 from raytrain_lm.config.presets import preset_config
+from raytrain_lm.config.schedule import LR_SCALING, check_scaling, scaled_lr
 from raytrain_lm.config.settings import TrainConfig
-from raytrain_lm.errors import UserError
 
-RULES = ("none", "linear", "sqrt")
-
-
-def scaled_lr(lr: float, ref_tokens: int, tokens: int, rule: str) -> float:
-    """linear: lr x k (Goyal et al. 2017, for SGD); sqrt: lr x sqrt(k) (the rule for Adam-family
-    optimizers, Malladi et al. 2022); k = new batch / reference batch."""
-    if rule not in RULES:
-        raise UserError(f"--scale-lr must be one of {', '.join(RULES)}, got {rule!r}")
-    k = tokens / ref_tokens
-    return lr * {"none": 1.0, "linear": k, "sqrt": math.sqrt(k)}[rule]
+__all__ = ["LR_SCALING", "apply_lr_scaling", "scaled_lr"]
 
 
 def apply_lr_scaling(cfg: TrainConfig, rule: str) -> Optional[str]:
@@ -32,8 +23,7 @@ def apply_lr_scaling(cfg: TrainConfig, rule: str) -> Optional[str]:
 
     Afterwards `ref_batch_tokens` is the new batch, so the saved config is consistent: scaling it
     again for the same batch changes nothing."""
-    if rule not in RULES:
-        raise UserError(f"--scale-lr must be one of {', '.join(RULES)}, got {rule!r}")
+    check_scaling(rule)
     if rule == "none":
         return None
     ref = cfg.ref_batch_tokens or preset_config(cfg.preset).tokens_per_step

@@ -93,7 +93,7 @@ class TrainStep:
 
     @property
     def replicated(self) -> bool:
-        """A whole replica of the model on every rank (DDP, ZeRO-1)."""
+        """A whole replica of the model on every rank, trained by DDP (Layout.replicated)."""
         return self.model.replicated
 
     def train(self, mode: bool = True) -> None:
@@ -182,7 +182,7 @@ class TrainStep:
                     loss = self._pipeline_step(x, y)
             else:
                 with sequence, ddp.no_sync(m.modules[0], sync=micro == accum - 1,
-                                           keep_gathered=self.cfg.strategy == "zero1"), \
+                                           keep_gathered=m.layout.gathers_once), \
                         self.autocast, m.loss_ctx():
                     # the loss alone: holding the logits (batch x seq x vocab) through the
                     # backward would keep them alive when nothing needs them

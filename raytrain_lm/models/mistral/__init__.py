@@ -10,6 +10,8 @@ from raytrain_lm.models.llama import LlamaFamily
 class MistralFamily(LlamaFamily):
     name = "mistral"
     title = "Mistral"
+    summary = "a sliding window, model.sliding_window"
+    hf_releases = ("Mistral",)
     defaults = {"arch": "mistral", "bias": False}
     hf_adapter = "raytrain_lm.models.mistral.hf_mistral"
     hf_model_types = ("mistral",)

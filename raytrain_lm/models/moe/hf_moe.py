@@ -91,7 +91,7 @@ class _MoEFormat(LlamaAdapter):
         return out
 
     def from_hf(self, weights: dict, m: ModelConfig) -> dict:
-        import torch
+        import torch  # torch: stacks the experts' tensors (a model being built)
 
         experts = {n: self.hf_stack(n, m) for n in (f"h.{i}.mlp.experts.{w}" for i in range(m.n_layer)
                                                      for w in EXPERT_MATRICES)}

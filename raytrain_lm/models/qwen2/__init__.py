@@ -10,6 +10,8 @@ from raytrain_lm.models.llama import LlamaFamily
 class Qwen2Family(LlamaFamily):
     name = "qwen2"
     title = "Qwen2"
+    summary = "a Llama with q/k/v biases"
+    hf_releases = ("Qwen2",)
     defaults = {"arch": "qwen2", "bias": False, "qkv_bias": True}
     hf_adapter = "raytrain_lm.models.qwen2.hf_qwen2"
     hf_model_types = ("qwen2",)

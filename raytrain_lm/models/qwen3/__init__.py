@@ -10,6 +10,8 @@ from raytrain_lm.models.llama import LlamaFamily
 class Qwen3Family(LlamaFamily):
     name = "qwen3"
     title = "Qwen3"
+    summary = "per-head q/k norms"
+    hf_releases = ("Qwen3",)
     defaults = {"arch": "qwen3", "bias": False, "qk_norm": True}
     hf_adapter = "raytrain_lm.models.qwen3.hf_qwen3"
     hf_model_types = ("qwen3",)
