@@ -269,7 +269,7 @@ def test_a_checkpoint_keeps_the_familys_wrap_and_generate_starts_a_document_with
     prepared before its spec carried the wrap (only the manifest's "documents") gives the same,
     and resumes a checkpoint that records it (the same vocabulary)."""
     from raytrain_lm.data.manifest import dataset_tokenizer
-    from raytrain_lm.data.tokenizer import tokenizer_from_spec
+    from raytrain_lm.data.spec import tokenizer_from_spec
     from raytrain_lm.results.generate import start_ids
     from raytrain_lm.run.preflight import check_same_tokenizer
 

@@ -7,13 +7,13 @@ import random
 import numpy as np
 import pytest
 
+from raytrain_lm.data.spec import tokenizer_from_spec
 from raytrain_lm.data.tokenizer import (
     EOT,
     BPETokenizer,
     ByteTokenizer,
     dtype_for_vocab,
     make_tokenizer,
-    tokenizer_from_spec,
     train_bpe,
 )
 from raytrain_lm.errors import UserError

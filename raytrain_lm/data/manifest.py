@@ -21,7 +21,7 @@ from typing import Callable
 import pyarrow.fs as pafs
 
 from raytrain_lm.config.checks import MAX_VOCAB, is_plain_name
-from raytrain_lm.data.tokenizer import check_spec, tokenizer_from_spec
+from raytrain_lm.data.spec import check_spec, tokenizer_from_spec
 from raytrain_lm.data.vocab import byte_tokenizer_json
 from raytrain_lm.errors import UserError
 from raytrain_lm.store import untrusted

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from raytrain_lm.config.settings import TrainConfig
-from raytrain_lm.data.tokenizer import tokenizer_from_spec
+from raytrain_lm.data.spec import tokenizer_from_spec
 from raytrain_lm.errors import UserError
 from raytrain_lm.models import family
 from raytrain_lm.store.files import TOKENIZER

@@ -11,7 +11,7 @@ import torch
 
 from raytrain_lm.config.checks import check_sampling
 from raytrain_lm.config.settings import TrainConfig
-from raytrain_lm.data.tokenizer import tokenizer_from_spec
+from raytrain_lm.data.spec import tokenizer_from_spec
 from raytrain_lm.errors import UserError
 from raytrain_lm.models import decoder_class
 from raytrain_lm.models.decoder import Decoder

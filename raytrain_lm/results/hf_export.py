@@ -31,7 +31,8 @@ from typing import Any, Callable, Optional
 import torch
 
 from raytrain_lm.config.settings import TrainConfig
-from raytrain_lm.data.tokenizer import EOT, Tokenizer, tokenizer_from_spec
+from raytrain_lm.data.spec import tokenizer_from_spec
+from raytrain_lm.data.tokenizer import EOT, Tokenizer
 from raytrain_lm.data.vocab import byte_tokenizer_json
 from raytrain_lm.errors import UserError
 from raytrain_lm.models import build_model, hf_adapter, hf_importer

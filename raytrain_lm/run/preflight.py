@@ -219,7 +219,7 @@ def describe_tokenizer(spec: dict) -> str:
 def check_same_tokenizer(spec: dict, manifest: dict, what: str, data: str) -> None:
     """A model's token ids mean what its tokenizer says: weights trained on one tokenizer's ids
     cannot continue on another's data (same vocabulary size or not)."""
-    from raytrain_lm.data.tokenizer import vocabulary_of
+    from raytrain_lm.data.spec import vocabulary_of
 
     if vocabulary_of(spec) != vocabulary_of(manifest["tokenizer"]):
         raise UserError(f"{what} was trained with {describe_tokenizer(spec)} but dataset {data} "

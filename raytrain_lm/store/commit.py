@@ -90,7 +90,7 @@ def check_meta(meta: Any) -> str:
 
 
 def _spec_problem(spec: Any) -> str:
-    """A tokenizer spec's shape (tokenizer.check_spec then checks its file)."""
+    """A tokenizer spec's shape (spec.check_spec then checks its file)."""
     if not isinstance(spec, dict) or spec.get("type") not in ("byte", "bpe"):
         return f"tokenizer {brief(spec)}"
     if spec["type"] == "bpe" and not (_whole(spec.get("vocab_size"), 1, MAX_VOCAB)
