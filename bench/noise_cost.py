@@ -9,7 +9,9 @@ nothing. Their steps alternate in blocks of --block steps (ABBA: neither arm alw
 --warm steps of each; both ranks start every block together (a barrier). Rank 0's seconds per
 step of each block; per layout the median block of each arm, and the ratio of each with-block to
 its neighbouring without-block (a pair of ABBA), whose median and range are the cost and its
-spread. Random tokens (the arithmetic, not the data, is timed).
+spread. Beside it, the estimate's own arithmetic timed alone (the fused squared norms over a
+rank's gradients after a step): the part of the cost that does not drown in the machine's noise.
+Random tokens (the arithmetic, not the data, is timed).
 
     nice -n 10 python bench/noise_cost.py [--blocks 8] [--block 10] [--out bench/results/noise_cost.json]
 """
@@ -104,10 +106,26 @@ def rank_main(rank: int, store: str, out: str, blocks: int, block: int, warm: in
             for _ in range(block):
                 arms[arm](batches, 1e-4)
             times[arm].append((time.perf_counter() - t0) / block)
-        result[strategy] = times
+        result[strategy] = {**times, "squares_alone_s": squares_alone(arms["with"])}
     if rank == 0:
         Path(out).write_text(json.dumps(result))
     dist.destroy_process_group()
+
+
+def squares_alone(step, reps: int = 50) -> float:
+    """Median seconds of the estimate's own arithmetic for one step, timed alone: the fused
+    squared norms over this rank's gradients (the same elements the hook or the post-backward
+    reads), without the machine's step-to-step noise."""
+    from raytrain_lm.parallel.noise import _weighted_squares
+
+    grads = [(p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad, 1)
+             for part in step.parts for p in part.parameters() if p.grad is not None]
+    out = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        _weighted_squares(grads, torch.device("cpu"))
+        out.append(time.perf_counter() - t0)
+    return statistics.median(out)
 
 
 def summary(times: dict) -> dict:
@@ -117,7 +135,7 @@ def summary(times: dict) -> dict:
     return {"with_median_s": statistics.median(w), "without_median_s": statistics.median(wo),
             "with_range_s": [min(w), max(w)], "without_range_s": [min(wo), max(wo)],
             "pair_ratio_median": statistics.median(ratios), "pair_ratio_range": [min(ratios), max(ratios)],
-            "blocks": len(w)}
+            "blocks": len(w), "squares_alone_s": times["squares_alone_s"]}
 
 
 def main() -> None:
@@ -127,6 +145,7 @@ def main() -> None:
     ap.add_argument("--warm", type=int, default=3, help="steps of each arm before timing")
     ap.add_argument("--out", default=str(ROOT / "bench/results/noise_cost.json"))
     a = ap.parse_args()
+    load_start = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
         raw = os.path.join(tmp, "times.json")
         mp.start_processes(rank_main, args=(os.path.join(tmp, "store"), raw, a.blocks, a.block, a.warm),
@@ -135,7 +154,7 @@ def main() -> None:
     out = {"what": "gradient noise scale: seconds per step with and without it, 2 gloo ranks",
            "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="minutes"),
            "model": SETS, "seq_len": SEQ, "micro_batch": MICRO, "block_steps": a.block,
-           "load_avg_1min_at_end": os.getloadavg()[0],
+           "load_avg_1min": [load_start, os.getloadavg()[0]],
            "layouts": {k: {**summary(v), "raw": v} for k, v in times.items()}}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(out, indent=2))
