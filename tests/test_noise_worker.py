@@ -1,6 +1,7 @@
 """The gradient noise scale as a worker measures it (parallel/noise.py, worker/metrics.Meter): each
-rank's gradient before DDP's all-reduce, or one worker's first micro-batch, against the same
-gradients computed in one process from the same weights and batches."""
+dp rank's gradient before the data-parallel reduction (DDP's comm hook, FSDP2's post-backward, on
+every layout: tp, pp, experts), or one dp rank's first micro-batch, against the same gradients
+computed in one process from the same weights and batches."""
 
 from __future__ import annotations
 
