@@ -127,7 +127,7 @@ def main() -> None:
     step.train()
     for _ in range(a.steps):
         _, norm = step(draws, 1e-12)
-        small, large = step.small_sq.item(), norm.item() ** 2
+        small, large = step.small_sq[0].item(), norm.item() ** 2
         ema.update(small, large, b, big)
         g2, tr = two_batch_estimates(small, large, b, big)
         g2s.append(g2)

@@ -10,7 +10,7 @@ import itertools
 import numpy as np
 import pytest
 
-from raytrain_lm.plan.noise_scale import NoiseScale, batch_hint, two_batch_estimates
+from raytrain_lm.plan.noise_scale import BatchAdvice, NoiseScale, batch_hint, two_batch_estimates
 
 # A population of 3 per-sample gradients in 2 dimensions (float64): its mean G and its (population)
 # covariance Sigma are what sampling with replacement sees.
@@ -113,3 +113,21 @@ def test_batch_hint():
     assert "smaller batch" in batch_hint(1024, 32)
     assert "larger batch" in batch_hint(8, 400)
     assert batch_hint(8, None) is None
+
+
+def test_batch_advice_speaks_once_when_settled_and_after_the_run():
+    """During the run: one hint, at the first row `settle` steps after the first row with an
+    estimate (a row whose |G|^2 is not yet positive counts: its B_simple is None), naming its
+    step; after the run: the last estimate's. Within the factor, or without estimates: none."""
+    rows = [{"step": 10, "noise_scale": None, "noise_grad_sq": -1.0, "noise_trace": 5.0}] + \
+        [{"step": s, "noise_scale": 32.0, "noise_grad_sq": 1.0, "noise_trace": 32.0}
+         for s in range(20, 200, 10)]
+    advice = BatchAdvice(1024, settle=60)
+    said = {r["step"]: advice.update(r) for r in rows}
+    assert [s for s, h in said.items() if h] == [70]
+    assert said[70].startswith("at step 70, ") and "smaller batch" in said[70]
+    assert "smaller batch" in advice.after_run()
+    near = BatchAdvice(64, settle=60)
+    assert all(near.update(r) is None for r in rows) and near.after_run() is None
+    none = BatchAdvice(1024, settle=60)
+    assert none.update({"step": 100, "loss": 2.0}) is None and none.after_run() is None

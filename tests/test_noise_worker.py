@@ -1,6 +1,7 @@
 """The gradient noise scale as a worker measures it (parallel/noise.py, worker/metrics.Meter): each
-rank's gradient before DDP's all-reduce, or one worker's first micro-batch, against the same
-gradients computed in one process from the same weights and batches."""
+dp rank's gradient before the data-parallel reduction (DDP's comm hook, FSDP2's post-backward, on
+every layout: tp, pp, experts), or one dp rank's first micro-batch, against the same gradients
+computed in one process from the same weights and batches."""
 
 from __future__ import annotations
 
@@ -26,11 +27,11 @@ def config(workers, accum, **flags):
 
 
 class Batches:
-    """Fixed micro-batches, in order, from a seed of their own."""
+    """Fixed micro-batches of `rows` sequences, in order, from a seed of their own."""
 
-    def __init__(self, seed: int, n: int):
+    def __init__(self, seed: int, n: int, rows: int = MICRO):
         g = torch.Generator().manual_seed(seed)
-        self.xs = [torch.randint(0, 64, (MICRO, 16), generator=g) for _ in range(n)]
+        self.xs = [torch.randint(0, 64, (rows, 16), generator=g) for _ in range(n)]
         self.i = 0
 
     def next(self):
@@ -69,7 +70,7 @@ def test_one_worker_with_accumulation_measures_its_first_micro_batch():
     step.train()
     _, norm = step(batches, 1e-3)
     # float32 sums of squares against float64: relative rounding ~1e-6
-    assert step.small_sq.item() == pytest.approx(sq(grad_of(before, batches.xs[:1])), rel=1e-5)
+    assert step.small_sq[0].item() == pytest.approx(sq(grad_of(before, batches.xs[:1])), rel=1e-5)
     assert norm.item() ** 2 == pytest.approx(sq(grad_of(before, batches.xs)), rel=1e-5)
 
 
@@ -135,7 +136,7 @@ def test_two_ddp_workers_give_the_one_process_formula(ddp_ranks):
     local = [grad_of(model, Batches(10 + r, 2).xs) for r in range(2)]
     mean = [(a + b) / 2 for a, b in zip(*local)]
     for r, got in enumerate(ddp_ranks):
-        assert got["small"].item() == pytest.approx(sq(local[r]), rel=1e-5)
+        assert got["small"][0].item() == pytest.approx(sq(local[r]), rel=1e-5)
         assert got["norm"].item() ** 2 == pytest.approx(sq(mean), rel=1e-5)
     g2, trace = two_batch_estimates((sq(local[0]) + sq(local[1])) / 2, sq(mean), 2 * MICRO, 4 * MICRO)
     for got in ddp_ranks:
@@ -181,5 +182,126 @@ def test_zero_and_fsdp_workers_measure_their_own_gradient(ddp_ranks, strategy):
     for r, got in enumerate(ddp_ranks):
         one = got["sharded"][strategy]
         assert one["same_start"] and one["batches"] == (2 * MICRO, 4 * MICRO)
-        assert one["small"].item() == pytest.approx(sq(grad_of(model, Batches(10 + r, 2).xs)), rel=1e-5)
+        assert one["small"][0].item() == pytest.approx(sq(grad_of(model, Batches(10 + r, 2).xs)), rel=1e-5)
         assert one["norm"] == pytest.approx(got["norm"].item(), rel=1e-5)
+
+
+# ---------------------------------------------------------------- every data-parallel layout
+
+# name: (model sets beyond SETS, flags, sequences per batches.next(), batches.next() per step).
+# 4 ranks each; the ranks run in float64 (torch's default dtype), as the reference does.
+LAYOUTS = {
+    "ddp-tp2-accum2": ([], dict(tp=2, strategy="ddp", grad_accum=2), MICRO, 2),
+    "fsdp-tp2-sp": ([], dict(tp=2, strategy="fsdp", sequence_parallel=True), MICRO, 1),
+    "zero2-tp2-sp-accum2": ([], dict(tp=2, strategy="zero2", sequence_parallel=True, grad_accum=2), MICRO, 2),
+    "ddp-pp2": ([], dict(pp=2, strategy="ddp", pp_schedule="1f1b", microbatches=2, batch_size=2 * MICRO),
+                2 * MICRO, 1),
+    "fsdp-pp2": ([], dict(pp=2, strategy="fsdp", pp_schedule="gpipe", microbatches=2, batch_size=2 * MICRO),
+                 2 * MICRO, 1),
+    "tp4-accum2-sp": (["model.n_head=4"], dict(tp=4, grad_accum=2, sequence_parallel=True), MICRO, 2),
+    "fsdp-ep2": (["model.arch=moe", "model.n_experts=4", "model.top_k=2", "model.ffn_dim=32",
+                  "model.aux_loss_coef=0", "model.z_loss_coef=0"], dict(ep=2, strategy="fsdp"), MICRO, 1),
+}
+
+
+def layout_config(name):
+    sets, flags, rows, _ = LAYOUTS[name]
+    return build_config(sets=SETS + sets, flags={"workers": 4, "lr": 1e-3, "seq_len": 16,
+                                                 "batch_size": MICRO, **flags})
+
+
+def layout_batches(name, dp_rank):
+    _, _, rows, n = LAYOUTS[name]  # every rank of a dp rank reads the same batches
+    return Batches(10 + dp_rank, n, rows)
+
+
+def layouts_rank(rank, store, out):
+    """One step of every layout of LAYOUTS on 4 ranks: what each rank measured and its Meter row."""
+    from raytrain_lm.worker.metrics import Meter
+    from raytrain_lm.worker.step import TrainStep
+
+    torch.set_num_threads(1)
+    torch.set_default_dtype(torch.float64)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=4)
+    got = {}
+    for name in LAYOUTS:
+        step = TrainStep(layout_config(name), CPU)
+        meter = Meter(CPU, 4, 1.0, None, 1, 0.0, loss_ranks=step.dp, noise_batches=step.noise_batches)
+        step.train()
+        loss, norm = step(layout_batches(name, step.model.coords.dp), 1e-3)
+        small = None if step.small_sq is None else step.small_sq.clone()
+        meter.add_step(loss, 1, norm, step.small_sq)
+        row = meter.row(1, 1e-3, norm, step)
+        got[name] = {"small": small, "norm": float(norm), "batches": step.noise_batches,
+                     "dp": step.dp, "row": row}
+    torch.save(got, f"{out}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def layout_ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("noise-layouts")
+    mp.start_processes(layouts_rank, args=(str(out / "store"), str(out)), nprocs=4, start_method="spawn")
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(4)]
+
+
+def reference(name):
+    """(|G_b|^2 averaged over the dp ranks, |G_B|^2, b, B) in one float64 process from the same
+    initial weights and batches: each dp rank's gradient of its mean loss, the step's their mean
+    (one dp rank: its first micro-batch's, the step's). The parameters the layout leaves out
+    (parallel/noise.py: the pipeline's tied embedding, the experts under expert parallelism)
+    are left out here."""
+    from raytrain_lm.models import build_model, family
+
+    cfg = layout_config(name)
+    torch.set_default_dtype(torch.float64)  # the ranks' initial values are drawn in float64
+    try:
+        model = build_model(cfg.model, seed=cfg.seed)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    names = [n for n, _ in model.named_parameters()]
+    keep = [i for i, n in enumerate(names)
+            if not (cfg.pp > 1 and family(cfg.model).tied(cfg.model) and n == "wte.weight")
+            and not (cfg.ep > 1 and f".{family(cfg.model).experts}." in f".{n}")]
+    tp, pp = cfg.tp, cfg.pp
+    dp = 4 // (tp * pp)
+    xs = [layout_batches(name, r).xs for r in range(dp)]
+    if dp == 1:
+        small = [grad_of(model, xs[0][:1])]
+        big = grad_of(model, xs[0])
+        b, big_b = len(xs[0][0]), len(xs[0][0]) * len(xs[0])
+    else:
+        small = [grad_of(model, x) for x in xs]
+        big = [sum(gs) / dp for gs in zip(*small)]
+        b = len(xs[0][0]) * len(xs[0])
+        big_b = b * dp
+    kept = lambda grads: [grads[i] for i in keep]  # noqa: E731
+    return sum(sq(kept(g)) for g in small) / len(small), sq(kept(big)), b, big_b, len(keep) < len(names)
+
+
+@pytest.mark.slow  # four spawned ranks, seven layouts: ~60 s
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_every_layout_gives_the_one_process_formula(layout_ranks, name):
+    """tp (replicate, FSDP, ZeRO-2, sequence parallel: Partial gradients), pp (a tied embedding
+    left out, the schedule's summed microbatches), one dp rank over tp4 (its first micro-batch)
+    and experts over ep (left out), with and without accumulation: the ranks' squares summed
+    over every rank (as the row's all-gather does) are the dp ranks' mean |G_b|^2, the clipping
+    norm less the excluded part |G_B|^2, and the row's |G|^2 and tr(Sigma) the formula on them,
+    all from float64 gradients computed in one process."""
+    small_ref, big_ref, b, big_b, excludes = reference(name)
+    got = [r[name] for r in layout_ranks]
+    assert all(g["batches"] == (b, big_b) for g in got)
+    small = sum(g["small"] for g in got)
+    # float64 sums of the same squares in other orders (and other reduction orders of the
+    # gradients): relative rounding ~1e-13 per sum
+    assert float(small[0]) / got[0]["dp"] == pytest.approx(small_ref, rel=1e-9)
+    assert got[0]["norm"] ** 2 - float(small[1]) == pytest.approx(big_ref, rel=1e-9)
+    assert (float(small[1]) > 0) == excludes
+    g2, trace = two_batch_estimates(small_ref, big_ref, b, big_b)
+    # the estimates are differences of the two: rounding amplified by (|G_b|^2 + |G_B|^2) over
+    # their difference
+    amplify_g2 = (big_b * big_ref + b * small_ref) / abs(big_b * big_ref - b * small_ref)
+    amplify_trace = (small_ref + big_ref) / abs(small_ref - big_ref)
+    for g in got:
+        assert g["row"]["noise_grad_sq"] == pytest.approx(g2, rel=1e-9 * amplify_g2)
+        assert g["row"]["noise_trace"] == pytest.approx(trace, rel=1e-9 * amplify_trace)

@@ -147,6 +147,20 @@ def test_the_layouts_report_what_they_hold_and_move(runs):
 
 
 @pytest.mark.slow
+def test_the_data_parallel_layouts_carry_the_noise_scale_in_their_rows(runs):
+    """Through the loop on the harness: the layouts with two dp ranks (replicate over pp, FSDP2
+    over tp with sequence parallelism) carry the noise scale's fields in every row, from b = one
+    dp rank's batch (their values against the one-process formula: test_noise_worker.py); those
+    with one dp rank and no accumulation carry none."""
+    for name in ("dp2xpp2-gpipe", "fsdp2xtp2-sp"):
+        for row in runs("gpt")[name][1]:
+            assert math.isfinite(row["noise_grad_sq"]) and math.isfinite(row["noise_trace"]), name
+            assert "noise_scale" in row
+    for name in ("one", "tp2", "pp2-1f1b"):
+        assert not any("noise_grad_sq" in row for row in runs("gpt")[name][1]), name
+
+
+@pytest.mark.slow
 def test_a_llama_starts_from_the_hf_models_weights(runs, hf_folder, pydoc_data, storage):
     """--init-from a Hugging Face Llama folder: the first step's loss is the transformers
     model's loss on that step's batch (the same windows, read here as the run read them)."""

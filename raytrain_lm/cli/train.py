@@ -36,7 +36,7 @@ from raytrain_lm.plan.estimate import check_cluster
 from raytrain_lm.plan.goodput import DEFAULT_MTBF_GPU_HOURS, DEFAULT_RESTART_S, RunRisk
 from raytrain_lm.plan.hardware import kind_cluster
 from raytrain_lm.plan.kinds import DEFAULT_KIND, kinds
-from raytrain_lm.plan.noise_scale import batch_hint
+from raytrain_lm.plan.noise_scale import BatchAdvice
 from raytrain_lm.plan.printout import plan_command
 from raytrain_lm.results.tables import progress_line, results_table
 from raytrain_lm.setting import listing, named
@@ -151,12 +151,15 @@ def train(
     scaled = apply_lr_scaling(cfg, scale_lr)
     if scaled:
         say(scaled)
-    noise: dict = {}  # the last row's gradient noise scale, for the hint after the run
+    # the gradient noise scale's batch hint: once during the run, when settled, and after it
+    advice = BatchAdvice(cfg.tokens_per_step / cfg.seq_len)
 
     def show(row) -> None:
-        noise.update({"b_simple": row["noise_scale"]} if "noise_scale" in row else {})
+        hint = advice.update(row)
         if not (quiet or as_json):
             typer.echo(progress_line(row, cfg.max_steps))
+            if hint:
+                typer.echo(f"hint: {hint}")
     with only_json_on_stdout(as_json) as stdout:
         summary = launch(cfg, resume=resume, init_from=str(init_from) if init_from else None,
                          force=force, say=say, on_metrics=show, track=track, figure=curves)
@@ -168,7 +171,7 @@ def train(
             return
     typer.echo(results_table(summary))
     typer.echo(f"results: {summary['run_dir']}/summary.json, metrics.jsonl")
-    hint = batch_hint(cfg.tokens_per_step / cfg.seq_len, noise.get("b_simple"))
+    hint = advice.after_run()
     if hint:
         typer.echo(f"hint: {hint}")
 

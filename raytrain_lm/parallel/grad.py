@@ -76,12 +76,14 @@ def global_grad_norm(params, pp_group=None, exclude: set[int] = frozenset()) -> 
 
 
 def _sum_of_squares(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """Sum of squares of `grads` in fp32 on `device` (0 for none), through the same fused
-    per-tensor norms as torch.nn.utils.clip_grad_norm_."""
+    """Sum of squares of `grads` in fp32 (float64 for float64 gradients: a norm may not narrow)
+    on `device` (0 for none), through the same fused per-tensor norms as
+    torch.nn.utils.clip_grad_norm_."""
     if not grads:
         return torch.zeros((), dtype=torch.float32, device=device)
-    norms = torch._foreach_norm(grads, 2, dtype=torch.float32) if len(grads) > 1 else \
-        [torch.linalg.vector_norm(grads[0], 2, dtype=torch.float32)]
+    dtype = torch.promote_types(grads[0].dtype, torch.float32)
+    norms = torch._foreach_norm(grads, 2, dtype=dtype) if len(grads) > 1 else \
+        [torch.linalg.vector_norm(grads[0], 2, dtype=dtype)]
     return torch.stack(norms).square().sum()
 
 

@@ -1,17 +1,35 @@
 """The squared norm of a gradient at a smaller batch than the step's, for the gradient noise
-scale (plan/noise_scale.py): one scalar per rank per step, with no collective of its own.
+scale (plan/noise_scale.py): scalars per rank per step, carried in the rows' existing all-gather
+(worker/metrics.Meter sums them over the ranks), with no collective of their own.
 
-- Data parallelism over DDP (nn.parallel.DistributedDataParallel, Ray's prepare_model): a comm
-  hook sums the squares of each bucket before its all-reduce, so the scalar is this worker's own
-  gradient (b = its batch, every micro-batch of the step), the global one (B) being the norm the
-  step clips with. The hook then all-reduces as DDP's default does.
-- One worker with accumulation: the gradient after the step's first micro-batch (b = a
-  micro-batch, B = the step).
-- ZeRO-1/2 and FSDP over dp alone (FSDP2): a custom reduce-scatter sums the squares of its input,
-  the flat gradients of each parameter group as this rank computed them, then reduce-scatters.
-Other layouts (FSDP2's replicate, tensor or pipeline parallelism, experts) report none: their
-gradients are reduced elsewhere or split over ranks, where a local norm is not one worker's
-gradient.
+Each rank adds up the squares of its part of its data-parallel rank's gradient before the
+data-parallel reduction, weighted so that the sum over every rank is the sum over the dp ranks of
+each one's whole gradient (b = one dp rank's batch, B = the global batch):
+
+- DDP (nn.parallel.DistributedDataParallel, Ray's prepare_model): a comm hook sums the squares of
+  each bucket before its all-reduce.
+- FSDP2 (zero1, zero2, fsdp) and FSDP2's `replicate` (ddp with tp or pp), with or without tensor
+  or pipeline parallelism: each parameter group's post-backward, before it reduce-scatters or
+  all-reduces, reads the unsharded gradients this rank computed (after the step's micro-batches:
+  gradient sync happens on the last one). With tp a rank holds its tp shard of each gradient:
+  the tp ranks' squares add up to the dp rank's, and a gradient every tp rank holds whole
+  (Replicate, or no DTensor over tp) counts 1/tp on each. With pp each stage adds its own
+  parameters'; the schedule has summed the microbatches' gradients (it divides by their number
+  after the reduction), so its squares are divided by microbatches^2.
+- One worker with accumulation (dp 1, with or without tp): the gradient after the step's first
+  micro-batch (b = a micro-batch, B = the step).
+
+Parameters whose local gradient is not one dp rank's, left out of both |G_b|^2 and |G_B|^2
+(`excluded`: their share of the step's squared norm is subtracted from the clipping norm's):
+- the pipeline's tied embedding: its dp rank's gradient is the sum of the first and the last
+  stage's parts (pp.sync_tied_grads, after the dp reduction); the square of a sum spread over two
+  ranks needs a collective of its own;
+- the routed experts with expert parallelism: their gradient before the edp reduction is already
+  the mean over the ep group's batches (ep x b, parallel/ep.py), a third batch size, and where
+  ep = dp it is the global batch's: no smaller batch at all.
+No estimate (None) with context parallelism (each cp rank's gradient is part of its dp rank's,
+summed by the reduction itself), for a pipeline on one dp rank (its microbatches are summed inside
+the schedule) and for one worker without accumulation.
 
 No `from __future__ import annotations` here: DDP checks the comm hook's annotations as objects."""
 
@@ -19,7 +37,7 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 
@@ -28,43 +46,136 @@ class SmallBatchNorm:
     sequences, or None where the layout gives no small batch (then `take` returns None)."""
 
     def __init__(self, built, micro_batch: int, accum: int, device: torch.device):
-        """`built`: parallel.Built, the model as this rank holds it."""
+        """`built`: parallel.Built, the model as this rank holds it. `micro_batch`, `accum`: the
+        run's --batch-size and --grad-accum (with pp: the dp rank's sequences per step, 1)."""
         self.accum, self.device = accum, device
         self.sq: Optional[torch.Tensor] = None
         self.batches: Optional[tuple[int, int]] = None
         self.micro = False
-        dp, ddp, shards = built.dp, _ddp_of(built.modules[0]), _fsdp_modules(built)
+        lay, dp = built.layout, built.dp
+        self.tp = lay.tp if built.tp_on else 1
+        self.params = built.params()
+        # fp32 sums (float64 for a float64 model: a reference run)
+        self.dtype = _at_least_fp32(self.params[0]) if self.params else torch.float32
+        self.excluded = _excluded(built)
+        # the pipeline's gradients at the reduction: the sum over its microbatches (see above)
+        self.factor = 1.0 / lay.microbatches ** 2 if built.pp_on else 1.0
+        ddp, groups = _ddp_of(built.modules[0]), _fsdp_groups(built)
+        if lay.cp > 1:
+            return
         if built.replicated and dp > 1 and ddp is not None:
             ddp.register_comm_hook(self, _squares_then_allreduce)
             self.batches = (micro_batch * accum, micro_batch * accum * dp)
-        elif shards and dp > 1:
-            for module in shards:
-                module.set_custom_reduce_scatter(_SquaresThenReduceScatter(self))
+        elif groups and dp > 1:
+            for group in groups:
+                _squares_before_reduce(group, self)
             self.batches = (micro_batch * accum, micro_batch * accum * dp)
-        elif built.replicated and dp == 1 and accum > 1:
+        elif dp == 1 and accum > 1 and not built.pp_on and not groups:
             self.micro = True
             self.batches = (micro_batch, micro_batch * accum)
 
     def start(self) -> None:
         """Before a step's first backward."""
         if self.batches is not None:
-            self.sq = torch.zeros((), dtype=torch.float32, device=self.device)
+            self.sq = torch.zeros((), dtype=self.dtype, device=self.device)
 
     def after_micro(self, micro: int, params) -> None:
         """After micro-batch `micro`'s backward: the first one's gradient (loss / accum), scaled
-        back to that micro-batch's mean gradient."""
-        if self.micro and micro == 0:
-            grads = [p.grad for p in params if p.grad is not None]
-            if grads:
-                norms = torch._foreach_norm(grads, 2, dtype=_at_least_fp32(grads[0]))
-                self.sq = torch.stack(norms).square().sum() * float(self.accum ** 2)
+        back to that micro-batch's mean gradient. Under tp a gradient still pending its tp
+        reduction (Partial, sequence parallelism) is reduced into a copy (p.grad stays as
+        autograd accumulates it)."""
+        if not (self.micro and micro == 0):
+            return
+        parts = []
+        for p in params:
+            g = p.grad
+            if g is None:
+                continue
+            if isinstance(g, DTensor):
+                if tuple(g.placements) != tuple(p.placements):
+                    g = g.redistribute(p.device_mesh, p.placements)
+                parts.append((g.to_local(), _tp_copies(p._spec, self.tp)))
+            else:
+                parts.append((g, _tp_copies(None, self.tp)))
+        if parts:
+            self.sq = _weighted_squares(parts, self.device) * float(self.accum ** 2)
 
     def take(self, scale: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-        """The step's squared norm at batch b, unscaled by fp16's loss `scale` (None: none)."""
+        """(the step's squared norm at batch b, unscaled by fp16's loss `scale` (None: none); this
+        rank's share of the excluded parameters' squared norm in the step's gradient), after the
+        step's reductions and the gradients' unscaling, before clipping."""
         if self.batches is None or self.sq is None:
             return None
         sq, self.sq = self.sq, None
-        return sq / scale.float().square() if scale is not None else sq
+        if scale is not None:
+            sq = sq / scale.float().square()
+        return torch.stack([sq, self._excluded_squares().to(sq.dtype)])
+
+    def _excluded_squares(self) -> torch.Tensor:
+        """This rank's part of the excluded parameters' squared norm in the step's reduced
+        gradient: each shard counted once over the ranks holding a copy of it (the last stage's
+        copy of a tied embedding not at all: the first stage's holds the same gradient)."""
+        parts = []
+        for p in self.params:
+            if self.excluded.get(id(p)) and p.grad is not None:
+                g = p.grad
+                parts.append((g.to_local() if isinstance(g, DTensor) else g, _world_copies(g, self.tp)))
+        return _weighted_squares(parts, self.device)
+
+
+def _excluded(built) -> dict[int, bool]:
+    """{id of a parameter left out (see the module's doc): whether its gradient counts in the
+    step's norm (False for the last stage's copy of a tied embedding)}."""
+    from raytrain_lm.models import family
+    from raytrain_lm.parallel import ep, fsdp, pp
+
+    out: dict[int, bool] = {}
+    if built.pp_on and family(built.cfg.model).tied(built.cfg.model):
+        out.update({id(p): id(p) not in built.norm_exclude for p in pp.tied_params(built.parts)})
+    if built.layout.ep > 1:
+        for part in built.parts:
+            for experts in ep.experts_of(part, fsdp.blocks(part)):
+                out.update({id(p): True for p in experts.parameters()})
+    return out
+
+
+def _tp_copies(spec, tp: int) -> int:
+    """How many ranks of one dp rank hold this whole local gradient: a tp shard is one rank's
+    (1); a gradient replicated over tp (Replicate on tp, or no DTensor over tp: `spec` None, or
+    on a mesh without tp) is every tp rank's."""
+    if tp == 1:
+        return 1
+    names = (spec.mesh.mesh_dim_names or ()) if spec is not None else ()
+    if "tp" not in names:
+        return tp
+    return tp if spec.placements[names.index("tp")].is_replicate() else 1
+
+
+def _world_copies(g: torch.Tensor, tp: int) -> int:
+    """How many ranks hold a copy of this rank's shard of a reduced gradient: the sizes of the
+    mesh dims it is replicated over, and tp where its mesh has no tp dim."""
+    if not isinstance(g, DTensor):
+        return tp
+    names = g.device_mesh.mesh_dim_names or ()
+    n = 1
+    for i, placement in enumerate(g.placements):
+        if placement.is_replicate():
+            n *= g.device_mesh.size(i)
+    return n * (tp if "tp" not in names else 1)
+
+
+def _weighted_squares(parts: list, device: torch.device) -> torch.Tensor:
+    """sum of |t|^2 / copies over (t, copies) in `parts`, in fp32 (float64 for float64
+    gradients), on `device`: one fused norm per number of copies."""
+    if not parts:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    dtype = _at_least_fp32(parts[0][0])
+    total = torch.zeros((), dtype=dtype, device=device)
+    for copies in sorted({c for _, c in parts}):
+        tensors = [t for t, c in parts if c == copies]
+        norms = torch._foreach_norm(tensors, 2, dtype=dtype)
+        total = total + torch.stack(norms).square().sum() / copies
+    return total
 
 
 def _at_least_fp32(t: torch.Tensor) -> torch.dtype:
@@ -79,31 +190,55 @@ def _ddp_of(module: torch.nn.Module) -> Optional[DistributedDataParallel]:
     return module if isinstance(module, DistributedDataParallel) else None
 
 
-def _fsdp_modules(built) -> list:
-    """The FSDP2 modules whose reduce-scatter input is this rank's whole gradient: zero1, zero2
-    and fsdp over dp alone (with tp or pp a rank holds part of the model, with experts edp
-    groups reduce them: none)."""
+def _fsdp_groups(built) -> list:
+    """The FSDP2 parameter groups (fully_shard or replicate) of this rank's parts."""
     from torch.distributed.fsdp import FSDPModule
 
-    from raytrain_lm.models import family
+    groups, seen = [], set()
+    for part in built.parts:
+        for m in part.modules():
+            if isinstance(m, FSDPModule):
+                for group in m._get_fsdp_state()._fsdp_param_groups:
+                    if id(group) not in seen:
+                        seen.add(id(group))
+                        groups.append(group)
+    return groups
 
-    if not built.layout.by_fsdp or built.tp_on or built.pp_on or family(built.cfg.model).experts:
-        return []
-    return [m for part in built.parts for m in part.modules() if isinstance(m, FSDPModule)]
 
+def _squares_before_reduce(group, state: SmallBatchNorm) -> None:
+    """Make FSDP2 parameter group `group`'s post-backward first add the squares of the gradients
+    it is about to reduce (only where it reduces: the step's last micro-batch). A gradient whose
+    placements differ from its parameter's tp placements (Partial under sequence parallelism, a
+    Replicate gradient of a Shard parameter) is redistributed as FSDP2 would do next, and kept
+    so, so FSDP does not do it twice."""
+    post_backward = group.post_backward
 
-class _SquaresThenReduceScatter(DefaultReduceScatter):
-    """FSDP2's reduce-scatter, after adding the squares of its input: the flat, padded gradients
-    of one parameter group as this rank computed them (in the reduce dtype, fp32 here; FSDP
-    divides before the reduce-scatter only for fp16 reductions, which our policy never uses)."""
+    def squares_then_post_backward(*args):
+        if state.sq is not None and group.reduce_grads:
+            parts = []
+            for fp in group.fsdp_params:
+                if not hasattr(fp, "_unsharded_param") or id(fp.sharded_param) in state.excluded:
+                    continue
+                fp.accumulate_unsharded_grad_if_needed()  # (idempotent: FSDP calls it next)
+                accumulated = fp.unsharded_accumulated_grad is not None
+                g = fp.unsharded_accumulated_grad if accumulated else fp.unsharded_param.grad
+                if g is None:
+                    continue
+                spec = fp._unsharded_dtensor_spec if fp.is_dtensor else None
+                if isinstance(g, DTensor):
+                    if tuple(g.placements) != tuple(spec.placements):
+                        g = g.redistribute(placements=spec.placements)
+                        if accumulated:
+                            fp.unsharded_accumulated_grad = g
+                        else:
+                            fp.unsharded_param.grad = g
+                    g = g.to_local()
+                parts.append((g, _tp_copies(spec, state.tp)))
+            if parts:
+                state.sq += _weighted_squares(parts, state.device).to(state.sq.dtype) * state.factor
+        return post_backward(*args)
 
-    def __init__(self, state: "SmallBatchNorm"):
-        self.state = state
-
-    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-        if self.state.sq is not None:
-            self.state.sq += torch.linalg.vector_norm(input_tensor, 2, dtype=_at_least_fp32(input_tensor)).square()
-        return super().__call__(output_tensor, input_tensor, group, op, async_op)
+    group.post_backward = squares_then_post_backward
 
 
 def _squares_then_allreduce(state: "SmallBatchNorm", bucket: dist.GradBucket

@@ -115,7 +115,9 @@ class PipelineLoss:
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         if self.tp_mesh is not None:
             logits = DTensor.from_local(logits, self.tp_mesh, [Shard(-1)], run_check=False)
-        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.reshape(-1),
+        # at least float32, as the decoder's own loss (a float64 model stays float64)
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.reshape(-1),
                                reduction=self.reduction)
         return loss.to_local() if isinstance(loss, DTensor) else loss  # replicated over tp
 

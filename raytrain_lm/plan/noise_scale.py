@@ -87,3 +87,40 @@ def batch_hint(batch: float, b_simple: Optional[float], factor: float = 4.0) -> 
                 f"gradient noise scale B_simple ~ {b_simple:.3g}: a larger batch (over more "
                 "workers) would take fewer steps for about the same tokens")
     return None
+
+
+class BatchAdvice:
+    """The batch hint for a run's rows as they come: once during the run, as soon as the estimate
+    has settled and the batch is `factor` away from it (a user watching a long run can stop it
+    and restart at a better batch), and at the end with the last estimate.
+
+    `settle`: steps after the first row with an estimate before a hint; 60 is three time constants
+    of the moving averages (decay 0.95), where their first steps' weight has fallen to 5% (the
+    bias correction makes the early averages unbiased but noisy). `batch`: the run's global batch
+    in sequences."""
+
+    def __init__(self, batch: float, settle: int = 60, factor: float = 4.0):
+        self.batch, self.settle, self.factor = batch, settle, factor
+        self.first_step: Optional[int] = None
+        self.b_simple: Optional[float] = None  # the last row's
+        self.said = False
+
+    def update(self, row: dict) -> Optional[str]:
+        """The hint to print after this row (its step named), or None: not settled yet, within
+        the factor, or said already."""
+        if row.get("noise_scale") is None and "noise_grad_sq" not in row:
+            return None
+        self.b_simple = row.get("noise_scale")
+        if self.first_step is None:
+            self.first_step = row["step"]
+        if self.said or row["step"] - self.first_step < self.settle:
+            return None
+        hint = batch_hint(self.batch, self.b_simple, self.factor)
+        if hint is None:
+            return None
+        self.said = True
+        return f"at step {row['step']}, {hint}"
+
+    def after_run(self) -> Optional[str]:
+        """The hint from the run's last estimate (None: within the factor, or no estimate)."""
+        return batch_hint(self.batch, self.b_simple, self.factor)

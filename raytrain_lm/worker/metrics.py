@@ -109,7 +109,9 @@ class Meter:
         gradient scaler skips a step whose gradients overflow, so a non-finite gradient norm is
         its business, not an error (a non-finite loss still is). `noise_batches`: (b, B), the
         batch sizes of each step's small-batch squared norm (`add_step`'s `small_sq`) and of its
-        gradient norm, for the gradient noise scale; None: no noise scale."""
+        gradient norm, for the gradient noise scale; None: no noise scale. `small_sq`: (this
+        rank's part of the squared norm at b, its part of the excluded parameters' squared norm
+        in the step's gradient), parallel/noise.SmallBatchNorm.take."""
         self.device, self.world, self.loss_ranks = device, world, loss_ranks or world
         self.fpt, self.peak, self.num_parameters = flops_per_token, peak_tflops, num_parameters
         self.baseline_mem = baseline_mem  # peak memory before the model existed
@@ -142,7 +144,7 @@ class Meter:
         self.losses.append(loss)
         self.norms.append(grad_norm if grad_norm is not None else torch.zeros((), device=loss.device))
         if self.noise_batches is not None:
-            self.small.append(small_sq if small_sq is not None else torch.zeros((), device=loss.device))
+            self.small.append(small_sq if small_sq is not None else torch.zeros(2, device=loss.device))
         self.timer.steps += 1
         self.timer.tokens += tokens
 
@@ -209,7 +211,7 @@ class Meter:
             sums = part[:, :2 * n + 1].sum(0)
             losses, bad, wait = sums[:n] / self.loss_ranks, sums[n:2 * n], sums[2 * n]
             mem = part[:, 2 * n + 1:2 * n + 7].max(0).values
-            self._noise_fields(row, part[:, 2 * n + 7:].sum(0), norms)
+            self._noise_fields(row, part[:, 2 * n + 7:].sum(0).reshape(-1, 2), norms)
             why = first_nonfinite(row["step"] - n + 1, losses.tolist(),
                                   [] if self.scaler_skips else norms.tolist(),
                                   [] if self.scaler_skips else (bad > 0).tolist())
@@ -239,15 +241,18 @@ class Meter:
         self.keep(step, lr, grad_norm, step_fn, **fields)
         return self.rows()[-1]
 
-    def _noise_fields(self, row: MetricsRow, small_sums: torch.Tensor, norms: torch.Tensor) -> None:
-        """The gradient noise scale after the row's steps (plan/noise_scale.py): each step's mean
-        over the data-parallel ranks of their small-batch squared norms against the squared
-        global norm; steps whose norm is not finite (fp16's skipped steps) left out."""
-        if self.noise_batches is None or not small_sums.numel():
+    def _noise_fields(self, row: MetricsRow, sums: torch.Tensor, norms: torch.Tensor) -> None:
+        """The gradient noise scale after the row's steps (plan/noise_scale.py). `sums`: per
+        step, summed over every rank, the small-batch squared norms (parallel/noise.py: each rank
+        its weighted part, so the sum is over the dp ranks' whole gradients) and the excluded
+        parameters' part of the squared global norm. Each step's mean over the dp ranks against
+        the squared global norm less that part; steps whose norm is not finite (fp16's skipped
+        steps) left out."""
+        if self.noise_batches is None or not sums.numel():
             return
-        for small, norm in zip((small_sums / self.loss_ranks).tolist(), norms.tolist()):
+        for (small, excluded), norm in zip(sums.tolist(), norms.tolist()):
             if math.isfinite(small) and math.isfinite(norm):
-                self.noise.update(small, norm * norm, *self.noise_batches)
+                self.noise.update(small / self.loss_ranks, norm * norm - excluded, *self.noise_batches)
         row.update(noise_scale=self.noise.b_simple, noise_grad_sq=self.noise.grad_sq,
                    noise_trace=self.noise.trace_sigma)
 

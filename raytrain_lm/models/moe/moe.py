@@ -180,7 +180,7 @@ class MoELayer(nn.Module):
         E = self.n_experts
         probs = logits.softmax(-1).view(sequences, -1, E)
         picks = chosen.view(sequences, -1)
-        share = torch.zeros(sequences, E, device=logits.device).scatter_add_(
+        share = torch.zeros(sequences, E, dtype=torch.float32, device=logits.device).scatter_add_(
             1, picks, torch.ones_like(picks, dtype=torch.float32)) / picks.shape[1]
         balance = E * (share * probs.mean(1)).sum(-1).mean()
         z = torch.logsumexp(logits, -1).square().mean()
