@@ -156,15 +156,16 @@ def test_json_output_keeps_stdout_to_the_document_after_its_block(capsys):
 def registry_names() -> dict[str, tuple[str, ...]]:
     """An option's name -> the registry entries its help must name, read from the registries."""
     from raytrain_lm.config.layout import AC_MODES, PP_SCHEDULES, STRATEGIES
+    from raytrain_lm.config.presets import PRESETS
     from raytrain_lm.config.schedule import LR_SCHEDULES
     from raytrain_lm.models import FAMILIES
 
     return {"arch": tuple(FAMILIES), "strategy": tuple(STRATEGIES), "pp_schedule": PP_SCHEDULES,
-            "activation_checkpointing": AC_MODES, "schedule": LR_SCHEDULES}
+            "activation_checkpointing": AC_MODES, "schedule": LR_SCHEDULES, "preset": tuple(PRESETS)}
 
 
 def test_every_family_and_strategy_is_in_the_help_of_each_command_that_takes_it():
-    """Generated from the registries (FAMILIES, STRATEGIES, the pipeline and learning-rate
+    """Generated from the registries (FAMILIES, STRATEGIES, PRESETS, the pipeline and learning-rate
     schedules, the checkpointing modes): every command's option that takes one of them names
     each entry in its help; `train`'s own help names every family, and an --init-from that names
     Hugging Face releases names every family's."""
@@ -189,4 +190,5 @@ def test_every_family_and_strategy_is_in_the_help_of_each_command_that_takes_it(
     missing += [f"train: {f.title}" for f in FAMILIES.values() if f.title not in train.help]
     assert missing == []
     assert {("train", "arch"), ("plan", "arch"), ("train", "strategy"), ("plan", "strategy"),
-            ("train", "init_from"), ("train", "pp_schedule")} <= checked
+            ("train", "init_from"), ("train", "pp_schedule"), ("train", "preset"),
+            ("plan", "preset"), ("tune", "preset")} <= checked

@@ -18,7 +18,7 @@ from typing import Any, Callable, List, Optional
 
 import typer
 
-from raytrain_lm.config.presets import PRESETS
+from raytrain_lm.config.presets import PRESETS, preset_help
 from raytrain_lm.config.settings import TrainConfig, default_storage, setting_fields
 from raytrain_lm.env import STORAGE_ENV
 
@@ -41,6 +41,7 @@ STORAGE = typer.Option(default_storage(), envvar=STORAGE_ENV, show_default="runs
                        help="Where runs live: a folder or s3://...")
 
 PRESETS_DEFAULT = TrainConfig.preset
+GENERATED = {"preset": preset_help()}  # help made from a registry the setting's owner cannot import
 SetList = Optional[List[str]]
 ConfigPath = Optional[Path]
 
@@ -72,7 +73,7 @@ def settings(*keys: str, help: Optional[dict[str, str]] = None) -> Callable:
             base = args[0] if len(args) == 1 else str  # int | str: the text, coerced by the config
             flag = "--" + key.replace("_", "-")
             decls = [f"{flag}/--no-{flag[2:]}"] if base is bool else [flag]
-            text = help[key] if key in help else _help_with_default(f, f.metadata["help"])
+            text = help[key] if key in help else _help_with_default(f, GENERATED.get(key, f.metadata["help"]))
             option = typer.Option(None, *decls, help=text, show_default=False)
             added.append(inspect.Parameter(key, inspect.Parameter.KEYWORD_ONLY, default=option,
                                            annotation=Optional[base]))

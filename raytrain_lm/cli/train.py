@@ -27,7 +27,7 @@ from raytrain_lm.cli.options import (
 from raytrain_lm.cluster.jobs import PATH_SETTINGS
 from raytrain_lm.config.layout import STRATEGIES
 from raytrain_lm.config.load import build_config
-from raytrain_lm.config.presets import PRESETS
+from raytrain_lm.config.presets import PRESETS, preset_help
 from raytrain_lm.config.settings import default_storage
 from raytrain_lm.config.sizes import parse_workers
 from raytrain_lm.errors import UserError
@@ -229,8 +229,8 @@ def train_paths(args: list[str]) -> dict:
                              "4 in fp32; auto: bf16 on GPU, fp32 with --cpu."})
 def plan(
     settings: dict,
-    preset: Optional[str] = typer.Option(None, help="Model preset (any field overridable with "
-                                         "--set) [default: gpt2, or --init-from's model]."),
+    preset: Optional[str] = typer.Option(None, help=preset_help() + " Any field overridable "
+                                         "with --set [default: gpt2, or --init-from's model]."),
     init_from: Optional[Path] = typer.Option(None, help="Plan the model of this Hugging Face "
                                              "folder (its config.json)."),
     gpus: int = typer.Option(8, "--gpus", "--workers", help="GPUs (workers) in all."),

@@ -141,6 +141,16 @@ def continued_defaults(max_steps: int) -> dict:
     return {**CONTINUED, "warmup_steps": warmup}
 
 
+def preset_help() -> str:
+    """--preset's help: every preset, by family, from PRESETS (a new one names itself)."""
+    by_arch: dict[str, list[str]] = {}
+    for name, preset in PRESETS.items():
+        by_arch.setdefault(preset["model"].get("arch", "gpt"), []).append(name)
+    groups = "; ".join(f"{', '.join(names)} ({arch})" for arch, names in by_arch.items())
+    return (f"Model preset: {groups}. The released models' shapes (7B and up) are for `plan`, "
+            f"and for --init-from their Hugging Face folders.")
+
+
 def preset_config(name: str) -> TrainConfig:
     if name not in PRESETS:
         raise UserError(f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)}")

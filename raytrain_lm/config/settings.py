@@ -33,8 +33,8 @@ def default_storage() -> str:
 @dataclass
 class RunSettings:
     """What is trained, on what data, where, on how many workers, for how long."""
-    preset: str = setting("tiny", help="Model preset: tiny, small, gpt2, gpt2-medium (GPT); "
-                          "llama-tiny, llama-small; llama2-7b/13b/70b, llama3-8b/70b/405b (for plan).")
+    preset: str = setting("tiny", help="Model preset: a model's shape and the training defaults "
+                          "that suit it (config/presets.py; --help lists them).")
     model: ModelConfig = field(default_factory=ModelConfig)
     # data and run location
     data: str = setting(DEFAULT_DATA, help="Prepared dataset: a folder or s3://... / gs://... "
