@@ -49,3 +49,34 @@ def test_an_older_run_resumes_where_it_stopped(pydoc_data, tmp_path):
 
     before = {int(k): v for k, v in json.loads((FIXTURES / "gpt" / "losses.json").read_text()).items()}
     assert row_losses(rows) == pytest.approx({s: before[s] for s in range(5, 9)}, rel=1e-6)
+
+
+def test_a_sweep_saved_before_the_settings_moved_to_their_owners_loads_as_it_was():
+    """tests/fixtures/pre49/sweep.json, written by the tree before issue 49 split TrainConfig and
+    ModelConfig into their owners' classes (a muTransfer sweep of a Llama under fsdp and wsd):
+    what `tune --resume` reads of it (tune/sweep.run_sweep) gives the same config, key for key
+    and value for value (a setting added since at its default), the same space and settings,
+    and the same transfer config."""
+    from dataclasses import asdict
+
+    from raytrain_lm.config.settings import TrainConfig
+    from raytrain_lm.track.tracking import check_trackers
+    from raytrain_lm.tune.space import SearchSpace
+    from raytrain_lm.tune.sweep_config import SweepSettings
+    from raytrain_lm.tune.transfer import target_model
+
+    saved = json.loads((FIXTURES.parent / "pre49" / "sweep.json").read_text())
+    cfg = TrainConfig.from_dict(saved["base"])
+    loaded, default = cfg.to_dict(), TrainConfig().to_dict()
+    for now, then, fresh in ((loaded, saved["base"], default),
+                             (loaded["model"], saved["base"]["model"], default["model"])):
+        assert {k: now[k] for k in then if k != "model"} == {k: v for k, v in then.items() if k != "model"}
+        # a setting added since takes its default (the sweep ran without it)
+        assert {k: v for k, v in now.items() if k not in then} == {k: fresh[k] for k in now if k not in then}
+    assert (cfg.strategy, cfg.schedule, cfg.model.arch, cfg.model.param) == ("fsdp", "wsd", "llama", "mup")
+    assert SearchSpace.from_json(saved["space"]).to_json() == saved["space"]
+    assert asdict(SweepSettings(**saved["settings"])) == saved["settings"]
+    assert check_trackers(saved["track"]) == []
+    wide = target_model(saved["base"], saved["settings"]["target_width"])
+    assert wide["model"]["n_embd"] == 256 and wide["model"]["mup_base_width"] == 64
+    assert TrainConfig.from_dict(wide).model.n_embd == 256
