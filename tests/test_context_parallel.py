@@ -267,7 +267,6 @@ def test_cp2_on_ray_workers_trains_the_one_worker_model(ray_address, cp_runs, py
     (dict(workers=3, cp=2), "--workers 3 must be a multiple of --tp x --pp x --cp = 2"),
     (dict(workers=2, cp=0), "--tp, --pp, --ep and --cp must be at least 1"),
     (dict(workers=4, cp=4, seq_len=36), "--seq-len 36 must be divisible by 2 x --cp = 8"),
-    (dict(workers=4, cp=2, ep=2, preset="moe-tiny"), "--cp with --ep is not supported yet"),
     (dict(workers=2, pp=2, doc_mask=True), "--doc-mask with --pp is not supported yet"),
 ])
 def test_cp_layouts_that_cannot_work_are_refused(flags, expected):
@@ -351,3 +350,38 @@ def test_the_gpus_block_mask_is_the_dense_masks_rule(window, docs):
         warnings.simplefilter("ignore")  # the eager reference warns that it is one
         flex = flex_attention(q, k, v, block_mask=block_mask(span, window, 32, 64, "cpu"), enable_gqa=True)
     assert torch.allclose(flex, dense, rtol=0, atol=1e-5)  # float32 sums in two orders
+
+
+@pytest.mark.parametrize("rank", [0, 3, 6])
+def test_cp_and_ep_groups_are_the_layouts_coordinates(rank):
+    """--cp 2 --ep 2 --tp 2 on 8 workers (mesh pp, edp, ep, cp, tp): the cp group is the ranks
+    of this rank's dp index, the ep group those of its cp index and edp, the experts' group
+    (edp_cp) those holding its experts, the parameters' group (dp_cp) every rank of its tp
+    index; each as Layout.coords places the ranks (data sharding, seeds and the planner read
+    those). On fake ranks: the groups' members, not their traffic."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from raytrain_lm.config.layout import Layout
+    from raytrain_lm.parallel.mesh import build_mesh, dim_mesh
+
+    cfg = build_config(preset="moe-tiny", flags=dict(workers=8, cp=2, ep=2, tp=2, strategy="fsdp"))
+    layout = Layout.of(cfg)
+    assert layout.mesh_shape == {"pp": 1, "edp": 1, "ep": 2, "cp": 2, "tp": 2}
+    c = [layout.coords(r) for r in range(8)]
+    me = c[rank]
+    expected = {
+        "cp": [r for r in range(8) if (c[r].dp, c[r].tp) == (me.dp, me.tp)],
+        "ep": [r for r in range(8) if (c[r].cp, c[r].tp, c[r].dp // 2) == (me.cp, me.tp, me.dp // 2)],
+        "edp_cp": [r for r in range(8) if (c[r].tp, c[r].dp % 2) == (me.tp, me.dp % 2)],
+        "dp_cp": [r for r in range(8) if c[r].tp == me.tp],
+        "tp": [r for r in range(8) if (c[r].dp, c[r].cp) == (me.dp, me.cp)],
+    }
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=8)
+    try:
+        mesh = build_mesh(torch.device("cpu"), layout)
+        got = {dim: sorted(dist.get_process_group_ranks(dim_mesh(mesh, dim).get_group())) for dim in expected}
+    finally:
+        dist.destroy_process_group()
+    assert got == expected
+    assert len(expected["ep"]) == len(expected["cp"]) == 2 and len(expected["edp_cp"]) == 2

@@ -101,6 +101,10 @@ class Built:
 
             self.context = ContextParallel(lay.cp, self.coords.cp, self.cp_group,
                                            separator if cfg.doc_mask else None)
+        if lay.cp > 1:  # a mixture of experts' balance loss counts each window's every token
+            for part in self.parts:
+                for _, layer in ep.moe_layers(part):
+                    layer.window_sum = self.context.window_sum
 
     # ---------------------------------------------------------------- building
 
@@ -125,10 +129,15 @@ class Built:
             fsdp.apply_dp(part, dim_mesh(self.mesh, "dp_cp" if self.layout.cp > 1 else "dp"),
                           self.layout, self.dtype, compile=cfg.compile,
                           pipelined=self.pp_on, force=self.force_fsdp,
-                          edp_mesh=self.mesh["edp"] if experts else None)
+                          edp_mesh=self._experts_mesh() if experts else None)
             materialize_(part, cfg.model, cfg.seed, self.device, init=self.init)
             fit_positions_(part, cfg.seq_len)  # before the first (compiled) forward
         return [part for _, part in self.stages]
+
+    def _experts_mesh(self):
+        """The ranks that hold the same experts and average their gradients: edp, and with
+        context parallelism the cp ranks within each (parallel/mesh.py)."""
+        return dim_mesh(self.mesh, "edp_cp") if self.layout.cp > 1 else self.mesh["edp"]
 
     def _build_pipeline(self) -> None:
         from raytrain_lm.parallel import pp

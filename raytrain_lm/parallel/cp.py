@@ -93,3 +93,10 @@ class ContextParallel:
     def _gather(self, t: torch.Tensor) -> torch.Tensor:
         return _GatherSeq.apply(t, self.group)
 
+    def window_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` (a statistic of this rank's tokens of each window, no gradient) summed over the
+        cp group: the whole windows' (a mixture of experts' expert shares, models/moe/moe.py)."""
+        t = t.detach().clone()
+        dist.all_reduce(t, group=self.group)
+        return t
+
