@@ -78,11 +78,13 @@ def test_context_parallel_moves_keys_and_values(cp_runs):
 SEP = 0  # the token that opens a document (the dataset's <|endoftext|>)
 
 
-def small_model(arch: str, window=None):
+def small_model(arch: str, window=None, param="sp"):
     from raytrain_lm.models import build_model
     from raytrain_lm.models.family import ModelConfig
 
     extra = dict(bias=False, n_kv_head=2, multiple_of=32, sliding_window=window) if arch == "llama" else {}
+    if param == "mup":  # attention's q.k scaled by muP's sqrt(d_base)/d, not SDPA's default
+        extra.update(param="mup", mup_base_width=16)
     m = ModelConfig(arch=arch, vocab_size=64, block_size=64, n_layer=2, n_head=4, n_embd=32,
                     dropout=0.0, **extra)
     return build_model(m, seed=3).double().eval()
@@ -104,13 +106,14 @@ def doc_span(x):
     return ContextParallel(1, 0, None, SEP).shard(x, x)[2]
 
 
-@pytest.mark.parametrize("arch", ["gpt", "llama"])
-def test_document_masked_logits_equal_each_document_alone(arch):
+@pytest.mark.parametrize("arch,param", [("gpt", "sp"), ("llama", "sp"), ("gpt", "mup"), ("llama", "mup")])
+def test_document_masked_logits_equal_each_document_alone(arch, param):
     """Packed with --doc-mask, every document's logits are those of the document run alone
-    (positions restart at each document: the GPT's learned ones too), to float64 rounding."""
+    (positions restart at each document: the GPT's learned ones too; under muP the masked path
+    keeps the model's attention scale), to float64 rounding."""
     from raytrain_lm.models.attention import using
 
-    model = small_model(arch)
+    model = small_model(arch, param=param)
     x, y, bounds = packed_window([9, 20, 3, 16])
     with torch.no_grad(), using(doc_span(x)):
         packed = model(x, y)[0]
