@@ -4,6 +4,7 @@ in one process the masks compute what running each document alone computes."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
@@ -388,3 +389,56 @@ def test_cp_and_ep_groups_are_the_layouts_coordinates(rank):
         dist.destroy_process_group()
     assert got == expected
     assert len(expected["ep"]) == len(expected["cp"]) == 2 and len(expected["edp_cp"]) == 2
+
+
+def _cp_grads(rank, world, store, out, ring, window, docs):
+    """One cp rank (forked: the modules are imported already): its chunks' loss and gradients,
+    averaged over the cp ranks as data parallelism does, saved by rank 0."""
+    import torch.distributed as dist
+
+    from raytrain_lm.models.attention import using
+    from raytrain_lm.parallel.cp import ContextParallel
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    model = small_model("llama", window, param="mup")
+    x, y, _ = packed_window([13, 27, 24])
+    x, y, span = ContextParallel(world, rank, dist.group.WORLD, SEP if docs else None, ring=ring).shard(x, y)
+    with using(span):
+        loss = model(x, y)[1]
+    loss.backward()
+    grads = {name: p.grad for name, p in model.named_parameters()}
+    for t in [loss.detach(), *grads.values()]:
+        dist.all_reduce(t)
+        t /= world
+    if rank == 0:
+        torch.save((loss.detach(), grads), out)
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow  # 2 or 4 forked gloo ranks: seconds, not the harness's minutes
+@pytest.mark.parametrize("ring,cp,window,docs", [(True, 2, 11, True), (True, 4, None, False),
+                                                 (True, 4, 11, True), (False, 2, 11, True)])
+def test_ring_and_gather_give_one_processs_loss_and_gradients(tmp_path, ring, cp, window, docs):
+    """The Llama (GQA, rotary, muP's attention scale) on a packed window split over cp gloo
+    ranks, K/V passed around the ring (parallel/ring.py: blocks merged by their log-sum-exps,
+    a flash-style backward whose K/V gradients travel back to their owner) or all-gathered:
+    the loss and every parameter's gradient are one process's on the whole window, with
+    documents and a sliding window. In float64, so the two differ only by the order of sums
+    (the ring adds a row's keys block by block): 1e-10 of each tensor's largest entry."""
+    import torch.multiprocessing as mp
+
+    from raytrain_lm.models.attention import using
+
+    mp.start_processes(_cp_grads, args=(cp, tmp_path / "store", tmp_path / "grads.pt", ring, window, docs),
+                       nprocs=cp, start_method="fork")
+    loss, grads = torch.load(tmp_path / "grads.pt")
+    model = small_model("llama", window, param="mup")
+    x, y, _ = packed_window([13, 27, 24])
+    with using(doc_span(x)) if docs else contextlib.nullcontext():
+        expected = model(x, y)[1]
+    expected.backward()
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-12)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=0, atol=1e-10 * p.grad.abs().max().item(),
+                                   msg=lambda m, name=name: f"{name}: {m}")

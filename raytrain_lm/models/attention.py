@@ -42,6 +42,10 @@ class Span:
     # (B, heads, T_local, d) -> (B, heads, T_keys, d): a rank's keys (or values) -> every key the
     # window's queries may see, in key_index's order (context parallelism: an all-gather)
     gather: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+    # (q, k, v, span, window, scale) -> the attention of this rank's queries over every key the
+    # window's queries may see, computed by passing K/V around the cp ranks instead of gathering
+    # them (parallel/ring.py: a ring, measured against the all-gather)
+    ring: Optional[Callable] = None
     # what every layer of the step reads alike, built once: the dense mask (SDPA saves it for
     # backward: one copy, not one per layer) and the rotary rows of the positions
     masks: dict = field(default_factory=dict, compare=False, repr=False)
@@ -144,6 +148,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: Optional[i
     (saved-tensor hooks): a rank's saved activations stay its share of the window's, at the
     price of one more gather per layer in backward (no recomputed FLOPs)."""
     span = current()
+    if span.ring is not None:
+        if dropout:
+            raise ValueError("ring attention has no dropout")
+        return span.ring(q, k, v, span, window, scale)
     if span.gather is None:
         return _attend(q, k, v, span, window, dropout, scale)
     k_all, v_all = span.gather(k), span.gather(v)

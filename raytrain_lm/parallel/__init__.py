@@ -16,6 +16,7 @@ filling its own shards with the single-process build's values (docs/parallelism.
     tp.py     tensor (and sequence) parallelism with DTensor; loss without gathering logits
     pp.py     pipeline stages, schedules, a tied embedding across first and last stage
     cp.py     context parallelism: windows split over cp ranks, K/V all-gathered; document masks
+    ring.py   ring attention (K/V passed around the cp ranks): measured against cp.py's gather
     init.py   meta -> local shards -> initial values
     grad.py   gradients in their parameters' layouts; the global gradient norm
     traffic.py bytes per mesh dim per step; the pipeline's bubble
