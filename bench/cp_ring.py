@@ -6,7 +6,8 @@ blocks (parallel/ring.py). For one training forward and backward of a window on 
   peak   the largest bytes of live tensors other than the model's parameters, buffers and
          gradients (torch.distributed._tools.mem_tracker.MemTracker: every tensor the step
          allocates, K/V in flight and temporaries included), max over the ranks
-  saved  the bytes autograd saves for backward (bench/cp_memory.py's tracker), max over ranks
+  saved  the bytes autograd saves for backward (bench/cp_memory.py's tracker), max over ranks;
+         of them the all-gather's dense mask (the CPU path's; a GPU's flex block mask is small)
   sent   bytes a rank sends per step (parallel/traffic.CommCounter, ring algorithms' wire bytes)
   time   the median of the step's wall time over --reps steps, max over the ranks
 
@@ -65,11 +66,15 @@ def rank_main(rank: int, world: int, port: int, ring: bool, args, out) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     model = build_model(model_config(args), seed=1)
     window = torch.randint(0, 256, (1, args.seq + 1), generator=torch.Generator().manual_seed(0))
-    x, y, span = window[:, :-1], window[:, 1:], None
-    if world > 1:
-        x, y, span = ContextParallel(world, rank, dist.group.WORLD, ring=ring).shard(x, y)
+    context = ContextParallel(world, rank, dist.group.WORLD, ring=ring) if world > 1 else None
+
+    def batch():
+        """This rank's tokens and a new span (its masks built in the step, as training's)."""
+        x, y = window[:, :-1], window[:, 1:]
+        return context.shard(x, y) if context is not None else (x, y, None)
 
     def step():
+        x, y, span = batch()
         model.zero_grad(set_to_none=True)
         with using(span):
             model(x, y)[1].backward()
@@ -80,17 +85,21 @@ def rank_main(rank: int, world: int, port: int, ring: bool, args, out) -> None:
         t = time.perf_counter()
         step()
         times.append(time.perf_counter() - t)
+    x, y, span = batch()
     model.zero_grad(set_to_none=True)
     with using(span):
         saved = saved_bytes(model, x, y)
+    # the all-gather's CPU path holds its dense mask for the step (a GPU's block mask is small)
+    mask = 0 if span is None else sum(m.untyped_storage().nbytes() for key, m in span.masks.items()
+                                      if key[0] not in ("cos", "sin"))
     model.zero_grad(set_to_none=True)
-    peak = peak_bytes(model, x, y, span)
+    peak = peak_bytes(model, *batch())
     sent = 0
     if world > 1:
         with CommCounter() as counter:
             step()
         sent = sum(d["wire"] for d in counter.by_dim().values())
-    out.put((rank, peak, saved, sent, statistics.median(times[1:])))
+    out.put((rank, peak, saved, sent, statistics.median(times[1:]), mask))
     dist.destroy_process_group()
 
 
@@ -107,6 +116,7 @@ def measure(cp: int, ring: bool, args) -> dict:
     for p in procs:
         p.join()
     return {"peak_mib": max(g[1] for g in got) / 2**20, "saved_mib": max(g[2] for g in got) / 2**20,
+            "dense_mask_mib": max(g[5] for g in got) / 2**20,
             "sent_mib": max(g[3] for g in got) / 2**20, "step_s": max(g[4] for g in got)}
 
 

@@ -213,6 +213,28 @@ def test_a_one_worker_checkpoint_resumes_at_cp2(cp_runs, cp_storage):
         assert resumed[step] == pytest.approx(uninterrupted[step], rel=1e-4), step
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("to,flags", [("cp4", dict(workers=4, cp=4)), ("one", dict(workers=1, cp=1))])
+def test_a_cp2_checkpoint_resumes_at_another_cp_degree(cp_runs, cp_storage, to, flags):
+    """Saved at --cp 2 at step 7, continued at --cp 4 on four workers (each window in 8 chunks)
+    and at one worker: every later step's loss is the uninterrupted cp2 run's (checkpoints keep
+    the single-process names and shapes, and the windows and their order do not depend on cp)."""
+    import shutil
+
+    uninterrupted = cp_runs("cp2")[0]
+    name = f"cp2-to-{to}"
+    shutil.copytree(cp_storage / "cp2", cp_storage / name)
+    torn = cp_storage / name / f"checkpoint_{STEPS:08d}" / "state.pt"
+    torn.write_bytes(torn.read_bytes()[:100])  # the final checkpoint is skipped: resume from 7
+    cfg = build_config(base=json.loads((cp_storage / name / "config.json").read_text()), flags=flags)
+    cfg.name = name
+    summary = run_local(cfg, resume=True, say=lambda m: None)
+    assert summary["resumed_from_step"] == 7
+    resumed = step_losses(cp_storage / name)
+    for step in range(8, STEPS + 1):
+        assert resumed[step] == pytest.approx(uninterrupted[step], rel=1e-4), step
+
+
 @pytest.fixture(scope="module")
 def short_docs(tmp_path_factory, pydoc_docs):
     """A BPE dataset (documents separated by <|endoftext|>) of short documents, the paragraphs of
