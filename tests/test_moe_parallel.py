@@ -97,6 +97,9 @@ def test_moe_tiny_learns_and_reports_its_balance(runs):
     assert all(0.9 < r["aux_loss"] < 1.5 and len(r["expert_load"]) == 2 and
                min(r["expert_load"]) >= 1.0 for r in one)
     assert runs("ep2")[-1]["comm_bytes"]["ep"] > 0 and runs("fsdp2xep2")[-1]["comm_bytes"]["edp"] > 0
+    # cp x ep at edp 1: the experts' group (edp x cp) is the cp ranks, its bytes named cp
+    both = runs("cp2xep2")[-1]["comm_bytes"]
+    assert both["ep"] > 0 and both["cp"] > 0 and "edp_cp" not in both
 
 
 @pytest.mark.slow
