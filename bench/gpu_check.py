@@ -18,8 +18,10 @@ typer, yaml or tokenizers, no package index): its whole output survives whatever
    layout must start from the same weights. Every row starts after a gc.collect() and records
    what was still allocated then (a row's peak is its own, not its predecessors' cycles).
    Attention rows, one per attention path (causal, a sliding window shorter than the sequence,
-   documents where the model has them): the model's attention module alone, which SDPA kernel
-   ran, which fused kernels take the path, its time.
+   documents where the model has them, a window in --cp 2's chunk order): the model's attention
+   module alone, which SDPA kernel ran, which fused kernels take the path, its time; a masked
+   path (documents, cp chunks: flex_attention's block mask) also against the same mask dense
+   (its kernel, time, memory and the outputs' largest difference).
 2. bench/gpu_throughput.py: the gpt2 step in its own plain loop, eager and compiled.
 3. The memory plan (raytrain_lm.plan.estimate) against max_memory_allocated for the gpt2 rows.
 
@@ -87,6 +89,7 @@ LAYOUTS = [
     ("attention causal", {"attention": "causal"}, ()),
     ("attention sliding-window", {"attention": "sliding-window"}, ()),
     ("attention documents", {"attention": "documents"}, ()),
+    ("attention cp-chunks", {"attention": "cp-chunks"}, ()),
     # each compiled layout in a process of its own (compiled DDP: gpt2's row)
     ("gpt2 ddp compile", {"model": "gpt2", "compile": True}, ()),
     ("fsdp compile", {"strategy": "fsdp", "compile": True}, ("fsdp",)),
@@ -103,7 +106,7 @@ SHARDED_S, REPLICATED_S = 6, 4  # a sharded row adds its DCP round trip
 EXPECTED_S = {name: (SHARDED_S if force and force != ("ep",) else REPLICATED_S)
               for name, settings, force in LAYOUTS if not settings.get("compile")}
 EXPECTED_S.update({"gpt2 ddp": 8, "attention causal": 3, "attention sliding-window": 4,
-                   "attention documents": 1, "gpt2 ddp compile": 60, "fsdp compile": 45,
+                   "attention documents": 2, "attention cp-chunks": 2, "gpt2 ddp compile": 60, "fsdp compile": 45,
                    "llama ddp compile": 40})
 PROCESS_START_S, THROUGHPUT_S = 10, 75
 BUDGET_S = 420.0  # --budget's default: rows then, with the row in flight, inside `timeout 480`
@@ -194,9 +197,12 @@ def table_line(r: dict) -> str:
         return f"{r['layout']:26} {r['status']}"
     if "attention" in r:
         mem = f"{r['peak_mem_gb']:6.2f} GB" if r["peak_mem_gb"] is not None else "-"
+        dense = "" if "dense_step_time" not in r else \
+            (f"  dense mask: {1e3 * r['dense_step_time']:.2f} ms kernel {r['dense_kernel']} "
+             f"max diff {r['dense_max_diff']:.1e}")
         return (f"{r['layout']:26} ok   {r['precision']:8} {1e3 * r['step_time']:8.2f} ms fwd+bwd  "
                 f"kernel {r['kernel']}  fused {','.join(r['fused_kernels']) or 'none'}  "
-                f"mem {mem}  {r['seconds']:.0f} s")
+                f"mem {mem}  {r['seconds']:.0f} s{dense}")
     mfu = f"{100 * r['mfu']:5.1f}%" if r.get("mfu") is not None else "     -"
     bubble = f"{r['bubble']:.2f}" if r.get("bubble") is not None else "-"
     val = f"{r['val_loss']:.3f}" if r.get("val_loss") is not None else "-"

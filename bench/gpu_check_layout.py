@@ -276,10 +276,11 @@ KERNEL_OPS = (("flash", "flash"), ("efficient", "efficient"), ("cudnn", "cudnn")
 
 def run_attention(name: str, settings: dict, kind: str, device: torch.device) -> dict:
     """An attention row: the model's own attention module (a one-block Llama's, the path of
-    settings["attention"]: causal, a sliding window shorter than the sequence, or documents: a
-    packed window of two documents under --doc-mask's span, models/attention.py, which takes
-    flex_attention's block mask on a GPU), forward and backward on random activations in bf16
-    on a GPU (fp32 on the CPU): which SDPA
+    settings["attention"]: causal, a sliding window shorter than the sequence, documents: a
+    packed window of two documents under --doc-mask's span, or cp-chunks: the window in --cp 2's
+    gathered chunk order masked by place; a span's path takes flex_attention's block mask on a
+    GPU, models/attention.py, and is compared with the dense mask's: `against_dense`), forward
+    and backward on random activations in bf16 on a GPU (fp32 on the CPU): which SDPA
     kernel ran (the op it dispatched to), which fused kernels take this path (each tried alone
     under sdpa_kernel), the milliseconds of one forward and backward, the peak memory."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -303,6 +304,11 @@ def run_attention(name: str, settings: dict, kind: str, device: torch.device) ->
         docs = (torch.arange(T, device=device) >= T // 2).long().expand(B, T)
         span = spans.Span(index=torch.arange(T, device=device), positions=spans.document_positions(docs),
                           docs=docs)
+    elif path == "cp-chunks":  # the window in --cp 2's gathered order (chunks 0 3 1 2), masked by place
+        from raytrain_lm.parallel.cp import chunk_index
+
+        order = torch.cat([chunk_index(T, 2, r) for r in range(2)]).to(device)
+        span = spans.Span(index=order, positions=order)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     x = torch.randn(B, T, m.n_embd, device=device, dtype=dtype, requires_grad=True)
     attention.to(dtype)
@@ -312,7 +318,9 @@ def run_attention(name: str, settings: dict, kind: str, device: torch.device) ->
         attention.zero_grad(set_to_none=True)
         with spans.using(span):
             out = attention(x)
-        (out[0] if isinstance(out, tuple) else out).float().square().mean().backward()
+        out = out[0] if isinstance(out, tuple) else out
+        out.float().square().mean().backward()
+        return out.detach()
 
     ops = []
 
@@ -355,7 +363,57 @@ def run_attention(name: str, settings: dict, kind: str, device: torch.device) ->
                peak_mem_gb=torch.cuda.max_memory_allocated(device) / 1e9
                if device.type == "cuda" else None, precision=str(dtype).replace("torch.", ""),
                status="ok")
+    if span is not None:
+        row.update(against_dense(step, spans, spec["iters"], device))
     return row
+
+
+def against_dense(step, spans, iters: int, device: torch.device) -> dict:
+    """A masked path (a span's) against the same mask materialised for SDPA, what the CPU runs
+    (models/attention.dense_mask; on a GPU the masked path is flex_attention's block mask): the
+    largest difference of the outputs, and the dense path's kernel, time and peak memory: what
+    the fused path saves."""
+    import torch.nn.functional as F
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    masked = step()
+    fused = spans._flex
+
+    def dense(q, k, v, span, window, gqa, scale=None):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=spans.dense_mask(span, window, q.device, q.dtype),
+                                              enable_gqa=gqa, scale=scale)
+
+    ops = []
+
+    class Seen(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if "attention" in func.__name__:
+                ops.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    spans._flex = dense
+    try:
+        with Seen():
+            reference = step()
+        release(device)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        times = []
+        for _ in range(iters):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            step()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - t0)
+    finally:
+        spans._flex = fused
+    times.sort()
+    return {"dense_max_diff": (masked.float() - reference.float()).abs().max().item(),
+            "dense_kernel": next((k for k, word in KERNEL_OPS if any(word in op for op in ops)), "math"),
+            "dense_step_time": times[len(times) // 2],
+            "dense_peak_mem_gb": torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None}
 
 
 def verdict(row: dict, losses: list[float]) -> str:

@@ -158,6 +158,16 @@ MUTANTS = [
            "if value > most:  # (too small: the family's rules say what each may be)", "if False:",
            (f"{BAD} -k 1e30",),
            "model sizes past any cluster let through"),
+    Mutant("moe-cp-window-shares", "raytrain_lm/parallel/__init__.py",
+           "layer.window_sum = self.context.window_sum", "pass",
+           ("tests/test_moe_parallel.py::test_every_ep_layout_trains_the_one_worker_model -k cp2",),
+           "under context parallelism the balance loss's expert shares are a rank's part of each "
+           "window, not the whole window's", slow=True),
+    Mutant("ring-kv-grads-not-passed", "raytrain_lm/parallel/ring.py",
+           "dkv, dreqs = _pass_on(sent, group, GRAD_TAG)", "dreqs = []",
+           ("tests/test_context_parallel.py::test_ring_and_gather_give_one_processs_loss_and_gradients",),
+           "ring attention's K/V gradients left where they were computed, not sent on to their owner",
+           slow=True),
 ]
 
 

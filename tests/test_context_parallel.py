@@ -4,6 +4,7 @@ in one process the masks compute what running each document alone computes."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
@@ -78,11 +79,13 @@ def test_context_parallel_moves_keys_and_values(cp_runs):
 SEP = 0  # the token that opens a document (the dataset's <|endoftext|>)
 
 
-def small_model(arch: str, window=None):
+def small_model(arch: str, window=None, param="sp"):
     from raytrain_lm.models import build_model
     from raytrain_lm.models.family import ModelConfig
 
     extra = dict(bias=False, n_kv_head=2, multiple_of=32, sliding_window=window) if arch == "llama" else {}
+    if param == "mup":  # attention's q.k scaled by muP's sqrt(d_base)/d, not SDPA's default
+        extra.update(param="mup", mup_base_width=16)
     m = ModelConfig(arch=arch, vocab_size=64, block_size=64, n_layer=2, n_head=4, n_embd=32,
                     dropout=0.0, **extra)
     return build_model(m, seed=3).double().eval()
@@ -104,13 +107,14 @@ def doc_span(x):
     return ContextParallel(1, 0, None, SEP).shard(x, x)[2]
 
 
-@pytest.mark.parametrize("arch", ["gpt", "llama"])
-def test_document_masked_logits_equal_each_document_alone(arch):
+@pytest.mark.parametrize("arch,param", [("gpt", "sp"), ("llama", "sp"), ("gpt", "mup"), ("llama", "mup")])
+def test_document_masked_logits_equal_each_document_alone(arch, param):
     """Packed with --doc-mask, every document's logits are those of the document run alone
-    (positions restart at each document: the GPT's learned ones too), to float64 rounding."""
+    (positions restart at each document: the GPT's learned ones too; under muP the masked path
+    keeps the model's attention scale), to float64 rounding."""
     from raytrain_lm.models.attention import using
 
-    model = small_model(arch)
+    model = small_model(arch, param=param)
     x, y, bounds = packed_window([9, 20, 3, 16])
     with torch.no_grad(), using(doc_span(x)):
         packed = model(x, y)[0]
@@ -209,6 +213,28 @@ def test_a_one_worker_checkpoint_resumes_at_cp2(cp_runs, cp_storage):
         assert resumed[step] == pytest.approx(uninterrupted[step], rel=1e-4), step
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("to,flags", [("cp4", dict(workers=4, cp=4)), ("one", dict(workers=1, cp=1))])
+def test_a_cp2_checkpoint_resumes_at_another_cp_degree(cp_runs, cp_storage, to, flags):
+    """Saved at --cp 2 at step 7, continued at --cp 4 on four workers (each window in 8 chunks)
+    and at one worker: every later step's loss is the uninterrupted cp2 run's (checkpoints keep
+    the single-process names and shapes, and the windows and their order do not depend on cp)."""
+    import shutil
+
+    uninterrupted = cp_runs("cp2")[0]
+    name = f"cp2-to-{to}"
+    shutil.copytree(cp_storage / "cp2", cp_storage / name)
+    torn = cp_storage / name / f"checkpoint_{STEPS:08d}" / "state.pt"
+    torn.write_bytes(torn.read_bytes()[:100])  # the final checkpoint is skipped: resume from 7
+    cfg = build_config(base=json.loads((cp_storage / name / "config.json").read_text()), flags=flags)
+    cfg.name = name
+    summary = run_local(cfg, resume=True, say=lambda m: None)
+    assert summary["resumed_from_step"] == 7
+    resumed = step_losses(cp_storage / name)
+    for step in range(8, STEPS + 1):
+        assert resumed[step] == pytest.approx(uninterrupted[step], rel=1e-4), step
+
+
 @pytest.fixture(scope="module")
 def short_docs(tmp_path_factory, pydoc_docs):
     """A BPE dataset (documents separated by <|endoftext|>) of short documents, the paragraphs of
@@ -267,7 +293,6 @@ def test_cp2_on_ray_workers_trains_the_one_worker_model(ray_address, cp_runs, py
     (dict(workers=3, cp=2), "--workers 3 must be a multiple of --tp x --pp x --cp = 2"),
     (dict(workers=2, cp=0), "--tp, --pp, --ep and --cp must be at least 1"),
     (dict(workers=4, cp=4, seq_len=36), "--seq-len 36 must be divisible by 2 x --cp = 8"),
-    (dict(workers=4, cp=2, ep=2, preset="moe-tiny"), "--cp with --ep is not supported yet"),
     (dict(workers=2, pp=2, doc_mask=True), "--doc-mask with --pp is not supported yet"),
 ])
 def test_cp_layouts_that_cannot_work_are_refused(flags, expected):
@@ -351,3 +376,91 @@ def test_the_gpus_block_mask_is_the_dense_masks_rule(window, docs):
         warnings.simplefilter("ignore")  # the eager reference warns that it is one
         flex = flex_attention(q, k, v, block_mask=block_mask(span, window, 32, 64, "cpu"), enable_gqa=True)
     assert torch.allclose(flex, dense, rtol=0, atol=1e-5)  # float32 sums in two orders
+
+
+@pytest.mark.parametrize("rank", [0, 3, 6])
+def test_cp_and_ep_groups_are_the_layouts_coordinates(rank):
+    """--cp 2 --ep 2 --tp 2 on 8 workers (mesh pp, edp, ep, cp, tp): the cp group is the ranks
+    of this rank's dp index, the ep group those of its cp index and edp, the experts' group
+    (edp_cp) those holding its experts, the parameters' group (dp_cp) every rank of its tp
+    index; each as Layout.coords places the ranks (data sharding, seeds and the planner read
+    those). On fake ranks: the groups' members, not their traffic."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from raytrain_lm.config.layout import Layout
+    from raytrain_lm.parallel.mesh import build_mesh, dim_mesh
+
+    cfg = build_config(preset="moe-tiny", flags=dict(workers=8, cp=2, ep=2, tp=2, strategy="fsdp"))
+    layout = Layout.of(cfg)
+    assert layout.mesh_shape == {"pp": 1, "edp": 1, "ep": 2, "cp": 2, "tp": 2}
+    c = [layout.coords(r) for r in range(8)]
+    me = c[rank]
+    expected = {
+        "cp": [r for r in range(8) if (c[r].dp, c[r].tp) == (me.dp, me.tp)],
+        "ep": [r for r in range(8) if (c[r].cp, c[r].tp, c[r].dp // 2) == (me.cp, me.tp, me.dp // 2)],
+        "edp_cp": [r for r in range(8) if (c[r].tp, c[r].dp % 2) == (me.tp, me.dp % 2)],
+        "dp_cp": [r for r in range(8) if c[r].tp == me.tp],
+        "tp": [r for r in range(8) if (c[r].dp, c[r].cp) == (me.dp, me.cp)],
+    }
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=8)
+    try:
+        mesh = build_mesh(torch.device("cpu"), layout)
+        got = {dim: sorted(dist.get_process_group_ranks(dim_mesh(mesh, dim).get_group())) for dim in expected}
+    finally:
+        dist.destroy_process_group()
+    assert got == expected
+    assert len(expected["ep"]) == len(expected["cp"]) == 2 and len(expected["edp_cp"]) == 2
+
+
+def _cp_grads(rank, world, store, out, ring, window, docs):
+    """One cp rank (forked: the modules are imported already): its chunks' loss and gradients,
+    averaged over the cp ranks as data parallelism does, saved by rank 0."""
+    import torch.distributed as dist
+
+    from raytrain_lm.models.attention import using
+    from raytrain_lm.parallel.cp import ContextParallel
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    model = small_model("llama", window, param="mup")
+    x, y, _ = packed_window([13, 27, 24])
+    x, y, span = ContextParallel(world, rank, dist.group.WORLD, SEP if docs else None, ring=ring).shard(x, y)
+    with using(span):
+        loss = model(x, y)[1]
+    loss.backward()
+    grads = {name: p.grad for name, p in model.named_parameters()}
+    for t in [loss.detach(), *grads.values()]:
+        dist.all_reduce(t)
+        t /= world
+    if rank == 0:
+        torch.save((loss.detach(), grads), out)
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow  # 2 or 4 forked gloo ranks: seconds, not the harness's minutes
+@pytest.mark.parametrize("ring,cp,window,docs", [(True, 2, 11, True), (True, 4, None, False),
+                                                 (True, 4, 11, True), (False, 2, 11, True)])
+def test_ring_and_gather_give_one_processs_loss_and_gradients(tmp_path, ring, cp, window, docs):
+    """The Llama (GQA, rotary, muP's attention scale) on a packed window split over cp gloo
+    ranks, K/V passed around the ring (parallel/ring.py: blocks merged by their log-sum-exps,
+    a flash-style backward whose K/V gradients travel back to their owner) or all-gathered:
+    the loss and every parameter's gradient are one process's on the whole window, with
+    documents and a sliding window. In float64, so the two differ only by the order of sums
+    (the ring adds a row's keys block by block): 1e-10 of each tensor's largest entry."""
+    import torch.multiprocessing as mp
+
+    from raytrain_lm.models.attention import using
+
+    mp.start_processes(_cp_grads, args=(cp, tmp_path / "store", tmp_path / "grads.pt", ring, window, docs),
+                       nprocs=cp, start_method="fork")
+    loss, grads = torch.load(tmp_path / "grads.pt")
+    model = small_model("llama", window, param="mup")
+    x, y, _ = packed_window([13, 27, 24])
+    with using(doc_span(x)) if docs else contextlib.nullcontext():
+        expected = model(x, y)[1]
+    expected.backward()
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-12)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=0, atol=1e-10 * p.grad.abs().max().item(),
+                                   msg=lambda m, name=name: f"{name}: {m}")

@@ -25,11 +25,16 @@ LAYOUTS = {  # name: (workers, flags)
     "fsdp2xep2": (4, dict(ep=2, strategy="fsdp")),  # experts sharded over the other 2 dp ranks
     "tp2xep2-sp": (4, dict(tp=2, ep=2, strategy="zero2", sequence_parallel=True)),
     "pp2xep2": (4, dict(pp=2, ep=2, strategy="ddp", pp_schedule="1f1b", microbatches=4)),
+    # context parallelism: each window's tokens routed on the cp ranks holding its chunks, the
+    # balance loss's expert shares summed over them; at ep 1 (Ray's DDP over the cp ranks) and
+    # composed with ep (an ep group per cp index, the experts sharded over edp x cp)
+    "cp2": (2, dict(cp=2)),
+    "cp2xep2": (4, dict(cp=2, ep=2, strategy="fsdp")),
 }
 
 
 def moe_config(data, storage, name, workers, flags, **more):
-    dp = workers // (flags.get("tp", 1) * flags.get("pp", 1))
+    dp = workers // (flags.get("tp", 1) * flags.get("pp", 1) * flags.get("cp", 1))
     return build_config(preset="moe-tiny", sets=MODEL, flags={**dict(
         workers=workers, cpus_per_worker=0.5 if workers > 2 else 1.0, max_steps=STEPS,
         batch_size=GLOBAL_BATCH // dp, seq_len=64, lr=3e-3, warmup_steps=3, log_every=1,
@@ -92,6 +97,9 @@ def test_moe_tiny_learns_and_reports_its_balance(runs):
     assert all(0.9 < r["aux_loss"] < 1.5 and len(r["expert_load"]) == 2 and
                min(r["expert_load"]) >= 1.0 for r in one)
     assert runs("ep2")[-1]["comm_bytes"]["ep"] > 0 and runs("fsdp2xep2")[-1]["comm_bytes"]["edp"] > 0
+    # cp x ep at edp 1: the experts' group (edp x cp) is the cp ranks, its bytes named cp
+    both = runs("cp2xep2")[-1]["comm_bytes"]
+    assert both["ep"] > 0 and both["cp"] > 0 and "edp_cp" not in both
 
 
 @pytest.mark.slow

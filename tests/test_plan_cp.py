@@ -69,3 +69,21 @@ def test_cp_is_planned_for_long_sequences_only():
     assert long is not None and long.layout.cp > 1 and long.comm.cp > 0
     assert 4096 < CP_FROM_SEQ
     assert all(e.layout.cp == 1 for e in plan(m, cl, 64, 4096, tp=8, strategy="fsdp"))
+
+
+def test_cp_with_ep_routes_a_share_and_is_planned():
+    """A mixture of experts at --cp 2 --ep 2: a cp rank routes its half of each window, so its
+    all-to-alls move b (s/cp) k h values each (4 per layer and micro-batch: dispatch and
+    combine, forward and backward), (ep-1)/ep of them off the GPU; and at a long window the
+    planner ranks layouts with both cp and ep (ep dividing dp / cp)."""
+    m = dataclasses.replace(preset_config("moe-tiny").model, vocab_size=256, block_size=16384)
+    cl = Cluster(gpus=8)
+    stages = rank_stages(m, 1, 1)[0]
+    lay = Layout(dp=4, tp=1, pp=1, strategy="fsdp", ac="none", sp=False, schedule="-", micro_batch=1,
+                 microbatches=2, seq_len=16384, ep=2, cp=2)
+    expected = 2 * m.n_layer * 4 * (1 * 16384 / 2 * m.top_k * m.n_embd * cl.act_bytes) * (2 - 1) / 2
+    assert rank_comm(m, lay, cl, stages).ep == pytest.approx(expected)
+    planned = plan(m, cl, 16, 16384, strategy="fsdp")
+    both = [e.layout for e in planned if e.layout.cp > 1 and e.layout.ep > 1]
+    assert both and all((b.dp // b.ep) * b.ep == b.dp for b in both)
+    assert all(not b.problems(m) for b in both)

@@ -12,7 +12,9 @@ parallelism, where a family has experts, is carved out of the data-parallel rank
 torchtitan's ParallelDims: ep divides dp), so it adds no ranks of its own. Context parallelism
 (cp) splits each window's sequence over cp ranks that read the same batch: they hold the same
 parameters, so their gradients are reduced together with dp's (the "dp_cp" group, torchtitan's
-dp_shard_cp), and FSDP shards over dp x cp.
+dp_shard_cp), and FSDP shards over dp x cp. With experts too, an expert-parallel group is ep
+ranks of one cp index (each routes its own chunks' tokens), and the experts' gradients are
+reduced over edp x cp (the ranks that hold the same experts).
 """
 
 from __future__ import annotations
@@ -196,8 +198,6 @@ class Layout:
         if self.cp > 1 and self.seq_len % (2 * self.cp):
             out.append(f"--seq-len {self.seq_len} must be divisible by 2 x --cp = {2 * self.cp}: "
                        f"each window is split into {2 * self.cp} equal chunks")
-        if self.cp > 1 and self.ep > 1:
-            out.append("--cp with --ep is not supported yet: use one of them")
         if doc_mask and self.pp > 1:
             out.append("--doc-mask with --pp is not supported yet: a later stage sees no tokens "
                        "to find the documents in")
@@ -354,19 +354,19 @@ class Layout:
     def mesh_shape(self) -> dict[str, int]:
         """The device mesh's dims, outermost first (parallel/mesh.py builds it); a rank's place
         in it is `coords`. With expert parallelism dp is two dims, edp x ep (ep innermost: an
-        expert-parallel group is ep consecutive dp ranks), and "dp" their flattening."""
-        if self.ep > 1:
-            return {"pp": self.pp, "edp": self.dp // self.ep, "ep": self.ep, "tp": self.tp}
-        if self.cp > 1:
-            return {"pp": self.pp, "dp": self.dp, "cp": self.cp, "tp": self.tp}
-        return {"pp": self.pp, "dp": self.dp, "tp": self.tp}
+        expert-parallel group is ep dp ranks that differ in their ep index only), and "dp" their
+        flattening; cp sits between dp and tp either way."""
+        dp = {"edp": self.dp // self.ep, "ep": self.ep} if self.ep > 1 else {"dp": self.dp}
+        cp = {"cp": self.cp} if self.cp > 1 else {}
+        return {"pp": self.pp, **dp, **cp, "tp": self.tp}
 
     @property
     def mesh_dims(self) -> tuple[str, ...]:
         """Every dim a part of the model is placed on: the mesh's, "dp" where it is flattened, and
-        "dp_cp" (dp x cp flattened: the parameters' group) with context parallelism."""
+        with context parallelism "dp_cp" (dp x cp flattened: the parameters' group) and, with
+        experts too, "edp_cp" (edp x cp: the ranks that hold the same experts)."""
         return tuple(self.mesh_shape) + (("dp",) if self.ep > 1 else ()) + \
-            (("dp_cp",) if self.cp > 1 else ())
+            (("dp_cp",) if self.cp > 1 else ()) + (("edp_cp",) if self.cp > 1 and self.ep > 1 else ())
 
     def coords(self, rank: int) -> Coords:
         """Where `rank` sits in the mesh, row-major over mesh_shape (tp innermost), without
@@ -379,7 +379,8 @@ class Layout:
     def blocks(self) -> dict[str, int]:
         """Each dimension's groups as aligned blocks of consecutive ranks (parallel/mesh.py)."""
         return {"tp": self.tp, "cp": self.cp * self.tp, "dp": self.dp * self.cp * self.tp,
-                "dp_cp": self.dp * self.cp * self.tp, "ep": self.ep * self.tp, "pp": self.gpus}
+                "dp_cp": self.dp * self.cp * self.tp, "ep": self.ep * self.cp * self.tp,
+                "edp_cp": self.dp * self.cp * self.tp, "pp": self.gpus}
 
 
 __all__ = ["AC_MODES", "DEFAULT_VIRTUAL", "PP_SCHEDULES", "STRATEGIES", "UNSHARDED", "Coords", "Layout", "Strategy",

@@ -42,6 +42,10 @@ class Span:
     # (B, heads, T_local, d) -> (B, heads, T_keys, d): a rank's keys (or values) -> every key the
     # window's queries may see, in key_index's order (context parallelism: an all-gather)
     gather: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+    # (q, k, v, span, window, scale) -> the attention of this rank's queries over every key the
+    # window's queries may see, computed by passing K/V around the cp ranks instead of gathering
+    # them (parallel/ring.py: a ring, measured against the all-gather)
+    ring: Optional[Callable] = None
     # what every layer of the step reads alike, built once: the dense mask (SDPA saves it for
     # backward: one copy, not one per layer) and the rotary rows of the positions
     masks: dict = field(default_factory=dict, compare=False, repr=False)
@@ -134,17 +138,22 @@ def rows(span: Span, table: torch.Tensor, name: str) -> torch.Tensor:
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: Optional[int] = None,
-           dropout: float = 0.0) -> torch.Tensor:
+           dropout: float = 0.0, scale: Optional[float] = None) -> torch.Tensor:
     """Attention of q (B, H, T_local, d) over k, v (B, KV, T_local, d) by the installed span
-    (installed: `using`; the caller checked). Grouped-query attention where KV < H.
+    (installed: `using`; the caller checked). Grouped-query attention where KV < H; `scale` of
+    q.k as SDPA's (None: 1/sqrt(d); muP's 1/d-like one otherwise).
 
     Where the span gathers K/V (context parallelism), the attention's backward needs the whole
     window's K/V; it keeps only this rank's and gathers the rest again when backward reaches it
     (saved-tensor hooks): a rank's saved activations stay its share of the window's, at the
     price of one more gather per layer in backward (no recomputed FLOPs)."""
     span = current()
+    if span.ring is not None:
+        if dropout:
+            raise ValueError("ring attention has no dropout")
+        return span.ring(q, k, v, span, window, scale)
     if span.gather is None:
-        return _attend(q, k, v, span, window, dropout)
+        return _attend(q, k, v, span, window, dropout, scale)
     k_all, v_all = span.gather(k), span.gather(v)
     local = {_key(k_all): k.detach(), _key(v_all): v.detach()}
     # hooks installed around this call (activation checkpointing's, a memory tracker's) still see
@@ -166,7 +175,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: Optional[i
         return outer_unpack(saved) if outer_unpack else saved
 
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-        return _attend(q, k_all, v_all, span, window, dropout)
+        return _attend(q, k_all, v_all, span, window, dropout, scale)
 
 
 _REGATHER = object()  # marks a saved K/V kept as this rank's part
@@ -176,12 +185,13 @@ def _key(t: torch.Tensor) -> tuple:
     return (t.untyped_storage().data_ptr(), tuple(t.shape), t.storage_offset())
 
 
-def _attend(q, k, v, span: Span, window: Optional[int], dropout: float) -> torch.Tensor:
+def _attend(q, k, v, span: Span, window: Optional[int], dropout: float,
+            scale: Optional[float] = None) -> torch.Tensor:
     gqa = q.size(1) != k.size(1)
     if q.is_cuda and dropout == 0.0:
-        return _flex(q, k, v, span, window, gqa)
+        return _flex(q, k, v, span, window, gqa, scale)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=dense_mask(span, window, q.device, q.dtype),
-                                          dropout_p=dropout, enable_gqa=gqa)
+                                          dropout_p=dropout, enable_gqa=gqa, scale=scale)
 
 
 _compiled_flex = None
@@ -203,7 +213,7 @@ def block_mask(span: Span, window: Optional[int], q_len: int, k_len: int, device
     return create_block_mask(mask_mod, B, None, q_len, k_len, device=device)
 
 
-def _flex(q, k, v, span: Span, window: Optional[int], gqa: bool) -> torch.Tensor:
+def _flex(q, k, v, span: Span, window: Optional[int], gqa: bool, scale: Optional[float] = None) -> torch.Tensor:
     """flex_attention with a block mask of the span's rule: compiled, it is one fused kernel
     that skips every block the mask hides entirely (most of a causal or document mask)."""
     from torch.nn.attention.flex_attention import flex_attention
@@ -214,4 +224,4 @@ def _flex(q, k, v, span: Span, window: Optional[int], gqa: bool) -> torch.Tensor
     key = ("block", window, q.size(2), k.size(2), str(q.device))
     if key not in span.masks:  # once per step: every layer's is the same
         span.masks[key] = block_mask(span, window, q.size(2), k.size(2), q.device)
-    return _compiled_flex(q, k, v, block_mask=span.masks[key], enable_gqa=gqa)
+    return _compiled_flex(q, k, v, block_mask=span.masks[key], enable_gqa=gqa, scale=scale)

@@ -16,6 +16,7 @@ filling its own shards with the single-process build's values (docs/parallelism.
     tp.py     tensor (and sequence) parallelism with DTensor; loss without gathering logits
     pp.py     pipeline stages, schedules, a tied embedding across first and last stage
     cp.py     context parallelism: windows split over cp ranks, K/V all-gathered; document masks
+    ring.py   ring attention (K/V passed around the cp ranks): measured against cp.py's gather
     init.py   meta -> local shards -> initial values
     grad.py   gradients in their parameters' layouts; the global gradient norm
     traffic.py bytes per mesh dim per step; the pipeline's bubble
@@ -99,6 +100,10 @@ class Built:
 
             self.context = ContextParallel(lay.cp, self.coords.cp, self.cp_group,
                                            separator if cfg.doc_mask else None)
+        if lay.cp > 1:  # a mixture of experts' balance loss counts each window's every token
+            for part in self.parts:
+                for _, layer in ep.moe_layers(part):
+                    layer.window_sum = self.context.window_sum
 
     # ---------------------------------------------------------------- building
 
@@ -121,10 +126,16 @@ class Built:
             if experts:
                 ep.apply_ep(part, self.mesh["ep"], fsdp.blocks(part))
             fsdp.apply_dp(part, dim_mesh(self.mesh, "dp_cp" if self.layout.cp > 1 else "dp"),
-                          self.layout, self.dtype, compile=cfg.compile, edp_mesh=self.mesh["edp"] if experts else None)
+                          self.layout, self.dtype, compile=cfg.compile,
+                          edp_mesh=self._experts_mesh() if experts else None)
             materialize_(part, cfg.model, cfg.seed, self.device, init=self.init)
             fit_positions_(part, cfg.seq_len)  # before the first (compiled) forward
         return [part for _, part in self.stages]
+
+    def _experts_mesh(self):
+        """The ranks that hold the same experts and average their gradients: edp, and with
+        context parallelism the cp ranks within each (parallel/mesh.py)."""
+        return dim_mesh(self.mesh, "edp_cp") if self.layout.cp > 1 else self.mesh["edp"]
 
     def _build_pipeline(self) -> None:
         from raytrain_lm.parallel import pp

@@ -75,9 +75,11 @@ class ContextParallel:
     returns this rank's tokens and the Span its attention runs by. At cp 1 (one rank, the whole
     window) it is document masking alone."""
 
-    def __init__(self, cp: int, rank: int, group, separator: Optional[int] = None):
-        """`separator`: the token that opens a document, for document masking (None: none)."""
-        self.cp, self.rank, self.group, self.separator = cp, rank, group, separator
+    def __init__(self, cp: int, rank: int, group, separator: Optional[int] = None, ring: bool = False):
+        """`separator`: the token that opens a document, for document masking (None: none);
+        `ring`: attend by passing K/V blocks around the cp ranks (parallel/ring.py) instead of
+        all-gathering them."""
+        self.cp, self.rank, self.group, self.separator, self.ring = cp, rank, group, separator, ring
 
     def shard(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Span]:
         T = x.size(1)
@@ -87,9 +89,22 @@ class ContextParallel:
         span = Span(index=index, positions=index if docs is None else document_positions(docs)[:, index],
                     docs=None if docs is None else docs[:, index], key_index=keys,
                     key_docs=None if docs is None else docs[:, keys],
-                    gather=self._gather if self.cp > 1 else None)
+                    gather=self._gather if self.cp > 1 and not self.ring else None,
+                    ring=self._ring if self.cp > 1 and self.ring else None)
         return x[:, index], y[:, index], span
 
     def _gather(self, t: torch.Tensor) -> torch.Tensor:
         return _GatherSeq.apply(t, self.group)
+
+    def _ring(self, q, k, v, span, window, scale) -> torch.Tensor:
+        from raytrain_lm.parallel.ring import ring_attention
+
+        return ring_attention(q, k, v, span, window, scale, self.group)
+
+    def window_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` (a statistic of this rank's tokens of each window, no gradient) summed over the
+        cp group: the whole windows' (a mixture of experts' expert shares, models/moe/moe.py)."""
+        t = t.detach().clone()
+        dist.all_reduce(t, group=self.group)
+        return t
 

@@ -23,7 +23,10 @@ special-cases them.
 
 Context parallelism (--cp) adds a "cp" dim between dp and tp: a cp group is cp x tp
 consecutive ranks (a node's, as long as it fits), and "dp_cp" flattens dp and cp: the ranks that
-hold the same parameters and average their gradients.
+hold the same parameters and average their gradients. With expert parallelism too the mesh is
+pp, edp, ep, cp, tp: a rank's dp and cp indices are those without ep, an expert-parallel group
+is ep ranks of one cp index (stride cp x tp), and "edp_cp" flattens edp and cp: the ranks that
+hold the same experts. e.g. 4 workers, --ep 2 --cp 2: ep 0 0 1 1, cp 0 1 0 1.
 
 Expert parallelism (--ep) splits dp into edp x ep, ep innermost, and flattens them back into
 "dp" (what the dense parameters and the data see): an expert-parallel group is ep consecutive
@@ -64,7 +67,10 @@ def dim_mesh(mesh, dim: str):
     if dim == "dp" and "edp" in mesh.mesh_dim_names:
         return mesh["edp", "ep"]._flatten("dp")
     if dim == "dp_cp":  # the parameters' group under context parallelism
-        return mesh["dp", "cp"]._flatten("dp_cp")
+        dp = ("edp", "ep") if "edp" in mesh.mesh_dim_names else ("dp",)
+        return mesh[(*dp, "cp")]._flatten("dp_cp")
+    if dim == "edp_cp":  # the experts' group under context and expert parallelism
+        return mesh["edp", "cp"]._flatten("edp_cp")
     return mesh[dim]
 
 

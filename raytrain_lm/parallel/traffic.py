@@ -63,8 +63,8 @@ class CommCounter(TorchDispatchMode):
         for dim in self.dims:
             if dim_mesh(mesh, dim).size() > 1:
                 ranks = tuple(dist.get_process_group_ranks(dim_mesh(mesh, dim).get_group()))
-                if dim == "dp_cp" and ranks in self.names:  # dp 1: the cp ranks, named so
-                    continue
+                if dim in ("dp_cp", "edp_cp") and ranks in self.names:  # dp (edp) 1: the cp
+                    continue  # ranks, named so
                 (self.a2a_names if dim == "ep" else self.names)[ranks] = dim
         # (dim, op) -> {"calls", "payload", "wire", "recv", "max" (largest payload of one call)}
         self.stats = defaultdict(lambda: defaultdict(int))

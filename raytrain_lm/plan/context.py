@@ -12,11 +12,11 @@ def cp_sizes(structure: tuple, seq_len: int, ep: int, cp: Optional[int] = None) 
     """The context-parallel degrees worth planning for a structure: 1, and for windows of
     CP_FROM_SEQ tokens or more (below, a sequence's activations fit one GPU with tp and
     checkpointing; cp only adds traffic) every power of two that divides its data-parallel ranks
-    and splits the window into 2cp chunks, where train runs it (Layout.problems: no ep);
-    `cp`: that one alone."""
+    and splits the window into 2cp chunks, leaving the ep ranks (ep divides dp / cp, as
+    Layout.problems asks); `cp`: that one alone."""
     t, p, dp, kind, ac, sp, schedule, v = structure
-    if cp is not None:
-        return [cp] if dp % cp == 0 and seq_len % (2 * cp) == 0 and (cp == 1 or ep == 1) else []
-    if seq_len < CP_FROM_SEQ or ep > 1:
+    fits = [c for c in ((cp,) if cp is not None else (1, 2, 4, 8, 16, 32))
+            if dp % c == 0 and (dp // c) % ep == 0 and seq_len % (2 * c) == 0]
+    if cp is None and seq_len < CP_FROM_SEQ:
         return [1]
-    return [c for c in (1, 2, 4, 8, 16, 32) if dp % c == 0 and seq_len % (2 * c) == 0]
+    return fits

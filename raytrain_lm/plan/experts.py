@@ -11,8 +11,8 @@
 - Traffic: every MoE layer sends each of a micro-batch's b s k routed copies of a token to its
   expert's rank and back (dispatch and combine), forward and backward: 4 all-to-alls of
   b s k h values per layer and micro-batch, 6 where full checkpointing reruns the forward; of each,
-  (ep - 1) / ep leaves the GPU (routing taken as uniform). The expert gradients are reduced over
-  edp, not dp.
+  (ep - 1) / ep leaves the GPU (routing taken as uniform); a cp rank routes its 1/cp of each
+  window. The expert gradients are reduced over edp (x cp), not dp (x cp).
 """
 
 from __future__ import annotations
@@ -56,7 +56,8 @@ def expert_counts(m: ModelConfig, lay: Layout) -> dict[str, float]:
 
 
 def expert_dp(lay: Layout) -> Layout:
-    """The data-parallel dimension the experts are reduced over: edp = dp / ep."""
+    """The data-parallel dimension the experts are reduced over: edp = dp / ep (and the cp ranks
+    within each: dp_cp of the result)."""
     return replace(lay, dp=lay.dp // lay.ep, ep=1)
 
 
@@ -69,8 +70,9 @@ def whole_weights(m: ModelConfig) -> float:
 
 
 def expert_rows(m: ModelConfig, lay: Layout) -> float:
-    """Rows one expert's matmuls see per micro-batch, on average (uniform routing)."""
-    return lay.micro_batch * lay.seq_len * m.top_k * lay.ep / m.n_experts
+    """Rows one expert's matmuls see per micro-batch, on average (uniform routing; a cp rank
+    routes its 1/cp of each window)."""
+    return lay.micro_batch * lay.seq_len / lay.cp * m.top_k * lay.ep / m.n_experts
 
 
 def all_to_all_bytes(m: ModelConfig, lay: Layout, act_bytes: int, stages: list[StageShape]) -> float:
@@ -79,7 +81,7 @@ def all_to_all_bytes(m: ModelConfig, lay: Layout, act_bytes: int, stages: list[S
         return 0.0
     layers = sum(st.layers for st in stages)
     calls = 4 + (2 if lay.ac == "full" else 0)
-    one = lay.micro_batch * lay.seq_len * m.top_k * m.n_embd * act_bytes * (lay.ep - 1) / lay.ep
+    one = lay.micro_batch * lay.seq_len / lay.cp * m.top_k * m.n_embd * act_bytes * (lay.ep - 1) / lay.ep
     return lay.microbatches * layers * calls * one
 
 

@@ -13,7 +13,8 @@ Every link runs at LINK_EFFICIENCY of its line rate (the same source: NCCL's bus
 messages, 78% of NVLink 3 on A100, 82% of NVLink 4 on H200, 73-74% of EFA on B200).
 
 Ranks as parallel/mesh.py places them: tp innermost (stride 1), then cp (stride tp), then dp
-(stride cp x tp; an expert-parallel group is ep consecutive dp ranks), pp outermost (stride
+(stride cp x tp; an expert-parallel group is ep consecutive dp ranks of one cp index: stride
+cp x tp), pp outermost (stride
 dp x cp x tp). With context parallelism the parameters' gradients are reduced over dp x cp (the
 "dp" dimension here: stride tp, dp x cp ranks), the keys and values gathered over cp.
 """
@@ -27,7 +28,7 @@ LINK_EFFICIENCY = 0.8
 
 
 def stride(lay: Layout, dim: str) -> int:
-    return {"tp": 1, "cp": lay.tp, "dp": lay.tp, "ep": lay.tp, "pp": lay.dp_cp * lay.tp}[dim]
+    return {"tp": 1, "cp": lay.tp, "dp": lay.tp, "ep": lay.cp * lay.tp, "pp": lay.dp_cp * lay.tp}[dim]
 
 
 def size(lay: Layout, dim: str) -> int:

@@ -40,7 +40,7 @@ class CausalSelfAttention(nn.Module):
         q, k, v = self.c_attn(x).view(B, T, -1, 3, self.head_dim).unbind(dim=3)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, T, head_dim)
         if cache is None and attention.current() is not None:  # outside set the keys
-            y = attention.attend(q, k, v, dropout=self.dropout if self.training else 0.0)
+            y = attention.attend(q, k, v, dropout=self.dropout if self.training else 0.0, scale=self.scale)
             y = y.transpose(1, 2).reshape(B, T, -1)
             return self.resid_dropout(self.c_proj(y)), (k, v)
         if cache is not None:  # generation: attend to the cached prefix as well

@@ -172,7 +172,7 @@ class Attention(nn.Module):
             cos, sin = self.rope.rows(0, span.keys.numel())  # positions lie below the window's length
             cos, sin = attention.rows(span, cos, "cos"), attention.rows(span, sin, "sin")
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-            y = attention.attend(q, k, v, self.window)
+            y = attention.attend(q, k, v, self.window, scale=self.scale)
             return self.o_proj(y.transpose(1, 2).reshape(B, T, -1)), (k, v)
         cos, sin = self.rope.rows(start, T)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)

@@ -26,7 +26,11 @@ parallel/ep.moe_stats):
   probability of e; 1.0 when perfectly balanced. Computed per sequence and averaged over the
   sequences (as DeepSeek-V3's sequence-wise balance loss), so the same tokens give the same loss
   whatever the layout splits the batch into (data-parallel ranks, micro-batches, pipeline
-  microbatches): that is what lets every layout train exactly the one-worker model. Weighted by
+  microbatches): that is what lets every layout train exactly the one-worker model. Under
+  context parallelism a rank holds 1/cp of each window's tokens: f_e is the whole window's
+  (`window_sum`: the counts summed over its ranks, no gradient), P_e the mean over this rank's
+  tokens, so the mean of the ranks' losses (what averaging their gradients trains) is the
+  window's, and so is its gradient. Weighted by
   `aux_loss_coef / n_layer` per layer: the mean over layers, times the coefficient.
 * router z-loss (ST-MoE eq. 5): the mean over tokens of logsumexp(logits)^2, weighted by
   `z_loss_coef / n_layer`.
@@ -35,7 +39,7 @@ parallel/ep.moe_stats):
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
@@ -133,6 +137,9 @@ class MoELayer(nn.Module):
         self.experts = Experts(cfg.n_experts, cfg.n_embd, cfg.hidden_dim)
         self.shared = SwiGLU(cfg, cfg.shared_ffn_dim) if cfg.shared_ffn_dim else None
         self.dispatch = local_dispatch  # (routed, counts, experts) -> outputs in the same order
+        # context parallelism (parallel/cp.py) sets it: a statistic of this rank's tokens of each
+        # window -> the whole window's (summed over the ranks holding its chunks); None: whole here
+        self.window_sum: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
         self.aux_weight, self.z_weight = cfg.aux_loss_coef / cfg.n_layer, cfg.z_loss_coef / cfg.n_layer
         # Training statistics since the last read (parallel/ep.moe_stats): tokens per expert,
         # then the sums over forwards of the balance loss and the z-loss, and the forwards. A
@@ -180,8 +187,11 @@ class MoELayer(nn.Module):
         E = self.n_experts
         probs = logits.softmax(-1).view(sequences, -1, E)
         picks = chosen.view(sequences, -1)
-        share = torch.zeros(sequences, E, dtype=torch.float32, device=logits.device).scatter_add_(
-            1, picks, torch.ones_like(picks, dtype=torch.float32)) / picks.shape[1]
+        chose = torch.zeros(sequences, E, dtype=torch.float32, device=logits.device).scatter_add_(
+            1, picks, torch.ones_like(picks, dtype=torch.float32))
+        if self.window_sum is not None:  # f_e of the whole window, P_e of this rank's share
+            chose = self.window_sum(chose)
+        share = chose / chose.sum(-1, keepdim=True)
         balance = E * (share * probs.mean(1)).sum(-1).mean()
         z = torch.logsumexp(logits, -1).square().mean()
         self.aux_loss = self.aux_weight * balance + (self.z_weight * z if self.z_weight else 0.0)
