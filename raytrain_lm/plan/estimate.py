@@ -302,10 +302,12 @@ def plan(m: ModelConfig, cl: Cluster, global_batch: int, seq_len: int, tp: Optio
     for structure in structures(m, cl, seq_len, tp, pp, strategy, virtual_stages):
         for e in experts.ep_sizes(m, structure[2], ep):
             for c in cp_sizes(structure, seq_len, e, cp):
-                estimates = [estimate_layout(m, lay, cl)
+                # a split that does not fit is timed only if none fits (best_variant's rule)
+                estimates = [estimate_layout(m, lay, cl, time_unfit=False)
                              for lay in variants(structure, global_batch, seq_len, ep=e, cp=c)]
                 if estimates:
-                    out.append(best_variant(estimates))
+                    best = best_variant(estimates)
+                    out.append(best if best.fits else estimate_layout(m, best.layout, cl))
     if not out:
         raise UserError(f"no layout of {cl.gpus} GPUs can split a global batch of {global_batch} "
                         f"sequences: change --global-batch (or --batch-size / --grad-accum), or "
