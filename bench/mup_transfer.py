@@ -33,27 +33,29 @@ sys.path.insert(0, str(ROOT / "bench"))
 from mup_coord_check import batch_of, corpus_bytes, model_config, set_lr, train_config  # noqa: E402
 
 
-def build(width: int, param: str, base: int, lr: float, steps: int, depth: int, seq: int):
+def build(width: int, param: str, base: int, lr: float, steps: int, depth: int, seq: int,
+          init_std: float = 0.02, seed: int = 0):
     import torch
 
     from raytrain_lm.models import build_model
     from raytrain_lm.worker.optim import build_optimizer
 
-    m = model_config(width, param, base, depth=depth, seq=seq)
+    m = model_config(width, param, base, depth=depth, seq=seq, init_std=init_std)
     cfg = train_config(m, lr, steps, warmup=max(1, steps // 10), weight_decay=0.1)
-    model = build_model(m, seed=0)
+    model = build_model(m, seed=seed)
     return model, build_optimizer(model, cfg, torch.device("cpu")), cfg
 
 
 def train_run(width: int, param: str, base: int, lr: float, steps: int, train, val, depth: int,
-              batch: int, seq: int) -> float:
-    """The validation loss (nats/byte) after `steps` steps."""
+              batch: int, seq: int, init_std: float = 0.02, seed: int = 0) -> float:
+    """The validation loss (nats/byte) after `steps` steps; `seed` draws the initial weights and
+    the batches (seed 0: the batches of the one-seed runs before seeds were added)."""
     import torch
 
     from raytrain_lm.worker.optim import lr_at
 
-    model, optimizer, cfg = build(width, param, base, lr, steps, depth, seq)
-    g = torch.Generator().manual_seed(1)
+    model, optimizer, cfg = build(width, param, base, lr, steps, depth, seq, init_std, seed)
+    g = torch.Generator().manual_seed(1 + 1000 * seed)
     for step in range(steps):
         set_lr(optimizer, lr_at(step, cfg))
         _, loss = model(*batch_of(train, batch, seq, g))

@@ -147,6 +147,8 @@ def validate(cfg: TrainConfig) -> None:
         raise UserError("the exp_range schedule starts at lr * min_lr_ratio, which must be > 0")
     if cfg.ref_batch_tokens is not None and cfg.ref_batch_tokens < 1:
         raise UserError(f"ref_batch_tokens must be at least 1, got {cfg.ref_batch_tokens}")
+    if cfg.ref_width is not None and cfg.ref_width < 1:
+        raise UserError(f"ref_width must be at least 1, got {cfg.ref_width}")
     if not cfg.rendezvous_timeout > 0:
         raise UserError(f"rendezvous_timeout must be positive (seconds), got {cfg.rendezvous_timeout:g}")
 

@@ -161,6 +161,11 @@ class TrainConfig:
     doc_mask: bool = setting(False, help="Block-causal attention: a packed window's tokens attend "
                              "only within their own document (a dataset whose documents are "
                              "separated by <|endoftext|>); positions restart at each document.")
+    # the width `lr` was chosen at (tune/lr_scaling.py: --scale-lr under sp)
+    ref_width: Optional[int] = setting(None, help="Width (model.n_embd) `lr` was chosen at "
+                                       "(--scale-lr: under sp lr x ref_width / width; under mup "
+                                       "nothing, its groups carry the width) [default: the "
+                                       "preset's].")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -4,6 +4,13 @@ The global batch is counted in tokens per optimizer step (workers x batch_size x
 seq_len): that is what changes when `--workers` changes. The batch `lr` was chosen at is recorded in
 the config as `ref_batch_tokens` (a sweep's best config carries it); without it, the preset's own
 batch (its defaults, 2 workers) is the reference, since the preset's lr was chosen there.
+
+The rules know the parametrization. The width `lr` was chosen at is `ref_width` (a sweep's trial
+records it; else the preset's). Under --param sp a wider model wants a smaller lr: Adam moves a
+hidden matrix's output by ~lr x fan_in per step, so lr x ref_width / width keeps that move (muP's
+rule for hidden matrices under Adam, applied to the whole sp model: approximate, its embeddings
+need no change). Under --param mup nothing: its per-parameter groups carry the width
+(models/mup.py), which is what muTransfer is. Either way the batch's rule applies on top.
 """
 
 from __future__ import annotations
@@ -27,21 +34,37 @@ def scaled_lr(lr: float, ref_tokens: int, tokens: int, rule: str) -> float:
     return lr * {"none": 1.0, "linear": k, "sqrt": math.sqrt(k)}[rule]
 
 
-def apply_lr_scaling(cfg: TrainConfig, rule: str) -> Optional[str]:
-    """Scale cfg.lr in place; returns a line saying what was done (None if nothing changed).
+def width_factor(cfg: TrainConfig) -> float:
+    """What the width asks of `lr`: ref_width / n_embd under sp, 1 under mup (see above)."""
+    if cfg.model.param == "mup":
+        return 1.0
+    ref = cfg.ref_width or preset_config(cfg.preset).model.n_embd
+    return ref / cfg.model.n_embd
 
-    Afterwards `ref_batch_tokens` is the new batch, so the saved config is consistent: scaling it
-    again for the same batch changes nothing."""
+
+def apply_lr_scaling(cfg: TrainConfig, rule: str) -> Optional[str]:
+    """Scale cfg.lr in place for the batch (`rule`) and, under sp, the width; returns a line
+    saying what was done (None if nothing changed).
+
+    Afterwards `ref_batch_tokens` and `ref_width` are the new batch and width, so the saved
+    config is consistent: scaling it again for the same run changes nothing."""
     if rule not in RULES:
         raise UserError(f"--scale-lr must be one of {', '.join(RULES)}, got {rule!r}")
     if rule == "none":
         return None
     ref = cfg.ref_batch_tokens or preset_config(cfg.preset).tokens_per_step
+    ref_width = cfg.ref_width or preset_config(cfg.preset).model.n_embd
     new = cfg.tokens_per_step
     old_lr = cfg.lr
-    cfg.lr = scaled_lr(old_lr, ref, new, rule)
-    cfg.ref_batch_tokens = new
-    if new == ref:
+    widths = width_factor(cfg)
+    cfg.lr = scaled_lr(old_lr, ref, new, rule) * widths
+    cfg.ref_batch_tokens, cfg.ref_width = new, cfg.model.n_embd
+    if new == ref and widths == 1.0:
         return None
-    return (f"lr scaled ({rule}) from {old_lr:.3g} at {ref:,} tokens/step to {cfg.lr:.3g} at "
-            f"{new:,} tokens/step")
+    line = f"lr scaled ({rule}) from {old_lr:.3g} at {ref:,} tokens/step"
+    if widths != 1.0:
+        line += f", width {ref_width:,}"
+    line += f" to {cfg.lr:.3g} at {new:,} tokens/step"
+    if widths != 1.0:
+        line += f", width {cfg.model.n_embd:,} (sp: x {ref_width:,}/{cfg.model.n_embd:,})"
+    return line
