@@ -194,9 +194,45 @@ def test_init_std_is_the_base_widths_std_and_mup_rescales_it():
         check_model(dataclasses.replace(m, init_std=0.0))
 
 
+def test_mup_zero_init_zeroes_the_queries_and_an_untied_head_on_any_layout():
+    """model.mup_zero_init (muP paper's recommendation, `mup`'s readout_zero_init): the query
+    projection and an untied head start at zero, every other parameter keeps its draws; GPT's
+    fused c_attn by its query rows, also when a shard's region starts inside a head (tensor
+    parallelism), and a tied head (the embedding) is not zeroed. The untied model's logits at
+    init are then zero."""
+    from raytrain_lm.models.decoder import init_region_
+
+    for arch, zeroed in (("gpt", ()), ("llama", ("q_proj.weight", "lm_head.weight")),
+                         ("qwen2", ("q_proj.weight", "q_proj.bias"))):
+        m = config(arch)
+        plain = dict(build_model(m, seed=3).named_parameters())
+        zm = dataclasses.replace(m, mup_zero_init=True)
+        model = build_model(zm, seed=3)
+        for name, p in model.named_parameters():
+            if name.endswith(zeroed):
+                assert not p.any(), name
+            elif name.endswith("c_attn.weight"):
+                rows = p.view(m.n_head, 3, m.head_dim, -1)
+                assert not rows[:, 0].any() and rows[:, 1:].abs().min() > 0
+                torch.testing.assert_close(rows[:, 1:], plain[name].view_as(rows)[:, 1:], rtol=0, atol=0)
+            else:
+                torch.testing.assert_close(p, plain[name], rtol=0, atol=0, msg=name)
+        if arch == "llama":
+            idx = torch.randint(0, m.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
+            assert not model(idx)[0].any()
+    m = dataclasses.replace(config("gpt"), mup_zero_init=True)
+    spec = mup.init_spec(m, "h.0.attn.c_attn.weight", ("normal", 0.02))
+    full = torch.empty(3 * m.n_embd, m.n_embd)
+    init_region_(full, "h.0.attn.c_attn.weight", spec, full.shape, (0, 0), seed=5)
+    part = torch.empty(70, m.n_embd)  # rows 41..110: starts and ends inside heads
+    init_region_(part, "h.0.attn.c_attn.weight", spec, full.shape, (41, 0), seed=5)
+    assert torch.equal(part, full[41:111])
+
+
 @pytest.mark.parametrize("change, message", [
     (dict(param="mu"), "model.param must be one of sp, mup"),
     (dict(param="sp"), "model.mup_base_width is a setting of --param mup"),
+    (dict(param="sp", mup_base_width=None, mup_zero_init=True), "model.mup_zero_init is a setting"),
     (dict(mup_base_width=30), "must be a positive multiple of model.n_head"),
     (dict(arch="llama", multiple_of=256), "does not follow the width"),
 ])

@@ -84,9 +84,10 @@ def check(m: ModelConfig) -> None:
     if m.param not in PARAMS:
         raise UserError(f"model.param must be one of {', '.join(PARAMS)}, got {m.param!r}")
     if m.param == "sp":
-        if m.mup_base_width is not None:
-            raise UserError("model.mup_base_width is a setting of --param mup: drop it or add "
-                            "--param mup")
+        for key in ("mup_base_width", "mup_zero_init"):
+            if getattr(m, key):
+                raise UserError(f"model.{key} is a setting of --param mup: drop it or add "
+                                f"--param mup")
         return
     base = base_width(m)
     if base < 1 or base % m.n_head:
@@ -185,14 +186,40 @@ def _shapes(m: ModelConfig) -> dict[str, tuple[int, ...]]:
     return {name: tuple(p.shape) for name, p in model.named_parameters(remove_duplicate=False)}
 
 
-def init_spec(m: ModelConfig, name: str, spec: tuple[str, float]) -> tuple[str, float]:
+def init_spec(m: ModelConfig, name: str, spec: tuple) -> tuple:
     """The family's sp initialisation `spec` of parameter `name`, under `m`'s parametrization:
     a normal's std x the rule's init; the final norm's gain (ones) filled with the output
-    multiplier, its bias (zeros) left at zero."""
+    multiplier, its bias (zeros) left at zero. With model.mup_zero_init the queries and an
+    untied head start at zero (`zero_init_spec`)."""
     r = rule(m, name)
+    zero = zero_init_spec(m, name)
+    if zero is not None:
+        return zero if zero[0] == "zeros" else (zero[0], spec[1] * r.init, *zero[2:])
     kind, std = spec
     if kind == "normal":
         return kind, std * r.init
     if kind == "ones" and r.init != 1.0:
         return "fill", r.init
     return spec
+
+
+# The query projections under model.mup_zero_init: a separate one zeroed whole, GPT's fused
+# c_attn by its query rows (head-interleaved: [h0 q, h0 k, h0 v, h1 q, ...], head_dim each).
+QUERIES = ("q_proj.weight", "q_proj.bias")
+FUSED_QKV = "c_attn.weight"
+
+
+def zero_init_spec(m: ModelConfig, name: str) -> Optional[tuple]:
+    """Under mup with model.mup_zero_init: ("zeros", 0) for a query projection and an untied
+    output head (a tied one is initialised as the embedding, under its name), ("normal_zero_q",
+    std, head_dim) for a fused qkv (the caller's std; its query rows zero); else None. At init
+    the attention is then uniform and the logits zero: the two coordinates that shrink with the
+    width at init under muP (`mup`'s README) start at their limit."""
+    if m.param != "mup" or not m.mup_zero_init:
+        return None
+    n = role(name)
+    if n.endswith(QUERIES) or n == "lm_head.weight":
+        return ("zeros", 0.0)
+    if n.endswith(FUSED_QKV):
+        return ("normal_zero_q", None, m.head_dim)
+    return None
