@@ -42,19 +42,19 @@ def test_scale_from_a_recorded_reference(tmp_path):
 
 def test_scale_lr_knows_mup_the_width_changes_an_sp_lr_not_a_mup_one(tmp_path):
     """A config tuned at width 64 and 4,096 tokens/step, trained at width 256 and 16,384: under
-    sp the lr follows the batch's rule and x 64/256 (Adam's per-step move of a hidden matrix's
-    output grows with its fan_in); under mup the batch's rule only (muP's groups carry the
+    sp the lr follows the batch's rule and x sqrt(64/256) (sp's optimum moves by less than
+    1/width: tune/lr_scaling.py); under mup the batch's rule only (muP's groups carry the
     width). Scaling again for the same run changes nothing."""
     f = tmp_path / "best.yaml"
     f.write_text("lr: 0.01\nref_batch_tokens: 4096\nref_width: 64\nworkers: 2\nbatch_size: 16\n"
                  "seq_len: 128\nmodel:\n  n_embd: 256\n  n_head: 4\n")
     sp = build_config(config_file=str(f), flags=dict(workers=8))
     line = apply_lr_scaling(sp, "sqrt")
-    assert sp.lr == pytest.approx(0.01 * 2 * 64 / 256)
+    assert sp.lr == pytest.approx(0.01 * 2 * (64 / 256) ** 0.5)
     assert (sp.ref_batch_tokens, sp.ref_width) == (16384, 256)
-    assert line == ("lr scaled (sqrt) from 0.01 at 4,096 tokens/step, width 64 to 0.005 at "
-                    "16,384 tokens/step, width 256 (sp: x 64/256)")
-    assert apply_lr_scaling(sp, "sqrt") is None and sp.lr == pytest.approx(0.005)
+    assert line == ("lr scaled (sqrt) from 0.01 at 4,096 tokens/step, width 64 to 0.01 at "
+                    "16,384 tokens/step, width 256 (sp: x sqrt(64/256))")
+    assert apply_lr_scaling(sp, "sqrt") is None and sp.lr == pytest.approx(0.01)
     mup = build_config(config_file=str(f), flags=dict(workers=8),
                        sets=["model.param=mup", "model.mup_base_width=64"])
     apply_lr_scaling(mup, "sqrt")

@@ -163,7 +163,7 @@ class TrainConfig:
                              "separated by <|endoftext|>); positions restart at each document.")
     # the width `lr` was chosen at (tune/lr_scaling.py: --scale-lr under sp)
     ref_width: Optional[int] = setting(None, help="Width (model.n_embd) `lr` was chosen at "
-                                       "(--scale-lr: under sp lr x ref_width / width; under mup "
+                                       "(--scale-lr: under sp lr x sqrt(ref_width / width); under mup "
                                        "nothing, its groups carry the width) [default: the "
                                        "preset's].")
 

@@ -6,11 +6,13 @@ the config as `ref_batch_tokens` (a sweep's best config carries it); without it,
 batch (its defaults, 2 workers) is the reference, since the preset's lr was chosen there.
 
 The rules know the parametrization. The width `lr` was chosen at is `ref_width` (a sweep's trial
-records it; else the preset's). Under --param sp a wider model wants a smaller lr: Adam moves a
-hidden matrix's output by ~lr x fan_in per step, so lr x ref_width / width keeps that move (muP's
-rule for hidden matrices under Adam, applied to the whole sp model: approximate, its embeddings
-need no change). Under --param mup nothing: its per-parameter groups carry the width
-(models/mup.py), which is what muTransfer is. Either way the batch's rule applies on top.
+records it; else the preset's). Under --param sp a wider model wants a smaller lr, by a factor
+between 1 (embeddings, norms: muP leaves their Adam lr alone) and ref_width / width (hidden
+matrices: Adam moves their output by ~lr x fan_in per step); one lr for all of them sits in
+between, and sp's optimum measured across widths 64 to 512 (docs/benchmarks.md, section 24)
+moved 2-4x for 8x the width: lr x sqrt(ref_width / width). Under --param mup nothing: its
+per-parameter groups carry the width (models/mup.py), which is what muTransfer is. Either way
+the batch's rule applies on top.
 """
 
 from __future__ import annotations
@@ -35,11 +37,11 @@ def scaled_lr(lr: float, ref_tokens: int, tokens: int, rule: str) -> float:
 
 
 def width_factor(cfg: TrainConfig) -> float:
-    """What the width asks of `lr`: ref_width / n_embd under sp, 1 under mup (see above)."""
+    """What the width asks of `lr`: sqrt(ref_width / n_embd) under sp, 1 under mup (see above)."""
     if cfg.model.param == "mup":
         return 1.0
     ref = cfg.ref_width or preset_config(cfg.preset).model.n_embd
-    return ref / cfg.model.n_embd
+    return math.sqrt(ref / cfg.model.n_embd)
 
 
 def apply_lr_scaling(cfg: TrainConfig, rule: str) -> Optional[str]:
@@ -66,5 +68,5 @@ def apply_lr_scaling(cfg: TrainConfig, rule: str) -> Optional[str]:
         line += f", width {ref_width:,}"
     line += f" to {cfg.lr:.3g} at {new:,} tokens/step"
     if widths != 1.0:
-        line += f", width {cfg.model.n_embd:,} (sp: x {ref_width:,}/{cfg.model.n_embd:,})"
+        line += f", width {cfg.model.n_embd:,} (sp: x sqrt({ref_width:,}/{cfg.model.n_embd:,}))"
     return line
