@@ -5,13 +5,19 @@ against log2(lr), one curve per width; and ms/step of sp and mup side by side.
 Each run: a byte-level GPT (--depth blocks, 4 heads) on the built-in corpus (the Python docs
 topics; the last 10% of its bytes held out), the run's own AdamW (worker/optim.py: muP's
 per-parameter groups) with warmup and a cosine decay (worker/optim.lr_at), global-norm clipping
-at 1, the same batches for every run (one seed). One process, torch on --threads threads. At the
-base width mup is sp, so its runs there are run once and serve both curves.
+at 1, the base width's init std --init-std (model.init_std), the same initial draws and batches
+for every run of one --seed. One process, torch on --threads threads. At the base width mup is
+sp, so with both params its runs there are run once and serve both curves. --params runs one
+curve (sp and mup side by side in two processes), --merge sums up and plots their files.
 
 The step times: at every width, sp and mup alternate in blocks of --time-steps steps, --time-reps
 times (same machine noise); the median block of each, and the spread of the blocks.
 
-    PYTHONPATH=. nice -n 10 python bench/mup_transfer.py --out bench/results/mup_transfer.json
+    PYTHONPATH=. nice -n 10 python bench/mup_transfer.py --params sp --log2-lrs=-11,-10,-9,-8,-7 \
+        --steps 300 --init-std 0.1 --no-times --out bench/results/mup_transfer_sp.json --plot ''
+    (the same with --params mup --log2-lrs=-10,-9,-8,-7,-6 --out .../mup_transfer_mup.json)
+    PYTHONPATH=. python bench/mup_transfer.py --merge bench/results/mup_transfer_sp.json \
+        bench/results/mup_transfer_mup.json
 """
 
 from __future__ import annotations
