@@ -46,12 +46,13 @@ def batch_of(data, batch: int, seq: int, generator):
     return x, y
 
 
-def model_config(width: int, param: str, base: int, depth: int = 2, heads: int = 4, seq: int = 64):
+def model_config(width: int, param: str, base: int, depth: int = 2, heads: int = 4, seq: int = 64,
+                 init_std: float = 0.02):
     from raytrain_lm.models.family import ModelConfig
 
     return ModelConfig(vocab_size=256, block_size=seq, n_layer=depth, n_head=heads, n_embd=width,
                        dropout=0.0, bias=True, arch="gpt", param=param,
-                       mup_base_width=base if param == "mup" else None)
+                       mup_base_width=base if param == "mup" else None, init_std=init_std)
 
 
 def train_config(m, lr: float, steps: int, warmup: int = 0, weight_decay: float = 0.0):

@@ -5,13 +5,19 @@ against log2(lr), one curve per width; and ms/step of sp and mup side by side.
 Each run: a byte-level GPT (--depth blocks, 4 heads) on the built-in corpus (the Python docs
 topics; the last 10% of its bytes held out), the run's own AdamW (worker/optim.py: muP's
 per-parameter groups) with warmup and a cosine decay (worker/optim.lr_at), global-norm clipping
-at 1, the same batches for every run (one seed). One process, torch on --threads threads. At the
-base width mup is sp, so its runs there are run once and serve both curves.
+at 1, the base width's init std --init-std (model.init_std), the same initial draws and batches
+for every run of one --seed. One process, torch on --threads threads. At the base width mup is
+sp, so with both params its runs there are run once and serve both curves. --params runs one
+curve (sp and mup side by side in two processes), --merge sums up and plots their files.
 
 The step times: at every width, sp and mup alternate in blocks of --time-steps steps, --time-reps
 times (same machine noise); the median block of each, and the spread of the blocks.
 
-    PYTHONPATH=. nice -n 10 python bench/mup_transfer.py --out bench/results/mup_transfer.json
+    PYTHONPATH=. nice -n 10 python bench/mup_transfer.py --params sp --log2-lrs=-11,-10,-9,-8,-7 \
+        --steps 300 --init-std 0.1 --no-times --out bench/results/mup_transfer_sp.json --plot ''
+    (the same with --params mup --log2-lrs=-10,-9,-8,-7,-6 --out .../mup_transfer_mup.json)
+    PYTHONPATH=. python bench/mup_transfer.py --merge bench/results/mup_transfer_sp.json \
+        bench/results/mup_transfer_mup.json
 """
 
 from __future__ import annotations
@@ -33,27 +39,29 @@ sys.path.insert(0, str(ROOT / "bench"))
 from mup_coord_check import batch_of, corpus_bytes, model_config, set_lr, train_config  # noqa: E402
 
 
-def build(width: int, param: str, base: int, lr: float, steps: int, depth: int, seq: int):
+def build(width: int, param: str, base: int, lr: float, steps: int, depth: int, seq: int,
+          init_std: float = 0.02, seed: int = 0):
     import torch
 
     from raytrain_lm.models import build_model
     from raytrain_lm.worker.optim import build_optimizer
 
-    m = model_config(width, param, base, depth=depth, seq=seq)
+    m = model_config(width, param, base, depth=depth, seq=seq, init_std=init_std)
     cfg = train_config(m, lr, steps, warmup=max(1, steps // 10), weight_decay=0.1)
-    model = build_model(m, seed=0)
+    model = build_model(m, seed=seed)
     return model, build_optimizer(model, cfg, torch.device("cpu")), cfg
 
 
 def train_run(width: int, param: str, base: int, lr: float, steps: int, train, val, depth: int,
-              batch: int, seq: int) -> float:
-    """The validation loss (nats/byte) after `steps` steps."""
+              batch: int, seq: int, init_std: float = 0.02, seed: int = 0) -> float:
+    """The validation loss (nats/byte) after `steps` steps; `seed` draws the initial weights and
+    the batches (seed 0: the batches of the one-seed runs before seeds were added)."""
     import torch
 
     from raytrain_lm.worker.optim import lr_at
 
-    model, optimizer, cfg = build(width, param, base, lr, steps, depth, seq)
-    g = torch.Generator().manual_seed(1)
+    model, optimizer, cfg = build(width, param, base, lr, steps, depth, seq, init_std, seed)
+    g = torch.Generator().manual_seed(1 + 1000 * seed)
     for step in range(steps):
         set_lr(optimizer, lr_at(step, cfg))
         _, loss = model(*batch_of(train, batch, seq, g))
@@ -122,82 +130,125 @@ def plot(result: dict, path: Path) -> None:
     lo = min(v for p in result["loss"].values() for c in p.values() for v in c.values()
              if math.isfinite(v))
     axes[0].set_ylim(lo - 0.05, lo + 1.0)
-    fig.suptitle(f"lr sweeps across widths: depth {result['depth']}, {result['steps']} steps")
+    fig.suptitle(f"lr sweeps across widths: depth {result['depth']}, {result['steps']} steps, "
+                 f"init std {result.get('init_std', 0.02)} at the base width")
     fig.tight_layout()
     fig.savefig(path, dpi=90)
+
+
+def summarize(result: dict) -> dict:
+    """Per param: the best log2(lr) and loss at each width, the shift of the best from the
+    narrowest to the widest, and the widest at the narrowest's best lr against its own best."""
+    widths, summary = result["widths"], {}
+    for param, curves in result["loss"].items():
+        if not all(str(w) in curves for w in widths):
+            continue
+        bests = {w: best({float(k): v for k, v in curves[str(w)].items()}) for w in widths}
+        narrow_lr = bests[widths[0]][0]
+        wide = curves[str(widths[-1])]
+        at = wide.get(repr(narrow_lr), float("nan"))
+        summary[param] = {
+            "best_log2_lr": {str(w): math.log2(b[0]) for w, b in bests.items()},
+            "best_loss": {str(w): b[1] for w, b in bests.items()},
+            "shift_log2": math.log2(bests[widths[-1]][0]) - math.log2(narrow_lr),
+            "widest_at_narrowest_best": at,
+            "widest_gap_pct": 100 * (at / bests[widths[-1]][1] - 1),
+        }
+    return summary
+
+
+def merge(paths: list[str]) -> dict:
+    """One result of several runs' files (one param each, say, run side by side): their curves
+    together, the first file's settings."""
+    results = [json.loads(Path(p).read_text()) for p in paths]
+    out = dict(results[0])
+    out["loss"] = {}
+    for r in results:
+        for param, curves in r["loss"].items():
+            for w, curve in curves.items():
+                out["loss"].setdefault(param, {}).setdefault(w, {}).update(curve)
+    out["seconds"] = sum(r.get("seconds", 0.0) for r in results)
+    return out
 
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--widths", default="64,128,256,512")
-    p.add_argument("--log2-lrs", default="-12,-11,-10,-9,-8,-7,-6,-5")
-    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--log2-lrs", default="-10,-9,-8,-7,-6")
+    p.add_argument("--params", default="sp,mup", help="Which curves to run (sp, mup or both).")
+    p.add_argument("--steps", type=int, default=300)
     p.add_argument("--depth", type=int, default=2)
     p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--seq", type=int, default=32)
+    p.add_argument("--init-std", type=float, default=0.02, help="model.init_std (the base width's).")
+    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--time-steps", type=int, default=5)
     p.add_argument("--time-reps", type=int, default=5)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--time-only", action="store_true", help="Only the step times (no sweeps).")
+    p.add_argument("--no-times", action="store_true", help="Only the sweeps (no step times).")
+    p.add_argument("--merge", nargs="+", help="Summarize and plot these result files together "
+                   "(runs of one param each), nothing run.")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "mup_transfer.json"))
     p.add_argument("--plot", default=str(ROOT / "docs" / "img" / "mup_transfer.png"))
     args = p.parse_args(argv)
+    if args.merge:
+        result = merge(args.merge)
+        result["summary"] = summarize(result)
+        Path(args.out).write_text(json.dumps(result, indent=1))
+        if args.plot:
+            plot(result, Path(args.plot))
+        print(json.dumps(result["summary"], indent=1))
+        return result
     import torch
 
     torch.set_num_threads(args.threads)
     widths = [int(w) for w in args.widths.split(",")]
     lrs = [2.0 ** float(k) for k in args.log2_lrs.split(",")]
+    params = args.params.split(",")
     data = corpus_bytes()
     cut = int(0.9 * len(data))
     train, val = data[:cut], data[cut:]
     result = {"widths": widths, "lrs": lrs, "steps": args.steps, "depth": args.depth,
-              "batch": args.batch, "seq": args.seq, "threads": args.threads,
-              "machine": platform.processor() or platform.machine(), "torch": torch.__version__,
-              "date": _dt.date.today().isoformat(), "loss": {"sp": {}, "mup": {}}, "ms_per_step": {}}
+              "batch": args.batch, "seq": args.seq, "init_std": args.init_std, "seed": args.seed,
+              "threads": args.threads, "machine": platform.processor() or platform.machine(),
+              "torch": torch.__version__, "date": _dt.date.today().isoformat(),
+              "loss": {p: {} for p in params}, "ms_per_step": {}}
     t0 = time.time()
     for w in widths:
-        result["ms_per_step"][str(w)] = step_times(w, widths[0], args.depth, args.batch, args.seq,
-                                                   args.time_steps, args.time_reps, train)
+        if not args.no_times:
+            result["ms_per_step"][str(w)] = step_times(w, widths[0], args.depth, args.batch,
+                                                       args.seq, args.time_steps, args.time_reps,
+                                                       train)
         if args.time_only:
             print(w, result["ms_per_step"][str(w)], flush=True)
             continue
-        for param in ("sp", "mup"):
+        for param in params:
             curve = {}
             for lr in lrs:
-                if param == "mup" and w == widths[0]:  # mup at its base width is sp
+                if param == "mup" and w == widths[0] and "sp" in result["loss"] \
+                        and str(w) in result["loss"]["sp"]:  # mup at its base width is sp
                     curve[repr(lr)] = result["loss"]["sp"][str(w)][repr(lr)]
                     continue
                 curve[repr(lr)] = train_run(w, param, widths[0], lr, args.steps, train, val,
-                                            args.depth, args.batch, args.seq)
-                print(f"{param} width {w} log2(lr) {math.log2(lr):+.0f}: {curve[repr(lr)]:.4f} "
+                                            args.depth, args.batch, args.seq, args.init_std,
+                                            args.seed)
+                print(f"{param} width {w} log2(lr) {math.log2(lr):+.1f}: {curve[repr(lr)]:.4f} "
                       f"({time.time() - t0:.0f} s)", flush=True)
             result["loss"][param][str(w)] = curve
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=1))  # each width as it completes
+    result["seconds"] = time.time() - t0
     if args.time_only:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps({k: v for k, v in result.items() if k != "loss"},
                                              indent=1))
         return result
-    summary = {}
-    for param in ("sp", "mup"):
-        bests = {w: best({float(k): v for k, v in result["loss"][param][str(w)].items()})
-                 for w in widths}
-        narrow_lr = bests[widths[0]][0]
-        wide = result["loss"][param][str(widths[-1])]
-        summary[param] = {
-            "best_log2_lr": {str(w): math.log2(b[0]) for w, b in bests.items()},
-            "best_loss": {str(w): b[1] for w, b in bests.items()},
-            "shift_log2": math.log2(bests[widths[-1]][0]) - math.log2(narrow_lr),
-            "widest_at_narrowest_best": wide[repr(narrow_lr)],
-            "widest_gap_pct": 100 * (wide[repr(narrow_lr)] / bests[widths[-1]][1] - 1),
-        }
-    result["summary"] = summary
-    result["seconds"] = time.time() - t0
+    result["summary"] = summarize(result)
     Path(args.out).write_text(json.dumps(result, indent=1))
-    if args.plot:
+    if args.plot and len(result["summary"]) == 2:
         plot(result, Path(args.plot))
-    print(json.dumps({"summary": summary, "ms_per_step": result["ms_per_step"]}, indent=1))
+    print(json.dumps({"summary": result["summary"], "ms_per_step": result["ms_per_step"]}, indent=1))
     return result
 
 

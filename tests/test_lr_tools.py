@@ -40,6 +40,29 @@ def test_scale_from_a_recorded_reference(tmp_path):
         apply_lr_scaling(same, "cubic")
 
 
+def test_scale_lr_knows_mup_the_width_changes_an_sp_lr_not_a_mup_one(tmp_path):
+    """A config tuned at width 64 and 4,096 tokens/step, trained at width 256 and 16,384: under
+    sp the lr follows the batch's rule and x sqrt(64/256) (sp's optimum moves by less than
+    1/width: tune/lr_scaling.py); under mup the batch's rule only (muP's groups carry the
+    width). Scaling again for the same run changes nothing."""
+    f = tmp_path / "best.yaml"
+    f.write_text("lr: 0.01\nref_batch_tokens: 4096\nref_width: 64\nworkers: 2\nbatch_size: 16\n"
+                 "seq_len: 128\nmodel:\n  n_embd: 256\n  n_head: 4\n")
+    sp = build_config(config_file=str(f), flags=dict(workers=8))
+    line = apply_lr_scaling(sp, "sqrt")
+    assert sp.lr == pytest.approx(0.01 * 2 * (64 / 256) ** 0.5)
+    assert (sp.ref_batch_tokens, sp.ref_width) == (16384, 256)
+    assert line == ("lr scaled (sqrt) from 0.01 at 4,096 tokens/step, width 64 to 0.01 at "
+                    "16,384 tokens/step, width 256 (sp: x sqrt(64/256))")
+    assert apply_lr_scaling(sp, "sqrt") is None and sp.lr == pytest.approx(0.01)
+    mup = build_config(config_file=str(f), flags=dict(workers=8),
+                       sets=["model.param=mup", "model.mup_base_width=64"])
+    apply_lr_scaling(mup, "sqrt")
+    assert mup.lr == pytest.approx(0.01 * 2)
+    same_batch = build_config(config_file=str(f), sets=["model.param=mup", "model.mup_base_width=64"])
+    assert apply_lr_scaling(same_batch, "sqrt") is None and same_batch.lr == 0.01
+
+
 def test_exp_range_schedule_rises_exponentially_to_lr():
     cfg = build_config(flags=dict(lr=1.0, max_steps=101), sets=["schedule=exp_range", "min_lr_ratio=1e-5"])
     lrs = [lr_at(s, cfg) for s in range(101)]

@@ -43,7 +43,9 @@ def expected(name: str) -> tuple[float, float, float]:
         return 0.5, 2.0, 1 / math.sqrt(2)
     if name.startswith("ln_f."):  # the output logits' base/width, folded into the final norm
         return 0.5, 1.0, 0.5
-    return 1.0, 1.0, 1.0  # embeddings, the head, biases, norms, the router: width-independent
+    if name.endswith("router.weight"):  # a readout: base/width in lr and init (Table 3's form)
+        return 0.5, 2.0, 0.5
+    return 1.0, 1.0, 1.0  # embeddings, the head, biases, norms: width-independent
 
 
 @pytest.mark.parametrize("arch", FAMILIES)
@@ -146,9 +148,91 @@ def test_the_step_runs_each_group_at_its_lr():
     assert moved["wte.weight"] == pytest.approx(1e-3, rel=1e-3)
 
 
+def router_logit_update(width: int, param: str) -> float:
+    """Mean |change| of block 0's router logits on a fixed input after one AdamW step (lr 1e-2,
+    no decay) of a moe model at `width` (mup base: BASE)."""
+    m = dataclasses.replace(config("moe", width=width, param=param), n_layer=1,
+                            ffn_dim=width // 2, shared_ffn_dim=0)
+    model = build_model(m, seed=0)
+    seen = []
+    model.h[0].mlp.register_forward_pre_hook(lambda _m, args: seen.append(args[0].detach()))
+    idx = torch.randint(0, m.vocab_size, (4, 8), generator=torch.Generator().manual_seed(0))
+    before = model.h[0].mlp.router.weight.detach().clone()
+    optimizer = build_optimizer(model, TrainConfig(model=m, weight_decay=0.0), torch.device("cpu"))
+    for group, mult in zip(optimizer.param_groups, optimizer.lr_mults):
+        group["lr"] = 1e-2 * mult
+    model(idx, torch.roll(idx, -1, 1))[1].backward()
+    optimizer.step()
+    x = seen[0].reshape(-1, width)
+    return (x @ (model.h[0].mlp.router.weight.detach() - before).T).abs().mean().item()
+
+
+def test_a_router_is_a_readout_its_logits_update_does_not_grow_with_the_width():
+    """A router maps the width to the experts: a readout, which muP gives a 1/width multiplier
+    (here: init and Adam lr x base/width). Adam's first step moves each weight by ~lr whatever
+    its gradient's scale, and the router's input coordinates are Theta(1) and correlated with
+    that step, so without the rule its logits' update grows ~width (x4 from width 32 to 128,
+    sp's measured ratio below); with it, flat. The bound 2 is the geometric middle of flat (1)
+    and linear growth (4); measured: mup 0.8, sp 3.8, mup without the rule 3.2."""
+    mup_ratio = router_logit_update(4 * BASE, "mup") / router_logit_update(BASE, "mup")
+    sp_ratio = router_logit_update(4 * BASE, "sp") / router_logit_update(BASE, "sp")
+    assert mup_ratio < 2.0 < sp_ratio, (mup_ratio, sp_ratio)
+
+
+def test_init_std_is_the_base_widths_std_and_mup_rescales_it():
+    """model.init_std is the std of the matrices' and the embedding's draws (the residual
+    projections' / sqrt(2 n_layer)); under mup a hidden matrix's is it / sqrt(width / base)."""
+    m = dataclasses.replace(config("gpt", width=4 * BASE), init_std=0.05, vocab_size=256)
+    params = dict(build_model(m, seed=0).named_parameters())
+    # the sample std of n >= 8192 normal draws is within 3 x 1/sqrt(2n) < 2.4% of the true one
+    assert params["wte.weight"].std().item() == pytest.approx(0.05, rel=0.024)
+    assert params["h.0.mlp.c_fc.weight"].std().item() == pytest.approx(0.05 / 2, rel=0.024)
+    assert params["h.0.mlp.c_proj.weight"].std().item() == pytest.approx(0.05 / 2 / 2, rel=0.024)
+    from raytrain_lm.config.checks import check_model
+
+    with pytest.raises(UserError, match="model.init_std must be positive"):
+        check_model(dataclasses.replace(m, init_std=0.0))
+
+
+def test_mup_zero_init_zeroes_the_queries_and_an_untied_head_on_any_layout():
+    """model.mup_zero_init (muP paper's recommendation, `mup`'s readout_zero_init): the query
+    projection and an untied head start at zero, every other parameter keeps its draws; GPT's
+    fused c_attn by its query rows, also when a shard's region starts inside a head (tensor
+    parallelism), and a tied head (the embedding) is not zeroed. The untied model's logits at
+    init are then zero."""
+    from raytrain_lm.models.decoder import init_region_
+
+    for arch, zeroed in (("gpt", ()), ("llama", ("q_proj.weight", "lm_head.weight")),
+                         ("qwen2", ("q_proj.weight", "q_proj.bias"))):
+        m = config(arch)
+        plain = dict(build_model(m, seed=3).named_parameters())
+        zm = dataclasses.replace(m, mup_zero_init=True)
+        model = build_model(zm, seed=3)
+        for name, p in model.named_parameters():
+            if name.endswith(zeroed):
+                assert not p.any(), name
+            elif name.endswith("c_attn.weight"):
+                rows = p.view(m.n_head, 3, m.head_dim, -1)
+                assert not rows[:, 0].any() and rows[:, 1:].abs().min() > 0
+                torch.testing.assert_close(rows[:, 1:], plain[name].view_as(rows)[:, 1:], rtol=0, atol=0)
+            else:
+                torch.testing.assert_close(p, plain[name], rtol=0, atol=0, msg=name)
+        if arch == "llama":
+            idx = torch.randint(0, m.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
+            assert not model(idx)[0].any()
+    m = dataclasses.replace(config("gpt"), mup_zero_init=True)
+    spec = mup.init_spec(m, "h.0.attn.c_attn.weight", ("normal", 0.02))
+    full = torch.empty(3 * m.n_embd, m.n_embd)
+    init_region_(full, "h.0.attn.c_attn.weight", spec, full.shape, (0, 0), seed=5)
+    part = torch.empty(70, m.n_embd)  # rows 41..110: starts and ends inside heads
+    init_region_(part, "h.0.attn.c_attn.weight", spec, full.shape, (41, 0), seed=5)
+    assert torch.equal(part, full[41:111])
+
+
 @pytest.mark.parametrize("change, message", [
     (dict(param="mu"), "model.param must be one of sp, mup"),
     (dict(param="sp"), "model.mup_base_width is a setting of --param mup"),
+    (dict(param="sp", mup_base_width=None, mup_zero_init=True), "model.mup_zero_init is a setting"),
     (dict(mup_base_width=30), "must be a positive multiple of model.n_head"),
     (dict(arch="llama", multiple_of=256), "does not follow the width"),
 ])

@@ -137,7 +137,9 @@ def test_settings_defaults_and_checks(base):
 
 
 def test_trial_config_applies_the_point_and_records_its_batch(base):
-    cfg = trial_config(base.to_dict(), {"lr": 1e-3, "model.n_layer": 2, "batch_size": 8})
+    cfg = trial_config(base.to_dict(), {"lr": 1e-3, "model.n_layer": 2, "batch_size": 8,
+                                        "model.n_embd": 96})
     assert cfg.lr == 1e-3 and cfg.model.n_layer == 2 and cfg.batch_size == 8
     assert cfg.ref_batch_tokens == cfg.workers * 8 * cfg.grad_accum * cfg.seq_len
+    assert cfg.ref_width == 96  # and its width (--scale-lr under sp)
     assert nest({"model.n_layer": 2, "lr": 1}) == {"model": {"n_layer": 2}, "lr": 1}

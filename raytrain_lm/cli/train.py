@@ -111,7 +111,9 @@ def train(
     arch: Optional[str] = ARCH,
     param: Optional[str] = PARAM,
     scale_lr: str = typer.Option("none", help="Scale lr to this run's global batch from the one it was "
-                                 "chosen at (ref_batch_tokens): none, linear or sqrt (recommended for AdamW)."),
+                                 "chosen at (ref_batch_tokens): none, linear or sqrt (recommended for AdamW); under "
+                                 "--param sp also x sqrt(ref_width / width), under mup not (its groups carry the "
+                                 "width)."),
     worker_env: SetList = typer.Option(None, "--worker-env", help="An environment variable of the "
                                        "worker processes, KEY=VALUE (e.g. NCCL_DEBUG=INFO); repeat for several."),
     track: SetList = TRACK,

@@ -153,6 +153,8 @@ def check_model(m) -> None:
     check_size(m)
     if not 0.0 <= m.dropout < 1.0:
         raise UserError(f"model.dropout must be in [0, 1), got {m.dropout}")
+    if not m.init_std > 0:
+        raise UserError(f"model.init_std must be positive, got {m.init_std}")
     if m.n_embd % m.n_head:
         raise UserError(f"model.n_embd ({m.n_embd}) must be divisible by model.n_head ({m.n_head})")
     family(m).check(m)

@@ -34,6 +34,10 @@ class ScheduleSettings:
                                      "rate, and holds the minimum after it.")
     ref_batch_tokens: Optional[int] = setting(None, help="Tokens per step `lr` was chosen at "
                                               "(--scale-lr) [default: the preset's].")
+    ref_width: Optional[int] = setting(None, help="Width (model.n_embd) `lr` was chosen at "
+                                       "(--scale-lr: under sp lr x sqrt(ref_width / width); under "
+                                       "mup nothing, its groups carry the width) [default: the "
+                                       "preset's].")
     warmup_steps: int = setting(30, help="Steps of linear warmup.")
 
 
@@ -53,6 +57,8 @@ def check_schedule(cfg: ScheduleSettings) -> None:
         raise UserError("the exp_range schedule starts at lr * min_lr_ratio, which must be > 0")
     if cfg.ref_batch_tokens is not None and cfg.ref_batch_tokens < 1:
         raise UserError(f"ref_batch_tokens must be at least 1, got {cfg.ref_batch_tokens}")
+    if cfg.ref_width is not None and cfg.ref_width < 1:
+        raise UserError(f"ref_width must be at least 1, got {cfg.ref_width}")
 
 
 def lr_at(step: int, cfg: ScheduleSettings) -> float:

@@ -229,8 +229,9 @@ def init_region_(out: torch.Tensor, name: str, spec: tuple[str, float], global_s
                  offset: Sequence[int], seed: int) -> None:
     """Fill `out` with the values of the parameter region that starts at `offset` (one index per
     dim) in a parameter of `global_shape`. `out` is a plain tensor (a full parameter or the local
-    shard of a sharded one)."""
-    kind, std = spec
+    shard of a sharded one). Spec ("normal_zero_q", std, head_dim): a fused qkv's normal draws
+    with its query rows (rows r with (r // head_dim) % 3 == 0) zero."""
+    kind, std = spec[:2]
     if kind == "zeros":
         out.zero_()
         return
@@ -256,3 +257,6 @@ def init_region_(out: torch.Tensor, name: str, spec: tuple[str, float], global_s
                             generator=_block_generator(seed, name, b, device))
         lo, hi = max(b0, r0), min(b1, r1)
         out2d[lo - r0:hi - r0].copy_(block[lo - b0:hi - b0, c0:c1].mul_(std))
+    if kind == "normal_zero_q":
+        rows = torch.arange(r0, r1, device=out2d.device)
+        out2d[(rows // spec[2]) % 3 == 0] = 0.0

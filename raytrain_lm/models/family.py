@@ -39,6 +39,13 @@ class ModelConfig(MoESettings, GPTSettings):
     mup_base_width: Optional[int] = setting(None, help="mup: the width whose learning rates and "
                                             "initial values the model keeps (the proxy's; at it "
                                             "mup is sp) [default: n_embd].")
+    mup_zero_init: bool = setting(False, help="mup: the query projection (GPT's c_attn query "
+                                  "rows) and an untied output head start at zero, as the muP "
+                                  "paper recommends (`mup`'s readout_zero_init); a tied head is "
+                                  "the embedding and keeps its draws.")
+    init_std: float = setting(0.02, help="The std of the matrices' and embeddings' initial "
+                              "normal draws (GPT-2's 0.02; the residual projections' is it / "
+                              "sqrt(2 n_layer)); under mup, the base width's (it transfers).")
 
     @property
     def hidden_dim(self) -> int:

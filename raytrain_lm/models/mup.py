@@ -15,7 +15,12 @@ infshape):
   1/sqrt(m) (variance 1/fan_in), m = fan_in / base fan_in (the width multiplier); AdamW's
   weight decay x m, so the decay per step (torch multiplies it by the lr) is width-independent,
   as `mup.MuAdamW` (decoupled_wd=False) does;
-- one (embeddings, biases, norm gains, the output head, a router): lr and init unchanged;
+- one (embeddings, biases, norm gains, the output head): lr and init unchanged;
+- a readout other than the output head (a router: width -> experts), whose 1/m multiplier has no
+  norm to be folded into: muP's multiplier-free form (Table 3's output weights), init std x 1/m
+  and Adam lr x 1/m (under Adam the same training as `mup.MuReadout`'s x/m at a constant
+  init), weight decay x m (lr x wd kept); without it the router's logits grow ~m after the first
+  Adam step, as an sp model's output logits;
 - the output logits x base/width. Folded into the final norm's gain (and bias): its initial
   value and its Adam lr x base/width, which under Adam is the same training as the multiplier
   on the logits (Adam's update does not depend on the gradient's scale) at no cost per step;
@@ -43,13 +48,17 @@ WRAPPERS = re.compile(r"(^|\.)(module|_orig_mod|_checkpoint_wrapped_module|_fsdp
 # Sizes that follow the width (scaled by base/width in the base shape) where set explicitly.
 WIDTH_SIZES = ("head_size", "ffn_dim", "shared_ffn_dim")
 OUTPUT_SCALED = ("ln_f.weight", "ln_f.bias")  # the folded output multiplier's home
+# Readouts other than the output head: matrices from the width to a fixed size (a mixture of
+# experts' router), by the last steps of their names. An embedding's shape is the same (a fixed
+# size by the width), so the shape alone cannot tell them.
+READOUTS = ("router.weight",)
 
 
 @dataclass(frozen=True)
 class Rule:
     """How one parameter scales: its Adam lr, AdamW weight decay and initial std, each as a
-    multiple of the base model's (sp's) value; `kind` matrix, vector or output (the final
-    norm, which carries the output multiplier)."""
+    multiple of the base model's (sp's) value; `kind` matrix, vector, output (the final norm,
+    which carries the output multiplier) or readout (a router)."""
     kind: str
     lr: float = 1.0
     wd: float = 1.0
@@ -75,9 +84,10 @@ def check(m: ModelConfig) -> None:
     if m.param not in PARAMS:
         raise UserError(f"model.param must be one of {', '.join(PARAMS)}, got {m.param!r}")
     if m.param == "sp":
-        if m.mup_base_width is not None:
-            raise UserError("model.mup_base_width is a setting of --param mup: drop it or add "
-                            "--param mup")
+        for key in ("mup_base_width", "mup_zero_init"):
+            if getattr(m, key):
+                raise UserError(f"model.{key} is a setting of --param mup: drop it or add "
+                                f"--param mup")
         return
     base = base_width(m)
     if base < 1 or base % m.n_head:
@@ -145,6 +155,8 @@ def _rules(key: tuple) -> dict[str, Rule]:
         inf = [i for i, (a, b) in enumerate(zip(shape, base[name])) if a != b]
         if name in OUTPUT_SCALED:
             rules[name] = Rule("output", lr=out_mult, init=out_mult)
+        elif name.endswith(READOUTS) and inf:
+            rules[name] = Rule("readout", lr=out_mult, wd=1 / out_mult, init=out_mult)
         elif len(inf) >= 2:
             mult = shape[-1] / base[name][-1]  # fan_in: a Linear's (out, in), experts' (n, out, in)
             rules[name] = Rule("matrix", lr=1 / mult, wd=mult, init=1 / math.sqrt(mult))
@@ -174,14 +186,40 @@ def _shapes(m: ModelConfig) -> dict[str, tuple[int, ...]]:
     return {name: tuple(p.shape) for name, p in model.named_parameters(remove_duplicate=False)}
 
 
-def init_spec(m: ModelConfig, name: str, spec: tuple[str, float]) -> tuple[str, float]:
+def init_spec(m: ModelConfig, name: str, spec: tuple) -> tuple:
     """The family's sp initialisation `spec` of parameter `name`, under `m`'s parametrization:
     a normal's std x the rule's init; the final norm's gain (ones) filled with the output
-    multiplier, its bias (zeros) left at zero."""
+    multiplier, its bias (zeros) left at zero. With model.mup_zero_init the queries and an
+    untied head start at zero (`zero_init_spec`)."""
     r = rule(m, name)
+    zero = zero_init_spec(m, name)
+    if zero is not None:
+        return zero if zero[0] == "zeros" else (zero[0], spec[1] * r.init, *zero[2:])
     kind, std = spec
     if kind == "normal":
         return kind, std * r.init
     if kind == "ones" and r.init != 1.0:
         return "fill", r.init
     return spec
+
+
+# The query projections under model.mup_zero_init: a separate one zeroed whole, GPT's fused
+# c_attn by its query rows (head-interleaved: [h0 q, h0 k, h0 v, h1 q, ...], head_dim each).
+QUERIES = ("q_proj.weight", "q_proj.bias")
+FUSED_QKV = "c_attn.weight"
+
+
+def zero_init_spec(m: ModelConfig, name: str) -> Optional[tuple]:
+    """Under mup with model.mup_zero_init: ("zeros", 0) for a query projection and an untied
+    output head (a tied one is initialised as the embedding, under its name), ("normal_zero_q",
+    std, head_dim) for a fused qkv (the caller's std; its query rows zero); else None. At init
+    the attention is then uniform and the logits zero: the two coordinates that shrink with the
+    width at init under muP (`mup`'s README) start at their limit."""
+    if m.param != "mup" or not m.mup_zero_init:
+        return None
+    n = role(name)
+    if n.endswith(QUERIES) or n == "lm_head.weight":
+        return ("zeros", 0.0)
+    if n.endswith(FUSED_QKV):
+        return ("normal_zero_q", None, m.head_dim)
+    return None

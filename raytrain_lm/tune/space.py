@@ -29,7 +29,7 @@ from raytrain_lm.errors import UserError
 NOT_TUNABLE = {"preset", "data", "name", "storage", "address", "workers", "min_workers", "use_gpu",
                "cpus_per_worker", "max_steps", "log_every", "eval_every", "eval_windows",
                "checkpoint_every", "keep_checkpoints", "max_failures", "max_preemptions",
-               "resize_interval", "checkpoint_upload", "schedule", "ref_batch_tokens",
+               "resize_interval", "checkpoint_upload", "schedule", "ref_batch_tokens", "ref_width",
                "peak_tflops", "model.vocab_size"}
 DIST_KINDS = ("loguniform", "uniform", "randint", "choice", "grid")
 LOG_BY_DEFAULT = {"lr"}  # ranges of these keys are log-uniform without saying `log:`

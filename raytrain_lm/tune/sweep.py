@@ -93,6 +93,7 @@ def trial_config(base: dict, params: dict) -> TrainConfig:
     apply_overrides(cfg, nest(params), source="trial")
     validate(cfg)
     cfg.ref_batch_tokens = cfg.tokens_per_step  # the batch this trial's lr was tried at
+    cfg.ref_width = cfg.model.n_embd  # and the width
     return cfg
 
 

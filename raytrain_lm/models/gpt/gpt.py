@@ -117,9 +117,9 @@ class GPT(Decoder):
         if fqn.endswith("c_proj.weight"):
             # scale the residual projections by 1/sqrt(2 * n_layer) so depth doesn't blow up the
             # residual stream's variance
-            return ("normal", 0.02 / math.sqrt(2 * cfg.n_layer))
+            return ("normal", cfg.init_std / math.sqrt(2 * cfg.n_layer))
         if isinstance(module, (nn.Linear, nn.Embedding)):
-            return ("normal", 0.02)
+            return ("normal", cfg.init_std)
         raise ValueError(f"no init rule for {fqn} ({type(module).__name__})")
 
     # The forward in three pieces (embed, the blocks, head), so that a pipeline stage

@@ -265,7 +265,7 @@ class Llama(Decoder):
         if fqn.endswith(".bias"):
             return ("zeros", 0.0)
         if fqn.endswith(("o_proj.weight", "down_proj.weight")):
-            return ("normal", 0.02 / math.sqrt(2 * cfg.n_layer))
+            return ("normal", cfg.init_std / math.sqrt(2 * cfg.n_layer))
         if isinstance(module, (nn.Linear, nn.Embedding)):
-            return ("normal", 0.02)
+            return ("normal", cfg.init_std)
         raise ValueError(f"no init rule for {fqn} ({type(module).__name__})")

@@ -217,6 +217,7 @@ class MoE(Llama):
         """The Llama's scheme; the experts' matrices as its MLPs' (down projections scaled by
         1/sqrt(2 n_layer)), the router's N(0, 0.02)."""
         if isinstance(module, Experts):
-            return ("normal", 0.02 / math.sqrt(2 * cfg.n_layer) if fqn.endswith("down_proj") else 0.02)
+            return ("normal", cfg.init_std / math.sqrt(2 * cfg.n_layer) if fqn.endswith("down_proj")
+                    else cfg.init_std)
         return Llama.init_spec(cfg, module, fqn)
 
