@@ -151,7 +151,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--head-width", type=int, default=16)
     ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--lr", type=float, default=6e-3)
     ap.add_argument("--val-windows", type=int, default=1024)
     ap.add_argument("--bootstrap", type=int, default=200)
     ap.add_argument("--cache", default="/tmp/h52a/scaling_runs.jsonl",
@@ -180,10 +180,10 @@ def main() -> None:
     n, d, loss = (np.array([r[k] for r in runs], dtype=float) for k in ("n", "d", "val_loss"))
     law = fit(n, d, loss)
     c_max = max(r["flops"] for r in runs)
-    spread = bootstrap(n, d, loss, flops=c_held, samples=a.bootstrap, law=law)
     levels_fit, iso = isoflop_optima(n, d, loss)
     hw = a.holdout_width or holdout_width(law, c_held, a)
     held = cached_run(hw, steps_for(c_held, hw, a), train, val, a, cache)
+    spread = bootstrap(n, d, loss, flops=c_held, samples=a.bootstrap, law=law, at=(held["n"], held["d"]))
     predicted = float(law.loss(held["n"], held["d"]))
     tokens_per_epoch = len(train)
     out = {
