@@ -6,7 +6,7 @@ product's step (worker/step.TrainStep, one worker, in this process: the arithmet
 of --holdout x C trained for the check and compared with the law's prediction.
 
 Every run: --layers layers, heads --head-width wide, batch --batch x 64 tokens, AdamW lr --lr with
-10% warmup and a cosine to 10% at its own last step, seed 0, one thread; its final loss is the
+10% warmup and a cosine to 10% at its own last step, seed --seed, one thread; its final loss is the
 mean over --val-windows validation windows (the same windows for every run). N: matmul
 parameters; D: steps x tokens per step; C = 6ND. Every run's result is appended to --cache, so a
 rerun trains only what is missing; --only grid / --only holdout train one part (two processes at
@@ -71,7 +71,7 @@ def config(width: int, steps: int, a):
                               "model.vocab_size=256", "model.dropout=0"],
                         flags={"workers": 1, "lr": a.lr, "seq_len": SEQ, "batch_size": a.batch,
                                "grad_accum": 1, "warmup_steps": max(1, steps // 10),
-                               "max_steps": steps, "seed": 0})
+                               "max_steps": steps, "seed": a.seed})
 
 
 def matmul_params(width: int, a) -> int:
@@ -81,9 +81,9 @@ def matmul_params(width: int, a) -> int:
 
 def run(width: int, steps: int, train: np.ndarray, val: torch.Tensor, a) -> dict:
     cfg = config(width, steps, a)
-    torch.manual_seed(0)
+    torch.manual_seed(a.seed)
     step = TrainStep(cfg, torch.device("cpu"), ddp_wrap=lambda m: m)
-    stream = Stream(train, a.batch, 0)
+    stream = Stream(train, a.batch, a.seed)
     step.train()
     t0 = time.perf_counter()
     for i in range(steps):
@@ -111,7 +111,7 @@ def _window_losses(model, chunk: torch.Tensor) -> list[float]:
 def cached_run(width: int, steps: int, train, val, a, cache: dict) -> dict:
     """run(), or its result from --cache (the same width, steps and every setting): a benchmark
     stopped half-way resumes without retraining what it has."""
-    key = json.dumps([width, steps, a.layers, a.head_width, a.batch, a.lr, a.val_windows, a.data])
+    key = json.dumps([width, steps, a.layers, a.head_width, a.batch, a.lr, a.val_windows, a.data, a.seed])
     if key not in cache and a.cache and Path(a.cache).exists():  # another process's run (--only)
         cache.update(read_cache(a.cache))
     if key not in cache:
@@ -153,6 +153,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--lr", type=float, default=6e-3)
     ap.add_argument("--val-windows", type=int, default=1024)
+    ap.add_argument("--seed", type=int, default=0, help="every run's initialisation and data order")
     ap.add_argument("--bootstrap", type=int, default=200)
     ap.add_argument("--cache", default="/tmp/h52a/scaling_runs.jsonl",
                     help="every run's result, appended: a rerun trains only what is not there")
