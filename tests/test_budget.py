@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 
 from conftest import cli_here
+from raytrain_lm.errors import UserError
+from raytrain_lm.plan.budget import parse_budget
 from raytrain_lm.plan.scaling_law import CHINCHILLA
 
 # Chinchilla itself: 70B parameters on 1.4T tokens, C = 6 N D
@@ -63,7 +65,40 @@ def test_the_noise_scale_sets_the_batch_and_the_steps():
     (["--budget", "-1"], "--budget must be a positive number"),
     (["--budget", "1e21", "--noise-scale", "0"], "--noise-scale must be a positive"),
     (["--budget", "1e21", "--law", "no-such.json"], "--law no-such.json: expected"),
+    (["--budget", "lots"], "--budget must be a positive number of FLOPs (e.g. 5.8e23) or of GPU-hours"),
+    (["--budget", "0gpu-h"], "--budget must be a positive number of FLOPs (e.g. 5.8e23) or of GPU-hours"),
 ])
 def test_plan_budget_refuses_bad_input(args, expected):
     r = cli_here("plan", *args)
     assert r.returncode == 2 and expected in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("5.88e23", (5.88e23, False)), ("1e6gpu-h", (1e6, True)), ("2.5E5 GPU-hours", (2.5e5, True)),
+    ("300gpuh", (300.0, True)), ("1 gpu-hour", (1.0, True)),
+])
+def test_parse_budget_reads_flops_and_gpu_hours(text, expected):
+    assert parse_budget(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "gpu-h", "1e6 gpus", "-3gpu-h", "inf", "nan", "1e6 h"])
+def test_parse_budget_refuses_what_is_neither(text):
+    with pytest.raises(UserError, match="--budget must be a positive number"):
+        parse_budget(text)
+
+
+def test_a_gpu_hours_budget_is_spent_at_the_planners_rate_for_its_model():
+    """--budget 1e6gpu-h on H100s: the FLOPs are the hours at the 6N FLOPs per second of the
+    fastest layout the planner finds for the compute-optimal model of those FLOPs (a fixed point,
+    not the first guess of the iteration): the same budget given in FLOPs plans the same model,
+    whose first layout's step time gives that rate."""
+    hours = 1e6
+    b = plan_json("--gpu", "h100-sxm", "--budget", f"{hours:g}gpu-h")["budget"]  # the last --budget wins
+    assert b["gpu_hours"] == hours and b["flops"] == pytest.approx(hours * 3600 * b["flops_per_gpu_s"])
+    again = plan_json("--gpu", "h100-sxm", "--budget", repr(b["flops"]))
+    assert (again["budget"]["n_layer"], again["budget"]["n_embd"]) == (b["n_layer"], b["n_embd"])
+    best = again["layouts"][0]
+    tokens_per_step = again["global_batch"] * again["seq_len"]
+    rate = 6 * b["n_model"] * tokens_per_step / (best["seconds"]["step"] * 64)
+    assert b["flops_per_gpu_s"] == pytest.approx(rate, rel=1e-9)
+    assert b["mfu"] == pytest.approx(best["mfu"], rel=1e-9)

@@ -64,16 +64,19 @@ def test_isoflop_minima_give_the_laws_exponent():
 
 def test_the_bootstrap_brackets_the_fit():
     """Losses with 0.5% noise: each parameter's 5-95% interval is ordered and holds the full
-    fit's value (its median resampling); the optimum's too."""
+    fit's value (its median resampling); the optimum's too, and the predicted loss of a run
+    beyond the grid (N, D 3x its largest)."""
     rng = np.random.default_rng(0)
     loss = TRUE.loss(N, D) * np.exp(rng.normal(0, 0.005, len(N)))
     law = fit(N, D, loss)
-    spread = bootstrap(N, D, loss, flops=1e15, samples=8, law=law)
+    spread = bootstrap(N, D, loss, flops=1e15, samples=8, law=law, at=(3e7, 3e8))
     for k in ("E", "alpha", "beta"):
         lo, mid, hi = spread[k]
         assert lo <= mid <= hi
         assert lo <= getattr(law, k) <= hi, k
     assert spread["n_opt"][0] <= law.optimum(1e15)[0] <= spread["n_opt"][2]
+    assert spread["loss_at"][0] <= law.loss(3e7, 3e8) <= spread["loss_at"][2]
+    assert spread["loss_at"][0] < spread["loss_at"][2]  # resamplings that disagree: a spread, not a copy
 
 
 def test_chinchillas_coefficients_give_its_exponents():

@@ -302,9 +302,12 @@ def plan(
                                              "tokenizer: 256]."),
     arch: Optional[str] = ARCH,
     cpu: bool = typer.Option(False, help="Plan for CPU workers (fp32 activations)."),
-    budget: Optional[float] = typer.Option(None, metavar="FLOPS", help="A compute budget (C = 6 N D): "
-                                           "plan the compute-optimal model of --law for it (its "
-                                           "shape replaces the preset's), its tokens and steps."),
+    budget: Optional[str] = typer.Option(None, metavar="FLOPS|Ngpu-h", help="A compute budget in "
+                                         "FLOPs (C = 6 N D) or GPU-hours (e.g. 1e6gpu-h: converted "
+                                         "at the 6N FLOPs per second of the planner's fastest "
+                                         "layout for the model): plan the compute-optimal model of "
+                                         "--law for it (its shape replaces the preset's), its "
+                                         "tokens and steps."),
     law: str = typer.Option("chinchilla", help="With --budget: 'chinchilla' (Hoffmann et al.'s "
                             "published approach-3 fit) or a fit's JSON (tune --scaling's scaling.json)."),
     tokens_per_param: Optional[float] = typer.Option(None, help="With --budget: this many tokens per "
@@ -338,10 +341,20 @@ def plan(
     cfg = build_config(preset=preset, sets=set_, flags={**settings, "workers": gpus, "model": model},
                        folder=folder)
     if budget is not None:  # plan/budget.py: the model and the batch for the budget
-        from raytrain_lm.plan.budget import budget_plan, load_law
+        from raytrain_lm.plan.budget import budget_plan, gpu_hours_plan, load_law, parse_budget, planner_rate
 
-        sized = budget_plan(budget, load_law(law), cfg.model, cfg.seq_len, noise_scale, tokens_per_param)
-        cfg.model, preset = sized.model, f"the compute-optimal {cfg.model.arch} for {budget:.3g} FLOPs"
+        amount, in_hours = parse_budget(budget)
+        sizing = dict(law=load_law(law), base=cfg.model, seq_len=cfg.seq_len, noise_scale=noise_scale,
+                      tokens_per_param=tokens_per_param)
+        if in_hours:
+            rate = planner_rate(cluster, cfg.seq_len, lambda s: global_batch or s.global_batch or
+                                cluster.gpus * cfg.batch_size * cfg.grad_accum, tp=tp, pp=pp,
+                                strategy=strategy, virtual_stages=virtual_stages, ep=ep)
+            sized = gpu_hours_plan(amount, rate, cluster.tflops * 1e12, **sizing)
+        else:
+            sized = budget_plan(amount, **sizing)
+        cfg.model = sized.model
+        preset = f"the compute-optimal {cfg.model.arch} for {sized.flops:.3g} FLOPs"
         global_batch = global_batch or sized.global_batch
         if tokens is None:  # the goodput's run trains the budget's tokens
             risk = RunRisk(mtbf, storage_gbps, restart_min * 60, sized.tokens)

@@ -11,8 +11,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from raytrain_lm.errors import UserError
 from raytrain_lm.models import family
@@ -79,6 +80,9 @@ class BudgetPlan:
     global_batch: Optional[int]  # sequences per step, from the noise scale (None: not given)
     seq_len: int
     by_rule: bool = False  # N and D from a tokens-per-parameter rule, not the law's optimum
+    gpu_hours: Optional[float] = None  # the budget as given, when in GPU-hours (flops: converted)
+    flops_per_gpu_s: Optional[float] = None  # the conversion's rate: 6N FLOPs per second per GPU
+    mfu: Optional[float] = None  # the planner's MFU of the layout that rate is from
 
     def as_dict(self) -> dict:
         return {"flops": self.flops, "law": self.law.as_dict(), "by_rule": self.by_rule,
@@ -86,7 +90,8 @@ class BudgetPlan:
                 "predicted_loss": float(self.law.loss(self.n_opt, self.d_opt)),
                 "n_layer": self.model.n_layer, "n_embd": self.model.n_embd,
                 "n_head": self.model.n_head, "n_model": self.n_model, "tokens": self.tokens,
-                "global_batch": self.global_batch, "seq_len": self.seq_len, "steps": self.steps}
+                "global_batch": self.global_batch, "seq_len": self.seq_len, "steps": self.steps,
+                "gpu_hours": self.gpu_hours, "flops_per_gpu_s": self.flops_per_gpu_s, "mfu": self.mfu}
 
     @property
     def steps(self) -> Optional[int]:
@@ -98,8 +103,11 @@ class BudgetPlan:
         law = self.law
         rule = (f"rule: {self.d_opt / self.n_opt:.3g} tokens per parameter" if self.by_rule else
                 f"law L = {law.E:.3g} + {law.A:.4g}/N^{law.alpha:.3g} + {law.B:.4g}/D^{law.beta:.3g}")
+        hours = (f" = {self.gpu_hours:.3g} GPU-hours at {self.flops_per_gpu_s / 1e12:.3g} TFLOP/s per "
+                 f"GPU (6N per token at the planner's fastest layout for the model, MFU "
+                 f"{self.mfu:.1%})" if self.gpu_hours else "")
         lines = [
-            f"budget {self.flops:.3g} FLOPs (C = 6 N D), {rule}",
+            f"budget {self.flops:.3g} FLOPs (C = 6 N D){hours}, {rule}",
             f"compute-optimal: N = {self.n_opt:.3g} parameters, D = {self.d_opt:.3g} tokens "
             f"({self.d_opt / self.n_opt:.1f} tokens per parameter), predicted loss "
             f"{float(law.loss(self.n_opt, self.d_opt)):.4f}",
@@ -136,3 +144,72 @@ def budget_plan(flops: float, law: ScalingLaw, base: ModelConfig, seq_len: int,
     batch = 2 ** round(math.log2(noise_scale)) if noise_scale else None
     return BudgetPlan(flops, law, n_opt, d_opt, model, n_model, flops / (6 * n_model), batch, seq_len,
                       by_rule=bool(tokens_per_param))
+
+
+# --budget in GPU-hours: a number and one of these units, e.g. 1e6gpu-h, "2e5 GPU-hours"
+GPU_HOURS = re.compile(r"^\s*([0-9.]+(?:e[+-]?[0-9]+)?)\s*(?:gpu-?h|gpu-?hours?)\s*$", re.IGNORECASE)
+
+
+def parse_budget(text: str) -> tuple[float, bool]:
+    """--budget: FLOPs ("5.88e23") or GPU-hours ("1e6gpu-h", "1e6 GPU-hours"); (the number,
+    whether it is GPU-hours)."""
+    hours = GPU_HOURS.match(text)
+    try:
+        value = float(hours.group(1) if hours else text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise UserError(f"--budget must be a positive number of FLOPs (e.g. 5.8e23) or of GPU-hours "
+                        f"(e.g. 1e6gpu-h), got {text!r}")
+    return value, bool(hours)
+
+
+MFU_GUESS = 0.4  # the first iterate of gpu_hours_plan; the fixed point does not depend on it
+MAX_ROUNDS = 20
+
+
+def gpu_hours_plan(hours: float, rate: Callable[[BudgetPlan], tuple[float, float]],
+                   peak_flops: float, **budget_args) -> BudgetPlan:
+    """The plan for `hours` GPU-hours: C = hours x 3600 x the 6N FLOPs per second per GPU that
+    `rate` gives for the plan's model (and its MFU), i.e. the planner's fastest layout for it. The
+    model depends on C and C on the model's rate: from C at MFU_GUESS of `peak_flops`, iterated
+    until the model's shape repeats (the rate depends on the shape alone, so then C is the
+    fixed point: the model of C runs at the rate that spends the hours on C). `budget_args`:
+    budget_plan's, but flops."""
+    flops = hours * 3600 * peak_flops * MFU_GUESS
+    sized = budget_plan(flops, **budget_args)
+    for _ in range(MAX_ROUNDS):
+        per_gpu, mfu = rate(sized)
+        again = budget_plan(hours * 3600 * per_gpu, **budget_args)
+        if shape(again.model) == shape(sized.model):
+            sized = again
+            break
+        sized = again
+    else:  # C at a border between two shapes: the last shape, the hours spent at its own rate
+        per_gpu, mfu = rate(sized)
+        sized = dataclasses.replace(sized, flops=hours * 3600 * per_gpu,
+                                    tokens=hours * 3600 * per_gpu / (6 * sized.n_model))
+    return dataclasses.replace(sized, gpu_hours=hours, flops_per_gpu_s=per_gpu, mfu=mfu)
+
+
+def shape(m: ModelConfig) -> tuple:
+    return m.n_layer, m.n_embd, m.n_head
+
+
+def planner_rate(cluster, seq_len: int, batch: Callable[[BudgetPlan], int],
+                 **layouts) -> Callable[[BudgetPlan], tuple[float, float]]:
+    """gpu_hours_plan's rate from the planner: the 6N FLOPs per second per GPU of the fastest
+    layout that fits (plan/estimate.py) for the plan's model at its global batch `batch(plan)`,
+    and that layout's MFU. `layouts`: plan()'s filters (tp, pp, strategy, virtual_stages, ep)."""
+    from raytrain_lm.plan.estimate import plan
+
+    def rate(sized: BudgetPlan) -> tuple[float, float]:
+        global_batch = batch(sized)
+        ranked = plan(sized.model, cluster, global_batch, seq_len, **layouts)
+        if not ranked[0].fits:
+            raise UserError(f"no layout of {cluster.gpus} GPUs fits the compute-optimal model "
+                            f"({sized.model.n_layer} layers x {sized.model.n_embd}), so no rate to "
+                            f"convert GPU-hours with: add --gpus, or give --budget in FLOPs")
+        per_gpu = 6 * sized.n_model * global_batch * seq_len / (ranked[0].step_s * cluster.gpus)
+        return per_gpu, ranked[0].mfu
+    return rate

@@ -140,10 +140,11 @@ def _grid_values(grid: np.ndarray, log_n, log_d, log_l, delta) -> np.ndarray:
 
 
 def bootstrap(n, d, loss, flops: Optional[float] = None, samples: int = 100, seed: int = 0,
-              law: Optional[ScalingLaw] = None) -> dict:
+              law: Optional[ScalingLaw] = None, at: Optional[tuple[float, float]] = None) -> dict:
     """Approach 3 refitted on `samples` resamplings of the runs (with replacement), each started
     from the full fit `law` and the grid's best point: {parameter: (5th, 50th, 95th percentile)},
-    with N_opt and D_opt at `flops` when given."""
+    with N_opt and D_opt at `flops` when given, and the predicted loss of N, D = `at` (a run not
+    in the fit) as "loss_at"."""
     n, d, loss = (np.asarray(v, dtype=float) for v in (n, d, loss))
     law = law or fit(n, d, loss)
     start = [math.log(law.A), math.log(law.B), math.log(law.E), law.alpha, law.beta]
@@ -151,6 +152,8 @@ def bootstrap(n, d, loss, flops: Optional[float] = None, samples: int = 100, see
     draws: dict[str, list] = {k: [] for k in ("E", "A", "B", "alpha", "beta")}
     if flops:
         draws.update(n_opt=[], d_opt=[])
+    if at:
+        draws["loss_at"] = []
     for _ in range(samples):
         i = rng.integers(0, len(n), len(n))
         if len(set(zip(n[i], d[i]))) < 5:  # too few distinct runs to fix five parameters
@@ -165,6 +168,8 @@ def bootstrap(n, d, loss, flops: Optional[float] = None, samples: int = 100, see
             no, do = one.optimum(flops)
             draws["n_opt"].append(no)
             draws["d_opt"].append(do)
+        if at:
+            draws["loss_at"].append(float(one.loss(*at)))
     return {k: tuple(float(x) for x in np.percentile(v, [5, 50, 95])) for k, v in draws.items() if v}
 
 
