@@ -75,3 +75,24 @@ def test_tune_scaling_runs_the_grid_and_fits_it(ray_address, pydoc_data, tmp_pat
         assert long_[1] < short[1]
     assert np.isfinite(out["budget"]["n_opt"])
     assert (tmp_path / "grid" / "scaling.json").exists() and (tmp_path / "grid" / "scaling.png").exists()
+
+
+def test_a_mup_grid_shares_one_base_width_so_one_lr_carries():
+    """Under --param mup every trial of the grid takes its narrowest width as its base (a trial
+    that is its own base would train as sp: the lr would not carry across the sizes); a base
+    width given is kept, and sp is left alone."""
+    from raytrain_lm.config.settings import TrainConfig
+    from raytrain_lm.tune.scaling_sweep import setup_scaling
+    from raytrain_lm.tune.space import Dim, SearchSpace
+    from raytrain_lm.tune.sweep_config import SweepSettings
+
+    def base_width(param, given=None):
+        cfg = TrainConfig()
+        cfg.model.param, cfg.model.mup_base_width = param, given
+        space = SearchSpace([Dim("model.n_embd", "values", values=[96, 32, 64])])
+        setup_scaling(cfg, space, SweepSettings(search="grid"), "10,20")
+        return cfg.model.mup_base_width
+
+    assert base_width("mup") == 32
+    assert base_width("mup", given=48) == 48
+    assert base_width("sp") is None

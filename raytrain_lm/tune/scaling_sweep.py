@@ -29,7 +29,8 @@ SIZE_KEYS = ("model.n_embd", "model.n_layer")
 def setup_scaling(cfg: TrainConfig, space: SearchSpace, sweep: SweepSettings, steps: Optional[str]) -> None:
     """A scaling grid, in place: model sizes (model.n_embd and/or model.n_layer in `space`) x
     lengths (`steps`: "S1,S2,..." added to the space as max_steps), every point run (grid) to its
-    own end (no trial stopped: ASHA's grace is the longest run), validated at its last step."""
+    own end (no trial stopped: ASHA's grace is the longest run), validated at its last step.
+    Under --param mup the grid's narrowest width is every trial's base (unless given)."""
     lengths = []
     for part in (steps or "").split(","):
         part = part.strip()
@@ -48,6 +49,11 @@ def setup_scaling(cfg: TrainConfig, space: SearchSpace, sweep: SweepSettings, st
                         f"{space.grid_size()}")
     sweep.trials = space.grid_size()
     cfg.max_steps = cfg.eval_every = sweep.grace_steps = max(lengths)
+    widths = next((d.values for d in space.dims if d.key == "model.n_embd"), None)
+    if cfg.model.param == "mup" and cfg.model.mup_base_width is None and widths:
+        # one base for the whole grid, so its one lr is every width's (muTransfer); a trial
+        # that is its own base would be sp at its width
+        cfg.model.mup_base_width = min(widths)
 
 
 def scaling_points(folder: RunFolder, trials: list[dict]) -> list[dict]:
