@@ -34,7 +34,7 @@ MODULES = ("raytrain_lm.worker.step", "raytrain_lm.worker.metrics", "raytrain_lm
            "raytrain_lm.config.layout", "raytrain_lm.config.presets", "raytrain_lm.plan.estimate",
            "raytrain_lm.plan.hardware", "raytrain_lm.models", "raytrain_lm.models.gpt.gpt",
            "raytrain_lm.models.llama.llama", "raytrain_lm.models.moe.moe", "raytrain_lm.parallel.ep",
-           "raytrain_lm.parallel.tp", "raytrain_lm.parallel.init")
+           "raytrain_lm.parallel.tp", "raytrain_lm.parallel.init", "raytrain_lm.parallel.cp")
 
 # The model of every row but gpt2's: big enough on a GPU that a step is GPU work, not launches.
 MODEL = {"gpu": dict(vocab_size=50304, block_size=512, n_layer=4, n_head=8, n_embd=512),

@@ -33,13 +33,16 @@ BAD_LR = 0.5  # AdamW at 0.5: the loss goes to ~15 nats/token and stays there
 @pytest.fixture(scope="module")
 def sweep(ray_address, pydoc_data, tmp_path_factory):
     storage = tmp_path_factory.mktemp("sweeps")
+    # under mup at its base width (64): every rule is 1, the trials train as sp would; the sweep
+    # writes transfer.yaml for width 128 (muTransfer, test_transfer_yaml_trains_the_wide_model)
     cfg = build_config(flags=dict(workers=2, max_steps=60, log_every=10, data=str(pydoc_data),
-                                  storage=str(storage), name="asha"), sets=SMALL)
+                                  storage=str(storage), name="asha"), sets=SMALL + ["model.param=mup"])
     # Grid order is the order given and the cluster holds one trial at a time, so the bad lr runs
     # last: ASHA can only cut a trial at a rung where another has been recorded.
     space = parse_space({"lr": f"3e-3,{BAD_LR}"}, [], None, cfg)
     # ASHA on bits per byte (the other sweeps here use the default, val_loss)
-    settings = SweepSettings(search="grid", concurrent=2, grace_steps=20, metric="val_bpb")
+    settings = SweepSettings(search="grid", concurrent=2, grace_steps=20, metric="val_bpb",
+                             target_width=128)
     check_settings(cfg, space, settings, eval_every_given=False)
     said, tables = [], []
     with pytest.MonkeyPatch.context() as env:  # each trial tracked in a local MLflow store
@@ -143,6 +146,28 @@ def test_best_config_reproduces_the_best_trial(sweep):
     assert {k: v for k, v in from_file.items() if k not in where} == \
            {k: v for k, v in trained.items() if k not in where}
     assert from_file["name"] is None and from_file["storage"] == "runs"
+
+
+def test_transfer_yaml_trains_the_wide_model(sweep, ray_address, pydoc_data, tmp_path):
+    """muTransfer end to end: the sweep of the width-64 proxy under --param mup wrote
+    transfer.yaml, the best trial's config at width 128 with the base width kept at 64 and the
+    best trial's lr; `train --config transfer.yaml` trains that wide mup model (its saved config
+    says so)."""
+    import yaml
+
+    summary, _, _, _, _ = sweep
+    transfer = yaml.safe_load(open(summary["transfer_config"]))
+    best_lr = summary["best"]["params"]["lr"]
+    assert transfer["lr"] == best_lr
+    assert (transfer["model"]["n_embd"], transfer["model"]["mup_base_width"],
+            transfer["model"]["param"]) == (128, 64, "mup")
+    trained = run_cli("train", "--config", summary["transfer_config"], "--max-steps", "2",
+                      "--workers", "1", "--name", "wide", "--data", str(pydoc_data), "--storage",
+                      str(tmp_path), "--address", ray_address, "--json", timeout=300)
+    assert trained.returncode == 0, trained.stdout + trained.stderr
+    saved = json.loads((tmp_path / "wide" / "config.json").read_text())
+    assert (saved["model"]["n_embd"], saved["model"]["mup_base_width"], saved["lr"]) == \
+        (128, 64, best_lr)
 
 
 def test_results_plot_and_trial_folders(sweep):
