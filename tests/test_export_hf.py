@@ -45,6 +45,7 @@ def exported(trained_here, tmp_path_factory):
 
 
 @pytest.mark.parametrize("kind", ["byte", "bpe", "llama"])
+@pytest.mark.slow  # a model trained here (conftest.trained_here) and transformers
 def test_exported_logits_equal_ours(trained_here, exported, kind):
     run = trained_here[kind]
     hf, _ = load_hf(exported[kind])
@@ -57,6 +58,7 @@ def test_exported_logits_equal_ours(trained_here, exported, kind):
 
 
 @pytest.mark.parametrize("kind", ["byte", "llama"])
+@pytest.mark.slow  # a model trained here (conftest.trained_here) and transformers
 def test_logits_equal_with_eager_attention_too(trained_here, exported, kind):
     from transformers import AutoModelForCausalLM
 
@@ -69,6 +71,7 @@ def test_logits_equal_with_eager_attention_too(trained_here, exported, kind):
 
 
 @pytest.mark.parametrize("kind", ["byte", "bpe", "llama"])
+@pytest.mark.slow  # a model trained here (conftest.trained_here) and transformers
 def test_greedy_generate_in_transformers_equals_our_generate(trained_here, exported, kind):
     """transformers' generate() (its own KV cache) gives the tokens `python cli.py generate
     --temperature 0` gives, and every step's logits match ours on the whole sequence. (The
@@ -97,6 +100,7 @@ def test_greedy_generate_in_transformers_equals_our_generate(trained_here, expor
         assert sample(run.model, ids, 30, temperature=0.0, vocab_size=run.tok.vocab_size) == ours
 
 
+@pytest.mark.slow  # a model trained here (conftest.trained_here) and transformers
 def test_the_tokenizer_file_is_the_same_in_dataset_checkpoint_and_export(trained_here, exported, tmp_path):
     run = trained_here["bpe"]
     res = cli_here("export", str(run.ckpt), "--out", str(tmp_path / "native"))  # native keeps it too
@@ -112,6 +116,7 @@ def test_the_tokenizer_file_is_the_same_in_dataset_checkpoint_and_export(trained
 
 
 @pytest.mark.parametrize("kind", ["byte", "bpe", "llama"])
+@pytest.mark.slow  # a model trained here (conftest.trained_here) and transformers
 def test_the_hf_tokenizer_is_ours(trained_here, exported, kind, pydoc_docs):
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
@@ -131,6 +136,7 @@ def test_the_hf_tokenizer_is_ours(trained_here, exported, kind, pydoc_docs):
         assert hf_tok.decode(ids) == text
 
 
+@pytest.mark.slow  # a model trained here (conftest.trained_here) and transformers
 def test_bias_false_exports_zero_biases_and_conv1d_shapes(trained_here, exported):
     from safetensors.torch import load_file
 
@@ -150,6 +156,7 @@ def test_bias_false_exports_zero_biases_and_conv1d_shapes(trained_here, exported
     assert cfg["tie_word_embeddings"] is True and cfg["eos_token_id"] == run.tok.eot_id == 0
 
 
+@pytest.mark.slow  # a model trained here (conftest.trained_here) and transformers
 def test_padded_ids_are_never_generated(trained_here, tmp_path):
     """A model whose padding rows would win every argmax: the export has no such ids."""
     import copy
@@ -177,6 +184,7 @@ def test_padded_ids_are_never_generated(trained_here, tmp_path):
     assert out.max().item() < 256
 
 
+@pytest.mark.slow  # a model trained here (conftest.trained_here) and transformers
 def test_export_refusals(trained_here, exported, tmp_path):
     import copy
 
@@ -227,6 +235,7 @@ def test_c_attn_reaches_gpt2_in_its_qkv_order(tmp_path):
         assert (full_logits(model, idx) - hf(idx).logits).abs().max().item() < 1e-5
 
 
+@pytest.mark.slow  # a model trained here (conftest.trained_here) and transformers
 def test_a_sharded_bf16_export_is_what_transformers_loads(trained_here, tmp_path):
     """The default dtype (bf16, as the Hub's) in shards of at most --max-shard-size, named by
     model.safetensors.index.json, written a tensor at a time: transformers loads it
@@ -272,6 +281,7 @@ def test_a_sharded_bf16_export_is_what_transformers_loads(trained_here, tmp_path
                                                      "tokenizer.json", "tokenizer_config.json"]
 
 
+@pytest.mark.slow  # a model trained here (conftest.trained_here) and transformers
 def test_export_reads_the_checkpoint_one_tensor_at_a_time(trained_here, tmp_path, monkeypatch):
     """Each of the model's tensors is read from dcp/ alone, once (a tied one once), and is the
     checkpoint's: what keeps export's memory to a few tensors whatever the model's size (the

@@ -115,7 +115,8 @@ def best_interval(f: Failures) -> float:
 def simulate(work_s: float, interval_s: float, f: Failures, runs: int = 200, seed: int = 0) -> float:
     """Goodput over `runs` simulated runs of `work_s` seconds of work (failures drawn with a
     seeded generator): the work over the mean wall time. Segments as `segment_s` models them, the
-    last one shorter where `interval_s` does not divide the work."""
+    last one shorter where `interval_s` does not divide the work; the segments that end before
+    the next failure are counted at once (the cost is per failure, not per segment)."""
     if work_s <= 0 or interval_s <= 0 or runs < 1:
         raise UserError("simulate needs positive work, interval and runs")
     segments = math.ceil(work_s / interval_s)
@@ -127,6 +128,13 @@ def simulate(work_s: float, interval_s: float, f: Failures, runs: int = 200, see
         wall, left = 0.0, work_s
         next_failure = rng.expovariate(1 / f.mtbf_s)
         while left > 0:
+            if left > interval_s:  # the whole segments before the failure, at once
+                k = min(math.ceil(left / interval_s) - 1,
+                        int((next_failure - wall) // (interval_s + f.save_s)))
+                if k > 0:
+                    wall += k * (interval_s + f.save_s)
+                    left -= k * interval_s
+                    continue
             need = min(interval_s, left) + f.save_s
             if wall + need <= next_failure:
                 wall += need
