@@ -349,16 +349,7 @@ def run_attention(name: str, settings: dict, kind: str, device: torch.device) ->
         torch.cuda.reset_peak_memory_stats(device)
     for _ in range(WARMUP):
         step()
-    times = []
-    for _ in range(spec["iters"]):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        step()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - t0)
-    times.sort()
+    times = timed(step, spec["iters"], device)
     row.update(step_time=times[len(times) // 2], step_time_min=times[0], step_time_max=times[-1],
                peak_mem_gb=torch.cuda.max_memory_allocated(device) / 1e9
                if device.type == "cuda" else None, precision=str(dtype).replace("torch.", ""),
@@ -366,6 +357,20 @@ def run_attention(name: str, settings: dict, kind: str, device: torch.device) ->
     if span is not None:
         row.update(against_dense(step, spans, spec["iters"], device))
     return row
+
+
+def timed(step, iters: int, device: torch.device) -> list[float]:
+    """Seconds of each of `iters` calls of `step` (the GPU synchronized around each), sorted."""
+    times = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return sorted(times)
 
 
 def against_dense(step, spans, iters: int, device: torch.device) -> dict:
@@ -398,18 +403,9 @@ def against_dense(step, spans, iters: int, device: torch.device) -> dict:
         release(device)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        times = []
-        for _ in range(iters):
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            t0 = time.perf_counter()
-            step()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            times.append(time.perf_counter() - t0)
+        times = timed(step, iters, device)
     finally:
         spans._flex = fused
-    times.sort()
     return {"dense_max_diff": (masked.float() - reference.float()).abs().max().item(),
             "dense_kernel": next((k for k, word in KERNEL_OPS if any(word in op for op in ops)), "math"),
             "dense_step_time": times[len(times) // 2],
