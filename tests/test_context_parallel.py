@@ -13,7 +13,7 @@ import torch
 from conftest import step_losses
 from local_mode import run_local
 from raytrain_lm.config.load import build_config
-from test_parallel_layouts import GLOBAL_BATCH, STEPS, assert_trains_the_one_worker_model, layout_config
+from test_parallel_layouts import GLOBAL_BATCH, STEPS, assert_trains_the_one_worker_model, layout_config, run_config
 
 # name: (workers, flags); the Llama (rotary positions, 4 query heads over 2 kv heads: GQA)
 CP_LAYOUTS = {
@@ -45,12 +45,7 @@ def cp_runs(pydoc_data, cp_storage):
 
     def get(name):
         if name not in done:
-            workers, flags = CP_LAYOUTS[name]
-            rows = []
-            cfg = cp_config(pydoc_data, cp_storage, name, workers, flags)
-            summary = run_local(cfg, say=lambda m: None, on_metrics=rows.append)
-            assert summary["status"] == "completed", name
-            done[name] = (step_losses(cp_storage / name), rows)
+            done[name] = run_config(cp_config(pydoc_data, cp_storage, name, *CP_LAYOUTS[name]))
         return done[name]
 
     return get
@@ -261,9 +256,7 @@ def test_document_masked_cp2_trains_the_one_worker_model(short_docs, cp_storage)
     runs = {}
     for name, (workers, flags) in {"doc-one": (1, {}), "doc-cp2": (2, dict(cp=2))}.items():
         cfg = cp_config(short_docs, cp_storage, name, workers, {**flags, "doc_mask": True})
-        rows = []
-        assert run_local(cfg, say=lambda m: None, on_metrics=rows.append)["status"] == "completed"
-        runs[name] = (step_losses(cp_storage / name), rows)
+        runs[name] = run_config(cfg)
     (losses, rows), (reference, one) = runs["doc-cp2"], runs["doc-one"]
     assert losses.keys() == reference.keys() == set(range(1, STEPS + 1))
     for step in reference:
@@ -282,11 +275,8 @@ def test_cp2_on_ray_workers_trains_the_one_worker_model(ray_address, cp_runs, py
     the harness's one-worker losses, gradient norms and validation loss, step for step."""
     from raytrain_lm.run.driver import run_training
 
-    workers, flags = CP_LAYOUTS["cp2"]
-    rows = []
-    cfg = cp_config(pydoc_data, cp_storage, "cp2-ray", workers, flags)
-    assert run_training(cfg, say=lambda m: None, on_metrics=rows.append)["status"] == "completed"
-    assert_trains_the_one_worker_model((step_losses(cp_storage / "cp2-ray"), rows), cp_runs("one"))
+    run = run_config(cp_config(pydoc_data, cp_storage, "cp2-ray", *CP_LAYOUTS["cp2"]), train=run_training)
+    assert_trains_the_one_worker_model(run, cp_runs("one"))
 
 
 @pytest.mark.parametrize("flags,expected", [

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -97,11 +98,16 @@ def runs(pydoc_data, storage, request):
 def run_layout(data, storage, name, workers, flags, arch="gpt", init_from=None, train=run_local):
     """One layout's run (on the harness, or with `train=run_training` on Ray): its per-step
     losses and metrics rows."""
+    return run_config(layout_config(data, storage, name, workers, flags, arch), init_from, train)
+
+
+def run_config(cfg, init_from=None, train=run_local):
+    """The run of `cfg` (on the harness, or with `train=run_training` on Ray), completed: its
+    per-step losses and metrics rows."""
     rows = []
-    cfg = layout_config(data, storage, name, workers, flags, arch)
     summary = train(cfg, init_from=init_from, say=lambda m: None, on_metrics=rows.append)
-    assert summary["status"] == "completed", name
-    return step_losses(storage / name), rows
+    assert summary["status"] == "completed", cfg.name
+    return step_losses(Path(cfg.storage) / cfg.name), rows
 
 
 @pytest.mark.slow
