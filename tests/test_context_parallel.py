@@ -340,31 +340,44 @@ def test_kv_kept_as_the_ranks_part_and_gathered_again_gives_the_same_gradients(a
         assert torch.allclose(got, want, rtol=0, atol=1e-12)
 
 
-@pytest.mark.parametrize("window,docs", [(None, False), (11, True)])
-def test_the_gpus_block_mask_is_the_dense_masks_rule(window, docs):
-    """The GPU path's flex_attention BlockMask (built from the same rule) gives the dense mask's
-    attention, here with flex_attention's eager reference on the CPU (the GPU compiles it), for
-    the cp ranks' chunk order with documents and a sliding window."""
+@pytest.mark.parametrize("order,window,docs", [("cp", None, False), ("cp", 11, True), ("plain", 11, False)])
+def test_the_gpus_block_mask_is_the_dense_masks_rule(order, window, docs):
+    """The GPU path's flex_attention BlockMask (built from the same rule) is the dense mask's rule
+    at every (query, key) and gives its attention, here with flex_attention's eager reference on
+    the CPU (the GPU compiles it): for the cp ranks' chunk order with documents and a sliding
+    window, and for a plain forward past its sliding window (the Llama's without a span:
+    attention.window_span's block mask against llama.window_mask and the CPU's SDPA with it)."""
     import warnings
 
     import torch.nn.functional as F
     from torch.nn.attention.flex_attention import flex_attention
 
-    from raytrain_lm.models.attention import Span, block_mask, dense_mask, document_ids
+    from raytrain_lm.models.attention import Span, block_mask, dense_mask, document_ids, sliding_window, window_span
+    from raytrain_lm.models.llama.llama import window_mask
     from raytrain_lm.parallel.cp import chunk_index
 
-    x, _, _ = packed_window([13, 27, 24])
-    order = torch.cat([chunk_index(64, 2, r) for r in range(2)])
-    d = document_ids(x, SEP)
-    span = Span(index=order[:32], positions=order[:32], key_index=order,
-                docs=d[:, order[:32]] if docs else None, key_docs=d[:, order] if docs else None)
     g = torch.Generator().manual_seed(1)
-    q = torch.randn(1, 4, 32, 8, generator=g)
+    if order == "plain":
+        span, Tq = window_span(64, "cpu"), 64
+        rule = window_mask(0, 64, 64, window, "cpu")
+    else:
+        x, _, _ = packed_window([13, 27, 24])
+        index = torch.cat([chunk_index(64, 2, r) for r in range(2)])
+        d = document_ids(x, SEP)
+        span, Tq = Span(index=index[:32], positions=index[:32], key_index=index,
+                        docs=d[:, index[:32]] if docs else None, key_docs=d[:, index] if docs else None), 32
+        rule = dense_mask(span, window, "cpu", torch.float32)[0, 0] == 0
+    q = torch.randn(1, 4, Tq, 8, generator=g)
     k, v = (torch.randn(1, 2, 64, 8, generator=g) for _ in "kv")
-    dense = F.scaled_dot_product_attention(q, k, v, attn_mask=dense_mask(span, window, "cpu", q.dtype), enable_gqa=True)
+    blocks = block_mask(span, window, Tq, 64, "cpu")
+    i, j = torch.arange(Tq)[:, None], torch.arange(64)[None, :]
+    assert torch.equal(blocks.mask_mod(torch.tensor(0), torch.tensor(0), i, j), rule)
+    dense = F.scaled_dot_product_attention(q, k, v, attn_mask=rule, enable_gqa=True)
+    if order == "plain":  # what the CPU runs there
+        assert torch.equal(sliding_window(q, k, v, window), dense)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the eager reference warns that it is one
-        flex = flex_attention(q, k, v, block_mask=block_mask(span, window, 32, 64, "cpu"), enable_gqa=True)
+        flex = flex_attention(q, k, v, block_mask=blocks, enable_gqa=True)
     assert torch.allclose(flex, dense, rtol=0, atol=1e-5)  # float32 sums in two orders
 
 
