@@ -244,30 +244,55 @@ def short_docs(tmp_path_factory, pydoc_docs):
     return folder / "ds"
 
 
+# name: (workers, flags) of the --doc-mask runs on short_docs
+DOC_LAYOUTS = {
+    "doc-one": (1, {}),
+    "doc-cp2": (2, dict(cp=2)),  # documents found on the whole window, then split
+    # each stage takes its microbatch's rows of the batch's documents (every pp rank reads the
+    # batch); checkpointed blocks recompute by the microbatch's span in backward
+    "doc-pp2": (2, dict(pp=2, pp_schedule="1f1b", microbatches=4, activation_checkpointing="full")),
+}
+
+
+@pytest.fixture(scope="module")
+def doc_runs(short_docs, cp_storage):
+    """runs(name): a --doc-mask layout's (per-step losses, metrics rows), each run once."""
+    done = {}
+
+    def get(name):
+        if name not in done:
+            workers, flags = DOC_LAYOUTS[name]
+            done[name] = run_config(cp_config(short_docs, cp_storage, name, workers, {**flags, "doc_mask": True}))
+        return done[name]
+
+    return get
+
+
 @pytest.mark.slow
-def test_document_masked_cp2_trains_the_one_worker_model(short_docs, cp_storage):
-    """--doc-mask on packed windows of several documents: at --cp 2 (documents found on the whole
-    window, then split) the one-worker doc-masked run's losses, gradient norms and validation
-    loss, step for step."""
+@pytest.mark.parametrize("layout", [n for n in DOC_LAYOUTS if n != "doc-one"])
+def test_document_masked_layouts_train_the_one_worker_model(doc_runs, short_docs, cp_storage, layout):
+    """--doc-mask on packed windows of several documents: at --cp 2 and --pp 2 (four
+    microbatches, full checkpointing) the one-worker doc-masked run's losses, gradient norms and
+    validation loss, step for step."""
     from conftest import batches_as_read
     from raytrain_lm.data.manifest import load_manifest
 
     eot = load_manifest(short_docs)["tokenizer"]["eot_id"]
-    runs = {}
-    for name, (workers, flags) in {"doc-one": (1, {}), "doc-cp2": (2, dict(cp=2))}.items():
-        cfg = cp_config(short_docs, cp_storage, name, workers, {**flags, "doc_mask": True})
-        runs[name] = run_config(cfg)
-    (losses, rows), (reference, one) = runs["doc-cp2"], runs["doc-one"]
+    (losses, rows), (reference, one) = doc_runs(layout), doc_runs("doc-one")
     assert losses.keys() == reference.keys() == set(range(1, STEPS + 1))
     for step in reference:
         assert losses[step] == pytest.approx(reference[step], rel=1e-4), step
     for row, ref in zip(rows, one, strict=True):
         assert row["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4), row["step"]
     # a BPE's bits per byte: each data-parallel group's text bytes counted once, not per cp rank
+    # or stage
     for key in ("val_loss", "val_bpb"):
         assert rows[-1][key] == pytest.approx(one[-1][key], rel=1e-4), key
-    x, _ = batches_as_read(cfg).next()
-    assert bool((x[:, 1:] == eot).any())  # a document starts inside a window: the mask matters
+    x, _ = batches_as_read(cp_config(short_docs, cp_storage, layout, *DOC_LAYOUTS[layout])).next()
+    # a document starts inside a window, in different places in different rows: the mask matters,
+    # and differs by microbatch
+    starts = (x[:, 1:] == eot)
+    assert bool(starts.any()) and not bool((starts == starts[:1]).all())
 
 
 def test_cp2_on_ray_workers_trains_the_one_worker_model(ray_address, cp_runs, pydoc_data, cp_storage):
@@ -283,7 +308,6 @@ def test_cp2_on_ray_workers_trains_the_one_worker_model(ray_address, cp_runs, py
     (dict(workers=3, cp=2), "--workers 3 must be a multiple of --tp x --pp x --cp = 2"),
     (dict(workers=2, cp=0), "--tp, --pp, --ep and --cp must be at least 1"),
     (dict(workers=4, cp=4, seq_len=36), "--seq-len 36 must be divisible by 2 x --cp = 8"),
-    (dict(workers=2, pp=2, doc_mask=True), "--doc-mask with --pp is not supported yet"),
 ])
 def test_cp_layouts_that_cannot_work_are_refused(flags, expected):
     """One line each, before anything starts (config/layout.py, what `train` checks first)."""

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -61,6 +62,17 @@ class Span:
     @property
     def kdocs(self) -> Optional[torch.Tensor]:
         return self.docs if self.key_docs is None else self.key_docs
+
+    def of_rows(self, rows: torch.Tensor) -> "Span":
+        """The span of these rows of the batch (a pipeline's microbatch: its stages run a part of
+        the batch the span was made for): the rows' documents and positions, masks of their own;
+        the span itself where every row attends alike (no documents)."""
+        if self.docs is None:
+            return self
+        rows = rows.to(self.docs.device)
+        return dataclasses.replace(
+            self, docs=self.docs[rows], key_docs=None if self.key_docs is None else self.key_docs[rows],
+            positions=self.positions[rows] if self.positions.dim() == 2 else self.positions, masks={})
 
 
 _SPAN: contextvars.ContextVar[Optional[Span]] = contextvars.ContextVar("raytrain_lm_span", default=None)
