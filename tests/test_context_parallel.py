@@ -143,6 +143,23 @@ def test_a_packed_windows_loss_is_the_token_weighted_sum_of_its_documents():
     assert unmasked != pytest.approx(weighted, rel=1e-4)
 
 
+@pytest.mark.parametrize("cp", [1, 2])
+def test_a_microbatchs_rows_of_the_span_are_the_span_of_those_rows(cp):
+    """A pipeline stage runs a microbatch of the batch's rows under the span of the whole batch
+    (every pp rank reads the batch): Span.of_rows gives the span built from those rows alone
+    (their documents and restarted positions, the keys' documents), at cp 1 and on cp 2's rank 1."""
+    from raytrain_lm.parallel.cp import ContextParallel
+
+    x = torch.cat([packed_window(lengths, seed=i)[0]
+                   for i, lengths in enumerate([[9, 20, 3, 32], [30, 34], [5, 59], [64]])])
+    context = ContextParallel(cp, cp - 1, None, SEP)
+    rows = torch.tensor([2, 3])
+    got, alone = context.shard(x, x)[2].of_rows(rows), context.shard(x[rows], x[rows])[2]
+    for name in ("index", "positions", "docs", "key_index", "key_docs"):
+        assert torch.equal(getattr(got, name), getattr(alone, name)), name
+    assert not torch.equal(got.docs, context.shard(x, x)[2].docs[:2])  # the rows' own documents
+
+
 @pytest.mark.parametrize("arch,window,docs", [("gpt", None, False), ("llama", None, False),
                                               ("llama", None, True), ("llama", 11, False),
                                               ("llama", 11, True)])
