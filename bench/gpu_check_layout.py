@@ -278,8 +278,9 @@ def run_attention(name: str, settings: dict, kind: str, device: torch.device) ->
     """An attention row: the model's own attention module (a one-block Llama's, the path of
     settings["attention"]: causal, a sliding window shorter than the sequence, documents: a
     packed window of two documents under --doc-mask's span, or cp-chunks: the window in --cp 2's
-    gathered chunk order masked by place; a span's path takes flex_attention's block mask on a
-    GPU, models/attention.py, and is compared with the dense mask's: `against_dense`), forward
+    gathered chunk order masked by place; a span's path and the sliding window's (no span: the
+    plain forward past the window) take flex_attention's block mask on a GPU,
+    models/attention.py, and are compared with the dense mask's: `against_dense`), forward
     and backward on random activations in bf16 on a GPU (fp32 on the CPU): which SDPA
     kernel ran (the op it dispatched to), which fused kernels take this path (each tried alone
     under sdpa_kernel), the milliseconds of one forward and backward, the peak memory."""
@@ -354,7 +355,7 @@ def run_attention(name: str, settings: dict, kind: str, device: torch.device) ->
                peak_mem_gb=torch.cuda.max_memory_allocated(device) / 1e9
                if device.type == "cuda" else None, precision=str(dtype).replace("torch.", ""),
                status="ok")
-    if span is not None:
+    if span is not None or path == "sliding-window":  # flex_attention's paths on a GPU
         row.update(against_dense(step, spans, spec["iters"], device))
     return row
 
@@ -374,7 +375,8 @@ def timed(step, iters: int, device: torch.device) -> list[float]:
 
 
 def against_dense(step, spans, iters: int, device: torch.device) -> dict:
-    """A masked path (a span's) against the same mask materialised for SDPA, what the CPU runs
+    """A masked path (a span's, or the plain sliding window's, whose span is
+    attention.window_span) against the same mask materialised for SDPA, what the CPU runs
     (models/attention.dense_mask; on a GPU the masked path is flex_attention's block mask): the
     largest difference of the outputs, and the dense path's kernel, time and peak memory: what
     the fused path saves."""

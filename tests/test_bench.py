@@ -324,9 +324,11 @@ def test_gpu_check_smoke_runs_every_layout_on_cpu_with_torch_alone(tmp_path):
         assert r["status"] == "ok" and r["step_time"] > 0, r
         assert r["kernel"] == "flash" and r["fused_kernels"] == ["flash"], r
         assert any("flash_attention_for_cpu" in op for op in r["sdpa_ops"]), r
-    # the masked paths (two documents, --cp 2's chunk order) against their mask dense: on a CPU
-    # the masked path is the dense mask itself, so the same outputs (on a GPU: flex_attention's)
-    for path in ("documents", "cp-chunks"):
+    assert "dense_step_time" not in attention["attention causal"]
+    # the masked paths (the sliding window past it, two documents, --cp 2's chunk order) against
+    # their mask dense: on a CPU the masked path is the dense mask itself, so the same outputs
+    # (on a GPU: flex_attention's)
+    for path in ("sliding-window", "documents", "cp-chunks"):
         r = attention[f"attention {path}"]
         assert r["status"] == "ok" and r["step_time"] > 0 and r["dense_step_time"] > 0, r
         assert r["dense_max_diff"] == 0.0 and r["dense_kernel"] == "flash", r

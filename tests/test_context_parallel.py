@@ -143,6 +143,23 @@ def test_a_packed_windows_loss_is_the_token_weighted_sum_of_its_documents():
     assert unmasked != pytest.approx(weighted, rel=1e-4)
 
 
+@pytest.mark.parametrize("cp", [1, 2])
+def test_a_microbatchs_rows_of_the_span_are_the_span_of_those_rows(cp):
+    """A pipeline stage runs a microbatch of the batch's rows under the span of the whole batch
+    (every pp rank reads the batch): Span.of_rows gives the span built from those rows alone
+    (their documents and restarted positions, the keys' documents), at cp 1 and on cp 2's rank 1."""
+    from raytrain_lm.parallel.cp import ContextParallel
+
+    x = torch.cat([packed_window(lengths, seed=i)[0]
+                   for i, lengths in enumerate([[9, 20, 3, 32], [30, 34], [5, 59], [64]])])
+    context = ContextParallel(cp, cp - 1, None, SEP)
+    rows = torch.tensor([2, 3])
+    got, alone = context.shard(x, x)[2].of_rows(rows), context.shard(x[rows], x[rows])[2]
+    for name in ("index", "positions", "docs", "key_index", "key_docs"):
+        assert torch.equal(getattr(got, name), getattr(alone, name)), name
+    assert not torch.equal(got.docs, context.shard(x, x)[2].docs[:2])  # the rows' own documents
+
+
 @pytest.mark.parametrize("arch,window,docs", [("gpt", None, False), ("llama", None, False),
                                               ("llama", None, True), ("llama", 11, False),
                                               ("llama", 11, True)])
@@ -244,30 +261,55 @@ def short_docs(tmp_path_factory, pydoc_docs):
     return folder / "ds"
 
 
+# name: (workers, flags) of the --doc-mask runs on short_docs
+DOC_LAYOUTS = {
+    "doc-one": (1, {}),
+    "doc-cp2": (2, dict(cp=2)),  # documents found on the whole window, then split
+    # each stage takes its microbatch's rows of the batch's documents (every pp rank reads the
+    # batch); checkpointed blocks recompute by the microbatch's span in backward
+    "doc-pp2": (2, dict(pp=2, pp_schedule="1f1b", microbatches=4, activation_checkpointing="full")),
+}
+
+
+@pytest.fixture(scope="module")
+def doc_runs(short_docs, cp_storage):
+    """runs(name): a --doc-mask layout's (per-step losses, metrics rows), each run once."""
+    done = {}
+
+    def get(name):
+        if name not in done:
+            workers, flags = DOC_LAYOUTS[name]
+            done[name] = run_config(cp_config(short_docs, cp_storage, name, workers, {**flags, "doc_mask": True}))
+        return done[name]
+
+    return get
+
+
 @pytest.mark.slow
-def test_document_masked_cp2_trains_the_one_worker_model(short_docs, cp_storage):
-    """--doc-mask on packed windows of several documents: at --cp 2 (documents found on the whole
-    window, then split) the one-worker doc-masked run's losses, gradient norms and validation
-    loss, step for step."""
+@pytest.mark.parametrize("layout", [n for n in DOC_LAYOUTS if n != "doc-one"])
+def test_document_masked_layouts_train_the_one_worker_model(doc_runs, short_docs, cp_storage, layout):
+    """--doc-mask on packed windows of several documents: at --cp 2 and --pp 2 (four
+    microbatches, full checkpointing) the one-worker doc-masked run's losses, gradient norms and
+    validation loss, step for step."""
     from conftest import batches_as_read
     from raytrain_lm.data.manifest import load_manifest
 
     eot = load_manifest(short_docs)["tokenizer"]["eot_id"]
-    runs = {}
-    for name, (workers, flags) in {"doc-one": (1, {}), "doc-cp2": (2, dict(cp=2))}.items():
-        cfg = cp_config(short_docs, cp_storage, name, workers, {**flags, "doc_mask": True})
-        runs[name] = run_config(cfg)
-    (losses, rows), (reference, one) = runs["doc-cp2"], runs["doc-one"]
+    (losses, rows), (reference, one) = doc_runs(layout), doc_runs("doc-one")
     assert losses.keys() == reference.keys() == set(range(1, STEPS + 1))
     for step in reference:
         assert losses[step] == pytest.approx(reference[step], rel=1e-4), step
     for row, ref in zip(rows, one, strict=True):
         assert row["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4), row["step"]
     # a BPE's bits per byte: each data-parallel group's text bytes counted once, not per cp rank
+    # or stage
     for key in ("val_loss", "val_bpb"):
         assert rows[-1][key] == pytest.approx(one[-1][key], rel=1e-4), key
-    x, _ = batches_as_read(cfg).next()
-    assert bool((x[:, 1:] == eot).any())  # a document starts inside a window: the mask matters
+    x, _ = batches_as_read(cp_config(short_docs, cp_storage, layout, *DOC_LAYOUTS[layout])).next()
+    # a document starts inside a window, in different places in different rows: the mask matters,
+    # and differs by microbatch
+    starts = (x[:, 1:] == eot)
+    assert bool(starts.any()) and not bool((starts == starts[:1]).all())
 
 
 def test_cp2_on_ray_workers_trains_the_one_worker_model(ray_address, cp_runs, pydoc_data, cp_storage):
@@ -283,7 +325,6 @@ def test_cp2_on_ray_workers_trains_the_one_worker_model(ray_address, cp_runs, py
     (dict(workers=3, cp=2), "--workers 3 must be a multiple of --tp x --pp x --cp = 2"),
     (dict(workers=2, cp=0), "--tp, --pp, --ep and --cp must be at least 1"),
     (dict(workers=4, cp=4, seq_len=36), "--seq-len 36 must be divisible by 2 x --cp = 8"),
-    (dict(workers=2, pp=2, doc_mask=True), "--doc-mask with --pp is not supported yet"),
 ])
 def test_cp_layouts_that_cannot_work_are_refused(flags, expected):
     """One line each, before anything starts (config/layout.py, what `train` checks first)."""
@@ -340,31 +381,44 @@ def test_kv_kept_as_the_ranks_part_and_gathered_again_gives_the_same_gradients(a
         assert torch.allclose(got, want, rtol=0, atol=1e-12)
 
 
-@pytest.mark.parametrize("window,docs", [(None, False), (11, True)])
-def test_the_gpus_block_mask_is_the_dense_masks_rule(window, docs):
-    """The GPU path's flex_attention BlockMask (built from the same rule) gives the dense mask's
-    attention, here with flex_attention's eager reference on the CPU (the GPU compiles it), for
-    the cp ranks' chunk order with documents and a sliding window."""
+@pytest.mark.parametrize("order,window,docs", [("cp", None, False), ("cp", 11, True), ("plain", 11, False)])
+def test_the_gpus_block_mask_is_the_dense_masks_rule(order, window, docs):
+    """The GPU path's flex_attention BlockMask (built from the same rule) is the dense mask's rule
+    at every (query, key) and gives its attention, here with flex_attention's eager reference on
+    the CPU (the GPU compiles it): for the cp ranks' chunk order with documents and a sliding
+    window, and for a plain forward past its sliding window (the Llama's without a span:
+    attention.window_span's block mask against llama.window_mask and the CPU's SDPA with it)."""
     import warnings
 
     import torch.nn.functional as F
     from torch.nn.attention.flex_attention import flex_attention
 
-    from raytrain_lm.models.attention import Span, block_mask, dense_mask, document_ids
+    from raytrain_lm.models.attention import Span, block_mask, dense_mask, document_ids, sliding_window, window_span
+    from raytrain_lm.models.llama.llama import window_mask
     from raytrain_lm.parallel.cp import chunk_index
 
-    x, _, _ = packed_window([13, 27, 24])
-    order = torch.cat([chunk_index(64, 2, r) for r in range(2)])
-    d = document_ids(x, SEP)
-    span = Span(index=order[:32], positions=order[:32], key_index=order,
-                docs=d[:, order[:32]] if docs else None, key_docs=d[:, order] if docs else None)
     g = torch.Generator().manual_seed(1)
-    q = torch.randn(1, 4, 32, 8, generator=g)
+    if order == "plain":
+        span, Tq = window_span(64, "cpu"), 64
+        rule = window_mask(0, 64, 64, window, "cpu")
+    else:
+        x, _, _ = packed_window([13, 27, 24])
+        index = torch.cat([chunk_index(64, 2, r) for r in range(2)])
+        d = document_ids(x, SEP)
+        span, Tq = Span(index=index[:32], positions=index[:32], key_index=index,
+                        docs=d[:, index[:32]] if docs else None, key_docs=d[:, index] if docs else None), 32
+        rule = dense_mask(span, window, "cpu", torch.float32)[0, 0] == 0
+    q = torch.randn(1, 4, Tq, 8, generator=g)
     k, v = (torch.randn(1, 2, 64, 8, generator=g) for _ in "kv")
-    dense = F.scaled_dot_product_attention(q, k, v, attn_mask=dense_mask(span, window, "cpu", q.dtype), enable_gqa=True)
+    blocks = block_mask(span, window, Tq, 64, "cpu")
+    i, j = torch.arange(Tq)[:, None], torch.arange(64)[None, :]
+    assert torch.equal(blocks.mask_mod(torch.tensor(0), torch.tensor(0), i, j), rule)
+    dense = F.scaled_dot_product_attention(q, k, v, attn_mask=rule, enable_gqa=True)
+    if order == "plain":  # what the CPU runs there
+        assert torch.equal(sliding_window(q, k, v, window), dense)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the eager reference warns that it is one
-        flex = flex_attention(q, k, v, block_mask=block_mask(span, window, 32, 64, "cpu"), enable_gqa=True)
+        flex = flex_attention(q, k, v, block_mask=blocks, enable_gqa=True)
     assert torch.allclose(flex, dense, rtol=0, atol=1e-5)  # float32 sums in two orders
 
 

@@ -30,6 +30,13 @@ LAYOUTS = {  # name: (workers, flags)
     # composed with ep (an ep group per cp index, the experts sharded over edp x cp)
     "cp2": (2, dict(cp=2)),
     "cp2xep2": (4, dict(cp=2, ep=2, strategy="fsdp")),
+    # a pipeline whose stages' attention gathers over their cp group, each stage's balance loss
+    # summing its expert shares over the cp ranks
+    "cp2xpp2": (4, dict(cp=2, pp=2, strategy="ddp", pp_schedule="1f1b", microbatches=4)),
+    # cp x ep x tp is not here: its smallest layout is 8 ranks (ep divides dp, so dp 2), whose run
+    # costs several times these; cp x ep and tp x ep train here, cp x tp (the Llama) in
+    # test_context_parallel, and its mesh groups are test_cp_and_ep_groups_are_the_layouts_coordinates'
+    # (fake ranks)
 }
 
 

@@ -78,7 +78,7 @@ def check_name(name: Optional[str]) -> None:
 def check_layout(cfg: TrainConfig) -> None:
     """What the parallel layout needs (config/layout.py), checked before any worker starts: the
     first problem, one line."""
-    problems = Layout.of(cfg).problems(cfg.model, cfg.precision, cfg.compile, cfg.doc_mask)
+    problems = Layout.of(cfg).problems(cfg.model, cfg.precision, cfg.compile)
     if problems:
         raise UserError(problems[0])
 

@@ -173,10 +173,9 @@ class Layout:
 
     # ---------------------------------------------------------------- the rules
 
-    def problems(self, m: ModelConfig, precision: str = "auto", compile: bool = False,
-                 doc_mask: bool = False) -> list[str]:
+    def problems(self, m: ModelConfig, precision: str = "auto", compile: bool = False) -> list[str]:
         """What this layout cannot train for model `m` with `precision` (fp16: a gradient
-        scaler), `compile` and `doc_mask`, one line each, in the order a user should fix them; [] when it
+        scaler) and `compile`, one line each, in the order a user should fix them; [] when it
         trains."""
         out = []
         heads = family(m).check_layout(m, self.tp, self.ep)
@@ -198,9 +197,6 @@ class Layout:
         if self.cp > 1 and self.seq_len % (2 * self.cp):
             out.append(f"--seq-len {self.seq_len} must be divisible by 2 x --cp = {2 * self.cp}: "
                        f"each window is split into {2 * self.cp} equal chunks")
-        if doc_mask and self.pp > 1:
-            out.append("--doc-mask with --pp is not supported yet: a later stage sees no tokens "
-                       "to find the documents in")
         if compile and self.cp > 1:
             out.append("--compile works with --cp 1 for now")
         if compile and (self.tp > 1 or self.pp > 1):

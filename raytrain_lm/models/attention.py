@@ -17,13 +17,18 @@ for every family (the GPT's learned positions are absolute; for rotary ones a sh
 q.k anyway) and as Hugging Face's packed-sequence position_ids do.
 
 Kernels: on a GPU, flex_attention with a block mask built from the same rule (compiled: a fused
-kernel that skips the fully masked blocks); on the CPU, SDPA with the dense boolean mask.
+kernel that skips the fully masked blocks); on the CPU, SDPA with the dense boolean mask. A
+model's plain forward past its sliding window (no span, no KV cache: training and evaluation of
+a Mistral-like model on windows longer than its window) attends by the same rule and kernels
+(`sliding_window`): SDPA's fused kernels take no mask but the causal one, and a dense mask sends
+a GPU's SDPA to the math kernel, which materialises every (query, key) score.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -57,6 +62,17 @@ class Span:
     @property
     def kdocs(self) -> Optional[torch.Tensor]:
         return self.docs if self.key_docs is None else self.key_docs
+
+    def of_rows(self, rows: torch.Tensor) -> "Span":
+        """The span of these rows of the batch (a pipeline's microbatch: its stages run a part of
+        the batch the span was made for): the rows' documents and positions, masks of their own;
+        the span itself where every row attends alike (no documents)."""
+        if self.docs is None:
+            return self
+        rows = rows.to(self.docs.device)
+        return dataclasses.replace(
+            self, docs=self.docs[rows], key_docs=None if self.key_docs is None else self.key_docs[rows],
+            positions=self.positions[rows] if self.positions.dim() == 2 else self.positions, masks={})
 
 
 _SPAN: contextvars.ContextVar[Optional[Span]] = contextvars.ContextVar("raytrain_lm_span", default=None)
@@ -111,6 +127,34 @@ def mask_rule(q_index, k_index, window: Optional[int], q_docs=None, k_docs=None)
     if q_docs is not None:
         ok = ok & (k_docs == q_docs)
     return ok
+
+
+_WINDOWS: dict = {}  # (T, device) -> the plain window's Span, whose masks hold its block masks
+
+
+def window_span(T: int, device) -> Span:
+    """A whole window of T tokens in order, no documents, no cp: the span a plain forward past its
+    sliding window attends by on a GPU. One per (T, device), so its block mask is built once
+    (the GPU path caches only block masks on it: a few bytes per 128 x 128 block)."""
+    key = (T, str(device))
+    if key not in _WINDOWS:
+        index = torch.arange(T, device=device)
+        _WINDOWS[key] = Span(index=index, positions=index)
+    return _WINDOWS[key]
+
+
+def sliding_window(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int,
+                   scale: Optional[float] = None) -> torch.Tensor:
+    """Causal attention of a whole window's q (B, H, T, d) over its k, v (B, KV, T, d), each query
+    seeing the `window` keys up to itself (`mask_rule`): on a GPU flex_attention with the rule's
+    block mask (compiled: fused, the blocks outside every window skipped), on the CPU SDPA with
+    the dense boolean mask, built per call as SDPA's masked path always was."""
+    T, gqa = q.size(2), q.size(1) != k.size(1)
+    if q.is_cuda:
+        return _flex(q, k, v, window_span(T, q.device), window, gqa, scale)
+    index = torch.arange(T, device=q.device)
+    mask = mask_rule(index[:, None], index[None, :], window)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa, scale=scale)
 
 
 def dense_mask(span: Span, window: Optional[int], device, dtype) -> torch.Tensor:

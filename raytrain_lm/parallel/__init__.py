@@ -174,6 +174,16 @@ class Built:
         x, y, span = self.context.shard(x, y)
         return x, y, attention.using(span)
 
+    def stage_kwargs(self, x: torch.Tensor) -> dict:
+        """What a pipeline schedule's step hands every stage beside the first stage's inputs `x`:
+        each row's index in the batch where attention differs by row (document masking), for
+        the stages to take their microbatch's part of the span (parallel/pp.py)."""
+        if self.context is None or self.context.separator is None:
+            return {}
+        from raytrain_lm.parallel.pp import microbatch_kwargs
+
+        return microbatch_kwargs(x)
+
     def train(self, mode: bool = True) -> None:
         for module in self.modules:
             module.train(mode)

@@ -7,6 +7,8 @@ import functools
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from raytrain_lm.models import attention
+
 _ATTENTION_OPS = {
     torch.ops.aten._scaled_dot_product_flash_attention.default,
     torch.ops.aten._scaled_dot_product_efficient_attention.default,
@@ -60,6 +62,16 @@ def apply_activation_checkpointing(model: torch.nn.Module, mode: str) -> None:
             if not torch.is_grad_enabled():  # eval and generation: nothing to save
                 return _inner(*args, **kwargs)
             extra = {"context_fn": context_fn} if context_fn else {}
-            return checkpoint(_inner, *args, use_reentrant=False, **extra, **kwargs)
+            # the recomputation in backward attends by the span this forward ran in, not by
+            # whatever is installed when backward reaches it (a pipeline stage's microbatch
+            # span is installed for its forward only: parallel/pp.py)
+            span = attention.current()
+            fn = _inner if span is None else functools.partial(_within, span, _inner)
+            return checkpoint(fn, *args, use_reentrant=False, **extra, **kwargs)
 
         block.forward = forward
+
+
+def _within(span, fn, *args, **kwargs):
+    with attention.using(span):
+        return fn(*args, **kwargs)

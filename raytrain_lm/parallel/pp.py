@@ -36,7 +36,7 @@ from torch.distributed.pipelining.schedules import (
 from torch.distributed.tensor import DTensor, Shard
 
 from raytrain_lm.config.layout import Layout
-from raytrain_lm.models import build_model
+from raytrain_lm.models import attention, build_model
 from raytrain_lm.models.decoder import Decoder, attach_aux_loss, take_aux_losses
 from raytrain_lm.parallel.mesh import world_timeout
 
@@ -63,7 +63,16 @@ class Stage(nn.Module):
             for name in model.HEAD:
                 setattr(self, name, getattr(model, name))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """`rows`: this microbatch's rows of the step's batch, where attention differs by row
+        (document masking: the installed span is the whole batch's, `microbatch_kwargs`)."""
+        span = attention.current()
+        if rows is None or span is None:
+            return self._forward(x)
+        with attention.using(span.of_rows(rows)):
+            return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.is_first:
             x = self.arch.embed(self, x)  # token ids -> embeddings
         for block in self.h.values():
@@ -73,6 +82,14 @@ class Stage(nn.Module):
         if self.is_last:
             x = self.arch.head(self, x)  # logits (the local vocab shard under TP)
         return x
+
+
+def microbatch_kwargs(x: torch.Tensor) -> dict:
+    """What a schedule's step passes every stage beside the first stage's inputs when attention
+    differs by row (document masking): each row's index in the batch, which the schedule splits
+    into microbatches as it splits the inputs, so each stage attends by its microbatch's rows of
+    the span (every pp rank reads the same batch: the span is whole on each)."""
+    return {"rows": torch.arange(x.size(0), device=x.device)}
 
 
 def stage_ids(pp_rank: int, pp_size: int, stages_per_rank: int) -> list[int]:

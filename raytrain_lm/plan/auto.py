@@ -49,7 +49,7 @@ def kind_text(kind: Optional[str], use_gpu: bool) -> str:
 
 def trainable(cfg, lay: Layout) -> bool:
     """Whether `train` runs this layout with cfg's other settings (the layout's own rules)."""
-    return not lay.problems(cfg.model, cfg.precision, cfg.compile, cfg.doc_mask)
+    return not lay.problems(cfg.model, cfg.precision, cfg.compile)
 
 
 def choose_layout(cfg, cl: Cluster) -> tuple[Estimate, str]:

@@ -203,7 +203,7 @@ class TrainStep:
         with self.autocast, m.loss_ctx():
             self.timer.measure(lambda: m.schedule.step(*((x,) if m.has_first else ()),
                                                        target=y if m.has_last else None,
-                                                       losses=losses))
+                                                       losses=losses, **m.stage_kwargs(x)))
         if not m.has_last:
             return torch.zeros((), device=self.device)
         return torch.stack([_local(loss.detach()) for loss in losses]).mean()
@@ -271,7 +271,7 @@ class TrainStep:
         losses: list[torch.Tensor] = []
         with self.autocast, m.loss_ctx(), m.loss_fn.summing():
             m.schedule.eval(*((x,) if m.has_first else ()),
-                            target=y if m.has_last else None, losses=losses)
+                            target=y if m.has_last else None, losses=losses, **m.stage_kwargs(x))
         if not m.has_last:
             return torch.zeros((), dtype=torch.float64, device=self.device)
         return torch.stack([_local(loss).double() for loss in losses]).sum()

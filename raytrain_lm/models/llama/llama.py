@@ -29,7 +29,9 @@ Choices that matter outside this file:
   takes some blocks takes the tables with them; a KV-cached step reads the rows of its
   positions from the same tables (the cache's length is where the new tokens start).
 * A sliding window needs no mask while every query's keys fit in it (the causal kernel is then
-  exact); past it, an explicit (queries x keys) mask (`window_mask`).
+  exact). Past it, a whole window's forward (training, evaluation) attends by
+  models/attention.sliding_window (a GPU's flex_attention block mask: a fused kernel); a KV-cached
+  step by an explicit (queries x keys) mask (`window_mask`), both of attention.mask_rule.
 """
 
 from __future__ import annotations
@@ -181,7 +183,9 @@ class Attention(nn.Module):
         if cache is not None and T > 1 and k.size(2) != T:
             raise ValueError("a multi-token step is only supported on an empty cache")
         gqa = q.size(1) != k.size(1)
-        if self.window is not None and k.size(2) > self.window:  # some query sees past its window
+        if cache is None and self.window is not None and T > self.window:  # a whole window past it
+            y = attention.sliding_window(q, k, v, self.window, scale=self.scale)
+        elif self.window is not None and k.size(2) > self.window:  # some query sees past its window
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=window_mask(start, T, k.size(2),
                                                                               self.window, q.device),
                                                enable_gqa=gqa, scale=self.scale)
@@ -196,8 +200,7 @@ def window_mask(start: int, T: int, keys: int, window: int, device) -> torch.Ten
     """(T, keys) booleans: query at position start + i sees key j where j <= start + i and
     start + i - j < window (transformers' sliding_window_overlay on its causal mask)."""
     q = torch.arange(start, start + T, device=device)[:, None]
-    k = torch.arange(keys, device=device)[None, :]
-    return (k <= q) & (q - k < window)
+    return attention.mask_rule(q, torch.arange(keys, device=device)[None, :], window)
 
 
 class SwiGLU(nn.Module):
