@@ -188,6 +188,8 @@ def test_zero_and_fsdp_workers_measure_their_own_gradient(ddp_ranks, strategy):
 
 # ---------------------------------------------------------------- every data-parallel layout
 
+MOE = ["model.arch=moe", "model.n_experts=4", "model.top_k=2", "model.ffn_dim=32",
+       "model.aux_loss_coef=0", "model.z_loss_coef=0"]
 # name: (model sets beyond SETS, flags, sequences per batches.next(), batches.next() per step).
 # 4 ranks each; the ranks run in float64 (torch's default dtype), as the reference does.
 LAYOUTS = {
@@ -199,8 +201,11 @@ LAYOUTS = {
     "fsdp-pp2": ([], dict(pp=2, strategy="fsdp", pp_schedule="gpipe", microbatches=2, batch_size=2 * MICRO),
                  2 * MICRO, 1),
     "tp4-accum2-sp": (["model.n_head=4"], dict(tp=4, grad_accum=2, sequence_parallel=True), MICRO, 2),
-    "fsdp-ep2": (["model.arch=moe", "model.n_experts=4", "model.top_k=2", "model.ffn_dim=32",
-                  "model.aux_loss_coef=0", "model.z_loss_coef=0"], dict(ep=2, strategy="fsdp"), MICRO, 1),
+    "fsdp-ep2": (MOE, dict(ep=2, strategy="fsdp"), MICRO, 1),
+    "ddp-cp2-accum2": ([], dict(cp=2, strategy="ddp", grad_accum=2), MICRO, 2),
+    "zero2-cp2": ([], dict(cp=2, strategy="zero2"), MICRO, 1),
+    "cp4-accum2": ([], dict(cp=4, grad_accum=2), MICRO, 2),
+    "fsdp-cp2-ep2": (MOE, dict(cp=2, ep=2, strategy="fsdp"), MICRO, 1),
 }
 
 
@@ -216,7 +221,11 @@ def layout_batches(name, dp_rank):
 
 
 def layouts_rank(rank, store, out):
-    """One step of every layout of LAYOUTS on 4 ranks: what each rank measured and its Meter row."""
+    """One step of every layout of LAYOUTS on 4 ranks: what each rank measured and its Meter row
+    (a replicated layout in nn.parallel.DistributedDataParallel, as Ray's prepare_model wraps it)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from raytrain_lm.parallel.ddp import DDP_KWARGS
     from raytrain_lm.worker.metrics import Meter
     from raytrain_lm.worker.step import TrainStep
 
@@ -225,7 +234,7 @@ def layouts_rank(rank, store, out):
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=4)
     got = {}
     for name in LAYOUTS:
-        step = TrainStep(layout_config(name), CPU)
+        step = TrainStep(layout_config(name), CPU, ddp_wrap=lambda m: DDP(m, **DDP_KWARGS))
         meter = Meter(CPU, 4, 1.0, None, 1, 0.0, loss_ranks=step.dp, noise_batches=step.noise_batches)
         step.train()
         loss, norm = step(layout_batches(name, step.model.coords.dp), 1e-3)
@@ -247,8 +256,9 @@ def layout_ranks(tmp_path_factory):
 
 def reference(name):
     """(|G_b|^2 averaged over the dp ranks, |G_B|^2, b, B) in one float64 process from the same
-    initial weights and batches: each dp rank's gradient of its mean loss, the step's their mean
-    (one dp rank: its first micro-batch's, the step's). The parameters the layout leaves out
+    initial weights and batches: each dp rank's gradient of its mean loss (a cp group's whole
+    windows), the step's their mean (one dp rank: its first micro-batch's, the step's). The
+    parameters the layout leaves out
     (parallel/noise.py: the pipeline's tied embedding, the experts under expert parallelism)
     are left out here."""
     from raytrain_lm.models import build_model, family
@@ -263,8 +273,8 @@ def reference(name):
     keep = [i for i, n in enumerate(names)
             if not (cfg.pp > 1 and family(cfg.model).tied(cfg.model) and n == "wte.weight")
             and not (cfg.ep > 1 and f".{family(cfg.model).experts}." in f".{n}")]
-    tp, pp = cfg.tp, cfg.pp
-    dp = 4 // (tp * pp)
+    tp, pp, cp = cfg.tp, cfg.pp, cfg.cp
+    dp = 4 // (tp * pp * cp)
     xs = [layout_batches(name, r).xs for r in range(dp)]
     if dp == 1:
         small = [grad_of(model, xs[0][:1])]
@@ -279,12 +289,14 @@ def reference(name):
     return sum(sq(kept(g)) for g in small) / len(small), sq(kept(big)), b, big_b, len(keep) < len(names)
 
 
-@pytest.mark.slow  # four spawned ranks, seven layouts: ~60 s
+@pytest.mark.slow  # four spawned ranks, eleven layouts: ~60 s
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_every_layout_gives_the_one_process_formula(layout_ranks, name):
     """tp (replicate, FSDP, ZeRO-2, sequence parallel: Partial gradients), pp (a tied embedding
-    left out, the schedule's summed microbatches), one dp rank over tp4 (its first micro-batch)
-    and experts over ep (left out), with and without accumulation: the ranks' squares summed
+    left out, the schedule's summed microbatches), one dp rank over tp4 or cp4 (its first
+    micro-batch), cp over DDP, ZeRO-2 and with experts (each cp rank's gradient a part of its dp
+    rank's: the cp ranks' cross terms) and experts over ep (left out), with and without
+    accumulation: the ranks' squares summed
     over every rank (as the row's all-gather does) are the dp ranks' mean |G_b|^2, the clipping
     norm less the excluded part |G_B|^2, and the row's |G|^2 and tr(Sigma) the formula on them,
     all from float64 gradients computed in one process."""
