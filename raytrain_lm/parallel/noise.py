@@ -43,9 +43,20 @@ Parameters whose local gradient is not one dp rank's, left out of both |G_b|^2 a
 - the pipeline's tied embedding: its dp rank's gradient is the sum of the first and the last
   stage's parts (pp.sync_tied_grads, after the dp reduction); the square of a sum spread over two
   ranks needs a collective of its own;
-- the routed experts with expert parallelism: their gradient before the edp reduction is already
-  the mean over the ep group's batches (ep x b, parallel/ep.py), a third batch size, and where
-  ep = dp it is the global batch's: no smaller batch at all.
+- the routed experts where ep = dp (edp 1): their gradient before the reduction over edp is
+  already the global batch's (parallel/ep.py): no smaller batch for them across ranks. (With
+  accumulation their first micro-batch's gradient, ep x a micro-batch, would be one; not read:
+  the micro-batch's squares are taken on one dp rank's layouts only.) The estimate is then the
+  dense parameters' alone, as a model without the experts would give.
+
+The routed experts with expert parallelism over edp > 1: their gradient before the edp reduction
+is the mean over the ep group's batches (ep x b sequences, ep ranks each holding its experts' whole
+gradient), a third batch size. |G|^2 and tr(Sigma) are sums over parameters and appendix A's
+estimators are linear in the two squared norms, so each parameter set is estimated at its own
+(b, B) and the estimates added (worker/metrics.Meter): the experts' squares before the edp
+reduction are a second pair (`sq_experts`, b_experts = ep x b), beside their share of the step's
+squared norm (their |G_B|^2, taken out of the dense parameters'). `batches` is then (b, B,
+b_experts).
 No estimate (None) for a pipeline on one dp rank (its microbatches are summed inside the
 schedule) and for one dp rank without accumulation.
 
@@ -72,7 +83,8 @@ class SmallBatchNorm:
         run's --batch-size and --grad-accum (with pp: the dp rank's sequences per step, 1)."""
         self.accum, self.device = accum, device
         self.sq: Optional[torch.Tensor] = None
-        self.batches: Optional[tuple[int, int]] = None
+        self.sq_experts: Optional[torch.Tensor] = None
+        self.batches: Optional[tuple] = None
         self.micro = False
         lay, dp = built.layout, built.dp
         self.tp = lay.tp if built.tp_on else 1
@@ -81,6 +93,8 @@ class SmallBatchNorm:
         self.dtype = _at_least_fp32(self.params[0]) if self.params else torch.float32
         # context parallelism: each rank's gradient is a part of its dp rank's (see above)
         self.cp, self.cp_group = lay.cp, built.cp_group
+        # the routed experts under ep, measured at their own batch where edp > 1 (see above)
+        self.experts = _experts(built) if 1 < lay.ep < dp else set()
         self.excluded = _excluded(built)
         # the pipeline's gradients at the reduction: the sum over its microbatches (see above)
         self.factor = 1.0 / lay.microbatches ** 2 if built.pp_on else 1.0
@@ -96,6 +110,8 @@ class SmallBatchNorm:
             for group in groups:
                 _squares_before_reduce(group, self)
             self.batches = (micro_batch * accum, micro_batch * accum * dp)
+            if self.experts:
+                self.batches += (micro_batch * accum * lay.ep,)
         elif dp == 1 and accum > 1 and not built.pp_on and not groups:
             self.micro = True
             self.batches = (micro_batch, micro_batch * accum)
@@ -104,6 +120,7 @@ class SmallBatchNorm:
         """Before a step's first backward."""
         if self.batches is not None:
             self.sq = torch.zeros((), dtype=self.dtype, device=self.device)
+            self.sq_experts = torch.zeros((), dtype=self.dtype, device=self.device)
 
     def after_micro(self, micro: int, params) -> None:
         """After micro-batch `micro`'s backward: the first one's gradient (loss / accum), scaled
@@ -137,22 +154,27 @@ class SmallBatchNorm:
 
     def take(self, scale: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         """(the step's squared norm at batch b, unscaled by fp16's loss `scale` (None: none); this
-        rank's share of the excluded parameters' squared norm in the step's gradient), after the
-        step's reductions and the gradients' unscaling, before clipping."""
+        rank's share of the excluded parameters' squared norm in the step's gradient; the
+        experts' squared norm at their batch b_experts where they have one, else 0; their share
+        of the step's), after the step's reductions and the gradients' unscaling, before
+        clipping."""
         if self.batches is None or self.sq is None:
             return None
         sq, self.sq = self.sq, None
+        experts, self.sq_experts = self.sq_experts, None
         if scale is not None:
-            sq = sq / scale.float().square()
-        return torch.stack([sq, self._excluded_squares().to(sq.dtype)])
+            sq, experts = sq / scale.float().square(), experts / scale.float().square()
+        shares = [self._reduced_squares(self.excluded.get), self._reduced_squares(self.experts.__contains__)]
+        return torch.stack([sq, shares[0].to(sq.dtype), experts.to(sq.dtype), shares[1].to(sq.dtype)])
 
-    def _excluded_squares(self) -> torch.Tensor:
-        """This rank's part of the excluded parameters' squared norm in the step's reduced
-        gradient: each shard counted once over the ranks holding a copy of it (the last stage's
-        copy of a tied embedding not at all: the first stage's holds the same gradient)."""
+    def _reduced_squares(self, which) -> torch.Tensor:
+        """This rank's part of the squared norm in the step's reduced gradient of the parameters
+        `which(id)` selects: each shard counted once over the ranks holding a copy of it (the
+        last stage's copy of a tied embedding not at all: the first stage's holds the same
+        gradient)."""
         parts = []
         for p in self.params:
-            if self.excluded.get(id(p)) and p.grad is not None:
+            if which(id(p)) and p.grad is not None:
                 g = p.grad
                 parts.append((g.to_local() if isinstance(g, DTensor) else g, _world_copies(g, self.tp)))
         return _weighted_squares(parts, self.device)
@@ -162,16 +184,22 @@ def _excluded(built) -> dict[int, bool]:
     """{id of a parameter left out (see the module's doc): whether its gradient counts in the
     step's norm (False for the last stage's copy of a tied embedding)}."""
     from raytrain_lm.models import family
-    from raytrain_lm.parallel import ep, fsdp, pp
+    from raytrain_lm.parallel import pp
 
     out: dict[int, bool] = {}
     if built.pp_on and family(built.cfg.model).tied(built.cfg.model):
         out.update({id(p): id(p) not in built.norm_exclude for p in pp.tied_params(built.parts)})
-    if built.layout.ep > 1:
-        for part in built.parts:
-            for experts in ep.experts_of(part, fsdp.blocks(part)):
-                out.update({id(p): True for p in experts.parameters()})
+    if 1 < built.layout.ep == built.layout.dp:  # no smaller batch for the experts
+        out.update({i: True for i in _experts(built)})
     return out
+
+
+def _experts(built) -> set[int]:
+    """The ids of the routed experts' parameters (expert parallelism)."""
+    from raytrain_lm.parallel import ep, fsdp
+
+    return {id(p) for part in built.parts for experts in ep.experts_of(part, fsdp.blocks(part))
+            for p in experts.parameters()}
 
 
 def _tp_copies(spec, tp: int) -> int:
@@ -277,7 +305,7 @@ def _squares_before_reduce(group, state: SmallBatchNorm) -> None:
 
     def squares_then_post_backward(*args):
         if state.sq is not None and group.reduce_grads:
-            parts = []
+            parts, expert_parts = [], []
             for fp in group.fsdp_params:
                 if not hasattr(fp, "_unsharded_param") or id(fp.sharded_param) in state.excluded:
                     continue
@@ -297,10 +325,13 @@ def _squares_before_reduce(group, state: SmallBatchNorm) -> None:
                         else:
                             fp.unsharded_param.grad = g
                     g = g.to_local()
-                parts.append((g, _tp_copies(spec, state.tp)))
+                into = expert_parts if id(fp.sharded_param) in state.experts else parts
+                into.append((g, _tp_copies(spec, state.tp)))
             # (the same calls on every cp rank: their groups reduce in the same order)
             if parts:
                 state.sq += state._squares(parts).to(state.sq.dtype) * state.factor
+            if expert_parts:
+                state.sq_experts += state._squares(expert_parts).to(state.sq.dtype) * state.factor
         return post_backward(*args)
 
     group.post_backward = squares_then_post_backward
