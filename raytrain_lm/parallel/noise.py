@@ -47,7 +47,7 @@ Parameters whose local gradient is not one dp rank's, left out of both |G_b|^2 a
   already the global batch's (parallel/ep.py): no smaller batch for them across ranks. (With
   accumulation their first micro-batch's gradient, ep x a micro-batch, would be one; not read:
   the micro-batch's squares are taken on one dp rank's layouts only.) The estimate is then the
-  dense parameters' alone, as a model without the experts would give.
+  dense parameters' |G|^2 and tr(Sigma) alone: B_simple of that subset of the parameters.
 
 The routed experts with expert parallelism over edp > 1: their gradient before the edp reduction
 is the mean over the ep group's batches (ep x b sequences, ep ranks each holding its experts' whole
@@ -57,6 +57,7 @@ estimators are linear in the two squared norms, so each parameter set is estimat
 reduction are a second pair (`sq_experts`, b_experts = ep x b), beside their share of the step's
 squared norm (their |G_B|^2, taken out of the dense parameters'). `batches` is then (b, B,
 b_experts).
+
 No estimate (None) for a pipeline on one dp rank (its microbatches are summed inside the
 schedule) and for one dp rank without accumulation.
 
