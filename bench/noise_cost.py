@@ -11,9 +11,11 @@ step of each block; per layout the median block of each arm, and the ratio of ea
 its neighbouring without-block (a pair of ABBA), whose median and range are the cost and its
 spread. Beside it, the estimate's own arithmetic timed alone (the fused squared norms over a
 rank's gradients after a step): the part of the cost that does not drown in the machine's noise.
-Random tokens (the arithmetic, not the data, is timed).
+Random tokens (the arithmetic, not the data, is timed). With --cp: on 4 ranks, DDP and FSDP over
+dp 2 x cp 2 (the hook's reduce-scatter, all-reduce, all-gather; FSDP2's extra reduce-scatter
+over cp), the squares alone without that reduce-scatter.
 
-    nice -n 10 python bench/noise_cost.py [--blocks 8] [--block 10] [--out bench/results/noise_cost.json]
+    nice -n 10 python bench/noise_cost.py [--blocks 8] [--block 10] [--cp] [--out bench/results/noise_cost.json]
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ SEQ = 128
 SETS = ["model.n_layer=2", "model.n_head=4", "model.n_embd=128", f"model.block_size={SEQ}",
         "model.vocab_size=256", "model.dropout=0"]
 MICRO = 8
-LAYOUTS = ("ddp", "zero1", "fsdp")
+LAYOUTS = {"ddp": {"strategy": "ddp"}, "zero1": {"strategy": "zero1"}, "fsdp": {"strategy": "fsdp"}}
+CP_LAYOUTS = {"ddp-cp2": {"strategy": "ddp", "cp": 2}, "fsdp-cp2": {"strategy": "fsdp", "cp": 2}}
 
 
 class Batches:
@@ -67,15 +70,15 @@ class NoEstimate:
         return None
 
 
-def build(strategy: str, estimate: bool):
+def build(flags: dict, world: int, estimate: bool):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from raytrain_lm.config.load import build_config
     from raytrain_lm.parallel.ddp import DDP_KWARGS
     from raytrain_lm.worker import step as step_module
 
-    cfg = build_config(sets=SETS, flags={"workers": 2, "lr": 1e-4, "seq_len": SEQ,
-                                         "batch_size": MICRO, "strategy": strategy})
+    cfg = build_config(sets=SETS, flags={"workers": world, "lr": 1e-4, "seq_len": SEQ,
+                                         "batch_size": MICRO, **flags})
     saved = step_module.SmallBatchNorm
     if not estimate:
         step_module.SmallBatchNorm = NoEstimate
@@ -86,14 +89,15 @@ def build(strategy: str, estimate: bool):
         step_module.SmallBatchNorm = saved
 
 
-def rank_main(rank: int, store: str, out: str, blocks: int, block: int, warm: int) -> None:
+def rank_main(rank: int, store: str, out: str, blocks: int, block: int, warm: int, cp: bool) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    world = 4 if cp else 2
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     result = {}
-    for strategy in LAYOUTS:
-        arms = {"with": build(strategy, True), "without": build(strategy, False)}
+    for strategy, flags in (CP_LAYOUTS if cp else LAYOUTS).items():
+        arms = {"with": build(flags, world, True), "without": build(flags, world, False)}
         assert arms["with"].noise_batches is not None and arms["without"].noise_batches is None
-        batches = Batches(10 + rank)
+        batches = Batches(10 + rank // flags.get("cp", 1))  # a cp group reads the same batches
         for s in arms.values():
             s.train()
             for _ in range(warm):
@@ -143,21 +147,24 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=8, help="blocks per arm")
     ap.add_argument("--block", type=int, default=10, help="steps per block")
     ap.add_argument("--warm", type=int, default=3, help="steps of each arm before timing")
-    ap.add_argument("--out", default=str(ROOT / "bench/results/noise_cost.json"))
+    ap.add_argument("--cp", action="store_true", help="DDP and FSDP over dp 2 x cp 2, on 4 ranks")
+    ap.add_argument("--out", default=None, help="[bench/results/noise_cost.json, --cp: noise_cost_cp.json]")
     a = ap.parse_args()
     load_start = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
         raw = os.path.join(tmp, "times.json")
-        mp.start_processes(rank_main, args=(os.path.join(tmp, "store"), raw, a.blocks, a.block, a.warm),
-                           nprocs=2, start_method="spawn")
+        mp.start_processes(rank_main, args=(os.path.join(tmp, "store"), raw, a.blocks, a.block, a.warm,
+                                            a.cp), nprocs=4 if a.cp else 2, start_method="spawn")
         times = json.loads(Path(raw).read_text())
-    out = {"what": "gradient noise scale: seconds per step with and without it, 2 gloo ranks",
+    out = {"what": "gradient noise scale: seconds per step with and without it, "
+                   + ("4 gloo ranks, dp 2 x cp 2" if a.cp else "2 gloo ranks"),
            "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="minutes"),
            "model": SETS, "seq_len": SEQ, "micro_batch": MICRO, "block_steps": a.block,
            "load_avg_1min": [load_start, os.getloadavg()[0]],
            "layouts": {k: {**summary(v), "raw": v} for k, v in times.items()}}
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(out, indent=2))
+    path = Path(a.out or ROOT / f"bench/results/noise_cost{'_cp' if a.cp else ''}.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=2))
     print(json.dumps({k: {kk: vv for kk, vv in v.items() if kk != "raw"} for k, v in out["layouts"].items()},
                      indent=2))
 

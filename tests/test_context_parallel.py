@@ -69,6 +69,23 @@ def test_context_parallel_moves_keys_and_values(cp_runs):
     assert row["param_fraction"] == 1.0
 
 
+@pytest.mark.slow  # (the cp2xfsdp2 run above)
+def test_context_parallel_rows_carry_the_noise_scale(cp_runs):
+    """Over dp 2 x cp 2 every row has the gradient noise scale's estimates (parallel/noise.py:
+    the cp ranks' parts summed before squaring), which the batch hint reads (train's
+    BatchAdvice); the float64 arithmetic is test_noise_worker's."""
+    from raytrain_lm.plan.noise_scale import BatchAdvice
+
+    rows = cp_runs("cp2xfsdp2")[1]
+    advice = BatchAdvice(GLOBAL_BATCH, settle=0, factor=1.0)  # (a hint at any distance)
+    hints = []
+    for row in rows:
+        assert row["noise_grad_sq"] is not None and row["noise_trace"] is not None
+        hints.append(advice.update(row))
+    assert advice.b_simple == rows[-1]["noise_scale"]
+    assert any(hints) == any(row["noise_scale"] is not None for row in rows)
+
+
 # ---------------------------------------------------------------- in one process, float64
 
 SEP = 0  # the token that opens a document (the dataset's <|endoftext|>)

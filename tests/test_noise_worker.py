@@ -188,6 +188,8 @@ def test_zero_and_fsdp_workers_measure_their_own_gradient(ddp_ranks, strategy):
 
 # ---------------------------------------------------------------- every data-parallel layout
 
+MOE = ["model.arch=moe", "model.n_experts=4", "model.top_k=2", "model.ffn_dim=32",
+       "model.aux_loss_coef=0", "model.z_loss_coef=0"]
 # name: (model sets beyond SETS, flags, sequences per batches.next(), batches.next() per step).
 # 4 ranks each; the ranks run in float64 (torch's default dtype), as the reference does.
 LAYOUTS = {
@@ -199,8 +201,11 @@ LAYOUTS = {
     "fsdp-pp2": ([], dict(pp=2, strategy="fsdp", pp_schedule="gpipe", microbatches=2, batch_size=2 * MICRO),
                  2 * MICRO, 1),
     "tp4-accum2-sp": (["model.n_head=4"], dict(tp=4, grad_accum=2, sequence_parallel=True), MICRO, 2),
-    "fsdp-ep2": (["model.arch=moe", "model.n_experts=4", "model.top_k=2", "model.ffn_dim=32",
-                  "model.aux_loss_coef=0", "model.z_loss_coef=0"], dict(ep=2, strategy="fsdp"), MICRO, 1),
+    "fsdp-ep2": (MOE, dict(ep=2, strategy="fsdp"), MICRO, 1),
+    "ddp-cp2-accum2": ([], dict(cp=2, strategy="ddp", grad_accum=2), MICRO, 2),
+    "zero2-cp2": ([], dict(cp=2, strategy="zero2"), MICRO, 1),
+    "cp4-accum2": ([], dict(cp=4, grad_accum=2), MICRO, 2),
+    "fsdp-cp2-ep2": (MOE, dict(cp=2, ep=2, strategy="fsdp"), MICRO, 1),
 }
 
 
@@ -216,7 +221,11 @@ def layout_batches(name, dp_rank):
 
 
 def layouts_rank(rank, store, out):
-    """One step of every layout of LAYOUTS on 4 ranks: what each rank measured and its Meter row."""
+    """One step of every layout of LAYOUTS on 4 ranks: what each rank measured and its Meter row
+    (a replicated layout in nn.parallel.DistributedDataParallel, as Ray's prepare_model wraps it)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from raytrain_lm.parallel.ddp import DDP_KWARGS
     from raytrain_lm.worker.metrics import Meter
     from raytrain_lm.worker.step import TrainStep
 
@@ -225,7 +234,7 @@ def layouts_rank(rank, store, out):
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=4)
     got = {}
     for name in LAYOUTS:
-        step = TrainStep(layout_config(name), CPU)
+        step = TrainStep(layout_config(name), CPU, ddp_wrap=lambda m: DDP(m, **DDP_KWARGS))
         meter = Meter(CPU, 4, 1.0, None, 1, 0.0, loss_ranks=step.dp, noise_batches=step.noise_batches)
         step.train()
         loss, norm = step(layout_batches(name, step.model.coords.dp), 1e-3)
@@ -246,11 +255,14 @@ def layout_ranks(tmp_path_factory):
 
 
 def reference(name):
-    """(|G_b|^2 averaged over the dp ranks, |G_B|^2, b, B) in one float64 process from the same
-    initial weights and batches: each dp rank's gradient of its mean loss, the step's their mean
-    (one dp rank: its first micro-batch's, the step's). The parameters the layout leaves out
-    (parallel/noise.py: the pipeline's tied embedding, the experts under expert parallelism)
-    are left out here."""
+    """(|G_b|^2 averaged over the dp ranks, |G_B|^2, b, B, whether parameters are left out, and
+    for the experts under expert parallelism over edp > 1: their |G_b|^2 averaged over the ep
+    groups, their |G_B|^2, their b; else None) in one float64 process from the same initial
+    weights and batches: each dp rank's gradient of its mean loss (a cp group's whole windows),
+    the step's their mean (one dp rank: its first micro-batch's, the step's), an ep group's the
+    mean of its dp ranks'. The parameters the layout leaves out (parallel/noise.py: the
+    pipeline's tied embedding, the experts where ep = dp) are left out here; the experts
+    measured at their own batch are out of the first pair."""
     from raytrain_lm.models import build_model, family
 
     cfg = layout_config(name)
@@ -260,11 +272,12 @@ def reference(name):
     finally:
         torch.set_default_dtype(torch.float32)
     names = [n for n, _ in model.named_parameters()]
+    tp, pp, cp, ep = cfg.tp, cfg.pp, cfg.cp, cfg.ep
+    dp = 4 // (tp * pp * cp)
+    expert = [i for i, n in enumerate(names) if ep > 1 and f".{family(cfg.model).experts}." in f".{n}"]
     keep = [i for i, n in enumerate(names)
             if not (cfg.pp > 1 and family(cfg.model).tied(cfg.model) and n == "wte.weight")
-            and not (cfg.ep > 1 and f".{family(cfg.model).experts}." in f".{n}")]
-    tp, pp = cfg.tp, cfg.pp
-    dp = 4 // (tp * pp)
+            and i not in expert]
     xs = [layout_batches(name, r).xs for r in range(dp)]
     if dp == 1:
         small = [grad_of(model, xs[0][:1])]
@@ -275,33 +288,51 @@ def reference(name):
         big = [sum(gs) / dp for gs in zip(*small)]
         b = len(xs[0][0]) * len(xs[0])
         big_b = b * dp
-    kept = lambda grads: [grads[i] for i in keep]  # noqa: E731
-    return sum(sq(kept(g)) for g in small) / len(small), sq(kept(big)), b, big_b, len(keep) < len(names)
+    kept = lambda grads, which: [grads[i] for i in which]  # noqa: E731
+    experts = None
+    if ep > 1 and dp > ep:  # an ep group (ep consecutive dp ranks): the mean of their gradients
+        groups = [[sum(gs) / ep for gs in zip(*small[g:g + ep])] for g in range(0, dp, ep)]
+        experts = (sum(sq(kept(g, expert)) for g in groups) / len(groups), sq(kept(big, expert)), ep * b)
+    left_out = len(keep) + (len(expert) if experts else 0) < len(names)
+    return (sum(sq(kept(g, keep)) for g in small) / len(small), sq(kept(big, keep)), b, big_b,
+            left_out, experts)
 
 
-@pytest.mark.slow  # four spawned ranks, seven layouts: ~60 s
+@pytest.mark.slow  # four spawned ranks, eleven layouts: ~60 s
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_every_layout_gives_the_one_process_formula(layout_ranks, name):
     """tp (replicate, FSDP, ZeRO-2, sequence parallel: Partial gradients), pp (a tied embedding
-    left out, the schedule's summed microbatches), one dp rank over tp4 (its first micro-batch)
-    and experts over ep (left out), with and without accumulation: the ranks' squares summed
-    over every rank (as the row's all-gather does) are the dp ranks' mean |G_b|^2, the clipping
-    norm less the excluded part |G_B|^2, and the row's |G|^2 and tr(Sigma) the formula on them,
-    all from float64 gradients computed in one process."""
-    small_ref, big_ref, b, big_b, excludes = reference(name)
+    left out, the schedule's summed microbatches), one dp rank over tp4 or cp4 (its first
+    micro-batch), cp over DDP, ZeRO-2 and with experts (each cp rank's gradient a part of its dp
+    rank's: the cp ranks' cross terms), experts over ep (at their own batch ep x b where edp >
+    1, left out where ep = dp), with and without accumulation: the ranks' squares summed over
+    every rank (as the row's all-gather does) are the dp ranks' mean |G_b|^2 (the experts': the
+    ep groups'), the clipping norm less the excluded and the experts' parts |G_B|^2, and the
+    row's |G|^2 and tr(Sigma) the formula on them (summed over the two parameter sets), all
+    from float64 gradients computed in one process."""
+    small_ref, big_ref, b, big_b, left_out, experts = reference(name)
     got = [r[name] for r in layout_ranks]
-    assert all(g["batches"] == (b, big_b) for g in got)
+    assert all(g["batches"] == (b, big_b) + ((experts[2],) if experts else ()) for g in got)
     small = sum(g["small"] for g in got)
     # float64 sums of the same squares in other orders (and other reduction orders of the
     # gradients): relative rounding ~1e-13 per sum
     assert float(small[0]) / got[0]["dp"] == pytest.approx(small_ref, rel=1e-9)
-    assert got[0]["norm"] ** 2 - float(small[1]) == pytest.approx(big_ref, rel=1e-9)
-    assert (float(small[1]) > 0) == excludes
-    g2, trace = two_batch_estimates(small_ref, big_ref, b, big_b)
-    # the estimates are differences of the two: rounding amplified by (|G_b|^2 + |G_B|^2) over
-    # their difference
-    amplify_g2 = (big_b * big_ref + b * small_ref) / abs(big_b * big_ref - b * small_ref)
-    amplify_trace = (small_ref + big_ref) / abs(small_ref - big_ref)
+    assert got[0]["norm"] ** 2 - float(small[1]) - float(small[3]) == pytest.approx(big_ref, rel=1e-9)
+    assert (float(small[1]) > 0) == left_out
+    sets = [(small_ref, big_ref, b)]
+    if experts:
+        edp = got[0]["dp"] * b // experts[2]
+        assert float(small[2]) / edp == pytest.approx(experts[0], rel=1e-9)
+        assert float(small[3]) == pytest.approx(experts[1], rel=1e-9)
+        sets.append(experts)
+    else:
+        assert float(small[2]) == float(small[3]) == 0
+    estimates = [two_batch_estimates(s, big, small_b, big_b) for s, big, small_b in sets]
+    g2, trace = sum(e[0] for e in estimates), sum(e[1] for e in estimates)
+    # the estimates are differences of the squares: float64 rounding amplified by the sum of
+    # the terms' magnitudes over the result's
+    scale_g2 = sum((big_b * big + small_b * s) / (big_b - small_b) for s, big, small_b in sets)
+    scale_trace = sum((s + big) / (1 / small_b - 1 / big_b) for s, big, small_b in sets)
     for g in got:
-        assert g["row"]["noise_grad_sq"] == pytest.approx(g2, rel=1e-9 * amplify_g2)
-        assert g["row"]["noise_trace"] == pytest.approx(trace, rel=1e-9 * amplify_trace)
+        assert g["row"]["noise_grad_sq"] == pytest.approx(g2, rel=1e-9 * scale_g2 / abs(g2))
+        assert g["row"]["noise_trace"] == pytest.approx(trace, rel=1e-9 * scale_trace / abs(trace))

@@ -44,7 +44,11 @@ class NoiseScale:
 
     def update(self, small_sq: float, big_sq: float, b: float, big_b: float) -> Optional[float]:
         """One step's squared norms at the two batch sizes in; B_simple after it out."""
-        g2, trace = two_batch_estimates(small_sq, big_sq, b, big_b)
+        return self.add(*two_batch_estimates(small_sq, big_sq, b, big_b))
+
+    def add(self, g2: float, trace: float) -> Optional[float]:
+        """One step's estimates of |G|^2 and tr(Sigma) in (two_batch_estimates', or a sum of
+        them over disjoint parameter sets measured at different batch sizes); B_simple out."""
         self.g2 = self.decay * self.g2 + (1 - self.decay) * g2
         self.trace = self.decay * self.trace + (1 - self.decay) * trace
         self.steps += 1

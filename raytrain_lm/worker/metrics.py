@@ -16,7 +16,7 @@ from raytrain_lm.parallel.fsdp import held_bytes, param_fraction, to_float
 from raytrain_lm.parallel.mesh import all_gather_rows, all_reduce
 from raytrain_lm.plan.fit import check_memory
 from raytrain_lm.plan.gpus import kind_of_device, peak_tflops
-from raytrain_lm.plan.noise_scale import NoiseScale
+from raytrain_lm.plan.noise_scale import NoiseScale, two_batch_estimates
 from raytrain_lm.store.row import MetricsRow
 
 
@@ -103,15 +103,17 @@ class Meter:
     def __init__(self, device: torch.device, world: int, flops_per_token: float,
                  peak_tflops: Optional[float], num_parameters: int, baseline_mem: float,
                  build_mem: float = 0.0, loss_ranks: Optional[int] = None,
-                 scaler_skips: bool = False, noise_batches: Optional[tuple[int, int]] = None):
+                 scaler_skips: bool = False, noise_batches: Optional[tuple] = None):
         """`loss_ranks`: how many ranks report a loss (one per data-parallel group; the others
         add 0), so the sum over all ranks divided by it is the global mean. `scaler_skips`: fp16's
         gradient scaler skips a step whose gradients overflow, so a non-finite gradient norm is
         its business, not an error (a non-finite loss still is). `noise_batches`: (b, B), the
         batch sizes of each step's small-batch squared norm (`add_step`'s `small_sq`) and of its
-        gradient norm, for the gradient noise scale; None: no noise scale. `small_sq`: (this
-        rank's part of the squared norm at b, its part of the excluded parameters' squared norm
-        in the step's gradient), parallel/noise.SmallBatchNorm.take."""
+        gradient norm, for the gradient noise scale, and the experts' small batch where they
+        have their own (b, B, b_experts); None: no noise scale. `small_sq`: (this rank's part
+        of the squared norm at b, its part of the excluded parameters' squared norm in the
+        step's gradient, its part of the experts' squared norm at b_experts and in the step's
+        gradient), parallel/noise.SmallBatchNorm.take."""
         self.device, self.world, self.loss_ranks = device, world, loss_ranks or world
         self.fpt, self.peak, self.num_parameters = flops_per_token, peak_tflops, num_parameters
         self.baseline_mem = baseline_mem  # peak memory before the model existed
@@ -144,7 +146,7 @@ class Meter:
         self.losses.append(loss)
         self.norms.append(grad_norm if grad_norm is not None else torch.zeros((), device=loss.device))
         if self.noise_batches is not None:
-            self.small.append(small_sq if small_sq is not None else torch.zeros(2, device=loss.device))
+            self.small.append(small_sq if small_sq is not None else torch.zeros(4, device=loss.device))
         self.timer.steps += 1
         self.timer.tokens += tokens
 
@@ -211,7 +213,7 @@ class Meter:
             sums = part[:, :2 * n + 1].sum(0)
             losses, bad, wait = sums[:n] / self.loss_ranks, sums[n:2 * n], sums[2 * n]
             mem = part[:, 2 * n + 1:2 * n + 7].max(0).values
-            self._noise_fields(row, part[:, 2 * n + 7:].sum(0).reshape(-1, 2), norms)
+            self._noise_fields(row, part[:, 2 * n + 7:].sum(0).reshape(-1, 4), norms)
             why = first_nonfinite(row["step"] - n + 1, losses.tolist(),
                                   [] if self.scaler_skips else norms.tolist(),
                                   [] if self.scaler_skips else (bad > 0).tolist())
@@ -244,15 +246,27 @@ class Meter:
     def _noise_fields(self, row: MetricsRow, sums: torch.Tensor, norms: torch.Tensor) -> None:
         """The gradient noise scale after the row's steps (plan/noise_scale.py). `sums`: per
         step, summed over every rank, the small-batch squared norms (parallel/noise.py: each rank
-        its weighted part, so the sum is over the dp ranks' whole gradients) and the excluded
-        parameters' part of the squared global norm. Each step's mean over the dp ranks against
-        the squared global norm less that part; steps whose norm is not finite (fp16's skipped
-        steps) left out."""
+        its weighted part, so the sum is over the dp ranks' whole gradients), the excluded
+        parameters' part of the squared global norm, and the experts' small-batch squared norms
+        (over the ep groups' gradients) and their part of the squared global norm. Each step's
+        mean over the dp ranks against the squared global norm less the excluded and the
+        experts' parts, and where the experts have their own small batch the estimates of their
+        mean over the ep groups against their part added (the estimators are linear in the
+        squared norms: a sum over parameter sets of each set's); steps whose norm is not finite
+        (fp16's skipped steps) left out."""
         if self.noise_batches is None or not sums.numel():
             return
-        for (small, excluded), norm in zip(sums.tolist(), norms.tolist()):
-            if math.isfinite(small) and math.isfinite(norm):
-                self.noise.update(small / self.loss_ranks, norm * norm - excluded, *self.noise_batches)
+        b, big_b = self.noise_batches[:2]
+        for (small, excluded, small_e, big_e), norm in zip(sums.tolist(), norms.tolist()):
+            if not (math.isfinite(small) and math.isfinite(small_e) and math.isfinite(norm)):
+                continue
+            g2, trace = two_batch_estimates(small / self.loss_ranks, norm * norm - excluded - big_e,
+                                            b, big_b)
+            if len(self.noise_batches) > 2:
+                b_e = self.noise_batches[2]  # ep x b: the mean over edp = dp x b / b_e groups
+                more = two_batch_estimates(small_e * b_e / (self.loss_ranks * b), big_e, b_e, big_b)
+                g2, trace = g2 + more[0], trace + more[1]
+            self.noise.add(g2, trace)
         row.update(noise_scale=self.noise.b_simple, noise_grad_sq=self.noise.grad_sq,
                    noise_trace=self.noise.trace_sigma)
 

@@ -154,9 +154,10 @@ class TrainStep:
         return loss, grad_norm
 
     @property
-    def noise_batches(self) -> Optional[tuple[int, int]]:
+    def noise_batches(self) -> Optional[tuple]:
         """(b, B) in sequences of the squared norms `small_sq` and the gradient norm stand for,
-        or None where this layout gives no smaller batch."""
+        and with expert parallelism over edp > 1 the experts' own small batch (b, B, b_experts);
+        None where this layout gives no smaller batch."""
         return self.small_batch.batches
 
     def _count_comm(self):
