@@ -42,6 +42,7 @@ Exit 0 when every layout ran and the GPT layouts started equal; 1 otherwise; 2 f
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -158,6 +159,12 @@ def child(names: list[str], kind: str, steps: int, rows_file: Path) -> int:
     from gpu_check_layout import release, run_layout
 
     modules = import_all()
+    if kind == "smoke":
+        # The CPU smoke's compiled rows compile with aot_eager: Dynamo's capture, its graph breaks
+        # and AOTAutograd's joint graph are the GPU's code; inductor's CPU backend (C++) is not
+        # a GPU's Triton, and took ~25 s a row here. (--compile's inductor on a CPU:
+        # tests/test_step_variants.py, test_compile_on_cpu_trains_like_eager.)
+        torch.compile = functools.partial(torch.compile, backend="aot_eager")
     device = torch.device("cuda", 0) if kind == "gpu" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
