@@ -9,9 +9,10 @@ import threading
 import time
 
 import pyarrow.fs as pafs
+import pytest
 
 from raytrain_lm import env
-from raytrain_lm.worker.drills import hold_drill
+from raytrain_lm.worker.drills import UploadHold, hold_drill
 
 
 def test_the_hold_drill_holds_its_steps_until_released(tmp_path):
@@ -37,6 +38,31 @@ def test_the_hold_drill_holds_its_steps_until_released(tmp_path):
         t.join()
     hold_drill("3,7", 3, 0, 1, fs, str(tmp_path))  # released once, released for every group
     assert json.loads(waiting.read_text()) == {"step": 3, "world": 1}
+
+
+def test_an_upload_hold_holds_a_checkpoints_upload_until_training_reports_on(tmp_path):
+    """RAYTRAIN_LM_HOLD_AT=3,15:upload: the loop's hold_drill passes step 15 (no file, any
+    storage); the upload of checkpoint 15 on another thread than training's waits until training
+    reports a later step (reporting 15 does not release it), and an upload on training's own
+    thread (sync: inside the report) raises instead of waiting for itself; other checkpoints pass."""
+    hold_drill("3,15:upload", 15, 0, 1, pafs.S3FileSystem(anonymous=True, region="us-east-1"), str(tmp_path))
+    assert list(tmp_path.iterdir()) == []
+    hold = UploadHold("3,15:upload")
+    hold.reporting(15)  # on this thread: training's
+    hold.before_upload(10, 0)  # not held
+    with pytest.raises(RuntimeError, match="training's thread"):
+        hold.before_upload(15, 0)
+    uploaded = []
+    upload = threading.Thread(target=lambda: (hold.before_upload(15, 0), uploaded.append(hold.reported)))
+    upload.start()
+    while hold.waiting != 15:  # set under the hold's lock before it waits
+        assert upload.is_alive()
+        time.sleep(0.01)
+    hold.reporting(15)  # not a later report: still held
+    assert hold.waiting == 15 and uploaded == []
+    hold.reporting(20)
+    upload.join()
+    assert uploaded == [20] and hold.waiting is None
 
 
 def test_drill_variables_travel_to_a_process_that_does_not_inherit_them(monkeypatch):

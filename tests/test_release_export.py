@@ -53,13 +53,18 @@ def logits_gap(ours, folder, vocab: int) -> float:
 
 
 def assert_is_the_release(out, folder, dtype: str) -> None:
-    """The export's config.json is the release's but its dtype; its tokenizer and generation
-    files are the release's, byte for byte; the chat template and the eos list work."""
-    from transformers import AutoTokenizer, GenerationConfig
-
+    """The export's config.json is the release's but its dtype, and it carries the release."""
     original = json.loads((folder / "config.json").read_text())
     exported = json.loads((out / "config.json").read_text())
     assert exported == {**original, "torch_dtype": dtype}
+    assert_carries_the_release(out, folder)
+
+
+def assert_carries_the_release(out, folder) -> None:
+    """The export's tokenizer and generation files are the release's, byte for byte; the chat
+    template and the eos list work."""
+    from transformers import AutoTokenizer, GenerationConfig
+
     for name in CARRIED:
         assert (out / name).read_bytes() == (folder / name).read_bytes(), name
     ours, theirs = AutoTokenizer.from_pretrained(out), AutoTokenizer.from_pretrained(folder)
@@ -170,6 +175,13 @@ def test_a_run_from_a_release_exports_the_release_continued(continued):
     assert logits_gap(trained, root / "out", m.vocab_size) < 1e-4
     start = ours_from(folder).state_dict()
     assert any(not torch.equal(t, start[name]) for name, t in trained.state_dict().items())
+    # the native export of that checkpoint carries the release too: its chat and generation
+    # files as shipped, the release's config.json inside its own
+    from raytrain_lm.results.export import export_checkpoint
+
+    native = export_checkpoint(found.path, root / "native", source=found.source, meta=found.meta)
+    assert_carries_the_release(root / "native", folder)
+    assert native["release_config"] == json.loads((folder / "config.json").read_text())
 
 
 @pytest.mark.slow

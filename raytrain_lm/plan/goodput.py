@@ -51,6 +51,12 @@ class Failures:
                             f"times, got {self.mtbf_s!r}, {self.save_s!r}, {self.restart_s!r}")
 
 
+def job_mtbf_s(gpus: int, mtbf_gpu_hours: float) -> float:
+    """The job's mean time between failures in seconds: `gpus` that each fail once per
+    `mtbf_gpu_hours` on average, any of whose failures stops the job."""
+    return mtbf_gpu_hours * 3600 / gpus
+
+
 def job_failures(gpus: int, mtbf_gpu_hours: float, checkpoint_bytes: float, storage_gbps: float,
                  restart_s: float = DEFAULT_RESTART_S) -> Failures:
     """A job of `gpus` GPUs that each fail once per `mtbf_gpu_hours` on average, writing and
@@ -59,7 +65,7 @@ def job_failures(gpus: int, mtbf_gpu_hours: float, checkpoint_bytes: float, stor
         raise UserError(f"--mtbf and --storage-gbps must be positive numbers, got {mtbf_gpu_hours!r} "
                         f"and {storage_gbps!r}")
     io_s = checkpoint_bytes / (storage_gbps * 1e9)
-    return Failures(mtbf_s=mtbf_gpu_hours * 3600 / gpus, save_s=io_s, restart_s=restart_s + io_s)
+    return Failures(mtbf_s=job_mtbf_s(gpus, mtbf_gpu_hours), save_s=io_s, restart_s=restart_s + io_s)
 
 
 def young_daly(f: Failures) -> float:
@@ -275,7 +281,7 @@ def choose_checkpoint_every(step_s: float, stop_s: float, workers: int, mtbf_gpu
     has one maximum in the interval, so it is the floor or the ceiling of the optimum in steps."""
     if not step_s > 0 or not math.isfinite(step_s):
         raise UserError(f"a step time must be positive to choose a checkpoint interval, got {step_s!r}")
-    f = Failures(mtbf_s=mtbf_gpu_hours * 3600 / workers, save_s=stop_s, restart_s=restart_s)
+    f = Failures(mtbf_s=job_mtbf_s(workers, mtbf_gpu_hours), save_s=stop_s, restart_s=restart_s)
     best = best_interval(f)
     low = max(1, math.floor(best / step_s))
     every = max((low, low + 1), key=lambda k: (goodput(k * step_s, f), -k))

@@ -7,7 +7,12 @@
   load without this project: each family's adapter gives the names and config.json (a GPT as
   GPT2LMHeadModel, models/gpt/hf_gpt.py; a Llama as LlamaForCausalLM, models/llama/hf_llama.py).
 
-Either way a BPE's tokenizer.json goes along, byte for byte the dataset's and the checkpoint's.
+Either way a BPE's tokenizer.json goes along, byte for byte the dataset's and the checkpoint's,
+and a run started from a release (train --init-from a Hugging Face folder) carries its release
+files (store/release.py) into either: its tokenizer_config.json (chat template, special tokens),
+generation_config.json (eos list, sampling defaults), special_tokens_map.json and
+chat_template.jinja as shipped. A native export's config.json is this project's, so the
+release's config.json goes inside it, as its "release_config" (the object as shipped).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from raytrain_lm.errors import UserError
 from raytrain_lm.models import family
 from raytrain_lm.store.files import TOKENIZER
 from raytrain_lm.store.hf_folder import HF_CONFIG, HF_WEIGHTS
-from raytrain_lm.store.release import RELEASE_FILES
+from raytrain_lm.store.release import RELEASE_CONFIG, RELEASE_FILES, check_release, parse, write_beside
 from raytrain_lm.store.storage import is_remote, staged_folder
 
 # What every export's safetensors metadata says as its source (export --force replaces only a
@@ -91,6 +96,7 @@ def export_checkpoint(folder: Path, out: Path, source: str, force: bool = False,
     model_cfg = TrainConfig.from_dict(state["config"]).model
     model = decoder_class(model_cfg).from_state_dict(model_cfg, state["model"])
     weights, tied = _untie(model.state_dict())
+    release = check_release(state.get("release"), str(folder)) or {}
     config = {
         "format": family(model_cfg).export_format,
         "model": state["config"]["model"],
@@ -103,6 +109,8 @@ def export_checkpoint(folder: Path, out: Path, source: str, force: bool = False,
         "tokens": state["tokens"],
         "source": source,
         "train_config": state["config"],
+        **({"release_config": parse(release[RELEASE_CONFIG], f"{folder}: {RELEASE_CONFIG}")}
+           if RELEASE_CONFIG in release else {}),
     }
     with staged_folder(out) as tmp:
         save_file(weights, f"{tmp}/{HF_WEIGHTS}", metadata={"format": "pt", "source": EXPORT_SOURCE})
@@ -110,6 +118,7 @@ def export_checkpoint(folder: Path, out: Path, source: str, force: bool = False,
         os.chmod(f"{tmp}/{HF_WEIGHTS}", 0o666 & ~umask())  # safetensors creates it owner-only
         if tok.raw is not None:
             Path(tmp, TOKENIZER).write_bytes(tok.raw)
+        write_beside(Path(tmp), release)
     return config
 
 

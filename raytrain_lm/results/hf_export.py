@@ -48,7 +48,7 @@ from raytrain_lm.results.export import (
 )
 from raytrain_lm.store.files import STATE, TOKENIZER
 from raytrain_lm.store.hf_folder import HF_CONFIG, HF_INDEX, HF_WEIGHTS, differing_fields
-from raytrain_lm.store.release import Release, check_release, parse
+from raytrain_lm.store.release import Release, check_release, parse, write_beside
 from raytrain_lm.store.safetensors_io import SafetensorsWriter
 from raytrain_lm.store.storage import staged_folder
 
@@ -212,9 +212,7 @@ def write_hf(out: Path, read: Reader, m: ModelConfig, tok: Tokenizer, dtype: str
                      "weight_map": {e[0]: f for f, entries in zip(files, shards) for e in entries}}
             Path(tmp, HF_INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
         _write_tokenizer_files(Path(tmp), config, tok, m.block_size, bos, eos)
-        for name, text in (release or {}).items():  # as the release has them
-            if name != HF_CONFIG:
-                Path(tmp, name).write_text(text, encoding="utf-8")
+        write_beside(Path(tmp), release)
     return {**config, "files": files}
 
 

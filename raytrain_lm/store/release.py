@@ -1,6 +1,7 @@
 """What a release ships beside its weights, carried from the Hugging Face folder a run started
-from (`train --init-from FOLDER`) to the folder `export --format hf` writes, so that the export is
-the release, continued: its config.json (every field the model does not change: the padded
+from (`train --init-from FOLDER`) to the folder `export --format hf` writes (and, but for
+config.json, which goes inside the native format's own, to a native export), so that the export
+is the release, continued: its config.json (every field the model does not change: the padded
 vocab_size, router_aux_loss_coef, max_window_layers, the eos list, ...), the tokenizer's settings
 (tokenizer_config.json: chat_template, added tokens, bos/eos/pad; special_tokens_map.json; a
 chat_template.jinja) and generation_config.json (the eos list, the sampling defaults).
@@ -22,7 +23,8 @@ from typing import Optional
 from raytrain_lm.errors import UserError
 from raytrain_lm.store import untrusted
 
-JSON_FILES = ("config.json", "generation_config.json", "tokenizer_config.json",
+RELEASE_CONFIG = "config.json"  # the model's: each export format writes a config.json of its own
+JSON_FILES = (RELEASE_CONFIG, "generation_config.json", "tokenizer_config.json",
               "special_tokens_map.json")
 TEXT_FILES = ("chat_template.jinja",)
 RELEASE_FILES = JSON_FILES + TEXT_FILES
@@ -76,3 +78,10 @@ def check_release(release: object, where: str) -> Optional[Release]:
         if name in JSON_FILES:
             parse(text, f"{where}: {name}")
     return release
+
+
+def write_beside(folder: Path, release: Optional[Release]) -> None:
+    """Every file of `release` but its config.json into the export `folder`, as it shipped."""
+    for name, text in (release or {}).items():
+        if name != RELEASE_CONFIG:
+            (folder / name).write_text(text, encoding="utf-8")

@@ -34,7 +34,7 @@ from raytrain_lm.store.hf_folder import is_hf_folder
 from raytrain_lm.store.release import Release, check_release, read_release
 from raytrain_lm.store.row import MetricsRow
 from raytrain_lm.store.runs import FoundCheckpoint, latest_checkpoint
-from raytrain_lm.worker.drills import fault_drill
+from raytrain_lm.worker.drills import UploadHold, fault_drill
 from raytrain_lm.worker.hf_load import load_hf_weights
 from raytrain_lm.worker.optim import resumed_horizon
 
@@ -53,13 +53,15 @@ def upload_mode(cfg: TrainConfig, fs: pafs.FileSystem) -> CheckpointUploadMode:
 
 class Checkpointer:
     def __init__(self, cfg: TrainConfig, rank: int, world: int, tokenizer: Tokenizer,
-                 fail_at: Optional[str] = None, run_name: str = ""):
-        """`fail_at`, `run_name`: the fault drill (drills.py), for a death during an upload."""
+                 fail_at: Optional[str] = None, run_name: str = "", hold_at: Optional[str] = None):
+        """`fail_at`, `run_name`: the fault drill (drills.py), for a death during an upload;
+        `hold_at`: the hold drill, for its upload holds."""
         self.storage = ray.train.get_context().get_storage()
         self.fs, self.run_path = self.storage.storage_filesystem, self.storage.experiment_fs_path
         self.cfg, self.rank, self.world, self.tokenizer = cfg, rank, world, tokenizer
         self.mode = upload_mode(cfg, self.fs)
         self.fail_at, self.run_name = fail_at, run_name
+        self.upload_hold = UploadHold(hold_at)
         self.waited: Optional[float] = None  # seconds training stood still for the last checkpoint
         # the rows of the last reports, which each checkpoint carries
         self.recent: deque[list[MetricsRow]] = deque(maxlen=RECENT_REPORTS)
@@ -99,6 +101,7 @@ class Checkpointer:
         (made since the previous report, in order) carried in it, with a checkpoint if `save`."""
         *earlier, row = rows
         step = row["step"]
+        self.upload_hold.reporting(step)
         for r in rows:
             r["resumed_from_step"] = self.resumed_from
         if self.waited is not None:  # the previous checkpoint's, measured after its report
@@ -133,6 +136,7 @@ class Checkpointer:
 
     def _upload(self, checkpoint, dir_name: str, state: Optional[dict], step: int):
         """Commit records, then every file into the run's storage, records last (see above)."""
+        self.upload_hold.before_upload(step, self.rank)
         local = Path(checkpoint.path)
         files = ckpt_io.commit_checkpoint(local, self.rank, state)
         dest = self.storage.build_checkpoint_path_from_name(dir_name)

@@ -17,12 +17,18 @@ environment; off, they cost one `if` where they hook in.
   of a node of the run being preempted (for a step up to PreemptionWatch's PACING_STEPS, where the
   loop asks Ray at every step: the notice is then taken at that step). Every worker group of every
   run it is set for (a resumed group past the step is not held again).
+  STEP:upload (any storage; `UploadHold`): not the step but the upload of that step's checkpoint
+  (a checkpoint step before the run's last), which waits until training has made its next report:
+  the upload can finish only while training goes on, as `--checkpoint-upload async` lets it. A
+  sync upload runs inside the report, so it would wait for itself: the rank raises instead. Every
+  worker group that uploads that checkpoint.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Optional
@@ -67,8 +73,8 @@ def hold_drill(spec: Optional[str], step: int, rank: int, world: int, fs, run_pa
         return
     import pyarrow.fs as pafs
 
-    holds = dict(item.partition(":")[::2] for item in (spec or "").split(",") if item)
-    if str(step) not in holds:
+    holds = _holds(spec)
+    if holds.get(str(step), UPLOAD) == UPLOAD:  # not held here (an upload hold: UploadHold)
         return
     if not isinstance(fs, pafs.LocalFileSystem):
         raise RuntimeError(f"the hold drill needs a local --storage, not {type(fs).__name__}")
@@ -86,6 +92,52 @@ def hold_drill(spec: Optional[str], step: int, rank: int, world: int, fs, run_pa
         return
     while not (folder / f"hold-{step}.release").exists():
         time.sleep(HOLD_POLL_S)
+
+
+def _holds(spec: Optional[str]) -> dict[str, str]:
+    """The hold drill's spec: step -> "" (until released), "preemption" or "upload"."""
+    return dict(item.partition(":")[::2] for item in (spec or "").split(",") if item)
+
+
+UPLOAD = "upload"
+UPLOAD_HOLD_LIMIT_S = 600.0  # a held upload never released fails its rank rather than hang
+
+
+class UploadHold:
+    """The hold drill's STEP:upload items on one rank (module docstring): the training thread
+    says each report it makes (`reporting`), the thread uploading a checkpoint waits in
+    `before_upload` until a report after that checkpoint's step has been made."""
+
+    def __init__(self, spec: Optional[str]):
+        self.steps = {int(step) for step, kind in _holds(spec).items() if kind == UPLOAD}
+        self.reported = 0  # the step of training's latest report
+        self.training_thread: Optional[int] = None  # the thread that makes the reports
+        self.waiting: Optional[int] = None  # the checkpoint whose upload is held now
+        self.changed = threading.Condition()
+
+    def reporting(self, step: int) -> None:
+        """Training (on its own thread) is about to report `step`."""
+        with self.changed:
+            self.training_thread, self.reported = threading.get_ident(), step
+            self.changed.notify_all()
+
+    def before_upload(self, step: int, rank: int) -> None:
+        """Before the upload of checkpoint `step`: if held, wait until training has reported a
+        later step (RuntimeError if this is training's own thread: a sync upload)."""
+        if step not in self.steps:
+            return
+        with self.changed:
+            if threading.get_ident() == self.training_thread:
+                raise RuntimeError(f"the hold drill holds the upload of checkpoint {step} until training "
+                                   f"goes on, but it runs on training's thread (--checkpoint-upload sync)")
+            self.waiting = step
+            went_on = self.changed.wait_for(lambda: self.reported > step, timeout=UPLOAD_HOLD_LIMIT_S)
+            self.waiting = None
+        if not went_on:
+            raise RuntimeError(f"the hold drill held the upload of checkpoint {step} and training made "
+                               f"no later report")
+        print(f"[hold drill] rank {rank}: checkpoint {step} uploaded after training reported step "
+              f"{self.reported}", flush=True)
 
 
 def nan_drill(at: Optional[int], step: int, step_fn) -> None:

@@ -52,7 +52,8 @@ def train_loop_per_worker(inputs: WorkerInputs) -> None:
         Layout.of(sized).check_tp_within_node(ctx.get_local_world_size())  # NVLink, not the network
         torch.set_float32_matmul_precision("high")  # TF32 for any matmul left in fp32
     tokenizer = dataset_tokenizer(cfg.data)  # a BPE's file travels into every checkpoint
-    checkpointer = Checkpointer(cfg, rank, world, tokenizer, inputs.fail_at, inputs.run_name)
+    checkpointer = Checkpointer(cfg, rank, world, tokenizer, inputs.fail_at, inputs.run_name,
+                                inputs.hold_at)
     found = checkpointer.find_latest()  # this run's newest valid checkpoint, or None
     state, rng = ckpt_io.load_resume_state(found.path, found.meta, rank) if found else (None, None)
     coords = Layout.of(sized).coords(rank)
