@@ -95,8 +95,6 @@ def tune(
 ) -> None:
     """Tune hyperparameters: a Ray Tune sweep of full distributed trainings, ASHA early stopping;
     with --scaling, a grid of sizes and lengths and the scaling law fitted to it."""
-    from raytrain_lm.tune.sweep import run_sweep
-
     specs = {SPEC_FLAGS[k]: v for k, v in dict(lr=lr, warmup=warmup, weight_decay=weight_decay,
                                                 batch_size=batch_size, grad_accum=grad_accum,
                                                 dropout=dropout, n_layer=n_layer,
@@ -124,6 +122,8 @@ def tune(
             from raytrain_lm.tune.scaling_sweep import setup_scaling
 
             setup_scaling(cfg, sweep_space, sweep, steps)
+    from raytrain_lm.tune.sweep import run_sweep  # after the inputs' checks: it imports Ray Train
+
     table = LiveTable()
     with only_json_on_stdout(as_json) as stdout:
         summary = run_sweep(cfg, sweep_space, sweep, resume=resume, verbose=verbose,
