@@ -184,15 +184,6 @@ class Built:
 
         return microbatch_kwargs(x)
 
-    def sync_tied_grads(self) -> None:
-        """A pipeline's tied embedding: the first and the last stage's gradients summed
-        (parallel/pp.py; imported here, not by every worker: torch's pipelining imports Dynamo,
-        0.4 s of each worker process's start)."""
-        if self.tied_group is not None:
-            from raytrain_lm.parallel import pp
-
-            pp.sync_tied_grads(self.parts, self.tied_group)
-
     def train(self, mode: bool = True) -> None:
         for module in self.modules:
             module.train(mode)

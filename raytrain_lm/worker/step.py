@@ -24,7 +24,7 @@ import torch.nn as nn
 from raytrain_lm.config.settings import TrainConfig
 from raytrain_lm.data.tokenizer import bits_per_byte
 from raytrain_lm.models import family
-from raytrain_lm.parallel import ddp, grad, parallelize
+from raytrain_lm.parallel import ddp, grad, parallelize, pp
 from raytrain_lm.parallel.ep import moe_stats, moe_summary
 from raytrain_lm.parallel.mesh import all_reduce
 from raytrain_lm.parallel.noise import SmallBatchNorm
@@ -214,7 +214,7 @@ class TrainStep:
         m = self.model
         if not m.replicated:
             grad.align_grads_(m.params())
-            m.sync_tied_grads()
+            pp.sync_tied_grads(m.parts, m.tied_group)
         for optimizer in self.optimizers:
             self.scaler.unscale_(optimizer)
         self.small_sq = self.small_batch.take(self.scaler._scale if self.scaler.is_enabled() else None)
