@@ -86,9 +86,9 @@ def evaluate(model: str, tasks: list[str], *, storage: str, best: bool = False,
             raise UserError(f"{path} holds {PICKLED_WEIGHTS} (pickled weights, which can run code "
                             f"when loaded): evaluate reads safetensors folders")
         else:
-            from raytrain_lm.results.hf_export import export_checkpoint_hf
-
             found = find_checkpoint(model, storage, best=best)
+            from raytrain_lm.results.hf_export import export_checkpoint_hf  # torch, once there is a model
+
             try:
                 run = run_of_checkpoint(path) if (path / files.META).is_file() else open_run(model, storage)
                 folder = Path(tmp, "hf")
