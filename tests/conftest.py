@@ -48,19 +48,18 @@ def pytest_collection_modifyitems(config, items):
     others (a stable sort), so the session cluster of `ray_address` never has to coexist with
     them or restart.
 
-    Under pytest-xdist (pytest.ini: two workers, `--dist loadgroup`) the `ray` tests of every
-    file that has a test using Ray form one group, which one worker runs in this order: only one
-    Ray cluster is ever up (two on one machine break Ray Train's helper actors), and each module
-    fixture they share (a layout's runs, a reference run) is made once. Every other test (the
-    fast tier, the `slow` tests of files without Ray) goes to whichever worker is free: the
-    second core works through them while the first waits on Ray. The harness runs of files with
-    Ray stay in the group: several gloo ranks beside a Ray run of several workers oversubscribe
-    two cores, and both slow down several times over."""
-    ray_files = {item.path for item in items if uses_ray(item)}
+    Under pytest-xdist (pytest.ini: two workers, `--dist loadgroup`) the tests that use Ray form
+    one group, which one worker runs in this order: only one Ray cluster is ever up (two on one
+    machine break Ray Train's helper actors), and each module fixture they share (a reference
+    run) is made once. Every other test (the fast tier, the harness's `slow` runs, also those of
+    files with Ray tests) goes to whichever worker is free, at a lower CPU priority than the
+    group's (set_priority): the second core works through them while the first waits on Ray, and
+    they take what the group leaves rather than slowing it (the group is the critical path: with
+    the harness runs of Ray files in it, it ended ~60 s after everything else, the CPU idle)."""
     for item in items:
         if uses_ray(item) or item.get_closest_marker("slow"):
             item.add_marker(pytest.mark.ray)
-        if item.get_closest_marker("ray") and item.path in ray_files:
+        if uses_ray(item):
             item.add_marker(pytest.mark.xdist_group(RAY_GROUP))
     items.sort(key=lambda item: item.get_closest_marker("own_cluster") is not None)
 
