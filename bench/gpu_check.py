@@ -162,7 +162,7 @@ def child(names: list[str], kind: str, steps: int, rows_file: Path) -> int:
     if kind == "smoke":
         # The CPU smoke's compiled rows compile with aot_eager: Dynamo's capture, its graph breaks
         # and AOTAutograd's joint graph are the GPU's code; inductor's CPU backend (C++) is not
-        # a GPU's Triton, and took ~25 s a row here. (--compile's inductor on a CPU:
+        # a GPU's Triton, and compiling with it cost most of the smoke. (--compile's inductor on a CPU:
         # tests/test_step_variants.py, test_compile_on_cpu_trains_like_eager.)
         torch.compile = functools.partial(torch.compile, backend="aot_eager")
     device = torch.device("cuda", 0) if kind == "gpu" else torch.device("cpu")

@@ -54,8 +54,8 @@ def pytest_collection_modifyitems(config, items):
     run) is made once. Every other test (the fast tier, the harness's `slow` runs, also those of
     files with Ray tests) goes to whichever worker is free, at a lower CPU priority than the
     group's (set_priority): the second core works through them while the first waits on Ray, and
-    they take what the group leaves rather than slowing it (the group is the critical path: with
-    the harness runs of Ray files in it, it ended ~60 s after everything else, the CPU idle)."""
+    they take what the group leaves rather than slowing it: the group is the critical path, and
+    the harness runs beside it fill the CPU it leaves idle while it waits on Ray's processes."""
     for item in items:
         if uses_ray(item) or item.get_closest_marker("slow"):
             item.add_marker(pytest.mark.ray)

@@ -27,7 +27,7 @@ TESTS = str(Path(__file__).resolve().parent)
 PROJECT_ENV = "RAYTRAIN_LM_"  # the drills' variables (raytrain_lm/env.py)
 # What every rank imports, imported once in the fork server: the loop's modules, and what a run
 # imports on its way (Ray Train's local mode imports ray.tune; the TensorBoard writer, the
-# sharded checkpoints' DCP, boto3 behind the storage's checks): ~0.45 s of each rank's start else.
+# sharded checkpoints' DCP, boto3 behind the storage's checks), else paid again by every rank.
 PRELOAD = ["raytrain_lm.worker.loop", "raytrain_lm.run.in_process",
            "raytrain_lm.ray_compat.local_controller", "raytrain_lm.ray_compat.trainer",
            "raytrain_lm.run.tensorboard", "local_mode", "ray.tune", "torch.utils.tensorboard",
