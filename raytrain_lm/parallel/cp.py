@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from raytrain_lm.models.attention import Span, document_ids, document_positions
+from raytrain_lm.parallel.mesh import ALL_GATHER
 
 
 def chunk_index(T: int, cp: int, rank: int) -> torch.Tensor:
@@ -50,9 +51,7 @@ class _GatherSeq(torch.autograd.Function):
         ctx.group, n = group, dist.get_world_size(group)
         t = t.contiguous()
         out = torch.empty((n * t.numel(),), dtype=t.dtype, device=t.device)
-        # torch 2.13's name; the old one warns there (torch 2.11 has only the old one)
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        gather(out, t.reshape(-1), group=group)
+        ALL_GATHER(out, t.reshape(-1), group=group)
         ctx.shape = t.shape
         parts = out.view(n, *t.shape)  # (cp, B, H, Tl, d)
         return torch.cat(parts.unbind(0), dim=2)

@@ -95,14 +95,18 @@ def match_world_timeout(group) -> None:
         dist.distributed_c10d._set_pg_timeout(timeout, group)
 
 
+# torch 2.13's names of the flat-tensor collectives; the old ones warn there on every call
+# (torch 2.11, the GPU host's, has only the old ones)
+ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def all_gather_rows(t: torch.Tensor) -> torch.Tensor:
     """Every worker's 1-D `t`, one row each: (world, len(t)); one row in a single process."""
     if not is_distributed():
         return t.unsqueeze(0)
     out = torch.empty(dist.get_world_size() * t.numel(), dtype=t.dtype, device=t.device)
-    # torch 2.13's name; the old one warns there on every rank (torch 2.11 has only the old one)
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(out, t)  # (gloo takes a flat output only)
+    ALL_GATHER(out, t)  # (gloo takes a flat output only)
     return out.view(-1, t.numel())
 
 

@@ -70,9 +70,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-# torch 2.13's names; the old ones warn there on every call (torch 2.11 has only the old ones)
-_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+from raytrain_lm.parallel.mesh import ALL_GATHER, REDUCE_SCATTER
 
 
 class SmallBatchNorm:
@@ -265,7 +263,7 @@ def _cp_sum_shard(flat: torch.Tensor, group, cp: int) -> torch.Tensor:
     if pad:
         flat = torch.cat([flat, flat.new_zeros(pad)])
     shard = flat.new_empty(flat.numel() // cp)
-    _REDUCE_SCATTER(shard, flat.contiguous(), group=group)
+    REDUCE_SCATTER(shard, flat.contiguous(), group=group)
     return shard
 
 
@@ -365,5 +363,5 @@ def _squares_over_cp_then_allreduce(state: "SmallBatchNorm", bucket: dist.GradBu
     shard.div_(dist.get_world_size())  # the mean over every rank, as DDP's default hook
     dist.all_reduce(shard, group=state.dp_group)
     out = shard.new_empty(shard.numel() * state.cp)
-    work = _ALL_GATHER(out, shard, group=state.cp_group, async_op=True)
+    work = ALL_GATHER(out, shard, group=state.cp_group, async_op=True)
     return work.get_future().then(lambda _: out[:n])
